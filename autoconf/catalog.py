@@ -1,0 +1,53 @@
+"""Device catalog: datasheet figures per device kind (data in ``data/devices.json``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    name: str
+    peak_flop_per_s: dict
+    """Dense peak per dtype (bf16, fp16, fp32)."""
+    memory_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    gemm_efficiency: float
+    """Fraction of peak a large GEMM reaches; a profile replaces it with a measurement."""
+    memory_efficiency: float
+    """Fraction of memory bandwidth a streaming kernel reaches."""
+    kernel_launch_s: float
+    """Fixed cost per kernel launch."""
+
+    def peak(self, dtype: str) -> float:
+        if dtype in self.peak_flop_per_s:
+            return self.peak_flop_per_s[dtype]
+        if dtype == "bf16" and "fp16" in self.peak_flop_per_s:
+            # no bf16 units (V100): PyTorch runs bf16 at fp32 speed there
+            return self.peak_flop_per_s["fp32"]
+        raise UserError(f"device {self.name} has no {dtype} figure; valid: {', '.join(self.peak_flop_per_s)}")
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@lru_cache(maxsize=1)
+def _catalog() -> dict:
+    text = resources.files("autoconf").joinpath("data/devices.json").read_text()
+    return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+
+
+def device_names() -> list[str]:
+    return list(_catalog())
+
+
+def device_type(name: str) -> DeviceType:
+    cat = _catalog()
+    if name not in cat:
+        raise UserError(f"unknown device {name!r}; valid: {', '.join(cat)}")
+    return DeviceType(name=name, **cat[name])

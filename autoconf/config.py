@@ -1,0 +1,229 @@
+"""ParallelConfig: one way to split training over devices, its validity rules, and the space of them.
+
+Every rejection carries a reason that names the values involved; ``reason_key`` groups them for the
+search's "rejected because" table.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+from .errors import UserError
+from .model import ModelSpec
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
+RECOMPUTE = ("none", "selective", "full")
+AXES = ("tp", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Degrees, batching, schedule and memory savers for one training run."""
+
+    dp: int
+    """Data-parallel degree (replicas, or ZeRO shards)."""
+    pp: int
+    """Pipeline-parallel degree (stages)."""
+    tp: int
+    """Tensor-parallel degree (Megatron-style column/row sharding of each block)."""
+    micro_batch_size: int
+    """Sequences per micro-batch on one data-parallel replica."""
+    num_micro_batches: int
+    """Micro-batches per step per replica; global batch = dp x micro_batch_size x num_micro_batches."""
+    schedule: str = "1f1b"
+    """gpipe, 1f1b, interleaved (modular pipeline: v round-robin chunks per device), breadth_first
+    (looped breadth-first: modular placement with layered gradient accumulation)."""
+    virtual_stages: int = 1
+    """Chunks per device, v (interleaved / breadth_first); 1 otherwise."""
+    layered_grad_accum: bool = False
+    """Run each layer (or chunk) for all micro-batches before the next (arXiv 2106.02679)."""
+    zero_stage: int = 0
+    """0: replicated; 1: optimizer state sharded; 2: + gradients; 3: + parameters."""
+    recompute: str = "none"
+    """none, selective (attention core recomputed), full (only each block's input kept)."""
+    sequence_parallel: bool = False
+    """Shard norms/dropout along the sequence over the TP group (all-gather/reduce-scatter)."""
+    rank_order: str = "tp-dp-pp"
+    """Axes from innermost (consecutive ranks) to outermost, as Megatron's RankGenerator."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.micro_batch_size * self.num_micro_batches
+
+    @property
+    def num_chunks(self) -> int:
+        """Pipeline chunks in total: pp x v."""
+        return self.pp * self.virtual_stages
+
+    def short(self) -> str:
+        s = f"dp{self.dp} pp{self.pp} tp{self.tp} mbs{self.micro_batch_size} m{self.num_micro_batches} {self.schedule}"
+        if self.virtual_stages > 1:
+            s += f" v{self.virtual_stages}"
+        if self.layered_grad_accum and self.schedule != "breadth_first":
+            s += " layered"
+        if self.zero_stage:
+            s += f" zero{self.zero_stage}"
+        if self.recompute != "none":
+            s += f" rc-{self.recompute}"
+        if self.sequence_parallel:
+            s += " sp"
+        return s
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ParallelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise UserError(f"config: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        return cls(**d)
+
+
+def layers_per_chunk(num_layers: int, num_chunks: int) -> list[int]:
+    """Split layers as evenly as possible over chunks; earlier chunks take the remainder."""
+    base, extra = divmod(num_layers, num_chunks)
+    return [base + (1 if i < extra else 0) for i in range(num_chunks)]
+
+
+def check(config: ParallelConfig, model: ModelSpec) -> str | None:
+    """The reason this configuration is invalid for the model, or None if it is valid."""
+    c = config
+    for name in ("dp", "pp", "tp", "micro_batch_size", "num_micro_batches", "virtual_stages"):
+        v = getattr(c, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            return f"{name}={v!r} must be a positive integer"
+    if c.schedule not in SCHEDULES:
+        return f"schedule={c.schedule!r}; valid: {', '.join(SCHEDULES)}"
+    if c.recompute not in RECOMPUTE:
+        return f"recompute={c.recompute!r}; valid: {', '.join(RECOMPUTE)}"
+    if c.zero_stage not in (0, 1, 2, 3):
+        return f"zero_stage={c.zero_stage!r}; valid: 0, 1, 2, 3"
+    if sorted(c.rank_order.split("-")) != sorted(AXES):
+        return f"rank_order={c.rank_order!r} must order tp, dp, pp, e.g. 'tp-dp-pp'"
+    if model.num_attention_heads % c.tp:
+        return f"tp({c.tp}) does not divide num_attention_heads({model.num_attention_heads})"
+    if model.num_kv_heads % c.tp:
+        return f"tp({c.tp}) does not divide num_kv_heads({model.num_kv_heads})"
+    if model.ffn_hidden_size % c.tp:
+        return f"tp({c.tp}) does not divide ffn_hidden_size({model.ffn_hidden_size})"
+    if c.sequence_parallel and c.tp == 1:
+        return "sequence_parallel needs tp > 1"
+    if c.sequence_parallel and model.seq_length % c.tp:
+        return f"sequence_parallel: tp({c.tp}) does not divide seq_length({model.seq_length})"
+    if c.pp == 1 and (c.schedule != "1f1b" or c.virtual_stages != 1):
+        return f"pp=1 has no pipeline: schedule={c.schedule!r} v={c.virtual_stages} must be 1f1b with v=1"
+    if c.schedule in ("gpipe", "1f1b") and c.virtual_stages != 1:
+        return f"schedule {c.schedule} has one chunk per device; virtual_stages={c.virtual_stages} must be 1"
+    if c.schedule == "interleaved":
+        if c.virtual_stages < 2:
+            return f"interleaved needs virtual_stages >= 2, got {c.virtual_stages}"
+        if c.num_micro_batches % c.pp:
+            return f"interleaved: pp({c.pp}) does not divide num_micro_batches({c.num_micro_batches})"
+    if c.schedule == "breadth_first" and not c.layered_grad_accum:
+        return "breadth_first is layered by definition: set layered_grad_accum"
+    if c.layered_grad_accum and c.pp > 1 and c.schedule not in ("gpipe", "breadth_first"):
+        return f"layered_grad_accum runs every micro-batch through a chunk before the next; schedule {c.schedule} interleaves them (use gpipe or breadth_first)"
+    if c.num_chunks > model.num_layers:
+        return f"pp({c.pp}) x virtual_stages({c.virtual_stages}) = {c.num_chunks} chunks exceeds num_layers({model.num_layers})"
+    if c.zero_stage and c.dp == 1:
+        return f"zero_stage={c.zero_stage} with dp=1 shards nothing"
+    if c.layered_grad_accum and c.num_micro_batches == 1:
+        return "layered_grad_accum with one micro-batch is plain accumulation"
+    return None
+
+
+def reason_key(reason: str) -> str:
+    """A short category for a rejection reason (for counting)."""
+    for key, needle in (("tp does not divide the model", "does not divide num_"),
+                        ("tp does not divide the model", "does not divide ffn"),
+                        ("batch not divisible", "global batch"),
+                        ("micro-batches not divisible by pp", "does not divide num_micro_batches"),
+                        ("more chunks than layers", "exceeds num_layers"),
+                        ("schedule/option mismatch", "")):
+        if needle in reason:
+            return key
+    return "other"
+
+
+def validate(config: ParallelConfig, model: ModelSpec) -> None:
+    reason = check(config, model)
+    if reason:
+        raise UserError(f"invalid configuration ({config.short()}): {reason}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def factorizations(world: int) -> list[tuple[int, int, int]]:
+    """All (dp, pp, tp) with dp x pp x tp = world."""
+    return [(world // (pp * tp), pp, tp) for tp in divisors(world) for pp in divisors(world // tp)]
+
+
+def pipeline_choices(pp: int, model: ModelSpec, max_virtual: int = 8) -> list[tuple[str, int, bool]]:
+    """(schedule, virtual_stages, layered) combinations worth considering for a pp degree."""
+    if pp == 1:
+        return [("1f1b", 1, False), ("1f1b", 1, True)]
+    out = [("gpipe", 1, False), ("gpipe", 1, True), ("1f1b", 1, False)]
+    max_v = min(max_virtual, model.num_layers // pp)
+    out += [("interleaved", v, False) for v in range(2, max_v + 1) if (model.num_layers // pp) % v == 0]
+    out += [("breadth_first", v, True) for v in range(2, max_v + 1) if (model.num_layers // pp) % v == 0]
+    return out
+
+
+def micro_batch_choices(per_replica_batch: int, max_micro_batch: int = 64) -> list[int]:
+    return [b for b in divisors(per_replica_batch) if b <= max_micro_batch]
+
+
+@dataclass(frozen=True)
+class SpaceCounts:
+    valid: int
+    rejected: dict
+
+
+def outer_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch: int = 64,
+                rejected: dict | None = None):
+    """Yield the structural choices (dp, pp, tp, mbs, schedule, v, layered) whose batch splits.
+
+    Divisibility of the global batch by dp is counted in ``rejected`` (reason -> count).
+    """
+    for dp, pp, tp in factorizations(world):
+        if global_batch % dp:
+            if rejected is not None:
+                key = f"global batch({global_batch}) not divisible by dp"
+                rejected[key] = rejected.get(key, 0) + 1
+            continue
+        for mbs in micro_batch_choices(global_batch // dp, max_micro_batch):
+            for sched, v, layered in pipeline_choices(pp, model):
+                yield dp, pp, tp, mbs, sched, v, layered
+
+
+def inner_choices(dp: int, tp: int):
+    """(zero_stage, recompute, sequence_parallel) combinations."""
+    zeros = (0, 1, 2, 3) if dp > 1 else (0,)
+    sps = (False, True) if tp > 1 else (False,)
+    return list(itertools.product(zeros, RECOMPUTE, sps))
+
+
+def make_config(dp, pp, tp, mbs, sched, v, layered, zero, recompute, sp, global_batch) -> ParallelConfig:
+    return ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=mbs,
+                          num_micro_batches=global_batch // (dp * mbs), schedule=sched,
+                          virtual_stages=v, layered_grad_accum=layered, zero_stage=zero,
+                          recompute=recompute, sequence_parallel=sp)
+
+
+def enumerate_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch: int = 64):
+    """Yield (config, reason-or-None) for every configuration of the space."""
+    rejected: dict = {}
+    for dp, pp, tp, mbs, sched, v, layered in outer_space(model, world, global_batch, max_micro_batch, rejected):
+        for zero, rc, sp in inner_choices(dp, tp):
+            c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch)
+            yield c, check(c, model)

@@ -1,0 +1,278 @@
+"""ModelSpec: a decoder-only transformer, and where it comes from (presets, YAML, HF config.json).
+
+Parameter counts and per-token FLOPs are derived here, from the shapes alone, so every other stage
+(cost model, profiler, trainer) agrees on them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+from .errors import UserError
+
+ACTIVATIONS = ("gelu", "swiglu")
+DTYPES = ("bf16", "fp16", "fp32")
+NORMS = ("layernorm", "rmsnorm")
+POSITION_EMBEDDINGS = ("learned", "rope")
+ATTENTIONS = ("flash", "eager")
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer, described by its shapes."""
+
+    num_layers: int
+    """Transformer blocks."""
+    hidden_size: int
+    """Width of the residual stream, h."""
+    num_attention_heads: int
+    """Query heads, a."""
+    num_kv_heads: int
+    """Key/value heads (grouped-query attention when fewer than the query heads)."""
+    ffn_hidden_size: int
+    """Inner width of the MLP, f (per branch for SwiGLU)."""
+    vocab_size: int
+    """Vocabulary size, V."""
+    seq_length: int
+    """Training sequence length, s."""
+    activation: str = "gelu"
+    """'gelu' (two-matrix MLP) or 'swiglu' (gated, three matrices)."""
+    tied_embeddings: bool = False
+    """Whether the output layer reuses the input embedding matrix."""
+    dtype: str = "bf16"
+    """Training precision of parameters and activations: bf16, fp16 (mixed precision) or fp32."""
+    norm: str = "layernorm"
+    """'layernorm' (weight and bias) or 'rmsnorm' (weight only)."""
+    position_embedding: str = "learned"
+    """'learned' (a seq_length x hidden table) or 'rope' (no parameters)."""
+    bias: bool = False
+    """Whether linear layers carry biases (GPT-2/3 do, Llama does not)."""
+    dropout: float = 0.0
+    """Dropout probability on attention probabilities and block outputs (0 disables it)."""
+    attention: str = "flash"
+    """'flash' (fused attention, no s x s tensors kept) or 'eager' (explicit softmax, as in
+    Megatron-LM's unfused path and Korthikanti et al.)."""
+    name: str = "custom"
+    """A label for tables and files."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        for field in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
+                      "ffn_hidden_size", "vocab_size", "seq_length"):
+            v = getattr(self, field)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise UserError(f"model {self.name}: {field}={v!r} must be a positive integer")
+        if self.hidden_size % self.num_attention_heads:
+            raise UserError(f"model {self.name}: hidden_size({self.hidden_size}) is not divisible by "
+                            f"num_attention_heads({self.num_attention_heads})")
+        if self.num_attention_heads % self.num_kv_heads:
+            raise UserError(f"model {self.name}: num_attention_heads({self.num_attention_heads}) is not "
+                            f"divisible by num_kv_heads({self.num_kv_heads})")
+        for field, allowed in (("activation", ACTIVATIONS), ("dtype", DTYPES), ("norm", NORMS),
+                               ("position_embedding", POSITION_EMBEDDINGS), ("attention", ATTENTIONS)):
+            if getattr(self, field) not in allowed:
+                raise UserError(f"model {self.name}: {field}={getattr(self, field)!r}; "
+                                f"valid: {', '.join(allowed)}")
+        if not (0.0 <= self.dropout < 1.0):
+            raise UserError(f"model {self.name}: dropout={self.dropout!r} must be in [0, 1)")
+
+    # -- derived shapes -----------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Width of K (and of V): num_kv_heads x head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def mlp_matrices(self) -> int:
+        return 3 if self.activation == "swiglu" else 2
+
+    # -- parameter counts ---------------------------------------------------------------------
+    def norm_params(self) -> int:
+        return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer block."""
+        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_size
+        attn = h * (h + 2 * kv) + h * h
+        mlp = self.mlp_matrices * h * f
+        if self.bias:
+            attn += (h + 2 * kv) + h
+            mlp += (self.mlp_matrices - 1) * f + h
+        return attn + mlp + 2 * self.norm_params()
+
+    def embedding_params(self) -> int:
+        pos = self.seq_length * self.hidden_size if self.position_embedding == "learned" else 0
+        return self.vocab_size * self.hidden_size + pos
+
+    def output_params(self) -> int:
+        """Final norm plus, if untied, the output projection."""
+        return self.norm_params() + (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
+
+    def num_params(self) -> int:
+        return self.embedding_params() + self.num_layers * self.layer_params() + self.output_params()
+
+    # -- FLOPs ----------------------------------------------------------------------------------
+    def layer_forward_flops_per_token(self) -> float:
+        """Matrix-multiply FLOPs of one block's forward, per token (2 per multiply-add).
+
+        Attention scores and weighted sum count 2*s*h each, without exploiting causality, as in
+        Narayanan et al. (arXiv 2104.04473, eq. 3) so that MFU matches published numbers.
+        """
+        h, f, kv, s = self.hidden_size, self.ffn_hidden_size, self.kv_size, self.seq_length
+        return 2.0 * (h * (h + 2 * kv) + h * h + self.mlp_matrices * h * f) + 4.0 * s * h
+
+    def model_flops_per_token(self) -> float:
+        """Forward + backward model FLOPs per token (no recomputation): 3x the forward.
+
+        For GPT shapes this is 72*l*h^2*(1 + s/6h + V/12hl) per token (arXiv 2104.04473).
+        """
+        fwd = self.num_layers * self.layer_forward_flops_per_token() + 2.0 * self.vocab_size * self.hidden_size
+        return 3.0 * fwd
+
+    # -- (de)serialisation ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, name: str | None = None) -> "ModelSpec":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        label = name or d.get("name", "custom")
+        if unknown:
+            raise UserError(f"model {label}: unknown field(s) {', '.join(unknown)}; "
+                            f"valid: {', '.join(sorted(known))}")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in d]
+        if missing:
+            raise UserError(f"model {label}: missing field(s) {', '.join(missing)}")
+        kwargs = dict(d)
+        if name is not None:
+            kwargs["name"] = name
+        return cls(**kwargs)
+
+
+@lru_cache(maxsize=1)
+def _presets() -> dict:
+    text = resources.files("autoconf").joinpath("data/models.json").read_text()
+    return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+
+
+def preset_names() -> list[str]:
+    return list(_presets())
+
+
+def preset(name: str) -> ModelSpec:
+    presets = _presets()
+    if name not in presets:
+        raise UserError(f"unknown model preset {name!r}; valid: {', '.join(presets)} "
+                        "(or a path to a .yaml/.json file)")
+    return ModelSpec.from_dict(presets[name], name=name)
+
+
+_HF_GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu"}
+_HF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
+    """Read a Hugging Face ``config.json`` (as a dict) without importing transformers."""
+    def pick(*keys, default=None):
+        for k in keys:
+            if k in cfg and cfg[k] is not None:
+                return cfg[k]
+        if default is None:
+            raise UserError(f"model {name}: config.json lacks {' / '.join(keys)}")
+        return default
+
+    model_type = cfg.get("model_type", "")
+    hidden = pick("hidden_size", "n_embd", "d_model")
+    heads = pick("num_attention_heads", "n_head")
+    act = pick("hidden_act", "activation_function", "activation", default="gelu")
+    gpt2_like = model_type in ("gpt2", "gpt_neox", "gptj", "opt", "gpt_bigcode")
+    activation = "gelu" if act in _HF_GELU else "swiglu" if act in ("silu", "swiglu") else None
+    if activation is None:
+        raise UserError(f"model {name}: hidden_act {act!r} is not supported; valid: gelu variants, silu")
+    return ModelSpec(
+        name=name,
+        num_layers=pick("num_hidden_layers", "n_layer", "num_layers"),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_kv_heads=pick("num_key_value_heads", "n_head_kv", default=heads),
+        ffn_hidden_size=pick("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
+        vocab_size=pick("vocab_size"),
+        seq_length=pick("max_position_embeddings", "n_positions", "n_ctx", "seq_length"),
+        activation=activation,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", gpt2_like)),
+        dtype=_HF_DTYPE.get(str(cfg.get("torch_dtype", "bfloat16")), "bf16"),
+        norm="layernorm" if gpt2_like else "rmsnorm",
+        position_embedding="learned" if model_type in ("gpt2", "opt", "gpt_bigcode") else "rope",
+        bias=bool(cfg.get("attention_bias", gpt2_like)),
+    )
+
+
+def load_model(ref: str, seq_length: int | None = None) -> ModelSpec:
+    """A preset name, a YAML model file, or a Hugging Face config.json; optional seq override."""
+    if os.path.exists(ref):
+        spec = _load_model_file(ref)
+    elif ref.endswith((".yaml", ".yml", ".json")):
+        raise UserError(f"model file {ref!r} does not exist")
+    else:
+        spec = preset(ref)
+    if seq_length is not None:
+        spec = dataclasses.replace(spec, seq_length=seq_length)
+    return spec
+
+
+def _load_model_file(path: str) -> ModelSpec:
+    name = os.path.splitext(os.path.basename(path))[0]
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read model file {path!r}: {e.strerror}") from None
+    if path.endswith(".json"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise UserError(f"model file {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
+        if not isinstance(data, dict):
+            raise UserError(f"model file {path!r} must hold a JSON object")
+        if "num_layers" in data:
+            return ModelSpec.from_dict({"name": name, **data})
+        return from_hf_config(data, name=name)
+    data = load_yaml(path)
+    if not isinstance(data, dict):
+        raise UserError(f"model file {path!r} must hold a mapping of field names to values")
+    return ModelSpec.from_dict({"name": name, **data})
+
+
+def load_yaml(path: str):
+    import yaml
+
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except OSError as e:
+        raise UserError(f"cannot read {path!r}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UserError(f"{path!r} is not valid YAML{where}: {problem}") from None

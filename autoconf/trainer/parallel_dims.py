@@ -1,0 +1,118 @@
+"""Ranks, coordinates and process groups for a (dp, pp, tp) split in a given rank order.
+
+``rank_order`` lists the axes from innermost (consecutive ranks) to outermost, as Megatron's
+``RankGenerator(order=...)``: with "tp-dp-pp", ranks 0..tp-1 form the first tensor-parallel group.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+AXES = ("tp", "dp", "pp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int
+    pp: int
+    tp: int
+    rank_order: str = "tp-dp-pp"
+    """Axes from innermost to outermost."""
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        return tuple(self.rank_order.split("-"))
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    def validate(self, world_size: int) -> None:
+        if sorted(self.order) != sorted(AXES):
+            raise ValueError(f"rank_order={self.rank_order!r} must order tp, dp, pp")
+        if self.world_size != world_size:
+            raise ValueError(f"dp({self.dp}) * pp({self.pp}) * tp({self.tp}) = {self.world_size} "
+                             f"!= world_size({world_size})")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """{axis: index} of a global rank."""
+        out = {}
+        for axis in self.order:
+            rank, out[axis] = divmod(rank, self.size(axis))
+        return out
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank, stride = 0, 1
+        for axis in self.order:
+            rank += coords[axis] * stride
+            stride *= self.size(axis)
+        return rank
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``: ranks that differ only in that coordinate, in a fixed order."""
+        others = [a for a in AXES if a != axis]
+        out = []
+        for idx in itertools.product(*(range(self.size(a)) for a in others)):
+            fixed = dict(zip(others, idx))
+            out.append([self.rank_of({**fixed, axis: i}) for i in range(self.size(axis))])
+        return out
+
+    def embedding_groups(self) -> list[list[int]]:
+        """First and last pipeline rank of each pipeline (for tied embeddings); pp > 1 only."""
+        return [[g[0], g[-1]] for g in self.groups("pp")] if self.pp > 1 else []
+
+
+@dataclass
+class Groups:
+    """This rank's process groups and where it sits in them."""
+
+    dims: ParallelDims
+    rank: int
+    coords: dict
+    tp: object
+    dp: object
+    pp: object
+    tp_ranks: list
+    dp_ranks: list
+    pp_ranks: list
+    embedding: object = None
+    """Group of the first and last pipeline rank (tied embeddings, pp > 1); None elsewhere."""
+    embedding_ranks: list | None = None
+
+    @property
+    def tp_rank(self) -> int:
+        return self.coords["tp"]
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coords["pp"]
+
+
+def build_groups(dims: ParallelDims, rank: int, timeout) -> Groups:
+    """Create every group of every axis (all ranks must call ``new_group`` in the same order) and
+    keep the ones this rank belongs to."""
+    import torch.distributed as dist
+
+    mine = {}
+    for axis in AXES:
+        for ranks in dims.groups(axis):
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                mine[axis] = (g, ranks)
+    emb, emb_ranks = None, None
+    for ranks in dims.embedding_groups():
+        g = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            emb, emb_ranks = g, ranks
+    return Groups(dims=dims, rank=rank, coords=dims.coords(rank),
+                  tp=mine["tp"][0], dp=mine["dp"][0], pp=mine["pp"][0],
+                  tp_ranks=mine["tp"][1], dp_ranks=mine["dp"][1], pp_ranks=mine["pp"][1],
+                  embedding=emb, embedding_ranks=emb_ranks)

@@ -1,0 +1,307 @@
+"""Trial runs: a configuration trained for a few real steps under torchrun by the reference trainer.
+
+``run_trial`` launches ``python -m torch.distributed.run --standalone --nproc-per-node=<world>
+-m autoconf.trainer ...`` with one thread per process, waits at most ``timeout_s`` (then kills the
+whole process group) and reads the per-rank JSON the trainer wrote. A crash, a timeout or an
+out-of-memory becomes ``TrialResult(ok=False, reason=...)``: a failed trial never raises.
+
+The config document (what ``autoconf search --emit`` writes, and what the trainer reads)::
+
+    {"version": 1, "model": ModelSpec.to_dict(), "config": ParallelConfig.to_dict(),
+     "cluster": ClusterSpec.to_dict() (optional), "seed": 0 (optional)}
+
+No torch here: this module runs in the planner's process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from .config import ParallelConfig, check
+from .errors import UserError
+from .model import ModelSpec
+
+DOC_VERSION = 1
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """What a short real run measured (or why it failed)."""
+
+    ok: bool
+    reason: str = ""
+    """Empty when ok; otherwise one line: the exception, 'timed out after N s', 'out of memory', ..."""
+    step_time_s: float | None = None
+    """Median step time after warm-up, slowest rank (the step ends when every rank is done)."""
+    peak_memory_bytes: int | None = None
+    """Largest per-rank peak over all ranks."""
+    per_rank: list = field(default_factory=list)
+    """The trainer's per-rank result documents."""
+    losses: list = field(default_factory=list)
+    """Training loss per step (mean over the global batch)."""
+    wall_s: float = 0.0
+    """Wall-clock time of the whole launch, start-up included."""
+    config: dict | None = None
+    """The ParallelConfig that ran, as a dict."""
+    memory_method: str = ""
+    """How peak memory was measured."""
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "reason": self.reason, "step_time_s": self.step_time_s,
+                "peak_memory_bytes": self.peak_memory_bytes, "losses": list(self.losses),
+                "wall_s": self.wall_s, "config": self.config, "memory_method": self.memory_method,
+                "per_rank": list(self.per_rank)}
+
+
+# -- the config document -----------------------------------------------------------------------
+
+def load_document(config_path_or_dict) -> dict:
+    """Read and check a trainer config document; UserError names what is wrong."""
+    if isinstance(config_path_or_dict, dict):
+        doc, where = config_path_or_dict, "config document"
+    else:
+        path = str(config_path_or_dict)
+        where = repr(path)
+        if not os.path.exists(path):
+            raise UserError(f"trial config file {path!r} does not exist")
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UserError(f"trial config file {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
+        except OSError as e:
+            raise UserError(f"cannot read trial config file {path!r}: {e.strerror}") from None
+    if not isinstance(doc, dict):
+        raise UserError(f"{where} must hold a JSON object with 'model' and 'config'")
+    if doc.get("version", DOC_VERSION) != DOC_VERSION:
+        raise UserError(f"{where}: version={doc.get('version')!r}; this autoconf reads version {DOC_VERSION}")
+    for key in ("model", "config"):
+        if not isinstance(doc.get(key), dict):
+            raise UserError(f"{where}: missing or non-object '{key}'")
+    model = ModelSpec.from_dict(doc["model"])
+    try:
+        config = ParallelConfig.from_dict(doc["config"])
+    except TypeError as e:
+        raise UserError(f"{where}: bad 'config': {e}") from None
+    reason = check(config, model)
+    if reason:
+        raise UserError(f"{where}: invalid configuration ({config.short()}): {reason}")
+    seed = doc.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise UserError(f"{where}: seed={seed!r} must be an integer")
+    return doc
+
+
+def make_document(config: ParallelConfig, model: ModelSpec, cluster=None, seed: int = 0) -> dict:
+    doc = {"version": DOC_VERSION, "model": model.to_dict(), "config": config.to_dict(), "seed": seed}
+    if cluster is not None:
+        doc["cluster"] = cluster.to_dict()
+    return doc
+
+
+# -- running -------------------------------------------------------------------------------------
+
+def run_trial(config_path_or_dict, steps: int = 6, warmup: int = 2, timeout_s: float = 300.0,
+              nproc: int | None = None, env_extra: dict | None = None, step_timeout_s: float | None = None,
+              out_dir: str | None = None, keep: bool = False) -> TrialResult:
+    """Run the configuration for ``steps`` steps (``warmup`` of them untimed) under torchrun.
+
+    ``nproc`` defaults to the configuration's world size. ``step_timeout_s`` (default: ``timeout_s``)
+    bounds each step and every collective inside the trainer. Output goes to ``out_dir`` (a
+    temporary directory, removed unless ``keep``, when not given).
+    """
+    doc = load_document(config_path_or_dict)
+    config = ParallelConfig.from_dict(doc["config"])
+    nproc = nproc or config.world_size
+    step_timeout_s = step_timeout_s or timeout_s
+    tmp = None
+    if out_dir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="autoconf-trial-")
+        out_dir = tmp.name
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        return _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s)
+    finally:
+        if tmp is not None and not keep:
+            tmp.cleanup()
+
+
+def _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s) -> TrialResult:
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path, "w") as f:
+        json.dump(doc, f, indent=1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "autoconf.trainer", "--config", cfg_path, "--out", out_dir, "--steps", str(steps),
+           "--warmup", str(warmup), "--step-timeout", str(step_timeout_s)]
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)})
+    env.update(env_extra or {})
+    t0 = time.perf_counter()
+    with open(os.path.join(out_dir, "torchrun.log"), "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+    wall = time.perf_counter() - t0
+    return collect(out_dir, nproc, proc.returncode, timed_out, timeout_s, wall, config)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def collect(out_dir: str, nproc: int, returncode, timed_out: bool, timeout_s: float, wall_s: float,
+            config: ParallelConfig) -> TrialResult:
+    """Turn the trainer's per-rank files (and the launcher's exit) into one TrialResult."""
+    per_rank = []
+    for r in range(nproc):
+        path = os.path.join(out_dir, f"rank_{r}.json")
+        try:
+            with open(path) as f:
+                per_rank.append(json.load(f))
+        except (OSError, json.JSONDecodeError):
+            pass
+    base = {"per_rank": per_rank, "wall_s": wall_s, "config": config.to_dict()}
+    failed = [r for r in per_rank if not r.get("ok")]
+    if failed:
+        first = min(failed, key=lambda r: r.get("rank", 0))
+        return TrialResult(ok=False, reason=f"rank {first.get('rank')}: {first.get('reason', 'failed')}", **base)
+    if timed_out:
+        return TrialResult(ok=False, reason=f"timed out after {timeout_s:g} s (process group killed)", **base)
+    if len(per_rank) < nproc or returncode != 0:
+        return TrialResult(ok=False, reason=f"torchrun exited with code {returncode} and {len(per_rank)}/{nproc} "
+                           f"rank results: {_log_tail(out_dir)}", **base)
+    times = [r["step_time_s"] for r in per_rank if r.get("step_time_s") is not None]
+    peaks = [r["peak_memory_bytes"] for r in per_rank if r.get("peak_memory_bytes") is not None]
+    losses = next((r["losses"] for r in per_rank if r.get("rank") == 0), [])
+    return TrialResult(ok=True, step_time_s=max(times) if times else None,
+                       peak_memory_bytes=max(peaks) if peaks else None, losses=losses,
+                       memory_method=per_rank[0].get("memory_method", ""), **base)
+
+
+def _log_tail(out_dir: str, lines: int = 3) -> str:
+    try:
+        with open(os.path.join(out_dir, "torchrun.log")) as f:
+            text = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    errors = [ln for ln in text if "Error" in ln or "error" in ln]
+    return " | ".join((errors or text)[-lines:])[-500:]
+
+
+def verify(candidates, model: ModelSpec, cluster=None, steps: int = 6, warmup: int = 2,
+           timeout_s: float = 300.0, seed: int = 0, progress=None) -> list[TrialResult]:
+    """Run each ParallelConfig in turn (one torchrun at a time); a failure is a result, not an error."""
+    results = []
+    for i, config in enumerate(candidates):
+        if progress is not None:
+            progress(i, config)
+        reason = check(config, model)
+        if reason:
+            results.append(TrialResult(ok=False, reason=f"invalid configuration: {reason}", config=config.to_dict()))
+            continue
+        results.append(run_trial(make_document(config, model, cluster, seed), steps=steps, warmup=warmup,
+                                 timeout_s=timeout_s))
+    return results
+
+
+# -- CLI ---------------------------------------------------------------------------------------------
+
+def add_trial_parser(subparsers):
+    p = subparsers.add_parser("trial", help="run one configuration for a few real steps and compare with the cost model")
+    p.add_argument("--config", required=True, help="trainer config JSON (written by `autoconf search --emit`)")
+    p.add_argument("--steps", type=int, default=6, help="steps to run, warm-up included (default 6)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
+    p.add_argument("--timeout", type=float, default=300.0, help="wall-clock limit in seconds (default 300)")
+    p.add_argument("--cluster", help="cluster YAML for the prediction (default: the one in the config file)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=cmd_trial)
+    return p
+
+
+def _predict(doc: dict, cluster_path: str | None):
+    """(Estimate or None, note) — the cost model's view of the same configuration."""
+    from .cluster import ClusterSpec, load_cluster
+
+    if cluster_path:
+        cluster = load_cluster(cluster_path)
+    elif isinstance(doc.get("cluster"), dict):
+        cluster = ClusterSpec.from_dict(doc["cluster"])
+    else:
+        return None, "no cluster in the config file and no --cluster: no prediction"
+    try:
+        from .cost.estimate import estimate
+    except ImportError as e:
+        return None, f"cost model not available ({e}): no prediction"
+    model = ModelSpec.from_dict(doc["model"])
+    config = ParallelConfig.from_dict(doc["config"])
+    return estimate(config, model, cluster), ""
+
+
+def cmd_trial(args) -> int:
+    doc = load_document(args.config)
+    if args.steps < 1 or args.warmup < 0 or args.warmup >= args.steps:
+        raise UserError(f"--steps {args.steps} / --warmup {args.warmup}: need steps >= 1 and 0 <= warmup < steps")
+    result = run_trial(doc, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout)
+    est, note = _predict(doc, getattr(args, "cluster", None))
+    if args.json:
+        pred = None
+        if est is not None:
+            pred = est.to_dict() if hasattr(est, "to_dict") else {
+                "step_time_s": est.step_time_s, "peak_memory_bytes": est.peak_memory_bytes,
+                "breakdown_s": dict(est.breakdown_s)}
+        print(json.dumps({"measured": result.to_dict(), "predicted": pred, "note": note}, indent=1, default=str))
+        return 0 if result.ok else 1
+    _print_table(result, est, note, ParallelConfig.from_dict(doc["config"]))
+    return 0 if result.ok else 1
+
+
+def _print_table(result: TrialResult, est, note: str, config: ParallelConfig) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"trial: {config.short()}")
+    table.add_column("quantity")
+    table.add_column("measured", justify="right")
+    table.add_column("predicted", justify="right")
+    table.add_column("error", justify="right")
+
+    def row(name, measured, predicted, fmt):
+        m = fmt(measured) if measured is not None else "-"
+        p = fmt(predicted) if predicted is not None else "-"
+        err = f"{(predicted - measured) / measured:+.0%}" if measured and predicted is not None else ""
+        table.add_row(name, m, p, err)
+
+    row("step time", result.step_time_s, getattr(est, "step_time_s", None), lambda v: f"{v * 1e3:.1f} ms")
+    row("peak memory", result.peak_memory_bytes, getattr(est, "peak_memory_bytes", None),
+        lambda v: f"{v / 2**20:.1f} MiB")
+    console.print(table)
+    if not result.ok:
+        console.print(f"[red]trial failed:[/red] {result.reason}")
+    else:
+        console.print(f"losses: {', '.join(f'{x:.4f}' for x in result.losses)}   wall {result.wall_s:.1f} s   "
+                      f"memory: {result.memory_method}")
+    if note:
+        console.print(f"[yellow]{note}[/yellow]")

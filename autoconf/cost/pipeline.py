@@ -1,0 +1,380 @@
+"""Event simulation of pipeline schedules, with activation liveness.
+
+The step of a pipeline-parallel run is simulated as the schedule really runs it (DESIGN.md, "The cost
+model", "Pipeline"): every device executes its forward (F) and backward (B) ops in exactly the order
+its schedule prescribes, and an op starts when the device is free and its inputs have arrived:
+
+- ``F(mb, c)`` needs ``F(mb, c-1)`` finished plus the transfer ``p2p_s[c-1]``;
+- ``B(mb, c)`` needs ``B(mb, c+1)`` finished plus the transfer ``p2p_s[c]``, and ``F(mb, c)``.
+
+Chunks are global indices ``0 .. pp*v-1`` in model order; chunk ``c`` runs on device ``c % pp``
+(looped / modular placement, arXiv 2106.02679; for v = 1 chunk c is stage c). Transfers are async
+sends: they delay the dependent op but do not occupy either device.
+
+Per-device orders follow ``torch.distributed.pipelining.schedules`` (torch 2.13):
+
+- ``gpipe``: ScheduleGPipe, all forwards of mb 0..m-1, then all backwards of mb 0..m-1.
+- ``1f1b``: Schedule1F1B, ``min(pp - stage - 1, m)`` warm-up forwards, then F/B pairs, then the
+  remaining backwards (equal to torch's runtime loop with ``min(pp - stage, m)`` warm-up then B/F).
+- ``interleaved``: ScheduleInterleaved1F1B (Megatron's interleaved 1F1B, arXiv 2104.04473):
+  warm-up ``min((v-1)*pp + 2*(pp-1-rank), m*v)`` forwards, chunks switched every ``pp``
+  micro-batches; needs ``m % pp == 0``.
+- ``breadth_first``: ScheduleLoopedBFS (arXiv 2211.05953): for each local chunk ascending the
+  forwards of mb 0..m-1, then for each local chunk descending the backwards of mb m-1..0.
+
+With pp = 1, ``1f1b`` is standard gradient accumulation (F0 B0 F1 B1 ...), ``gpipe`` and
+``breadth_first`` are layered accumulation (all F, then all B).
+
+Activation liveness: the activations of ``(mb, c)`` are alive from the start of ``F(mb, c)`` to the
+end of ``B(mb, c)``. A device runs its ops one after another, so the set alive at each moment depends
+only on the device's order, not on the durations: liveness is computed once per schedule shape.
+
+Speed: the schedule shape ``(schedule, pp, m, v)`` is compiled once (cached) into flat integer lists in
+a topological order of the whole dependency graph; a simulation is then one pass over those lists
+with no readiness checks (O(ops), a few list reads per op). ``simulate`` is cached on its arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Sequence
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
+
+__all__ = ["PipelineResult", "simulate", "device_orders", "peak_activation", "SCHEDULES"]
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """Timing and activation liveness of one pipeline step."""
+
+    makespan_s: float
+    """Time from the first op's start to the last op's end."""
+    busy_s: tuple[float, ...]
+    """Per device: sum of its op durations."""
+    bubble_s: tuple[float, ...]
+    """Per device: makespan - busy (idle time inside the step)."""
+    peak_live: tuple[tuple[int, ...], ...]
+    """Per device, per local chunk (ascending chunk index): activation sets of that chunk alive at the
+    device's activation peak (the first moment the peak count is reached)."""
+    peak_live_count: tuple[int, ...]
+    """Per device: the most (micro-batch, chunk) activation sets alive at once."""
+    last_backward_end_s: tuple[float, ...]
+    """Per global chunk: end of its last backward op (its gradients are final then)."""
+    first_backward_start_s: tuple[float, ...]
+    """Per global chunk: start of its first backward op."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-device orders. An op is (is_backward, micro_batch, global_chunk).
+
+
+def _order_gpipe(pp: int, m: int, v: int, rank: int) -> list[tuple[bool, int, int]]:
+    # ScheduleGPipe (v = 1): F 0..m-1, then B 0..m-1.
+    return [(False, mb, rank) for mb in range(m)] + [(True, mb, rank) for mb in range(m)]
+
+
+def _order_1f1b(pp: int, m: int, v: int, rank: int) -> list[tuple[bool, int, int]]:
+    # Schedule1F1B: warm-up forwards, 1F1B steady state, cool-down backwards.
+    warmup = min(pp - rank - 1, m)
+    ops = [(False, mb, rank) for mb in range(warmup)]
+    for i in range(m - warmup):
+        ops.append((False, warmup + i, rank))
+        ops.append((True, i, rank))
+    ops += [(True, mb, rank) for mb in range(m - warmup, m)]
+    return ops
+
+
+def _order_interleaved(pp: int, m: int, v: int, rank: int) -> list[tuple[bool, int, int]]:
+    # ScheduleInterleaved1F1B._calculate_single_rank_operations + _get_1f1b_rank_ops (no zero bubble).
+    per_round = m // max(1, m // pp)  # = pp, since m % pp == 0
+    total = m * v
+    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
+    fwd_next = [0] * v
+    bwd_next = [0] * v
+    ops: list[tuple[bool, int, int]] = []
+
+    def fwd(step: int) -> None:
+        local = (step // per_round) % v
+        ops.append((False, fwd_next[local], local * pp + rank))
+        fwd_next[local] += 1
+
+    def bwd(step: int) -> None:
+        local = v - 1 - ((step - warmup) // per_round) % v
+        ops.append((True, bwd_next[local], local * pp + rank))
+        bwd_next[local] += 1
+
+    for step in range(total + warmup):
+        if step < warmup:
+            fwd(step)
+        elif step < total:
+            fwd(step)
+            bwd(step)
+        else:
+            bwd(step)
+    return ops
+
+
+def _order_breadth_first(pp: int, m: int, v: int, rank: int) -> list[tuple[bool, int, int]]:
+    # ScheduleLoopedBFS: local chunks ascending, all forwards; then descending, backwards mb m-1..0.
+    chunks = range(rank, pp * v, pp)
+    ops = [(False, mb, c) for c in chunks for mb in range(m)]
+    ops += [(True, mb, c) for c in reversed(chunks) for mb in reversed(range(m))]
+    return ops
+
+
+_ORDERS = {
+    "gpipe": _order_gpipe,
+    "1f1b": _order_1f1b,
+    "interleaved": _order_interleaved,
+    "breadth_first": _order_breadth_first,
+}
+
+
+def _check_shape(schedule: str, pp: int, m: int, v: int) -> None:
+    if schedule not in _ORDERS:
+        raise ValueError(f"schedule={schedule!r}; valid: {', '.join(SCHEDULES)}")
+    for name, val in (("pp", pp), ("num_micro_batches", m), ("virtual_stages", v)):
+        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+            raise ValueError(f"{name}={val!r} must be a positive integer")
+    if schedule in ("gpipe", "1f1b") and v != 1:
+        raise ValueError(f"schedule {schedule} has one chunk per device; virtual_stages={v} must be 1")
+    if schedule == "interleaved" and m % pp:
+        raise ValueError(f"interleaved: pp({pp}) does not divide num_micro_batches({m})")
+
+
+def device_orders(schedule: str, pp: int, num_micro_batches: int,
+                  virtual_stages: int = 1) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Per device, its ops in execution order as ``("F" | "B", micro_batch, global_chunk)``."""
+    _check_shape(schedule, pp, num_micro_batches, virtual_stages)
+    make = _ORDERS[schedule]
+    return tuple(tuple(("B" if b else "F", mb, c) for b, mb, c in make(pp, num_micro_batches, virtual_stages, r))
+                 for r in range(pp))
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiled shape: a topological order of all ops with flat dependency indices.
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    ops: list[tuple[int, int, int, int]]
+    """Per op in topological order: (1 + topo index of the previous op on its device or 0 for none,
+    1 + topo index of its cross-chunk dependency or 0, 1 + index into p2p_s of the transfer before
+    it or 0, index into forward_s + backward_s)."""
+    dev_last: tuple[int, ...]  # per device: 1 + topo index of its last op
+    first_b: tuple[int, ...]  # per chunk: 1 + topo index of its first backward (device order)
+    last_b: tuple[int, ...]   # per chunk: 1 + topo index of its last backward
+    peak_live: tuple[tuple[int, ...], ...]
+    peak_live_count: tuple[int, ...]
+
+
+def _liveness(order: list[tuple[bool, int, int]], local_chunks: list[int]) -> tuple[int, tuple[int, ...]]:
+    """Peak number of live activation sets on a device, and the per-chunk split at the first peak."""
+    live = peak = peak_pos = 0
+    for pos, (is_b, _mb, _c) in enumerate(order):
+        if is_b:
+            live -= 1
+        else:
+            live += 1
+            if live > peak:
+                peak, peak_pos = live, pos
+    counts = dict.fromkeys(local_chunks, 0)
+    for is_b, _mb, c in order[:peak_pos + 1] if peak else ():
+        counts[c] += -1 if is_b else 1
+    return peak, tuple(counts[c] for c in local_chunks)
+
+
+@lru_cache(maxsize=64)
+def _compile(schedule: str, pp: int, m: int, v: int) -> _Compiled:
+    nc = pp * v
+    n_f = nc * m
+    n = 2 * n_f
+    orders = [_ORDERS[schedule](pp, m, v, r) for r in range(pp)]
+    # Op id: F(mb, c) = c*m + mb; B(mb, c) = n_f + c*m + mb.
+    codes = [[(n_f if b else 0) + c * m + mb for b, mb, c in order] for order in orders]
+    seen = bytearray(n)
+    for r, order in enumerate(codes):
+        if len(order) != 2 * m * v:
+            raise RuntimeError(f"{schedule}: device {r} has {len(order)} ops, expected {2 * m * v}")
+        for code in order:
+            c = (code % n_f) // m
+            if seen[code] or c % pp != r:
+                raise RuntimeError(f"{schedule}: device {r} order has a duplicate or misplaced op {code}")
+            seen[code] = 1
+
+    done = bytearray(n)
+    topo_pos = [0] * n  # 1 + topo index, per op id
+    dev_prev: list[int] = []
+    cross: list[int] = []
+    p2p_idx: list[int] = []
+    dur_idx: list[int] = []
+    ptr = [0] * pp
+    last = [0] * pp
+    remaining = n
+    last_c = nc - 1
+    while remaining:
+        progress = False
+        for r in range(pp):
+            order = codes[r]
+            i = ptr[r]
+            ln = len(order)
+            while i < ln:
+                code = order[i]
+                if code < n_f:
+                    c = code // m
+                    if c:
+                        dep = code - m
+                        if not done[dep]:
+                            break
+                        cross.append(topo_pos[dep])
+                        p2p_idx.append(c)  # p2p_s[c-1], shifted by the leading 0 slot
+                    else:
+                        cross.append(0)
+                        p2p_idx.append(0)
+                    dur_idx.append(c)
+                else:
+                    c = (code - n_f) // m
+                    if not done[code - n_f]:
+                        break
+                    if c < last_c:
+                        dep = code + m
+                        if not done[dep]:
+                            break
+                        cross.append(topo_pos[dep])
+                        p2p_idx.append(c + 1)  # p2p_s[c]
+                    else:
+                        cross.append(0)
+                        p2p_idx.append(0)
+                    dur_idx.append(nc + c)
+                dev_prev.append(last[r])
+                done[code] = 1
+                topo_pos[code] = last[r] = len(dev_prev)
+                i += 1
+            if i != ptr[r]:
+                progress = True
+                remaining -= i - ptr[r]
+                ptr[r] = i
+        if not progress:
+            raise RuntimeError(_deadlock_message(schedule, pp, m, v, orders, ptr, done))
+
+    first_b = [0] * nc
+    last_b = [0] * nc
+    for order in codes:
+        for code in order:
+            if code >= n_f:
+                c = (code - n_f) // m
+                if not first_b[c]:
+                    first_b[c] = topo_pos[code]
+                last_b[c] = topo_pos[code]
+
+    lives = [_liveness(orders[r], list(range(r, nc, pp))) for r in range(pp)]
+    return _Compiled(list(zip(dev_prev, cross, p2p_idx, dur_idx)), tuple(last), tuple(first_b), tuple(last_b),
+                     tuple(x[1] for x in lives), tuple(x[0] for x in lives))
+
+
+def _deadlock_message(schedule: str, pp: int, m: int, v: int, orders, ptr: list[int], done: bytearray) -> str:
+    """Name the stuck device: preferably one waiting on an op later in its own order (the cause)."""
+    waits = []
+    for r in range(pp):
+        if ptr[r] == len(orders[r]):
+            continue
+        is_b, mb, c = orders[r][ptr[r]]
+        if not is_b:
+            need = ("F", mb, c - 1)
+        elif not done[c * m + mb]:
+            need = ("F", mb, c)
+        else:
+            need = ("B", mb, c + 1)
+        waits.append((need[2] % pp == r, r, f"{'B' if is_b else 'F'}(mb={mb}, chunk={c})",
+                      f"{need[0]}(mb={need[1]}, chunk={need[2]}) on device {need[2] % pp}"))
+    own, r, op, need = max(waits, key=lambda w: (w[0], -w[1]))
+    others = ", ".join(str(w[1]) for w in waits if w[1] != r)
+    return (f"pipeline schedule {schedule!r} (pp={pp}, m={m}, v={v}) deadlocks: device {r} is stuck at {op}, "
+            f"waiting for {need}{' which comes later in its own order' if own else ''}"
+            f"{f'; also stuck: devices {others}' if others else ''}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Simulation.
+
+
+@lru_cache(maxsize=16384)
+def _simulate(schedule: str, pp: int, m: int, v: int, forward_s: tuple[float, ...],
+              backward_s: tuple[float, ...], p2p_s: tuple[float, ...]) -> PipelineResult:
+    comp = _compile(schedule, pp, m, v)
+    nc = pp * v
+    dur = forward_s + backward_s
+    P = (0.0,) + p2p_s
+    E = [0.0]  # E[k] = end time of the op at topo index k-1; E[0] = 0 stands for "no dependency"
+    append = E.append
+    for pv, dp, pi, di in comp.ops:
+        s = E[pv]
+        r = E[dp] + P[pi]
+        append((r if r > s else s) + dur[di])
+    makespan = max(E[k] for k in comp.dev_last)
+    busy = tuple(m * sum(forward_s[c] + backward_s[c] for c in range(r, nc, pp)) for r in range(pp))
+    return PipelineResult(
+        makespan_s=makespan,
+        busy_s=busy,
+        bubble_s=tuple(makespan - b for b in busy),
+        peak_live=comp.peak_live,
+        peak_live_count=comp.peak_live_count,
+        last_backward_end_s=tuple(E[k] for k in comp.last_b),
+        first_backward_start_s=tuple(E[k] - backward_s[c] for c, k in enumerate(comp.first_b)),
+    )
+
+
+def _floats(name: str, xs: Sequence[float], n: int) -> tuple[float, ...]:
+    t = tuple(map(float, xs))
+    if len(t) != n:
+        raise ValueError(f"{name} has {len(t)} entries, expected {n} (one per {'link' if name == 'p2p_s' else 'chunk'})")
+    if t and not (min(t) >= 0.0 and math.isfinite(sum(t))):
+        raise ValueError(f"{name} entries must be finite and >= 0, got {t!r}")
+    return t
+
+
+def simulate(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
+             forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: Sequence[float]) -> PipelineResult:
+    """Simulate one step of ``schedule`` and return its timing and activation liveness.
+
+    ``forward_s[c]`` / ``backward_s[c]``: per-micro-batch duration of global chunk c (pp*v entries);
+    ``p2p_s[c]``: transfer time between chunk c and c+1 (pp*v - 1 entries), for the activation going
+    forward and the gradient coming back. Raises ValueError for an invalid shape and RuntimeError if
+    the schedule's order can never progress. Results are cached on the arguments.
+    """
+    _check_shape(schedule, pp, num_micro_batches, virtual_stages)
+    nc = pp * virtual_stages
+    return _simulate(schedule, pp, num_micro_batches, virtual_stages,
+                     _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc),
+                     _floats("p2p_s", p2p_s, nc - 1))
+
+
+def peak_activation(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
+                    per_chunk: Sequence[float]) -> tuple[float, ...]:
+    """Per device: the peak of sum(per_chunk[c]) over the activation sets alive at once.
+
+    Use when chunks hold different activation sizes (e.g. the first chunk with the embedding, the
+    last with the logits), where the moment of the peak count is not the moment of the peak bytes.
+    """
+    _check_shape(schedule, pp, num_micro_batches, virtual_stages)
+    return _peak_activation(schedule, pp, num_micro_batches, virtual_stages,
+                            _floats("per_chunk", per_chunk, pp * virtual_stages))
+
+
+@lru_cache(maxsize=4096)
+def _peak_activation(schedule: str, pp: int, m: int, v: int, w: tuple[float, ...]) -> tuple[float, ...]:
+    out = []
+    for r in range(pp):
+        live = peak = 0.0
+        for is_b, _mb, c in _ORDERS[schedule](pp, m, v, r):
+            if is_b:
+                live -= w[c]
+            else:
+                live += w[c]
+                if live > peak:
+                    peak = live
+        out.append(peak)
+    return tuple(out)

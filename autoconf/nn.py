@@ -141,6 +141,32 @@ class _GatherLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+def _mark_sequence_parallel(*params) -> None:
+    """Tag replicated parameters that see only a sequence shard under SP: their grads are partial sums."""
+    for p in params:
+        if p is not None:
+            p.sequence_parallel = True
+
+
+def sequence_parallel_params(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters whose gradients must be summed over the TP group under sequence parallelism."""
+    return [p for p in module.parameters() if getattr(p, "sequence_parallel", False)]
+
+
+def allreduce_sequence_parallel_grads(module: nn.Module, tp_group) -> None:
+    """Sum the gradients of norms, row-parallel biases and positions over the TP group (SP only).
+
+    Call after backward and before the optimizer step (and before any data-parallel reduction),
+    as Megatron-LM does; a no-op for modules built without sequence parallelism.
+    """
+    grads = [p.grad for p in sequence_parallel_params(module) if p.grad is not None]
+    if grads and tp_group is not None:
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=tp_group)
+        for g, new in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(new.view_as(g))
+
+
 # -- deterministic initialisation ----------------------------------------------------------------------
 
 def _randn(shape, std: float, key: str, seed: int, device) -> torch.Tensor:
@@ -189,6 +215,8 @@ class RowLinear(nn.Module):
         full = _randn((out_f, in_f), std, key + ".weight", seed, device)
         self.weight = _param(_shard(full, [in_f], 1, _rank(group), tp), dtype)
         self.bias = _param(torch.zeros(out_f, device=device), dtype) if bias else None
+        if sp:
+            _mark_sequence_parallel(self.bias)
 
     def forward(self, x):
         y = F.linear(x, self.weight)
@@ -225,12 +253,14 @@ class _RMSNormFn(torch.autograd.Function):
 class Norm(nn.Module):
     """LayerNorm (weight and bias, F.layer_norm) or RMSNorm (weight only), as ModelSpec.norm says."""
 
-    def __init__(self, model: ModelSpec, dtype, device=None):
+    def __init__(self, model: ModelSpec, dtype, device=None, sequence_parallel: bool = False):
         super().__init__()
         h = model.hidden_size
         self.kind = model.norm
         self.weight = _param(torch.ones(h, device=device), dtype)
         self.bias = _param(torch.zeros(h, device=device), dtype) if model.norm == "layernorm" else None
+        if sequence_parallel:
+            _mark_sequence_parallel(self.weight, self.bias)
 
     def forward(self, x):
         if self.kind == "layernorm":
@@ -290,10 +320,10 @@ class Block(nn.Module):
         key = f"blocks.{layer_index}"
         out_std = INIT_STD / math.sqrt(2 * model.num_layers)
         lin = dict(seed=seed, tp=tp_size, group=tp_group, sp=self.sp, dtype=dtype, device=device)
-        self.norm1 = Norm(model, dtype, device)
+        self.norm1 = Norm(model, dtype, device, self.sp)
         self.qkv = ColumnLinear(h, [h, kv, kv], model.bias, key + ".qkv", **lin)
         self.proj = RowLinear(h, h, model.bias, key + ".proj", std=out_std, **lin)
-        self.norm2 = Norm(model, dtype, device)
+        self.norm2 = Norm(model, dtype, device, self.sp)
         fc1_sections = [f, f] if model.activation == "swiglu" else [f]
         self.fc1 = ColumnLinear(h, fc1_sections, model.bias, key + ".fc1", **lin)
         self.fc2 = RowLinear(f, h, model.bias, key + ".fc2", std=out_std, **lin)
@@ -388,6 +418,8 @@ class Embedding(nn.Module):
         if model.position_embedding == "learned":
             self.position = _param(_randn((model.seq_length, model.hidden_size), INIT_STD,
                                           "embedding.position", seed, device), dtype)
+            if self.sp:
+                _mark_sequence_parallel(self.position)
 
     def forward(self, tokens):
         if self.tp > 1:
@@ -469,7 +501,7 @@ class Head(nn.Module):
         super().__init__()
         self.model, self.tp, self.group = model, tp_size, tp_group
         self.sp = bool(sequence_parallel) and tp_size > 1
-        self.norm = Norm(model, dtype, device)
+        self.norm = Norm(model, dtype, device, self.sp)
         self.weight = None
         if model.tied_embeddings and embedding is not None:
             object.__setattr__(self, "_tied", embedding)  # not a submodule: no duplicate parameters

@@ -1,0 +1,340 @@
+"""Measured inputs of the cost model: what a Profile says, at the point the search asks about.
+
+Every function is pure (no torch, no I/O) and returns None when the profile has nothing usable,
+so the caller can fall back to the catalog and the formulas. The rules:
+
+- **Layer times** (:func:`block_times`, :func:`embedding_times`, :func:`head_times`) apply only when
+  the profile's model has the same layer shapes (``autoconf.profile.COMPUTE_FIELDS``; the layer
+  count and the name may differ). Over micro-batch size, time is affine in tokens: interpolate
+  linearly between the measured sizes, extrapolate along the nearest two, or proportionally from
+  a single size (and whenever the affine line would go non-positive). For a tp that was not
+  measured, start from the nearest measured tp (in log2) and scale by the FLOP ratio divided by
+  the GEMM-efficiency ratio of the shard's largest GEMM. A block recompute mode that was not
+  measured is derived from 'none': full adds one forward to the backward, selective adds the
+  attention-core share of a forward.
+- **Activation bytes** are exactly proportional to the micro-batch size. Another tp, sequence
+  parallelism or recompute mode is reached from the nearest measured entry by the ratio of the
+  analytic per-layer formula (Korthikanti et al., arXiv 2205.05198) between the two points.
+- **Links**: the graph keeps one undirected device--device edge per measured pair, with the
+  slower direction's bandwidth and latency (a transfer either way can hit the slow one); the two
+  directions are kept as ``bandwidth_by_direction_bytes_per_s`` on the edge.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from ..catalog import device_type
+from ..errors import UserError
+from ..model import ModelSpec
+from ..profile import Profile, compute_matches
+
+__all__ = ["block_times", "embedding_times", "head_times", "activation_bytes", "gemm_efficiency",
+           "topology_graph", "collective_efficiency"]
+
+
+# -- layer times ------------------------------------------------------------------------------------
+
+def block_times(profile: Profile, model: ModelSpec, micro_batch_size: int, tp: int,
+                recompute: str = "none", device_kind: str | None = None) -> tuple[float, float] | None:
+    """(forward_s, backward_s) of ONE transformer block shard at tp; backward includes recompute.
+
+    ``device_kind`` picks the measurements of one catalog device kind (default: rank 0's kind).
+    """
+    return _layer_times(profile, model, "block", micro_batch_size, tp, recompute, device_kind)
+
+
+def embedding_times(profile: Profile, model: ModelSpec, micro_batch_size: int, tp: int,
+                    device_kind: str | None = None) -> tuple[float, float] | None:
+    """(forward_s, backward_s) of the (vocab-parallel) input embedding shard."""
+    return _layer_times(profile, model, "embedding", micro_batch_size, tp, "none", device_kind)
+
+
+def head_times(profile: Profile, model: ModelSpec, micro_batch_size: int, tp: int,
+               device_kind: str | None = None) -> tuple[float, float] | None:
+    """(forward_s, backward_s) of the output shard: final norm, projection to the vocabulary, loss."""
+    return _layer_times(profile, model, "head", micro_batch_size, tp, "none", device_kind)
+
+
+def _default_kind(profile: Profile) -> str | None:
+    return profile.ranks[0].device_kind if profile.ranks else None
+
+
+def _layer_times(profile, model, layer, mbs, tp, recompute, device_kind):
+    if mbs < 1 or tp < 1 or not compute_matches(profile, model, layer):
+        return None
+    kind = device_kind if device_kind is not None else _default_kind(profile)
+    entries = [e for e in profile.compute if e.layer == layer and e.device_kind == kind]
+    rows = [(e.tp, e.micro_batch_size, e.forward_s, e.backward_s) for e in entries if e.recompute == recompute]
+    if not rows and layer == "block" and recompute != "none":
+        extra = 1.0 if recompute == "full" else _attention_core_share(model)
+        rows = [(e.tp, e.micro_batch_size, e.forward_s, e.backward_s + extra * e.forward_s)
+                for e in entries if e.recompute == "none"]
+    if not rows:
+        return None
+    tps = sorted({r[0] for r in rows})
+    tp0 = min(tps, key=lambda t: (abs(math.log2(t / tp)), -t))
+    pts = sorted((m, f, b) for t, m, f, b in rows if t == tp0)
+    fwd = _affine([(m, f) for m, f, _ in pts], mbs)
+    bwd = _affine([(m, b) for m, _, b in pts], mbs)
+    scale = 1.0 if tp0 == tp else _tp_scale(profile, model, layer, mbs, tp0, tp)
+    return fwd * scale, bwd * scale
+
+
+def _affine(points: list[tuple[float, float]], x: float) -> float:
+    """Value at x of the piecewise-linear curve through points (sorted by x), as described above."""
+    for px, py in points:
+        if px == x:
+            return py
+    nearest = min(points, key=lambda p: abs(p[0] - x))
+    proportional = nearest[1] * x / nearest[0]
+    if len(points) == 1:
+        return proportional
+    if points[0][0] < x < points[-1][0]:
+        lo = max(p for p in points if p[0] < x)
+        hi = min(p for p in points if p[0] > x)
+    elif x < points[0][0]:
+        lo, hi = points[0], points[1]
+    else:
+        lo, hi = points[-2], points[-1]
+    slope = (hi[1] - lo[1]) / (hi[0] - lo[0])
+    y = lo[1] + slope * (x - lo[0])
+    return y if slope >= 0 and y > 0 else proportional
+
+
+def _attention_core_share(model: ModelSpec) -> float:
+    """Share of a block's forward FLOPs in the attention core (scores and weighted sum)."""
+    return 4.0 * model.seq_length * model.hidden_size / model.layer_forward_flops_per_token()
+
+
+def _shard_gemm(model: ModelSpec, layer: str, mbs: int, tp: int) -> tuple[int, int, int] | None:
+    tokens = mbs * model.seq_length
+    if layer == "block":
+        return tokens, max(1, model.ffn_hidden_size // tp), model.hidden_size
+    if layer == "head":
+        return tokens, max(1, model.vocab_size // tp), model.hidden_size
+    return None
+
+
+def _tp_scale(profile, model, layer, mbs, tp0, tp) -> float:
+    """time(tp) / time(tp0): FLOPs scale as 1/tp, divided by the GEMM-efficiency ratio.
+
+    The embedding is a lookup (memory-bound, output size independent of tp): scale 1.
+    """
+    if layer == "embedding":
+        return 1.0
+    ratio = tp0 / tp
+    g0, g1 = _shard_gemm(model, layer, mbs, tp0), _shard_gemm(model, layer, mbs, tp)
+    e0 = gemm_efficiency(profile, *g0)
+    e1 = gemm_efficiency(profile, *g1)
+    if e0 and e1:
+        ratio *= e0 / e1
+    return ratio
+
+
+# -- GEMM efficiency -------------------------------------------------------------------------------------
+
+def gemm_efficiency(profile: Profile, m: int, n: int, k: int, dtype: str | None = None,
+                    device_kind: str | None = None) -> float | None:
+    """Fraction of catalog peak an (m x k) @ (k x n) GEMM reaches, from the profile's table.
+
+    An exact shape returns its measurement; otherwise the fraction is interpolated linearly in
+    log(FLOPs) between the nearest smaller and larger measured GEMMs, clamped at the ends.
+    None when the table has no entry for the dtype and device (or the device is not in the catalog).
+    """
+    dtype = dtype or profile.compute_dtype
+    kind = device_kind if device_kind is not None else _default_kind(profile)
+    rows = [(2.0 * e.m * e.n * e.k, e.fraction_of_peak, (e.m, e.n, e.k)) for e in profile.gemm
+            if e.dtype == dtype and e.device_kind == kind and e.fraction_of_peak is not None]
+    if not rows:
+        return None
+    for _, frac, shape in rows:
+        if shape == (m, n, k):
+            return frac
+    x = math.log(2.0 * m * n * k)
+    by_flops: dict[float, list[float]] = {}
+    for f, frac, _ in rows:
+        by_flops.setdefault(math.log(f), []).append(frac)
+    pts = sorted((lf, statistics.median(v)) for lf, v in by_flops.items())
+    if x <= pts[0][0]:
+        return pts[0][1]
+    if x >= pts[-1][0]:
+        return pts[-1][1]
+    lo = max(p for p in pts if p[0] <= x)
+    hi = min(p for p in pts if p[0] > x)
+    if hi[0] == lo[0]:
+        return lo[1]
+    return lo[1] + (hi[1] - lo[1]) * (x - lo[0]) / (hi[0] - lo[0])
+
+
+# -- activation memory -----------------------------------------------------------------------------------
+
+def activation_bytes(profile: Profile, model: ModelSpec, micro_batch_size: int, tp: int,
+                     sequence_parallel: bool, recompute: str, layer: str = "block") -> float | None:
+    """Bytes one layer shard keeps for backward for one micro-batch (measured, then scaled)."""
+    if micro_batch_size < 1 or tp < 1 or not compute_matches(profile, model, layer):
+        return None
+    entries = [e for e in profile.activations if e.layer == layer]
+    if layer != "block":
+        entries = [e for e in entries if e.recompute == "none"]
+        recompute = "none"
+    if not entries:
+        return None
+
+    def distance(e):
+        return (e.recompute != recompute, e.sequence_parallel != sequence_parallel,
+                abs(math.log2(e.tp / tp)), abs(math.log2(e.micro_batch_size / micro_batch_size)))
+
+    best = min(entries, key=distance)
+    scaled = best.bytes * micro_batch_size / best.micro_batch_size
+    if (best.tp, best.sequence_parallel, best.recompute) == (tp, sequence_parallel, recompute):
+        return scaled
+    if layer != "block":  # vocab-parallel embedding / head: the kept tensors shrink as 1/tp
+        return scaled * best.tp / tp
+    here = _formula_bytes(model, micro_batch_size, tp, sequence_parallel, recompute)
+    there = _formula_bytes(model, micro_batch_size, best.tp, best.sequence_parallel, best.recompute)
+    return scaled * here / there
+
+
+def _formula_bytes(model: ModelSpec, mbs: int, tp: int, sp: bool, recompute: str) -> float:
+    """Per-layer activation bytes, Korthikanti et al. (arXiv 2205.05198) Table 2, 16-bit.
+
+    Only its ratios are used here. The s x s attention term is absent with fused ('flash')
+    attention, which keeps no score matrices.
+    """
+    s, b, h, a = model.seq_length, mbs, model.hidden_size, model.num_attention_heads
+    scores = 5.0 * a * s / h if model.attention == "eager" else 0.0
+    if recompute == "full":
+        return 2.0 * s * b * h / (tp if sp else 1)
+    if recompute == "selective":
+        scores = 0.0
+    if sp:
+        return s * b * h * (34.0 + scores) / tp
+    return s * b * h * (10.0 + (24.0 + scores) / tp)
+
+
+# -- links --------------------------------------------------------------------------------------------------
+
+def topology_graph(profile: Profile):
+    """The measured cluster as a networkx graph in ClusterSpec.graph()'s schema.
+
+    Devices (int nodes = ranks; attrs node, group, device, memory_bytes, host, local_rank),
+    hosts (("host", n): group, nic_count, nic_bandwidth_bytes_per_s, nic_kind="measured",
+    intra_node_bandwidth_bytes_per_s), groups (("group", g): hosts of the same device kind and
+    size), device--host "nic" and host--group "uplink" edges, and one device--device edge per
+    measured pair (kind="measured", slower direction). Graph attrs intra_node_latency_s /
+    inter_node_latency_s are medians of the measured latencies (ClusterSpec's defaults, 2 us and
+    10 us, where no pair of that sort was measured). A device's NIC bandwidth is the fastest
+    measured link from it to another host, else its host's fastest interface speed
+    (/sys/class/net), else infinite (single host: nothing crosses it).
+    """
+    import networkx as nx
+
+    hosts = []
+    for r in sorted(profile.ranks, key=lambda r: r.rank):
+        if r.host not in hosts:
+            hosts.append(r.host)
+    host_index = {h: i for i, h in enumerate(hosts)}
+    by_host = {h: [r for r in profile.ranks if r.host == h] for h in hosts}
+    shape = {h: (tuple(sorted(str(r.device_kind) for r in rs)), len(rs)) for h, rs in by_host.items()}
+    shapes = []
+    for h in hosts:
+        if shape[h] not in shapes:
+            shapes.append(shape[h])
+    group_of = {h: shapes.index(shape[h]) for h in hosts}
+
+    pair = _undirected_links(profile)
+    intra = [v for (a, b), v in pair.items() if profile.rank(a).host == profile.rank(b).host]
+    inter = [v for (a, b), v in pair.items() if profile.rank(a).host != profile.rank(b).host]
+    intra_lat = statistics.median(v["latency_s"] for v in intra) if intra else 2e-6
+    inter_lat = statistics.median(v["latency_s"] for v in inter) if inter else 10e-6
+
+    g = nx.Graph(name=f"profile:{profile.model.name}", intra_node_latency_s=intra_lat,
+                 inter_node_latency_s=inter_lat, source="profile")
+    for gi in range(len(shapes)):
+        g.add_node(("group", gi))
+    for a in range(len(shapes)):
+        for b in range(a + 1, len(shapes)):
+            g.add_edge(("group", a), ("group", b), bandwidth_bytes_per_s=float("inf"), latency_s=0.0,
+                       kind="inter_group")
+    iface_speed = {h.name: max((i.get("speed_bytes_per_s") or 0.0 for i in h.interfaces), default=0.0)
+                   for h in profile.provenance.hosts}
+    for h in hosts:
+        n = host_index[h]
+        ranks = [r.rank for r in by_host[h]]
+        nics = [_nic_bandwidth(profile, r, pair, iface_speed.get(h, 0.0)) for r in ranks]
+        intra_bw = [v["bandwidth_bytes_per_s"] for (a, b), v in pair.items() if a in ranks and b in ranks]
+        g.add_node(("host", n), group=group_of[h], name=h, nic_count=1,
+                   nic_bandwidth_bytes_per_s=max(nics), nic_kind="measured",
+                   intra_node_bandwidth_bytes_per_s=statistics.median(intra_bw) if intra_bw else float("inf"))
+        g.add_edge(("host", n), ("group", group_of[h]), bandwidth_bytes_per_s=max(nics),
+                   latency_s=inter_lat / 2, kind="uplink")
+        for r, nic in zip(ranks, nics):
+            info = profile.rank(r)
+            g.add_node(r, node=n, group=group_of[h], device=info.device_kind or info.device_name,
+                       memory_bytes=info.memory_bytes, host=h, local_rank=info.local_rank)
+            g.add_edge(r, ("host", n), bandwidth_bytes_per_s=nic, latency_s=inter_lat / 2, kind="nic")
+    for (a, b), v in pair.items():
+        g.add_edge(a, b, kind="measured", **v)
+    return g
+
+
+def _undirected_links(profile: Profile) -> dict:
+    out = {}
+    for e in profile.links:
+        a, b = min(e.src, e.dst), max(e.src, e.dst)
+        v = out.setdefault((a, b), {"bandwidth_bytes_per_s": float("inf"), "latency_s": 0.0,
+                                    "bandwidth_by_direction_bytes_per_s": {}})
+        v["bandwidth_bytes_per_s"] = min(v["bandwidth_bytes_per_s"], e.bandwidth_bytes_per_s)
+        v["latency_s"] = max(v["latency_s"], e.latency_s)
+        v["bandwidth_by_direction_bytes_per_s"][(e.src, e.dst)] = e.bandwidth_bytes_per_s
+    return out
+
+
+def _nic_bandwidth(profile, rank, pair, iface_speed) -> float:
+    host = profile.rank(rank).host
+    off = [v["bandwidth_bytes_per_s"] for (a, b), v in pair.items() if rank in (a, b)
+           and profile.rank(b if a == rank else a).host != host]
+    if off:
+        return max(off)
+    return iface_speed if iface_speed > 0 else float("inf")
+
+
+def collective_efficiency(profile: Profile, op: str, nranks: int) -> float | None:
+    """Measured bus bandwidth of ``op`` over groups of ``nranks`` / what the p2p links predict.
+
+    The prediction is a ring over the group in rank order: its bus bandwidth is the slowest
+    link's beta on the ring (either direction). Taken at the largest measured size of each group,
+    median over the groups of that size. The cost model's ring formula
+    ``steps x alpha + bytes_term / beta_min`` becomes ``steps x alpha + bytes_term / (beta_min x eff)``.
+    None when no group of that size was measured or a ring link is missing.
+    """
+    if op not in ("all_reduce", "all_gather", "reduce_scatter"):
+        raise UserError(f"collective op {op!r}; valid: all_reduce, all_gather, reduce_scatter")
+    largest: dict[tuple, object] = {}
+    for e in profile.collectives:
+        if e.op == op and len(e.ranks) == nranks:
+            if e.ranks not in largest or e.bytes > largest[e.ranks].bytes:
+                largest[e.ranks] = e
+    effs = []
+    for ranks, e in largest.items():
+        betas = []
+        for i, a in enumerate(ranks):
+            b = ranks[(i + 1) % len(ranks)]
+            links = [profile.link(a, b), profile.link(b, a)]
+            if any(x is None for x in links):
+                break
+            betas.append(min(x.bandwidth_bytes_per_s for x in links))
+        else:
+            if betas:
+                effs.append(e.busbw_bytes_per_s / min(betas))
+    return statistics.median(effs) if effs else None
+
+
+def peak_flop_per_s(profile: Profile, dtype: str | None = None, device_kind: str | None = None) -> float | None:
+    """Catalog peak of the profiled device for the dtype (None outside the catalog)."""
+    kind = device_kind if device_kind is not None else _default_kind(profile)
+    if kind is None:
+        return None
+    return device_type(kind).peak(dtype or profile.compute_dtype)

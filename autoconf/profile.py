@@ -1,0 +1,406 @@
+"""Profile: what ``autoconf profile`` measured on the real devices, as a versioned JSON file.
+
+A profile holds, for one ModelSpec on one set of ranks:
+
+- provenance: hosts (with their network interfaces), device names, torch version, backend, date,
+  the command line;
+- the ranks seen: rank, host, local rank, device name and its catalog kind ('cpu' on CPU);
+- compute: forward and backward seconds of one layer shard (embedding / block / head) per
+  micro-batch size, tensor-parallel degree and recompute mode, medians of repeats with spreads;
+  backward includes the recomputed forward when recompute is not 'none';
+- GEMM efficiency: achieved FLOP/s of (m, n, k, dtype) matmuls and their fraction of catalog peak;
+- memory: saved-activation bytes per layer kind, micro-batch size, tp, sequence parallelism and
+  recompute; parameter bytes per layer kind and tp; the framework overhead of one rank;
+- links: alpha (latency_s) and beta (bandwidth_bytes_per_s) per ordered pair of ranks, fit to the
+  medians of point-to-point transfers of several sizes;
+- collectives: all_reduce / all_gather / reduce_scatter times for groups of ranks.
+
+Everything is SI (seconds, bytes, bytes/s, FLOP/s). This module is pure Python: no torch.
+The file is written atomically (:func:`save_profile`) and checked on load (:func:`load_profile`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+from .errors import UserError
+from .model import ModelSpec
+
+PROFILE_VERSION = 1
+LAYER_KINDS = ("embedding", "block", "head")
+RECOMPUTE_MODES = ("none", "selective", "full")
+COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+# Shape fields a layer kind's compute time depends on. Fields outside these (name, num_layers,
+# tied_embeddings, ...) may differ between the profiled model and the one being planned.
+_BLOCK_FIELDS = ("hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "seq_length",
+                 "activation", "dtype", "norm", "bias", "attention", "dropout", "position_embedding")
+_EMBEDDING_FIELDS = ("hidden_size", "vocab_size", "seq_length", "dtype", "position_embedding", "dropout")
+_HEAD_FIELDS = ("hidden_size", "vocab_size", "seq_length", "dtype", "norm")
+COMPUTE_FIELDS = {"block": _BLOCK_FIELDS, "embedding": _EMBEDDING_FIELDS, "head": _HEAD_FIELDS}
+
+
+@dataclass(frozen=True)
+class HostInfo:
+    name: str
+    """Host name as the rank saw it (socket.gethostname())."""
+    interfaces: tuple = ()
+    """Network interfaces: ({"name": "eth0", "speed_bytes_per_s": 3.125e9 or None}, ...), from
+    /sys/class/net (speed unknown for virtual links)."""
+    cpu_count: int = 0
+    memory_bytes: float = 0.0
+    """Host RAM (MemTotal)."""
+
+
+@dataclass(frozen=True)
+class Provenance:
+    hosts: tuple
+    """HostInfo per host, in order of the first rank on each."""
+    device_names: tuple
+    """Distinct device names seen (e.g. 'NVIDIA H100 80GB HBM3', 'cpu')."""
+    torch_version: str
+    backend: str
+    """'nccl' or 'gloo'."""
+    date: str
+    """ISO 8601, UTC."""
+    command: str
+    """The command line that produced the profile."""
+    world_size: int
+    autoconf_version: str = ""
+    notes: tuple = ()
+    """Free-form remarks on how things were measured (e.g. the compute split on CPU)."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    host: str
+    local_rank: int
+    device_name: str
+    device_kind: str | None
+    """Catalog name ('cpu', 'h100-sxm', ...), None if the device is not in the catalog."""
+    memory_bytes: float
+    """Device memory (CUDA: total memory; CPU: host RAM divided by the ranks on the host)."""
+
+
+@dataclass(frozen=True)
+class LayerTiming:
+    layer: str
+    """'embedding', 'block' or 'head'."""
+    micro_batch_size: int
+    tp: int
+    """Tensor-parallel degree of the shard measured (local width = full width / tp)."""
+    recompute: str
+    """'none', 'selective' or 'full' (always 'none' for embedding and head)."""
+    forward_s: float
+    backward_s: float
+    """Backward of the shard, including the recomputed forward when recompute is not 'none'."""
+    forward_spread_s: float
+    """Interquartile range of the forward repeats."""
+    backward_spread_s: float
+    repeats: int
+    device_kind: str | None
+    rank: int
+    """The rank that measured it."""
+
+
+@dataclass(frozen=True)
+class GemmEntry:
+    m: int
+    n: int
+    k: int
+    dtype: str
+    time_s: float
+    flop_per_s: float
+    fraction_of_peak: float | None
+    """flop_per_s / catalog peak for the dtype; None for devices outside the catalog."""
+    device_kind: str | None
+
+
+@dataclass(frozen=True)
+class ActivationEntry:
+    layer: str
+    micro_batch_size: int
+    tp: int
+    sequence_parallel: bool
+    recompute: str
+    bytes: float
+    """Bytes saved for backward by one layer shard for one micro-batch."""
+
+
+@dataclass(frozen=True)
+class ParameterEntry:
+    layer: str
+    tp: int
+    bytes: float
+    """Parameter bytes of one layer shard at the model's dtype."""
+    count: int
+
+
+@dataclass(frozen=True)
+class MemoryOverhead:
+    framework_overhead_bytes: float
+    """Memory a rank costs before any model tensor exists (see method)."""
+    method: str
+    """How it was measured, in words."""
+    step_peak_bytes: dict = field(default_factory=dict)
+    """CUDA only: 'layer/mbs/tp/recompute' -> torch.cuda.max_memory_allocated of one forward+backward."""
+
+
+@dataclass(frozen=True)
+class LinkEntry:
+    src: int
+    dst: int
+    latency_s: float
+    """Alpha: one-way latency (half the intercept of a message-and-ack round trip)."""
+    bandwidth_bytes_per_s: float
+    """Beta: 1 / slope of transfer time versus message size."""
+    sizes_bytes: tuple
+    times_s: tuple
+    """Median round-trip time (message src->dst, 4-byte ack back) per size."""
+
+
+@dataclass(frozen=True)
+class CollectiveEntry:
+    op: str
+    ranks: tuple
+    bytes: float
+    """Size of the full buffer: the all_reduce input, the all_gather output, the reduce_scatter input."""
+    time_s: float
+    """Median over repeats."""
+    algbw_bytes_per_s: float
+    """bytes / time_s."""
+    busbw_bytes_per_s: float
+    """algbw x 2(n-1)/n for all_reduce, x (n-1)/n otherwise (nccl-tests' convention)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    version: int
+    provenance: Provenance
+    model: ModelSpec
+    ranks: tuple
+    compute_dtype: str
+    """dtype the layers and GEMMs ran in."""
+    compute: tuple = ()
+    gemm: tuple = ()
+    activations: tuple = ()
+    parameters: tuple = ()
+    overhead: MemoryOverhead | None = None
+    links: tuple = ()
+    collectives: tuple = ()
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def rank(self, r: int) -> RankInfo:
+        for x in self.ranks:
+            if x.rank == r:
+                return x
+        raise KeyError(r)
+
+    def link(self, src: int, dst: int) -> LinkEntry | None:
+        for x in self.links:
+            if x.src == src and x.dst == dst:
+                return x
+        return None
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["model"] = self.model.to_dict()
+        return _jsonable(d)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Profile":
+        prov = dict(d["provenance"])
+        prov["hosts"] = tuple(HostInfo(**{**h, "interfaces": tuple(h.get("interfaces", ()))}) for h in prov["hosts"])
+        for k in ("device_names", "notes"):
+            prov[k] = tuple(prov.get(k, ()))
+        ov = d.get("overhead")
+        return cls(
+            version=d["version"],
+            provenance=Provenance(**prov),
+            model=ModelSpec.from_dict(d["model"]),
+            ranks=tuple(RankInfo(**r) for r in d["ranks"]),
+            compute_dtype=d["compute_dtype"],
+            compute=tuple(LayerTiming(**x) for x in d.get("compute", ())),
+            gemm=tuple(GemmEntry(**x) for x in d.get("gemm", ())),
+            activations=tuple(ActivationEntry(**x) for x in d.get("activations", ())),
+            parameters=tuple(ParameterEntry(**x) for x in d.get("parameters", ())),
+            overhead=MemoryOverhead(**ov) if ov else None,
+            links=tuple(LinkEntry(**{**x, "sizes_bytes": tuple(x["sizes_bytes"]), "times_s": tuple(x["times_s"])})
+                        for x in d.get("links", ())),
+            collectives=tuple(CollectiveEntry(**{**x, "ranks": tuple(x["ranks"])}) for x in d.get("collectives", ())),
+        )
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+# -- files ------------------------------------------------------------------------------------
+
+def save_profile(profile: Profile, path: str) -> None:
+    """Write the profile as JSON atomically: a temp file in the same directory, then os.replace.
+
+    A failure at any point leaves the previous file (or none) in place and no partial file.
+    """
+    text = json.dumps(profile.to_dict(), indent=1, sort_keys=False, allow_nan=False)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def load_profile(path: str) -> Profile:
+    """Read a profile; a missing, unreadable, malformed or other-version file raises UserError."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise UserError(f"profile {path!r} does not exist (create one with `autoconf profile --model M --out {path}`)") from None
+    except OSError as e:
+        raise UserError(f"cannot read profile {path!r}: {e.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UserError(f"profile {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(data, dict) or "version" not in data:
+        raise UserError(f"profile {path!r} is not an autoconf profile (no 'version' field)")
+    if data["version"] != PROFILE_VERSION:
+        raise UserError(f"profile {path!r} has version {data['version']!r}, this autoconf reads version "
+                        f"{PROFILE_VERSION}; measure again with `autoconf profile`")
+    try:
+        return Profile.from_dict(data)
+    except UserError as e:
+        raise UserError(f"profile {path!r}: {e}") from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"profile {path!r} is malformed: {type(e).__name__}: {e}") from None
+
+
+# -- matching a profile to a model ----------------------------------------------------------------
+
+def model_differences(measured: ModelSpec, model: ModelSpec, fields=None) -> list[str]:
+    """'field: measured -> wanted' for each of ``fields`` (default: every shape field) that differs."""
+    names = fields or tuple(f.name for f in dataclasses.fields(ModelSpec) if f.name != "name")
+    return [f"{f}: {getattr(measured, f)!r} -> {getattr(model, f)!r}" for f in names
+            if getattr(measured, f) != getattr(model, f)]
+
+
+def compute_matches(profile: Profile, model: ModelSpec, layer: str) -> bool:
+    """Whether the profile's timings of ``layer`` apply to ``model`` (same shapes that matter)."""
+    return not model_differences(profile.model, model, COMPUTE_FIELDS[layer])
+
+
+def check_profile_matches(profile: Profile, model: ModelSpec, need_compute: bool = True) -> list[str]:
+    """Raise UserError when the profile's compute and memory data do not apply to ``model``.
+
+    What may differ: the name, ``num_layers`` and ``tied_embeddings`` (per-layer data does not
+    depend on them). Everything else a layer's time depends on (widths, heads, vocabulary,
+    sequence length, dtype, activation, norm, bias, attention kind) must match for compute and
+    memory data; link and collective data are model-independent and always usable
+    (``need_compute=False`` only warns). Returns warnings (one line each) for differences allowed.
+    """
+    block = model_differences(profile.model, model, _BLOCK_FIELDS)
+    other = sorted(set(model_differences(profile.model, model, _EMBEDDING_FIELDS + _HEAD_FIELDS)) - set(block))
+    wrong = block + other
+    warnings = []
+    if profile.model.name != model.name and not wrong:
+        warnings.append(f"profile was measured for model {profile.model.name!r}, using it for {model.name!r} "
+                        "(same layer shapes)")
+    if profile.model.num_layers != model.num_layers:
+        warnings.append(f"profile measured {profile.model.num_layers} layers, model has {model.num_layers} "
+                        "(per-layer data still applies)")
+    if wrong:
+        msg = (f"profile was measured for model {profile.model.name!r}, not {model.name!r}: "
+               + "; ".join(wrong))
+        if need_compute:
+            raise UserError(msg + " (profile this model with `autoconf profile`, or use only its link data)")
+        warnings.append(msg + " (only link and collective data are used)")
+    return warnings
+
+
+# -- helpers shared with the profiler --------------------------------------------------------------
+
+_CUDA_NAMES = (  # (substring of torch.cuda.get_device_name, catalog name); first match wins
+    ("H200", "h200"),
+    ("H100 PCIe", "h100-pcie"),
+    ("H100 NVL", "h100-pcie"),
+    ("H100", "h100-sxm"),
+    ("L40S", "l40s"),
+    ("V100", "v100-32gb"),
+)
+
+
+def catalog_kind(device_name: str, memory_bytes: float = 0.0) -> str | None:
+    """The catalog name of a device as torch names it ('cpu' for CPU), or None if unknown."""
+    if device_name == "cpu":
+        return "cpu"
+    for needle, kind in _CUDA_NAMES:
+        if needle in device_name:
+            return kind
+    if "A100" in device_name:
+        return "a100-80gb" if memory_bytes > 48 * 2**30 or "80GB" in device_name else "a100-40gb"
+    return None
+
+
+def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
+    """Fit t = a + s / b to (size, time) points, minimising relative error.
+
+    Weights 1/t^2 make small messages (which fix a) and large ones (which fix b) count alike.
+    Returns (a, b); a >= 0, b > 0. With one point: a = 0, b = s / t.
+    """
+    pts = [(float(s), float(t)) for s, t in zip(sizes_bytes, times_s) if t > 0]
+    if not pts:
+        raise ValueError("fit_alpha_beta needs at least one positive time")
+    if len(pts) == 1 or len({s for s, _ in pts}) == 1:
+        s, t = max(pts)
+        return 0.0, s / t if s > 0 else float("inf")
+    sw = sx = sy = sxx = sxy = 0.0
+    for s, t in pts:
+        w = 1.0 / (t * t)
+        sw += w
+        sx += w * s
+        sy += w * t
+        sxx += w * s * s
+        sxy += w * s * t
+    det = sw * sxx - sx * sx
+    slope = (sw * sxy - sx * sy) / det if det else 0.0
+    a = (sy - slope * sx) / sw
+    if slope <= 0:  # flat or noisy: bandwidth from the largest message, latency from the smallest
+        s_max, t_max = max(pts)
+        return min(t for _, t in pts), s_max / t_max
+    if a < 0:  # refit through the origin
+        a = 0.0
+        slope = sum(s * t / (t * t) for s, t in pts) / sum(s * s / (t * t) for s, t in pts)
+    return a, 1.0 / slope
+
+
+def busbw_factor(op: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth factor: busbw = algbw x factor."""
+    if n <= 1:
+        return 1.0
+    return 2.0 * (n - 1) / n if op == "all_reduce" else (n - 1) / n

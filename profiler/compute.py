@@ -1,0 +1,183 @@
+"""Compute and memory of one layer shard: forward/backward times, GEMM efficiency, saved bytes.
+
+Layers are built by ``autoconf.nn`` in local-width mode (``tp_group=None``): a tp-way shard at its
+local width, without collectives, which is exactly one tensor-parallel rank's compute. Timing is
+warm-up runs, then the median of ``repeats`` runs, with the interquartile range as the spread;
+CUDA work is synchronised before each clock read. Gradients accumulate across repeats, as they do
+over the micro-batches of a step.
+
+Compute is timed without sequence parallelism (in local-width mode its gathers are emulated by
+copies, which would count communication as compute); activation bytes are measured both ways.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from autoconf import nn as acnn
+from autoconf.model import ModelSpec
+
+
+@dataclass(frozen=True)
+class Item:
+    """One measurement: a layer kind at a micro-batch size, tp shard and recompute mode."""
+
+    layer: str
+    micro_batch_size: int
+    tp: int
+    recompute: str = "none"
+
+
+def layer_items(micro_batch_sizes, tps, recompute_modes) -> list[Item]:
+    out = []
+    for tp in tps:
+        for mbs in micro_batch_sizes:
+            out.append(Item("embedding", mbs, tp))
+            out += [Item("block", mbs, tp, rc) for rc in recompute_modes]
+            out.append(Item("head", mbs, tp))
+    return out
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build(model: ModelSpec, layer: str, mbs: int, tp: int, recompute: str, sp: bool, device, seed: int = 0):
+    """(module, inputs, run) for one layer shard; run(module, inputs) -> a tensor to call backward on."""
+    dtype = acnn.TORCH_DTYPES[model.dtype]
+    s, h = model.seq_length, model.hidden_size
+    s_local = s // tp if sp and tp > 1 else s
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    common = dict(tp_size=tp, tp_group=None, sequence_parallel=sp, dtype=dtype, device=device)
+    if layer == "embedding":
+        mod = acnn.Embedding(model, **common)
+        tokens = torch.randint(0, model.vocab_size, (mbs, s), generator=gen).to(device)
+        return mod, (tokens,)
+    x = (torch.randn(mbs, s_local, h, generator=gen) * 0.5).to(device=device, dtype=dtype).requires_grad_(True)
+    if layer == "block":
+        return acnn.Block(model, recompute=recompute, **common), (x,)
+    mod = acnn.Head(model, **common)
+    target = torch.randint(0, model.vocab_size, (mbs, s), generator=gen).to(device)
+    return mod, (x, target)
+
+
+def _step(mod, inputs, device, grad_cache: dict) -> tuple[float, float]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = mod(*inputs)
+    _sync(device)
+    t1 = time.perf_counter()
+    if out.dim() == 0:
+        out.backward()
+    else:
+        g = grad_cache.get("g")
+        if g is None or g.shape != out.shape:
+            g = grad_cache["g"] = torch.randn_like(out)
+        out.backward(g)
+    _sync(device)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def _iqr(xs: list[float]) -> float:
+    if len(xs) < 4:
+        return max(xs) - min(xs)
+    q = statistics.quantiles(xs, n=4)
+    return q[2] - q[0]
+
+
+def time_item(model: ModelSpec, item: Item, device, warmup: int, repeats: int) -> dict:
+    """Median forward and backward seconds of one layer shard (fields of LayerTiming)."""
+    mod, inputs = build(model, item.layer, item.micro_batch_size, item.tp, item.recompute, False, device)
+    mod.train()
+    cache: dict = {}
+    peak = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    for _ in range(warmup):
+        _step(mod, inputs, device, cache)
+    if device.type == "cuda":
+        peak = float(torch.cuda.max_memory_allocated(device) - base)
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        f, b = _step(mod, inputs, device, cache)
+        fwd.append(f)
+        bwd.append(b)
+    return {"layer": item.layer, "micro_batch_size": item.micro_batch_size, "tp": item.tp,
+            "recompute": item.recompute, "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
+            "forward_spread_s": _iqr(fwd), "backward_spread_s": _iqr(bwd), "repeats": repeats,
+            "step_peak_bytes": peak, "parameter_bytes": parameter_bytes(mod)}
+
+
+def activation_items(micro_batch_sizes, tps, recompute_modes) -> list[tuple]:
+    """(layer, mbs, tp, sp, recompute) to measure saved bytes for."""
+    out = []
+    for tp in tps:
+        sps = (False, True) if tp > 1 else (False,)
+        for mbs in micro_batch_sizes:
+            for sp in sps:
+                out.append(("embedding", mbs, tp, sp, "none"))
+                out += [("block", mbs, tp, sp, rc) for rc in recompute_modes]
+                out.append(("head", mbs, tp, sp, "none"))
+    return out
+
+
+def saved_bytes(model: ModelSpec, layer: str, mbs: int, tp: int, sp: bool, recompute: str, device) -> float:
+    """Bytes one layer shard saves for backward (profiler.memory.saved_activation_bytes)."""
+    from profiler.memory import saved_activation_bytes
+
+    mod, inputs = build(model, layer, mbs, tp, recompute, sp, device)
+    mod.train()
+    return float(saved_activation_bytes(mod, *inputs))
+
+
+def parameter_bytes(mod) -> tuple[float, int]:
+    """(bytes, count) of a module's parameters (a tied head built alone holds its own copy)."""
+    params = list(mod.parameters())
+    return float(sum(p.numel() * p.element_size() for p in params)), int(sum(p.numel() for p in params))
+
+
+# -- GEMM efficiency ---------------------------------------------------------------------------------
+
+def gemm_shapes(model: ModelSpec, micro_batch_sizes, tps, quick: bool, cuda: bool) -> list[tuple[int, int, int]]:
+    """The (m, n, k) of the layer GEMMs the search will ask about, plus a few squares for range."""
+    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_size
+    shapes = set()
+    for tp in tps:
+        vp = acnn.padded_vocab(model, tp) // tp
+        for mbs in micro_batch_sizes:
+            m = mbs * model.seq_length
+            shapes |= {(m, (h + 2 * kv) // tp, h), (m, h, h // tp), (m, (model.mlp_matrices - 1) * f // tp, h),
+                       (m, h, f // tp), (m, vp, h)}
+    if not quick:
+        squares = (1024, 2048, 4096, 8192) if cuda else (256, 512, 1024, 2048)
+        shapes |= {(n, n, n) for n in squares}
+    return sorted(shapes, key=lambda s: s[0] * s[1] * s[2])
+
+
+def time_gemm(m: int, n: int, k: int, dtype_name: str, device, repeats: int, min_sample_s: float = 0.01) -> float:
+    """Median seconds of one (m x k) @ (k x n) matmul; each sample loops until min_sample_s."""
+    dtype = acnn.TORCH_DTYPES[dtype_name]
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    _sync(device)
+    t0 = time.perf_counter()
+    torch.matmul(a, b)
+    _sync(device)
+    first = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, min(1000, int(min_sample_s / first)))
+    samples = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            torch.matmul(a, b)
+        _sync(device)
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)

@@ -1,0 +1,230 @@
+"""The profiler's main: run under torchrun, measure, gather to rank 0, write the profile.
+
+Phases: environment (hosts, devices, interfaces, framework overhead) -> compute (layer timings,
+GEMM table, activation and parameter bytes) -> point-to-point links -> collectives -> write.
+
+Who measures compute (``--compute-split``):
+
+- ``serial`` (the default on CPU): rank 0 measures everything while the other ranks wait at a
+  barrier (a gloo barrier sleeps; it burns no CPU). CPU ranks share the host's cores, so measuring
+  on several at once would time contention, not the device; the numbers are those of one rank
+  running alone with OMP_NUM_THREADS threads. Only rank 0's host is measured.
+- ``split`` (the default on CUDA): the ranks of each device kind split that kind's items
+  round-robin, so each kind is measured on its own devices in 1/n of the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shlex
+import sys
+import time
+import warnings
+
+from autoconf.errors import UserError
+from autoconf.model import load_model
+
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m profiler", description="Measure a model and the links between ranks "
+                                "(run under torchrun; see `autoconf profile` to launch locally).")
+    add_measure_args(p)
+    p.add_argument("--out", required=True, help="where to write the profile JSON")
+    return p.parse_args(argv)
+
+
+def add_measure_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by `python -m profiler` and `autoconf profile`."""
+    p.add_argument("--model", required=True, help="preset name, model YAML, or Hugging Face config.json")
+    p.add_argument("--seq-length", type=int, default=None, help="override the model's sequence length")
+    p.add_argument("--micro-batch-sizes", default=None, help="comma-separated (default 1,2,4; --quick 1,2)")
+    p.add_argument("--tp", default=None, help="comma-separated tp shard degrees (default: powers of two up to the "
+                   "ranks per node that divide the heads and the FFN)")
+    p.add_argument("--recompute", default=",".join(RECOMPUTE_MODES), help="comma-separated recompute modes to time")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 10; --quick 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 2; --quick 1)")
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests, a first look)")
+    p.add_argument("--compute-split", choices=("auto", "serial", "split"), default="auto",
+                   help="who measures compute: serial = rank 0 alone, split = ranks of a device kind share the "
+                   "items (auto: serial on CPU, split on CUDA)")
+    p.add_argument("--serial-links", action="store_true",
+                   help="measure one pair of ranks at a time instead of disjoint pairs in parallel")
+    p.add_argument("--skip-links", action="store_true", help="no point-to-point or collective measurements")
+    p.add_argument("--skip-compute", action="store_true", help="no layer, GEMM or memory measurements")
+    p.add_argument("--timeout-min", type=float, default=60.0, help="process-group timeout (ranks wait at barriers "
+                   "while others measure)")
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UserError(f"--{what}={text!r}: expected comma-separated positive integers, e.g. 1,2,4") from None
+    if not vals or any(v < 1 for v in vals):
+        raise UserError(f"--{what}={text!r}: expected comma-separated positive integers, e.g. 1,2,4")
+    return sorted(set(vals))
+
+
+def default_tps(model, local_world: int) -> list[int]:
+    out, t = [], 1
+    while t <= max(1, local_world):
+        if not (model.num_attention_heads % t or model.num_kv_heads % t or model.ffn_hidden_size % t):
+            out.append(t)
+        t *= 2
+    return out
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+        return run(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from . import compute, env, links, report
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
+    model = load_model(args.model, seq_length=args.seq_length)
+    quick = args.quick
+    mbs_list = _ints(args.micro_batch_sizes or ("1,2" if quick else "1,2,4"), "micro-batch-sizes")
+    repeats = args.repeats or (3 if quick else 10)
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    rc_modes = [m for m in args.recompute.split(",") if m]
+    bad = [m for m in rc_modes if m not in RECOMPUTE_MODES]
+    if bad:
+        raise UserError(f"--recompute: {', '.join(bad)}; valid: {', '.join(RECOMPUTE_MODES)}")
+
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    backend = "nccl" if cuda else "gloo"
+    if "MASTER_ADDR" not in os.environ:  # a plain `python -m profiler`: a world of one
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29533"),
+                          RANK="0", WORLD_SIZE="1")
+    kw = {"device_id": device} if cuda else {}
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=args.timeout_min), **kw)
+    t_start = time.perf_counter()
+
+    overhead = _overhead(device)
+    me = env.rank_info(rank, local_rank, local_world)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {"rank": me, "host": env.host_info(), "overhead": overhead})
+    ranks = sorted((e["rank"] for e in everyone), key=lambda r: r["rank"])
+    max_local = max(sum(1 for r in ranks if r["host"] == h) for h in {r["host"] for r in ranks})
+    tps = _ints(args.tp, "tp") if args.tp else default_tps(model, max_local)
+    for t in tps:
+        if model.num_attention_heads % t or model.num_kv_heads % t or model.ffn_hidden_size % t:
+            raise UserError(f"--tp {t} does not divide num_attention_heads({model.num_attention_heads}), "
+                            f"num_kv_heads({model.num_kv_heads}) and ffn_hidden_size({model.ffn_hidden_size})")
+    split = args.compute_split if args.compute_split != "auto" else ("split" if cuda else "serial")
+
+    items = [] if args.skip_compute else compute.layer_items(mbs_list, tps, rc_modes)
+    act_items = [] if args.skip_compute else compute.activation_items(mbs_list, tps, rc_modes)
+    gemms = [] if args.skip_compute else compute.gemm_shapes(model, mbs_list, tps, quick, cuda)
+    measurers = _measurers(ranks, split)
+    mine = measurers.get(rank)  # (index, count) among the ranks of this rank's device kind, or None
+    my_items = items[mine[0]::mine[1]] if mine else []
+    my_acts = act_items[mine[0]::mine[1]] if mine else []
+    my_gemms = gemms[mine[0]::mine[1]] if mine else []
+    p2p_sizes = links.P2P_SIZES_QUICK if quick else links.P2P_SIZES
+    coll_sizes = links.COLLECTIVE_SIZES_QUICK if quick else links.COLLECTIVE_SIZES
+    n_rounds = 0 if args.skip_links or world < 2 else links.link_rounds(world, args.serial_links)
+    n_coll = 0 if args.skip_links or world < 2 else links.collective_steps(world, coll_sizes)
+
+    bars = report.Bars(enabled=rank == 0)
+    with bars:
+        t_compute = bars.task("compute (this rank's share)", len(my_items) + len(my_acts) + len(my_gemms))
+        timings, acts, gemm_rows = [], [], []
+        for it in my_items:
+            bars.describe(t_compute, f"{it.layer} mbs={it.micro_batch_size} tp={it.tp} rc={it.recompute}")
+            timings.append(compute.time_item(model, it, device, warmup, repeats))
+            bars.advance(t_compute)
+        for layer, mbs, tp, sp, rc in my_acts:
+            bars.describe(t_compute, f"saved bytes {layer} mbs={mbs} tp={tp} sp={sp} rc={rc}")
+            acts.append({"layer": layer, "micro_batch_size": mbs, "tp": tp, "sequence_parallel": sp, "recompute": rc,
+                         "bytes": compute.saved_bytes(model, layer, mbs, tp, sp, rc, device)})
+            bars.advance(t_compute)
+        for m, n, k in my_gemms:
+            bars.describe(t_compute, f"GEMM {m}x{n}x{k} {model.dtype}")
+            gemm_rows.append({"m": m, "n": n, "k": k, "dtype": model.dtype,
+                              "time_s": compute.time_gemm(m, n, k, model.dtype, device, repeats)})
+            bars.advance(t_compute)
+        bars.describe(t_compute, "compute done; waiting for the other ranks")
+        dist.barrier()
+        if args.skip_compute:
+            bars.describe(t_compute, "compute skipped")
+
+        t_links = bars.task("links (tournament rounds)", n_rounds)
+        my_links = links.measure_p2p(device, p2p_sizes, repeats, quick, args.serial_links,
+                                     advance=lambda n: bars.advance(t_links, n)) if n_rounds else []
+        t_coll = bars.task("collectives", n_coll)
+        my_coll = links.measure_collectives(device, coll_sizes, repeats,
+                                            advance=lambda n: bars.advance(t_coll, n)) if n_coll else []
+
+    mine_all = {"timings": timings, "acts": acts, "gemm": gemm_rows, "links": my_links, "coll": my_coll,
+                "kind": me["device_kind"]}
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine_all, gathered, dst=0)
+    if rank == 0:
+        from .assemble import assemble
+
+        profile = assemble(args, model, everyone, gathered, backend, split, repeats, time.perf_counter() - t_start)
+        from autoconf.profile import save_profile
+
+        save_profile(profile, args.out)
+        report.summary(profile, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _measurers(ranks: list[dict], split: str) -> dict:
+    """rank -> (index, count) of the ranks that measure compute, per device kind."""
+    if split == "serial":
+        return {ranks[0]["rank"]: (0, 1)}
+    by_kind: dict = {}
+    for r in ranks:
+        by_kind.setdefault(r["device_kind"] or r["device_name"], []).append(r["rank"])
+    return {r: (i, len(rs)) for rs in by_kind.values() for i, r in enumerate(rs)}
+
+
+def _overhead(device) -> dict:
+    """Memory one rank costs before any model tensor (see MemoryOverhead)."""
+    import torch
+
+    from . import env
+
+    if device.type == "cuda":
+        a = torch.randn(256, 256, device=device)
+        (a @ a).sum().item()  # create the cuBLAS handle and workspace
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free
+        return {"bytes": float(used - torch.cuda.memory_reserved(device)),
+                "method": "cuda: device memory in use (total - free, mem_get_info) minus the caching allocator's "
+                          "reserved bytes, after process-group init and a first GEMM: CUDA context, NCCL and cuBLAS "
+                          "workspaces (assumes one rank per GPU)"}
+    return {"bytes": env.private_memory_bytes(),
+            "method": "cpu: anonymous (private heap) memory of the rank after importing torch and joining the "
+                      "process group, before any model tensor (/proc/self/smaps_rollup); shared library pages are "
+                      "excluded since all ranks of a host share them; RSS would count them once per rank"}
+
+
+def command_line() -> str:
+    return os.environ.get("AUTOCONF_PROFILE_COMMAND") or " ".join(shlex.quote(a) for a in [sys.executable, "-m", "profiler"] + sys.argv[1:])

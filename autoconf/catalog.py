@@ -23,6 +23,8 @@ class DeviceType:
     """Fraction of memory bandwidth a streaming kernel reaches."""
     kernel_launch_s: float
     """Fixed cost per kernel launch."""
+    framework_overhead_bytes: float = 0.0
+    """Device memory held outside the allocator's count (CUDA context, workspaces, comm buffers)."""
 
     def peak(self, dtype: str) -> float:
         if dtype in self.peak_flop_per_s:

@@ -1,0 +1,322 @@
+"""The command line: thin wrappers that load inputs, call one library function, print.
+
+Every command takes ``--json`` and then prints exactly one JSON document on stdout. Bad input is
+one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import __version__
+from .errors import UserError
+
+EPILOG = "This is autoconf-parallel (training-parallelism planner), not GNU Autoconf."
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse's default prints the usage too)
+        sys.stderr.write(f"autoconf: error: {message} (see `autoconf {self.prog.split()[-1]} --help`)\n"
+                         if " " in self.prog else f"autoconf: error: {message}\n")
+        sys.exit(2)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return v
+
+
+def _add_target(p, cluster_required: bool = False):
+    p.add_argument("--model", required=True, help="preset name (see `autoconf models`), model YAML, or HF config.json")
+    p.add_argument("--cluster", required=cluster_required, help="cluster YAML (see examples/clusters/)")
+    p.add_argument("--profile", help="a profile from `autoconf profile` (measured compute, memory, links)")
+    p.add_argument("--calibration", help="calibration JSON from `autoconf search --verify K --calibrate`")
+    p.add_argument("--seq-length", type=_positive_int, help="override the model's sequence length")
+    p.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per optimizer step")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = _Parser(prog="autoconf", description="Plan data/pipeline/tensor-parallel training: "
+                 "measure, search, verify, launch.", epilog=EPILOG)
+    ap.add_argument("--version", action="version", version=f"autoconf (autoconf-parallel) {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("models", help="list the built-in model presets")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("devices", help="list the device catalog")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("estimate", help="explain the time and memory of one configuration")
+    _add_target(p)
+    p.add_argument("--dp", type=_positive_int, required=True)
+    p.add_argument("--pp", type=_positive_int, default=1)
+    p.add_argument("--tp", type=_positive_int, default=1)
+    p.add_argument("--micro-batch-size", type=_positive_int, default=1)
+    p.add_argument("--schedule", default=None, help="gpipe, 1f1b, interleaved, breadth_first (default 1f1b)")
+    p.add_argument("--virtual-stages", type=_positive_int, default=1)
+    p.add_argument("--layered-grad-accum", action="store_true")
+    p.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
+    p.add_argument("--recompute", default="none", help="none, selective, full")
+    p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--rank-order", default="tp-dp-pp")
+
+    p = sub.add_parser("search", help="search the space for the fastest configuration that fits")
+    _add_target(p)
+    p.add_argument("--gpus", type=_positive_int, help="use this many devices (default: all in the cluster)")
+    p.add_argument("--top", type=_positive_int, default=5)
+    p.add_argument("--trials", type=_positive_int, help="trial budget (default: the whole space up to 400)")
+    p.add_argument("--storage", default="sqlite:///autoconf-study.db",
+                   help="Optuna storage URL (default: sqlite:///autoconf-study.db); 'none' keeps it in memory")
+    p.add_argument("--study-name", help="resume or share a study by name")
+    p.add_argument("--max-micro-batch", type=_positive_int, default=64)
+    p.add_argument("--emit", metavar="DIR", help="write launch files for the best configuration")
+    p.add_argument("--verify", type=int, default=0, metavar="K", help="run the top K as short real trials")
+    p.add_argument("--steps", type=_positive_int, default=6, help="steps per verifying trial")
+    p.add_argument("--calibrate", metavar="FILE", help="with --verify: fit correction factors, save them to FILE")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    for mod, fn in (("autoconf.trial", "add_trial_parser"), ("profiler.cli", "add_profile_parser")):
+        try:
+            getattr(__import__(mod, fromlist=[fn]), fn)(sub)
+        except (ImportError, AttributeError):
+            pass
+    return ap
+
+
+def _load_inputs(args):
+    from .cluster import load_cluster
+    from .model import load_model
+    model = load_model(args.model, seq_length=args.seq_length)
+    cluster = load_cluster(args.cluster) if args.cluster else None
+    profile = calibration = None
+    if getattr(args, "profile", None):
+        from .profile import check_profile_matches, load_profile
+        profile = load_profile(args.profile)
+        check_profile_matches(profile, model)
+    if getattr(args, "calibration", None):
+        from .cost.calibration import load_calibration
+        calibration = load_calibration(args.calibration)
+    if cluster is None and profile is None:
+        raise UserError("give --cluster FILE (see examples/clusters/) or --profile FILE")
+    return model, cluster, profile, calibration
+
+
+def _print_json(doc) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, default=float) + "\n")
+
+
+def cmd_models(args) -> int:
+    from .model import preset, preset_names
+    rows = [preset(n) for n in preset_names()]
+    if args.json:
+        _print_json([{**m.to_dict(), "num_params": m.num_params()} for m in rows])
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title="model presets")
+    for col in ("name", "params", "layers", "hidden", "heads", "kv", "ffn", "vocab", "seq", "act"):
+        t.add_column(col, justify="left" if col in ("name", "act") else "right")
+    for m in rows:
+        t.add_row(m.name, f"{m.num_params() / 1e9:.3f}B", str(m.num_layers), str(m.hidden_size),
+                  str(m.num_attention_heads), str(m.num_kv_heads), str(m.ffn_hidden_size), str(m.vocab_size),
+                  str(m.seq_length), m.activation)
+    Console().print(t)
+    return 0
+
+
+def cmd_devices(args) -> int:
+    from .catalog import device_names, device_type
+    rows = [device_type(n) for n in device_names()]
+    if args.json:
+        _print_json([d.to_dict() for d in rows])
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+    t = Table(title="device catalog (datasheet; a profile replaces the efficiencies)")
+    for col in ("name", "bf16 TFLOP/s", "fp32 TFLOP/s", "memory", "mem bw", "GEMM eff"):
+        t.add_column(col)
+    for d in rows:
+        t.add_row(d.name, f"{d.peak_flop_per_s.get('bf16', 0) / 1e12:g}", f"{d.peak_flop_per_s['fp32'] / 1e12:g}",
+                  f"{d.memory_bytes / 2**30:.0f} GiB", f"{d.memory_bandwidth_bytes_per_s / 1e9:g} GB/s",
+                  f"{d.gemm_efficiency:g}")
+    Console().print(t)
+    return 0
+
+
+def cmd_estimate(args) -> int:
+    from .config import ParallelConfig
+    from .cost.estimate import estimate
+    model, cluster, profile, calibration = _load_inputs(args)
+    per_replica = args.dp * args.micro_batch_size
+    if args.global_batch % per_replica:
+        raise UserError(f"--global-batch {args.global_batch} is not divisible by dp({args.dp}) x "
+                        f"micro-batch-size({args.micro_batch_size}) = {per_replica}")
+    schedule = args.schedule or ("breadth_first" if args.virtual_stages > 1 and args.layered_grad_accum
+                                 else "interleaved" if args.virtual_stages > 1 else "1f1b")
+    config = ParallelConfig(dp=args.dp, pp=args.pp, tp=args.tp, micro_batch_size=args.micro_batch_size,
+                            num_micro_batches=args.global_batch // per_replica, schedule=schedule,
+                            virtual_stages=args.virtual_stages, layered_grad_accum=args.layered_grad_accum,
+                            zero_stage=args.zero, recompute=args.recompute,
+                            sequence_parallel=args.sequence_parallel, rank_order=args.rank_order)
+    e = estimate(config, model, cluster, profile, calibration)
+    if args.json:
+        _print_json(e.to_dict())
+        return 0
+    from rich.console import Console
+    from .report import estimate_tables
+    con = Console()
+    for t in estimate_tables(e):
+        con.print(t)
+    for note in e.notes:
+        con.print(f"note: {note}")
+    for r in e.reasons:
+        con.print(f"[red]{r}[/red]")
+    return 0
+
+
+def cmd_search(args) -> int:
+    from .search import search
+    model, cluster, profile, calibration = _load_inputs(args)
+    storage = None if args.storage.lower() in ("none", "memory", "") else args.storage
+    if args.calibrate and args.verify <= 0:
+        raise UserError("--calibrate needs --verify K (K >= 1): it fits factors to the verifying trials")
+    progress = None
+    bar = None
+    if not args.quiet and not args.json and sys.stderr.isatty():
+        from rich.progress import Progress
+        bar = Progress(transient=True)
+        task = bar.add_task("search", total=None)
+        bar.start()
+
+        def progress(done, total):
+            bar.update(task, completed=done, total=total)
+    try:
+        result = search(model, cluster, args.global_batch, gpus=args.gpus, top=max(args.top, args.verify),
+                        trials=args.trials, storage=storage, study_name=args.study_name, profile=profile,
+                        calibration=calibration, max_micro_batch=args.max_micro_batch, progress=progress)
+    finally:
+        if bar is not None:
+            bar.stop()
+    if not result.top:
+        e = result.smallest_memory
+        need = f"; the least memory-hungry configuration ({e.config.short()}) needs {e.peak_memory_bytes / 2**30:.2f} GiB per device" if e else ""
+        raise UserError(f"no configuration of {model.name} fits in the devices' memory{need}")
+    doc = result.to_dict()
+    verified = None
+    if args.verify > 0:
+        verified = _verify(args, model, cluster, profile, result)
+        doc["verified"] = verified
+    best = result.top[0]
+    if verified:
+        ok = [v for v in verified if v["trial"]["ok"]]
+        if ok:
+            from .config import ParallelConfig
+            chosen = min(ok, key=lambda v: v["trial"]["step_time_s"])
+            best = next(e for e in result.top if e.config == ParallelConfig.from_dict(chosen["config"]))
+    doc["top"] = doc["top"][:args.top]
+    doc["best"] = best.to_dict()
+    if args.emit:
+        from .emit import emit
+        doc["emitted"] = emit(best, model, cluster, args.emit, args.profile)
+    if args.json:
+        _print_json(doc)
+        return 0
+    from rich.console import Console
+    from .report import search_tables
+    con = Console()
+    for t in search_tables(result):
+        con.print(t)
+    for n in result.notes:
+        con.print(f"note: {n}")
+    if verified:
+        _print_verified(con, verified)
+    con.print(f"best: {best.config.short()}  predicted {best.step_time_s:.4g} s/step, "
+              f"{best.tokens_per_s:,.0f} tokens/s, {best.peak_memory_bytes / 2**30:.2f} GiB peak")
+    con.print(f"study {result.study_name!r} in {result.storage or 'memory'}")
+    if args.emit:
+        con.print(f"launch files: {', '.join(doc['emitted'])}")
+    return 0
+
+
+def _verify(args, model, cluster, profile, result) -> list[dict]:
+    """Run the top K as real trials; record them in the study; optionally calibrate."""
+    from .trial import verify
+    cands = list(result.top[:args.verify])
+    trials = verify([e.config for e in cands], model, cluster, steps=args.steps)
+    out = [{"config": e.config.to_dict(), "predicted_step_time_s": e.step_time_s,
+            "predicted_peak_memory_bytes": e.peak_memory_bytes, "trial": t.to_dict()}
+           for e, t in zip(cands, trials)]
+    if result.storage:
+        _record_verified(result, out)
+    if args.calibrate:
+        from .cost.calibration import fit_calibration, save_calibration
+        pairs = [(e, t) for e, t in zip(cands, trials) if t.ok]
+        if not pairs:
+            raise UserError("--calibrate: no verifying trial succeeded, nothing to fit")
+        save_calibration(fit_calibration(pairs), args.calibrate)
+    return out
+
+
+def _record_verified(result, verified: list[dict]) -> None:
+    import optuna
+    study = optuna.load_study(study_name=result.study_name, storage=result.storage)
+    for t in study.get_trials(deepcopy=False):
+        for v in verified:
+            if t.user_attrs.get("config") == v["config"]:
+                tr = v["trial"]
+                study._storage.set_trial_user_attr(t._trial_id, "measured_step_time_s", tr.get("step_time_s"))
+                study._storage.set_trial_user_attr(t._trial_id, "measured_peak_memory_bytes", tr.get("peak_memory_bytes"))
+                study._storage.set_trial_user_attr(t._trial_id, "trial_ok", tr.get("ok"))
+                study._storage.set_trial_user_attr(t._trial_id, "trial_reason", tr.get("reason"))
+
+
+def _print_verified(con, verified) -> None:
+    from rich.table import Table
+    t = Table(title="verified by real trials")
+    for col in ("config", "predicted", "measured", "error", "peak mem (pred / meas)", "status"):
+        t.add_column(col)
+    for v in verified:
+        tr = v["trial"]
+        meas = tr.get("step_time_s")
+        err = f"{100 * (v['predicted_step_time_s'] / meas - 1):+.1f}%" if tr["ok"] and meas else ""
+        from .config import ParallelConfig
+        t.add_row(ParallelConfig.from_dict(v["config"]).short(), f"{v['predicted_step_time_s']:.4g} s",
+                  f"{meas:.4g} s" if meas else "-", err,
+                  f"{v['predicted_peak_memory_bytes'] / 2**20:.1f} / "
+                  + (f"{tr['peak_memory_bytes'] / 2**20:.1f} MiB" if tr.get("peak_memory_bytes") else "-"),
+                  "ok" if tr["ok"] else f"failed: {tr.get('reason')}")
+    con.print(t)
+
+
+COMMANDS = {"models": cmd_models, "devices": cmd_devices, "estimate": cmd_estimate, "search": cmd_search}
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    fn = COMMANDS.get(args.command)
+    if fn is None:
+        fn = {"trial": "autoconf.trial:cmd_trial", "profile": "profiler.cli:cmd_profile"}[args.command]
+        mod, name = fn.split(":")
+        fn = getattr(__import__(mod, fromlist=[name]), name)
+    try:
+        return fn(args) or 0
+    except UserError as e:
+        sys.stderr.write(f"autoconf: error: {e}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("autoconf: interrupted (finished trials are kept in the study)\n")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

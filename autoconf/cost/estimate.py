@@ -1,0 +1,478 @@
+"""estimate(config, model, cluster[, profile]) -> Estimate: step time and memory, term by term.
+
+Pure: no torch, no I/O, no globals beyond caches of pure results. The recipe:
+
+1. per pipeline chunk, forward/backward time per micro-batch on the slowest device of its stage
+   (roofline per op in ``compute``, or the profile's measured layer times) plus the exposed
+   tensor-parallel collectives of its layers (``comm``, on the links the tp groups span);
+2. the schedule simulated event by event (``pipeline.simulate``) with the point-to-point time of
+   the link between adjacent chunks' devices, twice (with and without transfers, to separate
+   bubble from pipeline communication);
+3. data-parallel reductions queued per device as each chunk's gradients become final (the last
+   micro-batch's backward for standard accumulation; progressively for layered / breadth-first),
+   ZeRO-2/3's per-micro-batch traffic against the compute it overlaps, ZeRO-3's parameter gathers;
+4. the optimizer step (memory-bound);
+5. memory per stage: model states (ZeRO), activations x live micro-batches from the simulation,
+   embedding / output layer on the stages that hold them, buffers and framework overhead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..catalog import device_type
+from ..config import ParallelConfig, check, layers_per_chunk
+from ..errors import UserError
+from ..model import ModelSpec
+from ..topology import Topology, axis_groups, rank_coords
+from . import comm
+from .activations import embedding_activation_bytes, head_activation_bytes, layer_activation_bytes
+from .compute import LayerTimes, Roofline, block_times, embedding_times, head_times, optimizer_s
+from .memory import state_bytes_per_param, zero3_working_bytes
+from .pipeline import peak_activation, simulate
+
+TIME_TERMS = ("compute", "recompute", "tp_comm", "bubble", "pp_comm", "dp_comm", "optimizer")
+MEMORY_TERMS = ("parameters", "gradients", "optimizer", "activations", "other")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    config: ParallelConfig
+    step_time_s: float
+    breakdown_s: dict
+    """compute, recompute, tp_comm, bubble, pp_comm, dp_comm, optimizer: they add up to the step."""
+    memory_by_stage: tuple
+    """Per pipeline stage (its most loaded device): parameters, gradients, optimizer, activations,
+    other, total, capacity (bytes)."""
+    peak_memory_bytes: float
+    fits: bool
+    tokens_per_s: float
+    mfu: float
+    reasons: tuple = ()
+    notes: tuple = ()
+
+    def to_dict(self) -> dict:
+        return {"config": self.config.to_dict(), "step_time_s": self.step_time_s,
+                "breakdown_s": dict(self.breakdown_s), "peak_memory_bytes": self.peak_memory_bytes,
+                "memory_by_stage": [dict(m) for m in self.memory_by_stage], "fits": self.fits,
+                "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "reasons": list(self.reasons),
+                "notes": list(self.notes)}
+
+    @property
+    def memory_excess_bytes(self) -> float:
+        """How far the worst stage is over its capacity (negative: headroom)."""
+        return max(m["total"] - m["capacity"] for m in self.memory_by_stage)
+
+
+@dataclass
+class CostContext:
+    """What does not change between configurations: links, devices, measured data. Build once."""
+
+    model: ModelSpec
+    cluster: object = None
+    profile: object = None
+    calibration: object = None
+    topology: Topology = None
+    _cache: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.topology is None:
+            if self.cluster is not None:
+                self.topology = Topology(self.cluster.graph())
+            elif self.profile is not None:
+                from .measured import topology_graph
+                self.topology = Topology(topology_graph(self.profile))
+            else:
+                raise UserError("estimate needs a cluster file or a profile (--cluster or --profile)")
+        self.num_devices = self.topology.num_devices
+        self.profile_kind = None
+        if self.profile is not None:
+            from .measured import gemm_efficiency
+            kinds = {self.topology.kind_of[i] for i in range(self.num_devices)}
+            self.profile_kind = _profile_device_kind(self.profile) or (kinds.pop() if len(kinds) == 1 else None)
+            self._gemm_eff = lambda m, n, k: gemm_efficiency(self.profile, m, n, k)
+
+    def roofline(self, kind: str) -> Roofline:
+        key = ("rf", kind)
+        if key not in self._cache:
+            eff = self._gemm_eff if self.profile is not None and kind == self.profile_kind else None
+            self._cache[key] = Roofline.of(device_type(kind), self.model.dtype, eff)
+        return self._cache[key]
+
+    def mask_bytes(self, kind: str) -> int:
+        # PyTorch keeps dropout masks as bool (1 byte) on CUDA, at the activation's precision on CPU.
+        return self.model.dtype_bytes if kind == "cpu" else 1
+
+    def cached(self, key, fn):
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = fn()
+        return hit
+
+
+def _profile_device_kind(profile) -> str | None:
+    ranks = getattr(profile, "ranks", None) or []
+    kinds = {r.get("device_kind") if isinstance(r, dict) else getattr(r, "device_kind", None) for r in ranks}
+    kinds.discard(None)
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+# ---------------------------------------------------------------------------------------------
+# per-layer compute (roofline or measured)
+
+
+def _block(ctx: CostContext, kind: str, b: int, tp: int, sp: bool, recompute: str) -> LayerTimes:
+    def make():
+        if ctx.profile is not None and kind == ctx.profile_kind:
+            from .measured import block_times as measured_block
+            got = measured_block(ctx.profile, ctx.model, b, tp, recompute)
+            if got:
+                rc = got[0] if recompute == "full" else 0.0
+                return LayerTimes(got[0], got[1], rc)
+        return block_times(ctx.model, b, tp, sp, recompute, ctx.roofline(kind))
+    return ctx.cached(("block", kind, b, tp, sp, recompute), make)
+
+
+def _edge(ctx: CostContext, kind: str, b: int, tp: int, which: str) -> LayerTimes:
+    def make():
+        if ctx.profile is not None and kind == ctx.profile_kind:
+            from . import measured
+            got = (measured.embedding_times if which == "embedding" else measured.head_times)(ctx.profile, ctx.model, b, tp)
+            if got:
+                return LayerTimes(got[0], got[1])
+        fn = embedding_times if which == "embedding" else head_times
+        return fn(ctx.model, b, tp, ctx.roofline(kind))
+    return ctx.cached((which, kind, b, tp), make)
+
+
+# ---------------------------------------------------------------------------------------------
+# groups and links for a layout
+
+
+def _axis_links(ctx: CostContext, c: ParallelConfig, axis: str):
+    """GroupLinks of every group along an axis, with NIC sharing among groups running together."""
+    def make():
+        topo = ctx.topology
+        groups = axis_groups(c.dp, c.pp, c.tp, c.rank_order, axis)
+        active: dict = {}
+        for grp in groups:
+            hosts = {topo.host_of[d] for d in grp}
+            if len(hosts) > 1:
+                for d in grp:
+                    active[topo.host_of[d]] = active.get(topo.host_of[d], 0) + 1
+        distinct = {}
+        for grp in groups:
+            # groups with the same hosts, NIC sharing and link speeds have the same links: keep one
+            g = topo.group_links(grp, {h: active[h] for h in {topo.host_of[d] for d in grp} if h in active} or None)
+            distinct[g] = g
+        return list(distinct)
+    return ctx.cached(("axis", c.dp, c.pp, c.tp, c.rank_order, axis), make)
+
+
+def _worst(links, fn, nbytes: float) -> float:
+    """The slowest group's time: all groups of an axis run the collective together."""
+    return max(fn(nbytes, g) for g in links)
+
+
+def _stage_devices(c: ParallelConfig) -> list[list[int]]:
+    out = [[] for _ in range(c.pp)]
+    for r in range(c.world_size):
+        out[rank_coords(r, c.dp, c.pp, c.tp, c.rank_order)["pp"]].append(r)
+    return out
+
+
+def _p2p_times(ctx: CostContext, c: ParallelConfig, nbytes: float) -> list[float]:
+    """Transfer time between consecutive pipeline stages (slowest replica pair), per stage pair."""
+    def make():
+        topo = ctx.topology
+        by_stage: dict = {}
+        for r in range(c.world_size):
+            co = rank_coords(r, c.dp, c.pp, c.tp, c.rank_order)
+            by_stage[(co["pp"], co["dp"], co["tp"])] = r
+        links = []
+        for s in range(c.pp):
+            nxt = (s + 1) % c.pp
+            worst = (0.0, 0.0)
+            for d in range(c.dp):
+                for t in range(c.tp):
+                    bw, lat = topo.p2p(by_stage[(s, d, t)], by_stage[(nxt, d, t)])
+                    worst = max(worst, (1.0 / bw, lat))
+            links.append(worst)
+        return links
+    links = ctx.cached(("p2p", c.dp, c.pp, c.tp, c.rank_order), make)
+    return [lat + nbytes * inv_bw for inv_bw, lat in links]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def estimate(config: ParallelConfig, model: ModelSpec, cluster=None, profile=None, calibration=None,
+             ctx: CostContext | None = None) -> Estimate:
+    """Estimate one configuration. Pass ``ctx`` (a CostContext) when estimating many."""
+    if ctx is None:
+        ctx = CostContext(model, cluster, profile, calibration)
+    reason = check(config, model)
+    if reason:
+        raise UserError(f"invalid configuration ({config.short()}): {reason}")
+    if config.world_size > ctx.num_devices:
+        raise UserError(f"dp({config.dp}) x pp({config.pp}) x tp({config.tp}) = {config.world_size} devices, "
+                        f"but the cluster has {ctx.num_devices}")
+    return _estimate(config, ctx)
+
+
+def _estimate(c: ParallelConfig, ctx: CostContext) -> Estimate:
+    m = ctx.model
+    topo = ctx.topology
+    b, tp, sp, B = c.micro_batch_size, c.tp, c.sequence_parallel, m.dtype_bytes
+    n_mb = c.num_micro_batches
+    stage_devs = ctx.cached(("stages", c.dp, c.pp, c.tp, c.rank_order), lambda: _stage_devices(c))
+    stage_kinds = [sorted({topo.kind_of[d] for d in devs}) for devs in stage_devs]
+
+    # pipeline chunks: pp=1 layered accumulation is simulated layer by layer
+    layered_pp1 = c.pp == 1 and c.layered_grad_accum
+    v_sim = m.num_layers if layered_pp1 else c.virtual_stages
+    sched = "breadth_first" if layered_pp1 else c.schedule
+    n_chunks = c.pp * v_sim
+    chunk_layers = layers_per_chunk(m.num_layers, n_chunks)
+    layered = c.layered_grad_accum or c.schedule == "breadth_first"
+
+    # tensor-parallel collectives per layer (Megatron: 2 in forward, 2 in backward; SP: AG + RS)
+    act_bytes_full = b * m.seq_length * m.hidden_size * B
+    tp_links = _axis_links(ctx, c, "tp") if tp > 1 else None
+    if tp > 1:
+        one = (_worst(tp_links, comm.all_gather_s, act_bytes_full) + _worst(tp_links, comm.reduce_scatter_s, act_bytes_full)
+               if sp else _worst(tp_links, comm.all_reduce_s, act_bytes_full))
+        tp_fwd_layer = 2 * one
+        tp_bwd_layer = 2 * one + (tp_fwd_layer if c.recompute == "full" else 0.0)
+        tp_edge = one  # embedding forward reduce / head backward reduce
+    else:
+        tp_fwd_layer = tp_bwd_layer = tp_edge = 0.0
+
+    # data-parallel links and per-chunk gradient / parameter bytes
+    dp_links = _axis_links(ctx, c, "dp") if c.dp > 1 else None
+    _, g_bytes, _ = _state_bytes(m.dtype)
+    chunk_params = []
+    for ci, nl in enumerate(chunk_layers):
+        p = nl * m.layer_params()
+        if ci == 0:
+            p += m.embedding_params()
+        if ci == n_chunks - 1:
+            p += m.output_params() + (m.vocab_size * m.hidden_size if m.tied_embeddings and n_chunks > 1 else 0)
+        chunk_params.append(p / tp)
+
+    fwd, bwd = [], []
+    comp_f, comp_b, rc_part, tp_part, dp_inline = [], [], [], [], []
+    for ci, nl in enumerate(chunk_layers):
+        stage = ci % c.pp
+        best = None
+        for kind in stage_kinds[stage]:
+            lt = _block(ctx, kind, b, tp, sp, c.recompute)
+            f, bw_, rc = nl * lt.forward_s, nl * lt.backward_s, nl * lt.recompute_s
+            if ci == 0:
+                e = _edge(ctx, kind, b, tp, "embedding")
+                f, bw_ = f + e.forward_s, bw_ + e.backward_s
+            if ci == n_chunks - 1:
+                h = _edge(ctx, kind, b, tp, "head")
+                f, bw_ = f + h.forward_s, bw_ + h.backward_s
+            if best is None or f + bw_ > best[0] + best[1]:
+                best = (f, bw_, rc)
+        f, bw_, rc = best
+        tpf = nl * tp_fwd_layer + (tp_edge if ci == 0 else 0.0)
+        tpb = nl * tp_bwd_layer + (tp_edge if ci == n_chunks - 1 else 0.0)
+        # ZeRO-2/3 traffic that runs every micro-batch, overlapped with that chunk's compute
+        extra_f = extra_b = 0.0
+        if c.dp > 1 and c.zero_stage >= 2 and not layered:
+            rs = _worst(dp_links, comm.reduce_scatter_s, chunk_params[ci] * g_bytes)
+            extra_b += max(0.0, rs - bw_) * (n_mb - 1) / n_mb
+        if c.dp > 1 and c.zero_stage == 3:
+            ag = _worst(dp_links, comm.all_gather_s, chunk_params[ci] * B)
+            per = 1.0 if layered else float(n_mb)
+            # prefetching hides a gather behind the previous layer's compute; the first is exposed
+            extra_f += (max(0.0, ag - f) + ag / max(chunk_layers[ci], 1)) * per / n_mb
+            extra_b += (max(0.0, ag - bw_) + ag / max(chunk_layers[ci], 1)) * per / n_mb
+        comp_f.append(f - 0.0)
+        comp_b.append(bw_ - rc)
+        rc_part.append(rc)
+        tp_part.append(tpf + tpb)
+        dp_inline.append(extra_f + extra_b)
+        fwd.append(f + tpf + extra_f)
+        bwd.append(bw_ + tpb + extra_b)
+
+    # pipeline transfers: the activation of one micro-batch (sharded along the sequence with SP)
+    p2p_bytes = act_bytes_full / (tp if sp else 1)
+    if c.pp > 1:
+        per_stage = _p2p_times(ctx, c, p2p_bytes)
+        p2p = tuple(per_stage[ci % c.pp] for ci in range(n_chunks - 1))
+    else:
+        p2p = tuple(0.0 for _ in range(n_chunks - 1))
+    fwd_t, bwd_t = tuple(fwd), tuple(bwd)
+    sim = _run_schedule(sched, c.pp, n_mb, v_sim, fwd_t, bwd_t, p2p)
+    sim0 = sim if not any(p2p) else _run_schedule(sched, c.pp, n_mb, v_sim, fwd_t, bwd_t, tuple(0.0 for _ in p2p))
+    makespan = sim.makespan_s
+
+    # data-parallel reductions queued per device as gradients become final
+    dp_tail = 0.0
+    post_ag = 0.0
+    if c.dp > 1:
+        if c.zero_stage <= 1:
+            red = comm.all_reduce_s if c.zero_stage == 0 else comm.reduce_scatter_s
+        else:
+            red = comm.reduce_scatter_s
+        end_all = makespan
+        for dev in range(c.pp):
+            chunks = sorted(range(dev, n_chunks, c.pp), key=lambda ci: sim.last_backward_end_s[ci])
+            t_free = 0.0
+            for ci in chunks:
+                t = _worst(dp_links, red, chunk_params[ci] * g_bytes)
+                start = max(t_free, sim.last_backward_end_s[ci] - bwd_t[ci] * (1 - 1 / max(chunk_layers[ci], 1)))
+                t_free = start + t
+            end_all = max(end_all, t_free)
+        dp_tail = end_all - makespan
+        if c.zero_stage in (1, 2):
+            # updated parameter shards are gathered back after the optimizer step
+            post_ag = max(_worst(dp_links, comm.all_gather_s, sum(chunk_params[ci] for ci in range(dev, n_chunks, c.pp)) * B)
+                          for dev in range(c.pp))
+
+    # optimizer
+    opt = 0.0
+    for dev in range(c.pp):
+        local = sum(chunk_params[ci] for ci in range(dev, n_chunks, c.pp)) / (c.dp if c.zero_stage >= 1 else 1)
+        opt = max(opt, max(optimizer_s(local, m.dtype != "fp32", ctx.roofline(k)) for k in stage_kinds[dev]))
+
+    # breakdown on the busiest device
+    dev_busy = max(range(c.pp), key=lambda d: sim.busy_s[d])
+    mine = range(dev_busy, n_chunks, c.pp)
+    compute = sum((comp_f[ci] + comp_b[ci]) for ci in mine) * n_mb
+    recompute_t = sum(rc_part[ci] for ci in mine) * n_mb
+    tp_t = sum(tp_part[ci] for ci in mine) * n_mb
+    dp_in = sum(dp_inline[ci] for ci in mine) * n_mb
+    busy = sim.busy_s[dev_busy]
+    bubble = max(0.0, sim0.makespan_s - busy)
+    pp_t = max(0.0, makespan - sim0.makespan_s)
+    breakdown = {"compute": compute, "recompute": recompute_t, "tp_comm": tp_t, "bubble": bubble,
+                 "pp_comm": pp_t, "dp_comm": dp_in + dp_tail + post_ag, "optimizer": opt}
+    # keep the parts summing to the simulated step (rounding of the busiest-device attribution)
+    residual = (makespan + dp_tail + post_ag + opt) - sum(breakdown.values())
+    breakdown["bubble"] = max(0.0, breakdown["bubble"] + residual)
+
+    memory = _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, v_sim, n_chunks)
+    if ctx.calibration is not None:
+        f = ctx.calibration.factors
+        breakdown = {k: v * f.get(k, 1.0) for k, v in breakdown.items()}
+        memory = [_calibrate_memory(mm, f) for mm in memory]
+    step = sum(breakdown.values())
+    reasons = []
+    for s, mm in enumerate(memory):
+        if mm["total"] > mm["capacity"]:
+            reasons.append(f"out of memory: stage {s} needs {mm['total'] / 2**30:.2f} GiB "
+                           f"> {mm['capacity'] / 2**30:.2f} GiB")
+    tokens = c.global_batch * m.seq_length
+    peak_sum = ctx.cached(("peak", c.world_size),
+                          lambda: sum(device_type(topo.kind_of[d]).peak(m.dtype) for d in range(c.world_size)))
+    notes = []
+    if c.world_size < ctx.num_devices:
+        notes.append(f"uses the first {c.world_size} of {ctx.num_devices} devices")
+    return Estimate(config=c, step_time_s=step, breakdown_s=breakdown, memory_by_stage=tuple(memory),
+                    peak_memory_bytes=max(mm["total"] for mm in memory), fits=not reasons,
+                    tokens_per_s=tokens / step, mfu=m.model_flops_per_token() * tokens / (step * peak_sum),
+                    reasons=tuple(reasons), notes=tuple(notes))
+
+
+@dataclass(frozen=True)
+class _Schedule:
+    makespan_s: float
+    busy_s: tuple
+    last_backward_end_s: tuple
+    m_sim: int
+
+
+def _sim_size(schedule: str, pp: int, m: int) -> int:
+    """Micro-batches to simulate: all of them when few, else enough for the steady state.
+
+    Past the warm-up every schedule repeats one period per micro-batch, so the makespan is affine
+    in m there; the slope is measured from two simulations (exact for periodic steady states,
+    transfers included) instead of simulating thousands of micro-batches.
+    """
+    cap = max(3 * pp, 16)
+    if m <= cap + pp:
+        return m
+    return -(-cap // pp) * pp  # a multiple of pp (interleaved needs it)
+
+
+def _run_schedule(schedule, pp, m, v, fwd, bwd, p2p) -> _Schedule:
+    m_sim = _sim_size(schedule, pp, m)
+    r = simulate(schedule, pp, m_sim, v, fwd, bwd, p2p)
+    if m_sim == m:
+        return _Schedule(r.makespan_s, r.busy_s, r.last_backward_end_s, m)
+    r2 = simulate(schedule, pp, m_sim - pp, v, fwd, bwd, p2p)
+    slope = (r.makespan_s - r2.makespan_s) / pp
+    extra = (m - m_sim) * slope
+    scale = m / m_sim
+    return _Schedule(r.makespan_s + extra, tuple(b * scale for b in r.busy_s),
+                     tuple(t + extra for t in r.last_backward_end_s), m_sim)
+
+
+def _state_bytes(dtype: str):
+    from .memory import bytes_per_param
+    return bytes_per_param(dtype)
+
+
+def _calibrate_memory(mm: dict, f: dict) -> dict:
+    out = dict(mm)
+    for k in ("activations", "other"):
+        out[k] = mm[k] * f.get(k, 1.0)
+    out["total"] = sum(out[k] for k in MEMORY_TERMS)
+    return out
+
+
+def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, v_sim, n_chunks) -> list[dict]:
+    m = ctx.model
+    topo = ctx.topology
+    st = state_bytes_per_param(m.dtype, c.zero_stage, c.dp)
+    kinds = sorted({k for ks in stage_kinds for k in ks})
+    mask = max(ctx.mask_bytes(k) for k in kinds)
+    act_layer = _layer_act(ctx, c, mask)
+    per_chunk = []
+    for ci in range(n_chunks):
+        per_mb = chunk_layers[ci] * act_layer["total"]
+        if ci == 0:
+            per_mb += embedding_activation_bytes(m, c.micro_batch_size, c.tp, c.sequence_parallel, mask)
+        if ci == n_chunks - 1:
+            per_mb += head_activation_bytes(m, c.micro_batch_size, c.tp, c.sequence_parallel, mask)
+        per_chunk.append(per_mb)
+    # liveness is structural (independent of durations): simulate the steady-state size and scale
+    # the schedules that keep every micro-batch alive (gpipe, breadth-first, layered)
+    m_sim = _sim_size(sched, c.pp, c.num_micro_batches)
+    peaks = peak_activation(sched, c.pp, m_sim, v_sim, tuple(per_chunk))
+    grows = sched in ("gpipe", "breadth_first")
+    out = []
+    for s in range(c.pp):
+        kind = stage_kinds[s][0]
+        chunks = list(range(s, n_chunks, c.pp))
+        params = sum(chunk_params[ci] for ci in chunks)
+        acts = peaks[s] * (c.num_micro_batches / m_sim if grows else 1.0)
+        if c.recompute == "full":
+            acts += act_layer.get("recompute_working_bytes", 0.0)
+        other = device_type(kind).framework_overhead_bytes
+        if c.zero_stage == 3 and c.dp > 1:
+            other += zero3_working_bytes(m, c.tp)
+        # largest transient buffer: a gradient-reduction bucket (25 MiB as DDP) or a p2p receive buffer
+        other += (25 * 2**20 if c.dp > 1 else 0) + (c.micro_batch_size * m.seq_length * m.hidden_size * m.dtype_bytes if c.pp > 1 else 0)
+        mm = {"parameters": params * st.parameters, "gradients": params * st.gradients,
+              "optimizer": params * st.optimizer, "activations": acts, "other": other}
+        mm["total"] = sum(mm.values())
+        mm["capacity"] = min(topo.memory_of[d] for d in stage_devs[s])
+        out.append(mm)
+    return out
+
+
+def _layer_act(ctx, c, mask) -> dict:
+    def make():
+        if ctx.profile is not None:
+            from .measured import activation_bytes
+            got = activation_bytes(ctx.profile, ctx.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute)
+            if got:
+                base = layer_activation_bytes(ctx.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask)
+                return {**base, "total": float(got)}
+        return layer_activation_bytes(ctx.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask)
+    return ctx.cached(("act", c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask), make)

@@ -1,0 +1,49 @@
+"""Memory per device: model states under each ZeRO stage, activations, and the rest.
+
+Model states follow the ZeRO paper (Rajbhandari et al., arXiv 1910.02054, section 3.1): mixed-
+precision Adam keeps 2 bytes of 16-bit parameters, 2 of 16-bit gradients and K = 12 bytes of
+optimizer state (fp32 master copy, momentum, variance) per parameter: 16 in all. ZeRO-1 shards the
+12 over dp, ZeRO-2 also the gradients, ZeRO-3 also the parameters: 16, 4 + 12/d, 2 + 14/d, 16/d.
+Plain fp32 training keeps 4 + 4 + 8 (no master copy). Activations come from
+``activations.layer_activation_bytes`` (Korthikanti et al., arXiv 2205.05198, generalised to what
+this project's block really saves) times the live micro-batches the schedule simulation found.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model import ModelSpec
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter held by one device for parameters, gradients and optimizer state."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer
+
+
+def bytes_per_param(dtype: str) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes per parameter for AdamW in this precision."""
+    if dtype == "fp32":
+        return 4, 4, 8
+    return 2, 2, 12
+
+
+def state_bytes_per_param(dtype: str, zero_stage: int, dp: int) -> StateBytes:
+    """Model-state bytes per parameter on one device under ZeRO stage 0-3 with dp shards."""
+    p, g, o = bytes_per_param(dtype)
+    return StateBytes(parameters=p / dp if zero_stage >= 3 else p,
+                      gradients=g / dp if zero_stage >= 2 else g,
+                      optimizer=o / dp if zero_stage >= 1 else o)
+
+
+def zero3_working_bytes(model: ModelSpec, tp: int, layers_gathered: int = 2) -> float:
+    """ZeRO-3 gathers full layer parameters before use: the one in use plus one prefetched."""
+    return layers_gathered * model.layer_params() / tp * model.dtype_bytes

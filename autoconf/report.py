@@ -1,0 +1,60 @@
+"""Rich tables for estimates and search results (the CLI's human-readable output)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+from .units import fmt_bytes, fmt_seconds
+
+# where each number comes from: one hop from the table to the formula
+TERM_SOURCES = {
+    "compute": "cost/compute.py: roofline per op (or the profile's measured layer times)",
+    "recompute": "cost/compute.py: forward recomputed in backward (full / selective)",
+    "tp_comm": "cost/comm.py: Megatron all-reduces (SP: all-gather + reduce-scatter) per layer",
+    "bubble": "cost/pipeline.py: simulated schedule, idle time without transfers",
+    "pp_comm": "cost/pipeline.py: simulated schedule, extra time from stage-to-stage transfers",
+    "dp_comm": "cost/estimate.py: gradient reduction not hidden behind backward; ZeRO gathers",
+    "optimizer": "cost/compute.py: AdamW, memory-bound",
+}
+
+
+def estimate_tables(e, title: str = "") -> list[Table]:
+    t = Table(title=title or f"step time {fmt_seconds(e.step_time_s)}  ({e.config.short()})")
+    t.add_column("term")
+    t.add_column("time", justify="right")
+    t.add_column("share", justify="right")
+    t.add_column("formula")
+    for k, v in e.breakdown_s.items():
+        t.add_row(k, fmt_seconds(v), f"{100 * v / e.step_time_s:.1f}%", TERM_SOURCES.get(k, ""))
+    t.add_row("step", fmt_seconds(e.step_time_s), "", f"{e.tokens_per_s:,.0f} tokens/s, MFU {100 * e.mfu:.1f}%")
+    m = Table(title="memory per device, by pipeline stage" + ("" if e.fits else "  [red]DOES NOT FIT[/red]"))
+    m.add_column("stage")
+    for k in ("parameters", "gradients", "optimizer", "activations", "other", "total", "capacity"):
+        m.add_column(k, justify="right")
+    for i, mm in enumerate(e.memory_by_stage):
+        m.add_row(str(i), *(fmt_bytes(mm[k]) for k in ("parameters", "gradients", "optimizer", "activations",
+                                                        "other", "total", "capacity")))
+    return [t, m]
+
+
+def search_tables(r) -> list[Table]:
+    t = Table(title=f"top {len(r.top)} of {r.valid:,} valid configurations "
+                    f"({r.trials_run} trials, {r.estimates:,} estimates, {r.sampler}, {r.elapsed_s:.1f} s)")
+    for col in ("#", "dp", "pp", "tp", "mbs", "m", "schedule", "zero", "recompute", "sp",
+                "step", "tokens/s", "MFU", "peak mem", "compute", "bubble", "comm"):
+        t.add_column(col, justify="right" if col not in ("schedule", "recompute") else "left")
+    for i, e in enumerate(r.top, 1):
+        c, b = e.config, e.breakdown_s
+        sched = c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else "") + \
+            (" layered" if c.layered_grad_accum and c.schedule != "breadth_first" else "")
+        t.add_row(str(i), str(c.dp), str(c.pp), str(c.tp), str(c.micro_batch_size), str(c.num_micro_batches),
+                  sched, str(c.zero_stage), c.recompute, "y" if c.sequence_parallel else "",
+                  fmt_seconds(e.step_time_s), f"{e.tokens_per_s:,.0f}", f"{100 * e.mfu:.1f}%",
+                  fmt_bytes(e.peak_memory_bytes), fmt_seconds(b["compute"] + b["recompute"]),
+                  fmt_seconds(b["bubble"]), fmt_seconds(b["tp_comm"] + b["pp_comm"] + b["dp_comm"]))
+    rej = Table(title=f"rejected ({r.space_size:,} configurations in the space)")
+    rej.add_column("reason")
+    rej.add_column("count", justify="right")
+    for k, v in sorted(r.rejected.items(), key=lambda kv: -kv[1]):
+        rej.add_row(k, f"{v:,}")
+    return [t, rej]

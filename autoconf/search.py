@@ -1,0 +1,319 @@
+"""search: an Optuna study over the configuration space, ranked by the cost model.
+
+The space is split in two:
+
+- the *outer* choices (tp, pp, dp, micro-batch size, schedule with its chunks and layered flag)
+  are what the study samples: each Optuna trial is one outer point;
+- the *inner* memory savers (ZeRO stage, recomputation, sequence parallelism) are searched
+  exhaustively inside a trial (24 cheap estimates), keeping the fastest that fits; the trial
+  records that configuration in its user attributes (optuna-dashboard shows them) and its memory
+  excess as the constraint (negative: fits).
+
+When the outer space is no bigger than the trial budget every point is evaluated (brute force);
+otherwise a constrained TPE sampler explores it, seeded with every point already in the study.
+Trials are sampled in memory (about 2 ms each) and written to the persistent storage (SQLite by
+default) in batches, so an interrupted search keeps what it finished and a rerun with the same
+study name resumes: points already in the study are not evaluated again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .config import ParallelConfig, check, inner_choices, make_config, outer_space
+from .cost.estimate import CostContext, Estimate, _estimate
+from .errors import UserError
+
+PARAMS = ("tp", "pp", "dp", "micro_batch_size", "pipeline")
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    top: tuple
+    """The best Estimates that fit, fastest first (at most ``top`` of them)."""
+    rejected: dict
+    """Why configurations were rejected: reason -> count (invalid ones, and out of memory)."""
+    space_size: int
+    """Configurations in the whole space (valid and invalid)."""
+    valid: int
+    outer_points: int
+    trials_run: int
+    trials_total: int
+    """Trials in the study after this run (including earlier runs)."""
+    estimates: int
+    sampler: str
+    study_name: str
+    storage: str | None
+    elapsed_s: float
+    smallest_memory: Estimate | None = None
+    """When nothing fits: the configuration needing the least memory."""
+    notes: tuple = field(default_factory=tuple)
+
+    def to_dict(self) -> dict:
+        return {"top": [e.to_dict() for e in self.top], "rejected": dict(self.rejected),
+                "space_size": self.space_size, "valid": self.valid, "outer_points": self.outer_points,
+                "trials_run": self.trials_run, "trials_total": self.trials_total,
+                "estimates": self.estimates, "sampler": self.sampler, "study_name": self.study_name,
+                "storage": self.storage, "elapsed_s": self.elapsed_s,
+                "smallest_memory": self.smallest_memory.to_dict() if self.smallest_memory else None,
+                "notes": list(self.notes)}
+
+
+def _pipeline_label(sched: str, v: int, layered: bool) -> str:
+    s = sched if v == 1 else f"{sched}-v{v}"
+    return s + "-layered" if layered and sched != "breadth_first" else s
+
+
+def _parse_pipeline(label: str) -> tuple[str, int, bool]:
+    layered = label.endswith("-layered")
+    label = label.removesuffix("-layered")
+    sched, _, v = label.partition("-v")
+    return sched, int(v) if v else 1, layered or sched == "breadth_first"
+
+
+class _Evaluator:
+    """Evaluates outer points: the fastest fitting inner choice, counting rejections."""
+
+    def __init__(self, ctx: CostContext, global_batch: int):
+        self.ctx = ctx
+        self.global_batch = global_batch
+        self.rejected: dict = {}
+        self.estimates = 0
+        self.smallest: Estimate | None = None
+
+    def __call__(self, point) -> tuple[Estimate | None, Estimate | None]:
+        """(best fitting estimate or None, least-memory estimate)."""
+        dp, pp, tp, mbs, sched, v, layered = point
+        best = least = None
+        for zero, rc, sp in inner_choices(dp, tp):
+            c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, self.global_batch)
+            reason = check(c, self.ctx.model)
+            if reason:
+                continue
+            e = _estimate(c, self.ctx)
+            self.estimates += 1
+            if least is None or e.memory_excess_bytes < least.memory_excess_bytes:
+                least = e
+            if e.fits:
+                if best is None or e.step_time_s < best.step_time_s:
+                    best = e
+            else:
+                self.rejected["out of memory"] = self.rejected.get("out of memory", 0) + 1
+        if least is not None and (self.smallest is None or least.memory_excess_bytes < self.smallest.memory_excess_bytes):
+            self.smallest = least
+        return best, least
+
+
+class _Repair:
+    """Map a sampled (tp, pp, micro-batch size, pipeline) to the nearest valid outer point.
+
+    The axes are coupled (dp = world / (pp x tp); micro-batch sizes and chunk counts depend on the
+    others), so TPE samples them independently and each sample is projected: nearest tp, then the
+    nearest pp valid with it, then micro-batch size, then the same schedule with the nearest v.
+    """
+
+    def __init__(self, key_of: dict):
+        self.keys = list(key_of)
+
+    @staticmethod
+    def _log_dist(a, b) -> float:
+        import math
+        return abs(math.log2(a) - math.log2(b))
+
+    def __call__(self, params: dict) -> tuple:
+        cands = self.keys
+        for idx, name in ((0, "tp"), (1, "pp"), (3, "micro_batch_size")):
+            want = params[name]
+            best = min(self._log_dist(k[idx], want) for k in cands)
+            cands = [k for k in cands if self._log_dist(k[idx], want) == best]
+        want = params["pipeline"]
+        sched, v, layered = _parse_pipeline(want)
+
+        def dist(k):
+            s2, v2, l2 = _parse_pipeline(k[4])
+            return (s2 != sched) * 100 + abs(v2 - v) + (l2 != layered) * 10
+        return min(cands, key=dist)
+
+
+def count_space(model, world: int, global_batch: int, max_micro_batch: int):
+    """(outer points, total configs, valid configs, rejected reason counts)."""
+    from .config import reason_key
+    rejected: dict = {}
+    points = list(outer_space(model, world, global_batch, max_micro_batch, rejected))
+    total = sum(rejected.values())
+    valid = 0
+    for dp, pp, tp, mbs, sched, v, layered in points:
+        for zero, rc, sp in inner_choices(dp, tp):
+            total += 1
+            c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch)
+            reason = check(c, model)
+            if reason:
+                key = reason_key(reason) if reason_key(reason) != "schedule/option mismatch" else _short_reason(reason)
+                rejected[key] = rejected.get(key, 0) + 1
+            else:
+                valid += 1
+    return points, total, valid, rejected
+
+
+def _short_reason(reason: str) -> str:
+    for needle, key in (("with dp=1 shards nothing", "zero with dp=1"),
+                        ("one micro-batch", "layered with one micro-batch"),
+                        ("sequence_parallel", "sequence parallel indivisible"),
+                        ("interleaved", "interleaved needs m divisible by pp")):
+        if needle in reason:
+            return key
+    return reason.split(":")[0][:60]
+
+
+def default_study_name(model, world: int, global_batch: int, cluster_name: str) -> str:
+    return f"{model.name}-{cluster_name}-{world}gpus-gb{global_batch}"
+
+
+def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = None, top: int = 5,
+           trials: int | None = None, storage: str | None = "sqlite:///autoconf-study.db",
+           study_name: str | None = None, profile=None, calibration=None, max_micro_batch: int = 64,
+           seed: int = 0, progress=None) -> SearchResult:
+    """Search the space for the fastest configuration that fits. ``progress(done, total)`` is
+    called as trials finish."""
+    import optuna
+    from optuna.distributions import CategoricalDistribution
+
+    t0 = time.perf_counter()
+    ctx = CostContext(model, cluster, profile, calibration)
+    world = gpus or ctx.num_devices
+    if world > ctx.num_devices:
+        raise UserError(f"--gpus {world}: the cluster has only {ctx.num_devices} devices")
+    if global_batch <= 0:
+        raise UserError(f"--global-batch {global_batch}: must be a positive number of sequences")
+    points, total, valid, rejected = count_space(model, world, global_batch, max_micro_batch)
+    if not points or not valid:
+        raise UserError(f"no valid configuration: global batch {global_batch} on {world} devices; "
+                        f"rejected: {', '.join(f'{k} ({v})' for k, v in rejected.items())}")
+    evaluate = _Evaluator(ctx, global_batch)
+    cluster_name = cluster.name if cluster is not None else "profile"
+    name = study_name or default_study_name(model, world, global_batch, cluster_name)
+
+    dists = {
+        "tp": CategoricalDistribution(sorted({p[2] for p in points})),
+        "pp": CategoricalDistribution(sorted({p[1] for p in points})),
+        "dp": CategoricalDistribution(sorted({p[0] for p in points})),
+        "micro_batch_size": CategoricalDistribution(sorted({p[3] for p in points})),
+        "pipeline": CategoricalDistribution(sorted({_pipeline_label(p[4], p[5], p[6]) for p in points})),
+    }
+    sample_dists = {k: v for k, v in dists.items() if k != "dp"}  # dp = world / (pp x tp)
+    key_of = {(p[2], p[1], p[0], p[3], _pipeline_label(p[4], p[5], p[6])): p for p in points}
+    repair = _Repair(key_of)
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    persistent = None
+    done_keys: set = set()
+    earlier = []
+    if storage:
+        try:
+            persistent = optuna.create_study(storage=storage, study_name=name, direction="minimize",
+                                             load_if_exists=True)
+        except Exception as e:  # a bad URL or an unwritable file: say so in one line
+            raise UserError(f"--storage {storage!r}: cannot open the study ({type(e).__name__}: {e})") from None
+        if persistent.user_attrs.get("model") not in (None, model.to_dict()):
+            raise UserError(f"study {name!r} in {storage} was made for another model; pass --study-name")
+        persistent.set_user_attr("model", model.to_dict())
+        persistent.set_user_attr("global_batch", global_batch)
+        for t in persistent.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            k = tuple(t.params.get(p) for p in PARAMS)
+            if k in key_of and k not in done_keys:
+                done_keys.add(k)
+                earlier.append(t)
+
+    budget = trials if trials is not None else min(len(points), 400)
+    todo = [k for k in key_of if k not in done_keys]
+    brute = len(points) <= budget
+    sampler_name = "brute force" if brute else "TPE (constrained, multivariate)"
+    mem_study = optuna.create_study(
+        direction="minimize",
+        sampler=optuna.samplers.TPESampler(seed=seed, multivariate=True,
+                                           n_startup_trials=min(40, max(10, budget // 5))))
+    for t in earlier:
+        mem_study.add_trial(optuna.trial.create_trial(
+            params={k: t.params[k] for k in sample_dists}, distributions=sample_dists, value=t.value,
+            constraints={"memory_excess_bytes": t.user_attrs.get("memory_excess_bytes", 0.0)}))
+
+    pending: list = []
+    results: dict = {}
+
+    def record(k, best, least):
+        e = best or least
+        constraint = (e.memory_excess_bytes,) if e is not None else (1e30,)
+        value = e.step_time_s if e is not None else float("inf")
+        attrs = {"config": e.config.to_dict(), "fits": bool(best), "step_time_s": e.step_time_s,
+                 "memory_excess_bytes": constraint[0],
+                 "peak_memory_gib": round(e.peak_memory_bytes / 2**30, 3), "mfu": round(e.mfu, 4),
+                 "breakdown_s": e.breakdown_s} if e is not None else {"fits": False}
+        ft = optuna.trial.create_trial(
+            params=dict(zip(PARAMS, k)), distributions=dists, value=min(value, 1e30), user_attrs=attrs,
+            constraints={"memory_excess_bytes": constraint[0]})
+        pending.append(ft)
+        results[k] = (best, least)
+        return ft
+
+    def flush():
+        if persistent is not None and pending:
+            persistent.add_trials(pending)
+        pending.clear()
+
+    last_flush = time.perf_counter()
+    run = 0
+    target = len(todo) if brute else min(budget, len(todo))
+    if brute:
+        for k in todo:
+            best, least = evaluate(key_of[k])
+            record(k, best, least)
+            run += 1
+            if progress:
+                progress(run, target)
+            if time.perf_counter() - last_flush > 5:
+                flush()
+                last_flush = time.perf_counter()
+    else:
+        asks = 0
+        while run < target and asks < 5 * target:
+            asks += 1
+            trial = mem_study.ask(sample_dists)
+            k = repair(trial.params)
+            if k in results:
+                best, least = results[k]
+                e = best or least
+                trial.set_constraint("memory_excess_bytes", e.memory_excess_bytes if e else 1e30)
+                mem_study.tell(trial, min(e.step_time_s if e else 1e30, 1e30))
+                continue
+            best, least = evaluate(key_of[k])
+            ft = record(k, best, least)
+            trial.set_constraint("memory_excess_bytes", ft.constraints["memory_excess_bytes"])
+            mem_study.tell(trial, ft.value)
+            run += 1
+            if progress:
+                progress(run, target)
+            if time.perf_counter() - last_flush > 5:
+                flush()
+                last_flush = time.perf_counter()
+    flush()
+
+    # rank: this run's results plus the earlier trials' recorded configurations
+    fitting = [b for b, _ in results.values() if b is not None]
+    for t in earlier:
+        if t.user_attrs.get("fits"):
+            c = ParallelConfig.from_dict(t.user_attrs["config"])
+            fitting.append(_estimate(c, ctx))
+    fitting.sort(key=lambda e: e.step_time_s)
+    rejected = dict(rejected)
+    for k2, v2 in evaluate.rejected.items():
+        rejected[k2] = rejected.get(k2, 0) + v2
+    notes = []
+    if not brute:
+        notes.append(f"sampled {run} of {len(points)} outer points ({len(todo)} not yet in the study); "
+                     f"raise --trials to cover more, or rerun to continue the study")
+    return SearchResult(top=tuple(fitting[:top]), rejected=rejected, space_size=total, valid=valid,
+                        outer_points=len(points), trials_run=run, trials_total=len(earlier) + run,
+                        estimates=evaluate.estimates, sampler=sampler_name, study_name=name,
+                        storage=storage, elapsed_s=time.perf_counter() - t0,
+                        smallest_memory=evaluate.smallest if not fitting else None, notes=tuple(notes))

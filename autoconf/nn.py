@@ -344,6 +344,9 @@ class Block(nn.Module):
             g = self.n_heads // self.n_kv
             k = k[:, :, None].expand(b, self.n_kv, g, s, d).reshape(b, self.n_heads, s, d)
             v = v[:, :, None].expand(b, self.n_kv, g, s, d).reshape(b, self.n_heads, s, d)
+        # explicit [b, heads, s, d] copies, so that what the matmuls keep (q, k, v at full head count,
+        # as Korthikanti et al. count them) does not depend on whether a reshape happens to be a view
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(d))
         causal = torch.full((s, s), float("-inf"), dtype=scores.dtype, device=scores.device).triu(1)
         probs = self._dropout(F.softmax(scores + causal, dim=-1))

@@ -1,0 +1,189 @@
+"""Activation memory: bytes kept for the backward pass, per micro-batch and per tensor-parallel rank.
+
+Pure Python (no torch). The source of truth is Korthikanti et al., "Reducing Activation Recomputation
+in Large Transformer Models" (arXiv 2205.05198), section 4, for a GPT block in 16-bit with eager
+attention, dropout, GeLU MLP (f = 4h), multi-head attention and 1-byte dropout masks:
+
+    no parallelism           s*b*h*(34 + 5*a*s/h)
+    tensor parallel t        s*b*h*(10 + 24/t + 5*a*s/(h*t))
+    tensor + sequence par.   s*b*h/t*(34 + 5*a*s/h)
+    selective recompute      the 5*a*s/h term disappears (the attention core is recomputed)
+    full recompute           2*s*b*h (2*s*b*h/t with sequence parallelism): the block's input
+
+Generalised here, term by term, to what autoconf.nn.Block really saves (measured with
+profiler.memory, tests/test_nn.py): grouped-query attention, SwiGLU, RMSNorm, fused (flash)
+attention, dropout 0, any precision, and the small per-token norm statistics. Notation: s sequence,
+b micro-batch, h hidden, a heads, kv = kv heads x head dim, f ffn width, t = tp, e = bytes per
+activation element, m = bytes per dropout-mask element.
+
+What differs from the paper on CPU (and why the arguments exist): PyTorch's CPU dropout keeps its
+mask at the activation's precision (m = e, the paper assumes m = 1 as on CUDA), and CPU LayerNorm
+keeps mean and 1/std at the activation's precision (fp32 on CUDA) -- ``norm_stat_bytes``.
+"""
+
+from __future__ import annotations
+
+from ..model import ModelSpec
+
+RECOMPUTE = ("none", "selective", "full")
+INDEX_BYTES = 8  # int64 token ids / target indices
+LSE_BYTES = 4  # flash attention's logsumexp is fp32
+RMS_STAT_BYTES = 4  # autoconf.nn's RMSNorm keeps 1/rms in fp32 (as fused Apex / TE kernels do)
+LOSS_BYTES = 4  # the cross entropy runs in fp32 and keeps the fp32 softmax
+
+
+def _norm_stat_bytes(model: ModelSpec, mask_bytes: int, norm_stat_bytes: int | None) -> float:
+    """Bytes of norm statistics per token and norm: LayerNorm keeps mean and 1/std, RMSNorm 1/rms.
+
+    By default LayerNorm statistics are fp32 (CUDA) when mask_bytes == 1, else at mask_bytes, i.e. the
+    activation precision (CPU kernels keep them so).
+    """
+    if model.norm == "rmsnorm":
+        return RMS_STAT_BYTES
+    per = norm_stat_bytes if norm_stat_bytes is not None else (4 if mask_bytes == 1 else mask_bytes)
+    return 2 * per
+
+
+def _check(micro_batch_size: int, tp: int, recompute: str = "none") -> None:
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
+    if micro_batch_size < 1 or tp < 1:
+        raise ValueError(f"micro_batch_size={micro_batch_size} and tp={tp} must be positive")
+
+
+def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: int,
+                        norm_stat_bytes: int | None, selective: bool) -> dict[str, float]:
+    """Korthikanti et al. section 4.1 (attention 11sbh + 5as^2b, MLP 19sbh, norms 4sbh), generalised."""
+    e, s, h, a = model.dtype_bytes, model.seq_length, model.hidden_size, model.num_attention_heads
+    kv, f = model.kv_size, model.ffn_hidden_size
+    tok = s * b  # tokens of tensor-parallel (head- or ffn-sharded) tensors, whose width is divided by t
+    rep = tok / t if sp else tok  # tokens of full-width tensors: replicated over TP, or sequence-sharded
+    drop = model.dropout > 0
+    eager = model.attention == "eager"
+    p: dict[str, float] = {}
+    # two norms: each keeps its input (the paper's 4sbh), plus small per-token statistics
+    p["norm_inputs"] = 2 * e * rep * h
+    p["norm_statistics"] = 2 * rep * _norm_stat_bytes(model, mask_bytes, norm_stat_bytes)
+    # input of the fused qkv linear (the norm's output; under SP the saved shard, re-gathered in backward)
+    p["qkv_input"] = e * rep * h
+    # q, k, v as the attention core keeps them: eager expands k, v to all heads (GQA) before QK^T and AV;
+    # fused attention, and selective recompute (the core's inputs), keep them at kv width
+    qkv_width = (3 * h) if (eager and not selective) else (h + 2 * kv)
+    p["qkv"] = e * tok * qkv_width / t
+    if not selective:
+        if eager:
+            # softmax output (the paper's 2as^2b); with dropout, its mask and output (as^2b + 2as^2b)
+            p["attention_softmax"] = e * a * s * s * b / t
+            if drop:
+                p["attention_dropout_mask"] = mask_bytes * a * s * s * b / t
+                p["attention_dropout_output"] = e * a * s * s * b / t
+        else:
+            # fused attention keeps its output (shared with the projection's input) and fp32 logsumexp
+            p["attention_logsumexp"] = LSE_BYTES * b * a * s / t
+    p["projection_input"] = e * tok * h / t
+    if drop:
+        p["attention_dropout_mask_out"] = mask_bytes * rep * h
+    p["mlp_input"] = e * rep * h
+    if model.activation == "swiglu":
+        # fused gate_up output (2f), silu(gate) (f), silu(gate)*up = down input (f)
+        p["mlp_hidden"] = e * tok * 4 * f / t
+    else:
+        # fc1 output = gelu input (f), gelu output = fc2 input (f): the paper's 8sbh + 8sbh at f = 4h
+        p["mlp_hidden"] = e * tok * 2 * f / t
+    if drop:
+        p["mlp_dropout_mask"] = mask_bytes * rep * h
+    return p
+
+
+def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
+                           recompute: str = "none", mask_bytes: int = 1,
+                           norm_stat_bytes: int | None = None) -> dict[str, float]:
+    """Bytes one transformer block keeps for backward, per micro-batch and per TP rank.
+
+    Korthikanti et al. (arXiv 2205.05198) eq. 1-5 and Table 2, generalised (see the module docstring).
+    Returns the named parts and "total" (their sum), plus "recompute_working_bytes", which is *not* a
+    part of the total: the activations one block materialises again during its backward when it is
+    recomputed -- with "full", everything it would otherwise have kept (the "none" total); with
+    "selective", the attention core's share. A schedule's peak adds it once (only one block is
+    recomputed at a time). ``mask_bytes``: bytes per dropout-mask element, 1 on CUDA, the activation
+    element size on CPU. ``norm_stat_bytes``: bytes per LayerNorm statistic (see _norm_stat_bytes).
+    """
+    _check(micro_batch_size, tp, recompute)
+    sp = bool(sequence_parallel) and tp > 1
+    b, t = micro_batch_size, tp
+    full = _no_recompute_parts(model, b, t, sp, mask_bytes, norm_stat_bytes, selective=False)
+    full_total = sum(full.values())
+    if recompute == "full":
+        # only the block's input is kept (checkpoint stores it); sequence-sharded under SP
+        rep = model.seq_length * b / t if sp else model.seq_length * b
+        parts = {"block_input": model.dtype_bytes * rep * model.hidden_size}
+        working = full_total
+    elif recompute == "selective":
+        parts = _no_recompute_parts(model, b, t, sp, mask_bytes, norm_stat_bytes, selective=True)
+        working = full_total - sum(parts.values())
+    else:
+        parts, working = full, 0.0
+    out = dict(parts)
+    out["total"] = float(sum(parts.values()))
+    out["recompute_working_bytes"] = float(working)
+    return out
+
+
+def head_activation_parts(model: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
+                          mask_bytes: int = 1, norm_stat_bytes: int | None = None) -> dict[str, float]:
+    """Bytes the last stage's head keeps: final norm, output projection input, fp32 softmax of the loss.
+
+    As autoconf.nn.Head with the vocab-parallel cross entropy (Megatron-LM's, in fp32): the norm's
+    input and statistics (sequence-sharded under SP), the projection's input (its shard under SP, the
+    full sequence otherwise), the fp32 softmax over this rank's vocabulary shard (4*s*b*Vp/t, Vp the
+    vocabulary padded to a multiple of t), the local target index (int64) and its mask (bool). The
+    logits themselves are not kept by autograd; "loss_working_bytes" (not part of the total) is their
+    transient peak during the loss (logits + fp32 copy, e + 4 bytes per element) -- a pipeline
+    schedule that holds the stage output until backward keeps e*s*b*Vp/t more. No dropout in the head:
+    ``mask_bytes`` only picks the default norm statistic size.
+    """
+    _check(micro_batch_size, tp)
+    sp = bool(sequence_parallel) and tp > 1
+    e, s, h, b, t = model.dtype_bytes, model.seq_length, model.hidden_size, micro_batch_size, tp
+    tok = s * b
+    rep = tok / t if sp else tok
+    vp = -(-model.vocab_size // t) * t
+    p = {
+        "final_norm_input": e * rep * h,
+        "norm_statistics": rep * _norm_stat_bytes(model, mask_bytes, norm_stat_bytes),
+        "output_input": e * rep * h,
+        "loss_softmax": LOSS_BYTES * tok * vp / t,
+        "loss_targets": tok * (INDEX_BYTES + 1),
+    }
+    out = dict(p)
+    out["total"] = float(sum(p.values()))
+    out["loss_working_bytes"] = float((e + LOSS_BYTES) * tok * vp / t)
+    return out
+
+
+def head_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
+                          mask_bytes: int = 1, norm_stat_bytes: int | None = None) -> float:
+    """Total of head_activation_parts (final norm + output projection + fp32 loss softmax)."""
+    return head_activation_parts(model, micro_batch_size, tp, sequence_parallel, mask_bytes, norm_stat_bytes)["total"]
+
+
+def embedding_activation_parts(model: ModelSpec, micro_batch_size: int, tp: int = 1,
+                               sequence_parallel: bool = False, mask_bytes: int = 1) -> dict[str, float]:
+    """Bytes the first stage's embedding keeps: the token indices of the lookup (int64, 8*s*b), and with
+    tp > 1 the local indices instead plus the out-of-shard mask (bool, s*b). The embedding's output is
+    the first block's input and is counted there. No dropout after the embedding in autoconf.nn.
+    """
+    _check(micro_batch_size, tp)
+    tok = model.seq_length * micro_batch_size
+    p = {"token_indices": float(INDEX_BYTES * tok)}
+    if tp > 1:
+        p["vocab_mask"] = float(tok)
+    out = dict(p)
+    out["total"] = float(sum(p.values()))
+    return out
+
+
+def embedding_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
+                               sequence_parallel: bool = False, mask_bytes: int = 1) -> float:
+    """Total of embedding_activation_parts (token indices, and the vocab mask with tp > 1)."""
+    return embedding_activation_parts(model, micro_batch_size, tp, sequence_parallel, mask_bytes)["total"]

@@ -13,8 +13,9 @@ so the caller can fall back to the catalog and the formulas. The rules:
   measured is derived from 'none': full adds one forward to the backward, selective adds the
   attention-core share of a forward.
 - **Activation bytes** are exactly proportional to the micro-batch size. Another tp, sequence
-  parallelism or recompute mode is reached from the nearest measured entry by the ratio of the
-  analytic per-layer formula (Korthikanti et al., arXiv 2205.05198) between the two points.
+  parallelism or recompute mode is reached from the nearest measured entry (same recompute mode
+  first, then same sequence parallelism, then nearest tp) by the ratio of the analytic formula
+  (``autoconf.cost.activations``, after Korthikanti et al., arXiv 2205.05198) between the points.
 - **Links**: the graph keeps one undirected device--device edge per measured pair, with the
   slower direction's bandwidth and latency (a transfer either way can hit the slow one); the two
   directions are kept as ``bandwidth_by_direction_bytes_per_s`` on the edge.
@@ -190,28 +191,22 @@ def activation_bytes(profile: Profile, model: ModelSpec, micro_batch_size: int, 
     scaled = best.bytes * micro_batch_size / best.micro_batch_size
     if (best.tp, best.sequence_parallel, best.recompute) == (tp, sequence_parallel, recompute):
         return scaled
-    if layer != "block":  # vocab-parallel embedding / head: the kept tensors shrink as 1/tp
-        return scaled * best.tp / tp
-    here = _formula_bytes(model, micro_batch_size, tp, sequence_parallel, recompute)
-    there = _formula_bytes(model, micro_batch_size, best.tp, best.sequence_parallel, best.recompute)
-    return scaled * here / there
+    mask = model.dtype_bytes if _default_kind(profile) == "cpu" else 1
+    here = _formula_bytes(model, layer, micro_batch_size, tp, sequence_parallel, recompute, mask)
+    there = _formula_bytes(model, layer, micro_batch_size, best.tp, best.sequence_parallel, best.recompute, mask)
+    return scaled * here / there if there > 0 else None
 
 
-def _formula_bytes(model: ModelSpec, mbs: int, tp: int, sp: bool, recompute: str) -> float:
-    """Per-layer activation bytes, Korthikanti et al. (arXiv 2205.05198) Table 2, 16-bit.
+def _formula_bytes(model: ModelSpec, layer: str, mbs: int, tp: int, sp: bool, recompute: str, mask: int) -> float:
+    """The analytic bytes of autoconf.cost.activations (Korthikanti et al., arXiv 2205.05198,
+    generalised to autoconf.nn's layers); only ratios between two points are used here."""
+    from . import activations as A
 
-    Only its ratios are used here. The s x s attention term is absent with fused ('flash')
-    attention, which keeps no score matrices.
-    """
-    s, b, h, a = model.seq_length, mbs, model.hidden_size, model.num_attention_heads
-    scores = 5.0 * a * s / h if model.attention == "eager" else 0.0
-    if recompute == "full":
-        return 2.0 * s * b * h / (tp if sp else 1)
-    if recompute == "selective":
-        scores = 0.0
-    if sp:
-        return s * b * h * (34.0 + scores) / tp
-    return s * b * h * (10.0 + (24.0 + scores) / tp)
+    if layer == "block":
+        return A.layer_activation_bytes(model, mbs, tp, sp, recompute, mask)["total"]
+    if layer == "head":
+        return A.head_activation_bytes(model, mbs, tp, sp, mask)
+    return A.embedding_activation_bytes(model, mbs, tp, sp, mask)
 
 
 # -- links --------------------------------------------------------------------------------------------------

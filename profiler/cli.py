@@ -1,0 +1,117 @@
+"""`autoconf profile`: launch the profiler under torchrun on this host (no torch import here).
+
+    autoconf profile --model gpt2 --nproc-per-node 8 --out profile.json
+    autoconf profile --model gpt2 --nnodes 2 --node-rank 0 --master-addr head --nproc-per-node 8 --out p.json
+
+One node: ``torch.distributed.run --standalone``. Several nodes: run the same command on every
+node with its ``--node-rank`` (static rendezvous at --master-addr:--master-port). Each process gets
+OMP_NUM_THREADS=1 (CPU ranks share the cores; one thread per process keeps timings honest).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+
+from autoconf.errors import UserError
+
+
+def add_profile_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the 'profile' subcommand; its handler is :func:`cmd_profile` (set as ``func``)."""
+    from .run import add_measure_args
+
+    p = subparsers.add_parser("profile", help="measure the model and the links between ranks (launches torchrun)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_measure_args(p)
+    p.add_argument("--out", default="profile.json", help="where to write the profile JSON (default profile.json)")
+    p.add_argument("--nproc-per-node", type=int, default=None,
+                   help="ranks on this host (default: the GPUs here, or 2 CPU processes without a GPU)")
+    p.add_argument("--nnodes", type=int, default=1, help="hosts taking part (run this command on each)")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's index among --nnodes")
+    p.add_argument("--master-addr", default="127.0.0.1", help="rank 0's host (several nodes)")
+    p.add_argument("--master-port", type=int, default=29533, help="rendezvous port (several nodes)")
+    p.set_defaults(func=cmd_profile)
+    return p
+
+
+def _local_gpus() -> int:
+    """CUDA GPUs on this host without importing torch (CUDA_VISIBLE_DEVICES, then the driver's list)."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        return len([d for d in vis.split(",") if d.strip() and d.strip() != "-1"])
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+_PASS = ("model", "seq_length", "micro_batch_sizes", "tp", "recompute", "repeats", "warmup", "compute_split",
+         "timeout_min")
+_FLAGS = ("quick", "serial_links", "skip_links", "skip_compute")
+
+
+def launch_command(args) -> list[str]:
+    """The torchrun command line that runs the profiler with these arguments."""
+    nproc = args.nproc_per_node or _local_gpus() or 2
+    if nproc < 1 or args.nnodes < 1:
+        raise UserError(f"--nproc-per-node={nproc} and --nnodes={args.nnodes} must be positive")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UserError(f"--node-rank={args.node_rank} must be in 0..{args.nnodes - 1}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
+    if args.nnodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
+                f"--master-port={args.master_port}"]
+    cmd += ["-m", "profiler", "--out", os.path.abspath(args.out)]
+    for name in _PASS:
+        v = getattr(args, name, None)
+        if v is not None:
+            cmd += ["--" + name.replace("_", "-"), str(v)]
+    cmd += ["--" + n.replace("_", "-") for n in _FLAGS if getattr(args, n, False)]
+    return cmd
+
+
+def cmd_profile(args) -> int:
+    """Validate the inputs here (fast, one-line errors), then run torchrun; its exit code is ours."""
+    from autoconf.model import load_model
+
+    load_model(args.model, seq_length=args.seq_length)
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise UserError(f"--out {args.out!r}: directory {out_dir!r} does not exist")
+    cmd = launch_command(args)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               AUTOCONF_PROFILE_COMMAND=" ".join(shlex.quote(a) for a in sys.argv) or "autoconf profile")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so `-m profiler` resolves from a checkout
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    before = os.stat(args.out).st_mtime_ns if os.path.exists(args.out) else None
+    rc = subprocess.call(cmd, env=env)
+    if rc != 0:
+        print(f"error: profiler exited with code {rc} (command: {' '.join(shlex.quote(c) for c in cmd)})",
+              file=sys.stderr)
+        return rc if rc > 0 else 1
+    if args.node_rank == 0 and (not os.path.exists(args.out) or os.stat(args.out).st_mtime_ns == before):
+        print(f"error: the profiler finished but did not write {args.out}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv=None) -> int:
+    """Stand-alone entry (`python -m profiler.cli ...`) until autoconf.cli wires the subcommand."""
+    parser = argparse.ArgumentParser(prog="autoconf")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_profile_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""Profile files and the measured lookups the cost model uses (pure: no torch)."""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from autoconf.cluster import ClusterSpec, NodeGroup
+from autoconf.cost import measured
+from autoconf.errors import UserError
+from autoconf.model import preset
+from autoconf.profile import (PROFILE_VERSION, ActivationEntry, CollectiveEntry, GemmEntry, HostInfo, LayerTiming,
+                              LinkEntry, MemoryOverhead, ParameterEntry, Profile, Provenance, RankInfo, busbw_factor,
+                              catalog_kind, check_profile_matches, fit_alpha_beta, load_profile, save_profile)
+
+TINY = preset("tiny")
+
+
+def _timing(layer, mbs, tp, rc, f, b):
+    return LayerTiming(layer=layer, micro_batch_size=mbs, tp=tp, recompute=rc, forward_s=f, backward_s=b,
+                       forward_spread_s=0.0, backward_spread_s=0.0, repeats=3, device_kind="cpu", rank=0)
+
+
+def _link(src, dst, bw, lat=1e-4):
+    sizes = (4, 1 << 20)
+    return LinkEntry(src=src, dst=dst, latency_s=lat, bandwidth_bytes_per_s=bw, sizes_bytes=sizes,
+                     times_s=tuple(2 * lat + s / bw for s in sizes))
+
+
+def make_profile(model=TINY, hosts=("a",), per_host=2, **over) -> Profile:
+    ranks = tuple(RankInfo(rank=h * per_host + i, host=name, local_rank=i, device_name="cpu", device_kind="cpu",
+                           memory_bytes=4e9) for h, name in enumerate(hosts) for i in range(per_host))
+    n = len(ranks)
+    prov = Provenance(hosts=tuple(HostInfo(name=h, interfaces=({"name": "eth0", "speed_bytes_per_s": 1.25e9},))
+                                  for h in hosts),
+                      device_names=("cpu",), torch_version="2.13.0", backend="gloo", date="2026-01-01T00:00:00+00:00",
+                      command="python -m profiler --model tiny", world_size=n, notes=("test",))
+    compute = (
+        _timing("block", 1, 1, "none", 1.0e-3, 2.0e-3),
+        _timing("block", 4, 1, "none", 2.5e-3, 5.0e-3),  # affine: 0.5 ms + 0.5 ms per sequence
+        _timing("block", 1, 1, "full", 1.0e-3, 3.0e-3),
+        _timing("embedding", 2, 1, "none", 1e-4, 2e-4),
+        _timing("head", 2, 1, "none", 4e-4, 8e-4),
+    )
+    gemm = (GemmEntry(m=32, n=64, k=64, dtype="fp32", time_s=1e-6, flop_per_s=1e9, fraction_of_peak=0.2, device_kind="cpu"),
+            GemmEntry(m=128, n=256, k=64, dtype="fp32", time_s=1e-6, flop_per_s=1e9, fraction_of_peak=0.6,
+                      device_kind="cpu"))
+    acts = (ActivationEntry(layer="block", micro_batch_size=2, tp=1, sequence_parallel=False, recompute="none",
+                            bytes=1000.0),
+            ActivationEntry(layer="head", micro_batch_size=1, tp=1, sequence_parallel=False, recompute="none",
+                            bytes=300.0))
+    params = (ParameterEntry(layer="block", tp=1, bytes=4.0 * TINY.layer_params(), count=TINY.layer_params()),)
+    links = tuple(_link(a, b, 4e9 if ranks[a].host == ranks[b].host else 1e9) for a in range(n) for b in range(n)
+                  if a != b)
+    colls = (CollectiveEntry(op="all_reduce", ranks=tuple(range(n)), bytes=1 << 20, time_s=1e-3,
+                             algbw_bytes_per_s=(1 << 20) / 1e-3,
+                             busbw_bytes_per_s=(1 << 20) / 1e-3 * busbw_factor("all_reduce", n)),)
+    p = Profile(version=PROFILE_VERSION, provenance=prov, model=model, ranks=ranks, compute_dtype=model.dtype,
+                compute=compute, gemm=gemm, activations=acts, parameters=params,
+                overhead=MemoryOverhead(framework_overhead_bytes=1.5e8, method="test"), links=links, collectives=colls)
+    return dataclasses.replace(p, **over)
+
+
+# -- files ---------------------------------------------------------------------------------------------
+
+def test_round_trip(tmp_path):
+    p = make_profile()
+    path = tmp_path / "p.json"
+    save_profile(p, str(path))
+    assert load_profile(str(path)) == p
+    assert json.loads(path.read_text())["version"] == PROFILE_VERSION
+    assert os.listdir(tmp_path) == ["p.json"]
+
+
+def test_atomic_write_keeps_old_file_and_leaves_no_temp(tmp_path, monkeypatch):
+    path = tmp_path / "p.json"
+    save_profile(make_profile(), str(path))
+    before = path.read_text()
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        save_profile(make_profile(compute=()), str(path))
+    assert path.read_text() == before
+    assert os.listdir(tmp_path) == ["p.json"]
+
+
+def test_failed_serialisation_writes_nothing(tmp_path):
+    bad = make_profile(overhead=MemoryOverhead(framework_overhead_bytes=1.0, method="x", step_peak_bytes={"k": object()}))
+    with pytest.raises(TypeError):
+        save_profile(bad, str(tmp_path / "p.json"))
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("content, needle", [
+    (None, "does not exist"),
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "not an autoconf profile"),
+    (json.dumps({"version": PROFILE_VERSION + 1}), f"version {PROFILE_VERSION + 1}"),
+    (json.dumps({"version": PROFILE_VERSION, "model": {}}), "malformed"),
+])
+def test_load_errors_are_one_line(tmp_path, content, needle):
+    path = tmp_path / "p.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(UserError) as e:
+        load_profile(str(path))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_check_profile_matches():
+    p = make_profile()
+    assert check_profile_matches(p, TINY) == []
+    deeper = dataclasses.replace(TINY, num_layers=12, name="tiny12")
+    warnings = check_profile_matches(p, deeper)
+    assert any("12" in w for w in warnings)
+    wider = dataclasses.replace(TINY, hidden_size=128, name="wide")
+    with pytest.raises(UserError, match="hidden_size: 64 -> 128"):
+        check_profile_matches(p, wider)
+    assert any("link" in w for w in check_profile_matches(p, wider, need_compute=False))
+    with pytest.raises(UserError, match="seq_length"):
+        check_profile_matches(p, dataclasses.replace(TINY, seq_length=64))
+
+
+# -- fits and names ------------------------------------------------------------------------------------
+
+def test_fit_alpha_beta_recovers_parameters():
+    sizes = [4, 64, 1024, 1 << 14, 1 << 18, 1 << 22]
+    a, b = fit_alpha_beta(sizes, [2e-5 + s / 5e9 for s in sizes])
+    assert a == pytest.approx(2e-5, rel=1e-6) and b == pytest.approx(5e9, rel=1e-6)
+    a, b = fit_alpha_beta([1 << 20], [1e-3])
+    assert a == 0.0 and b == pytest.approx((1 << 20) / 1e-3)
+
+
+@pytest.mark.parametrize("name, mem, kind", [
+    ("cpu", 0, "cpu"), ("NVIDIA H100 80GB HBM3", 80e9, "h100-sxm"), ("NVIDIA H100 PCIe", 80e9, "h100-pcie"),
+    ("NVIDIA H200", 141e9, "h200"), ("NVIDIA A100-SXM4-40GB", 40e9, "a100-40gb"),
+    ("NVIDIA A100-SXM4-80GB", 80 * 2**30, "a100-80gb"), ("Tesla V100-SXM2-32GB", 32e9, "v100-32gb"),
+    ("NVIDIA L40S", 48e9, "l40s"), ("Some New GPU", 1e9, None),
+])
+def test_catalog_kind(name, mem, kind):
+    assert catalog_kind(name, mem) == kind
+
+
+# -- measured layer times ---------------------------------------------------------------------------------
+
+def test_block_times_exact_interpolated_extrapolated():
+    p = make_profile()
+    assert measured.block_times(p, TINY, 1, 1, "none") == (1.0e-3, 2.0e-3)
+    f, b = measured.block_times(p, TINY, 2, 1, "none")
+    assert f == pytest.approx(1.5e-3) and b == pytest.approx(3.0e-3)
+    f, b = measured.block_times(p, TINY, 8, 1, "none")
+    assert f == pytest.approx(4.5e-3) and b == pytest.approx(9.0e-3)
+
+
+def test_block_times_single_point_is_proportional():
+    p = make_profile()
+    f, b = measured.block_times(p, TINY, 3, 1, "full")
+    assert f == pytest.approx(3e-3) and b == pytest.approx(9e-3)
+
+
+def test_block_times_derives_missing_recompute():
+    p = make_profile()
+    f, b = measured.block_times(p, TINY, 4, 1, "selective")
+    share = 4.0 * TINY.seq_length * TINY.hidden_size / TINY.layer_forward_flops_per_token()
+    assert f == pytest.approx(2.5e-3) and b == pytest.approx(5.0e-3 + share * 2.5e-3)
+
+
+def test_block_times_other_tp_scales_by_flops_and_efficiency():
+    p = make_profile()
+    f1, _ = measured.block_times(p, TINY, 1, 1, "none")
+    f2, _ = measured.block_times(p, TINY, 1, 2, "none")
+    e1 = measured.gemm_efficiency(p, 32, TINY.ffn_hidden_size, 64)
+    e2 = measured.gemm_efficiency(p, 32, TINY.ffn_hidden_size // 2, 64)
+    assert e2 < e1  # a narrower shard runs less efficiently
+    assert f2 == pytest.approx(f1 / 2 * e1 / e2)
+
+
+def test_layer_times_need_matching_shapes():
+    p = make_profile()
+    assert measured.block_times(p, dataclasses.replace(TINY, num_layers=40, name="x"), 1, 1) == (1.0e-3, 2.0e-3)
+    assert measured.block_times(p, dataclasses.replace(TINY, seq_length=64), 1, 1) is None
+    assert measured.block_times(p, dataclasses.replace(TINY, ffn_hidden_size=128), 1, 1) is None
+    # the vocabulary changes the embedding and head, not the block
+    other_vocab = dataclasses.replace(TINY, vocab_size=1024)
+    assert measured.block_times(p, other_vocab, 1, 1) is not None
+    assert measured.head_times(p, other_vocab, 2, 1) is None
+    assert measured.block_times(make_profile(compute=()), TINY, 1, 1) is None
+
+
+def test_embedding_and_head_times():
+    p = make_profile()
+    assert measured.embedding_times(p, TINY, 2, 1) == (1e-4, 2e-4)
+    assert measured.embedding_times(p, TINY, 2, 2) == (1e-4, 2e-4)  # a lookup: tp does not change it
+    f, b = measured.head_times(p, TINY, 4, 1)
+    assert f == pytest.approx(8e-4) and b == pytest.approx(1.6e-3)
+    assert measured.head_times(p, TINY, 2, 1, device_kind="h100-sxm") is None
+
+
+def test_gemm_efficiency_interpolates_in_log_flops():
+    p = make_profile()
+    assert measured.gemm_efficiency(p, 32, 64, 64) == 0.2
+    assert measured.gemm_efficiency(p, 1, 1, 1) == 0.2  # clamped below
+    assert measured.gemm_efficiency(p, 4096, 4096, 4096) == 0.6  # clamped above
+    mid = measured.gemm_efficiency(p, 64, 128, 64)  # FLOPs 4x the small, 1/4 the large: halfway in log
+    assert mid == pytest.approx(0.4)
+    assert measured.gemm_efficiency(p, 64, 128, 64, dtype="bf16") is None
+    assert measured.gemm_efficiency(make_profile(gemm=()), 64, 128, 64) is None
+
+
+def test_activation_bytes():
+    p = make_profile()
+    assert measured.activation_bytes(p, TINY, 2, 1, False, "none") == 1000.0
+    assert measured.activation_bytes(p, TINY, 6, 1, False, "none") == pytest.approx(3000.0)
+    # other tp / sp / recompute: scaled by the ratio of the analytic formula (CPU: masks at dtype size)
+    from autoconf.cost.activations import head_activation_bytes, layer_activation_bytes
+
+    def formula(tp, sp, rc):
+        return layer_activation_bytes(TINY, 2, tp, sp, rc, TINY.dtype_bytes)["total"]
+
+    base = formula(1, False, "none")
+    for tp, sp, rc in ((2, False, "none"), (2, True, "none"), (1, False, "full"), (4, True, "selective")):
+        got = measured.activation_bytes(p, TINY, 2, tp, sp, rc)
+        assert got == pytest.approx(1000.0 * formula(tp, sp, rc) / base)
+        assert got < 1000.0
+    head = measured.activation_bytes(p, TINY, 4, 2, False, "none", layer="head")
+    ratio = head_activation_bytes(TINY, 4, 2, False, 4) / head_activation_bytes(TINY, 1, 1, False, 4)
+    assert head == pytest.approx(300.0 * ratio)
+    assert measured.activation_bytes(p, dataclasses.replace(TINY, hidden_size=128), 2, 1, False, "none") is None
+
+
+# -- links ---------------------------------------------------------------------------------------------------
+
+def test_topology_graph_has_cluster_schema():
+    from autoconf.topology import Topology
+
+    p = make_profile(hosts=("a", "b"), per_host=2)
+    g = measured.topology_graph(p)
+    ref = ClusterSpec(name="ref", node_groups=(NodeGroup(count=2, device="cpu", gpus_per_node=2,
+                                                          intra_node_bandwidth_bytes_per_s=4e9),)).graph()
+    for attr in ("intra_node_latency_s", "inter_node_latency_s"):
+        assert attr in g.graph
+    assert sorted(n for n in g.nodes if isinstance(n, int)) == [0, 1, 2, 3]
+    for node in (0, ("host", 0)):
+        assert set(ref.nodes[node]) <= set(g.nodes[node])
+    assert g.nodes[2]["node"] == 1 and g.nodes[2]["device"] == "cpu" and g.nodes[2]["memory_bytes"] == 4e9
+    e = g.edges[0, 1]
+    assert e["kind"] == "measured" and e["bandwidth_bytes_per_s"] == 4e9 and e["latency_s"] == 1e-4
+    assert g.edges[0, 2]["bandwidth_bytes_per_s"] == 1e9
+    assert g.nodes[("host", 0)]["nic_bandwidth_bytes_per_s"] == 1e9
+    assert g.edges[0, ("host", 0)]["kind"] == "nic"
+    topo = Topology(g)  # the cost model's reader accepts it
+    assert topo.p2p(0, 1) == (4e9, 1e-4)
+
+
+def test_topology_graph_takes_the_slower_direction():
+    p = make_profile()
+    links = (_link(0, 1, 4e9, 1e-4), _link(1, 0, 1e9, 3e-4))
+    g = measured.topology_graph(dataclasses.replace(p, links=links))
+    e = g.edges[0, 1]
+    assert e["bandwidth_bytes_per_s"] == 1e9 and e["latency_s"] == 3e-4
+    assert e["bandwidth_by_direction_bytes_per_s"] == {(0, 1): 4e9, (1, 0): 1e9}
+    assert g.graph["intra_node_latency_s"] == 3e-4
+
+
+def test_collective_efficiency():
+    p = make_profile()
+    eff = measured.collective_efficiency(p, "all_reduce", 2)
+    assert eff == pytest.approx((1 << 20) / 1e-3 / 4e9)
+    assert measured.collective_efficiency(p, "all_gather", 2) is None
+    assert measured.collective_efficiency(p, "all_reduce", 4) is None
+    with pytest.raises(UserError):
+        measured.collective_efficiency(p, "broadcast", 2)

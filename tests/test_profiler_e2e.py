@@ -1,0 +1,80 @@
+"""The profiler end to end: `autoconf profile` on 2 CPU processes (gloo) writes a usable profile."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_tournament_rounds_pair_everyone_once_without_sharing_a_rank():
+    pytest.importorskip("torch")
+    from profiler.links import collective_groups, tournament_rounds
+
+    for n in (2, 3, 4, 5, 8):
+        rounds = tournament_rounds(n)
+        pairs = [p for r in rounds for p in r]
+        assert sorted(pairs) == [(a, b) for a in range(n) for b in range(a + 1, n)]
+        for r in rounds:
+            ranks = [x for p in r for x in p]
+            assert len(ranks) == len(set(ranks))
+    assert collective_groups(4) == [[0, 1], [2, 3], [0, 1, 2, 3]]
+    assert collective_groups(6)[-1] == list(range(6))
+
+
+@pytest.mark.e2e
+def test_autoconf_profile_tiny_two_processes(tmp_path):
+    pytest.importorskip("torch")
+    from autoconf.cost import measured
+    from autoconf.cost.activations import layer_activation_bytes
+    from autoconf.profile import check_profile_matches, load_profile
+
+    out = tmp_path / "profile.json"
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t0 = time.perf_counter()
+    res = subprocess.run([sys.executable, "-m", "autoconf", "profile", "--model", "tiny", "--nproc-per-node", "2",
+                          "--out", str(out), "--quick"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=180)
+    elapsed = time.perf_counter() - t0
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "profile written to" in res.stdout
+    assert elapsed < 120, f"profiling tiny took {elapsed:.0f} s"
+
+    p = load_profile(str(out))
+    assert p.world_size == 2 and p.provenance.backend == "gloo" and p.model.name == "tiny"
+    assert {r.device_kind for r in p.ranks} == {"cpu"}
+    assert check_profile_matches(p, p.model) == []
+    # per-layer times for every layer kind, tp shard, micro-batch size and (block) recompute mode
+    keys = {(c.layer, c.micro_batch_size, c.tp, c.recompute) for c in p.compute}
+    for mbs in (1, 2):
+        for tp in (1, 2):
+            assert {("embedding", mbs, tp, "none"), ("head", mbs, tp, "none")} <= keys
+            assert {("block", mbs, tp, rc) for rc in ("none", "selective", "full")} <= keys
+    assert all(c.forward_s > 0 and c.backward_s > 0 for c in p.compute)
+    # saved activations agree with the analytic model of autoconf.nn's block (CPU: masks at fp32)
+    m = p.model
+    for a in p.activations:
+        if a.layer == "block":
+            want = layer_activation_bytes(m, a.micro_batch_size, a.tp, a.sequence_parallel, a.recompute,
+                                          m.dtype_bytes)["total"]
+            assert a.bytes == pytest.approx(want, rel=0.01), a
+    assert any(a.sequence_parallel for a in p.activations)
+    assert {(x.layer, x.tp) for x in p.parameters} >= {("block", 1), ("block", 2)}
+    assert p.overhead.framework_overhead_bytes > 0
+    # a 2x2 link matrix (both directions) and collectives over both ranks
+    assert sorted((x.src, x.dst) for x in p.links) == [(0, 1), (1, 0)]
+    assert all(x.bandwidth_bytes_per_s > 0 and x.latency_s >= 0 for x in p.links)
+    assert {c.op for c in p.collectives} == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert p.gemm and all(g.fraction_of_peak > 0 for g in p.gemm)
+
+    # the cost model's lookups work on it
+    assert measured.block_times(p, m, 2, 1, "none") is not None
+    assert measured.block_times(p, m, 3, 2, "full") is not None
+    assert measured.head_times(p, m, 4, 1) is not None
+    assert measured.activation_bytes(p, m, 4, 2, True, "selective") > 0
+    assert measured.collective_efficiency(p, "all_reduce", 2) > 0
+    g = measured.topology_graph(p)
+    assert g.edges[0, 1]["kind"] == "measured"

@@ -30,9 +30,7 @@ def measure(step_fn, device, modules, optimizers):
         torch.cuda.synchronize(device)
         return result, int(torch.cuda.max_memory_allocated(device)), {}, CUDA_METHOD
 
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    mt = MemTracker()
+    mt = _tracker_class()()
     mt.track_external(*modules, *[o for o in optimizers if o is not None])
     with mt:
         result = step_fn()
@@ -47,3 +45,19 @@ def measure(step_fn, device, modules, optimizers):
             if name:
                 breakdown[name] = breakdown.get(name, 0) + int(value)
     return result, peak, breakdown, CPU_METHOD
+
+
+def _tracker_class():
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepTracker(MemTracker):
+        """MemTracker that allows one module to run forward several times in the tracked region
+        (micro-batches). Only the per-module statistics of repeated calls are skipped; the
+        global peak and its breakdown are unaffected."""
+
+        def _pre_fw_hook(self, module, inputs):
+            if module in self.memory_tracking and not self._mod_tracker.is_bw:
+                return
+            super()._pre_fw_hook(module, inputs)
+
+    return StepTracker

@@ -1,0 +1,71 @@
+"""pp > 1: this rank's pipeline chunks as torch.distributed.pipelining stages, ZeRO 0-3, tied
+embeddings kept in sync between the first and the last stage."""
+
+from __future__ import annotations
+
+
+class Piped:
+    def __init__(self, model, config, groups, device, layers, common):
+        import torch
+
+        from .. import nn as gpt
+        from . import data_parallel
+        from .pipeline import build_schedule, chunk_ids
+        from .tensor_parallel import SequenceParallelGrads
+
+        self.config, self.groups = config, groups
+        n = config.num_chunks
+        self.chunk_ids = chunk_ids(groups.pp_rank, config.pp, config.virtual_stages)
+        self.chunks = {c: gpt.build_stage(model, layers[c], c == 0, c == n - 1, **common) for c in self.chunk_ids}
+        self.is_first, self.is_last = 0 in self.chunks, n - 1 in self.chunks
+        tp_group = groups.tp if config.tp > 1 else None
+        self.sp = {c: SequenceParallelGrads(mod, tp_group) for c, mod in self.chunks.items()}
+        self.tied = []
+        if model.tied_embeddings:
+            if self.is_first:
+                self.tied.append(self.chunks[0].embedding.weight)
+            if self.is_last:
+                self.tied.append(self.chunks[n - 1].head.weight)
+        self.tied_ids = {id(p) for p in self.tied}
+        self.grad_sync = None
+        if config.zero_stage == 3:
+            for mod in self.chunks.values():
+                units = ([mod.embedding] if mod.embedding is not None else []) + list(mod.blocks.values()) \
+                    + ([mod.head] if mod.head is not None else [])
+                data_parallel.apply_fsdp(units, mod, groups.dp, device.type)
+        else:
+            self.grad_sync = data_parallel.GradSync(self.parameters(), config.zero_stage, groups.dp,
+                                                    groups.dp_ranks, groups.dp_rank)
+
+        def loss_fn(logits, target):
+            return gpt.vocab_parallel_cross_entropy(logits, target, model, tp_group)
+
+        self.sched, self.stages = build_schedule(self.chunks, config.schedule, n, config.num_micro_batches,
+                                                 groups.pp, device, loss_fn, self._grads_final)
+        self._torch = torch
+
+    def modules(self):
+        return [self.chunks[c] for c in self.chunk_ids]
+
+    def parameters(self):
+        return [p for c in self.chunk_ids for p in self.chunks[c].parameters()]
+
+    def _grads_final(self, stage) -> None:
+        """A stage's backward has seen every micro-batch: sum SP grads, launch its dp reduction."""
+        idx = stage.stage_index
+        self.sp[idx](self.chunks[idx])
+        if self.grad_sync is not None:
+            self.grad_sync.launch([p for p in self.chunks[idx].parameters() if id(p) not in self.tied_ids])
+
+    def step(self, x, y) -> list[float]:
+        import torch.distributed as dist
+
+        from .pipeline import run_step
+
+        losses = run_step(self.sched, self.is_first, self.is_last, x, y)
+        for p in self.tied:  # embedding (first stage) + output layer (last stage): one weight
+            dist.all_reduce(p.grad, group=self.groups.embedding)
+        if self.grad_sync is not None:
+            self.grad_sync.launch(self.tied)
+            self.grad_sync.finish()
+        return [float(loss) for loss in losses]

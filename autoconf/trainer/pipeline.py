@@ -1,0 +1,73 @@
+"""Pipeline parallelism with ``torch.distributed.pipelining``: hand-built stages, stock schedules.
+
+Chunk ``c`` of ``pp * v`` lives on pipeline rank ``c % pp`` (looped placement), so with v > 1 each
+rank holds v non-contiguous chunks (modular pipeline, arXiv 2106.02679). Schedules:
+
+    gpipe -> ScheduleGPipe          1f1b -> Schedule1F1B
+    interleaved -> ScheduleInterleaved1F1B   breadth_first -> ScheduleLoopedBFS (arXiv 2211.05953)
+
+Every schedule calls ``perform_reduce_grad`` on a stage once its backward has seen every
+micro-batch; :class:`ReducingStage` hooks there to launch that stage's data-parallel gradient
+reduction at once, overlapping the rest of the pipeline's backward.
+"""
+
+from __future__ import annotations
+
+
+def chunk_ids(pp_rank: int, pp: int, v: int) -> list[int]:
+    """The chunks (pipeline stages) that pipeline rank ``pp_rank`` holds."""
+    return [pp_rank + k * pp for k in range(v)]
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleLoopedBFS)
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
+            "breadth_first": ScheduleLoopedBFS}[name]
+
+
+def make_stage_class():
+    from torch.distributed.pipelining import PipelineStage
+
+    class ReducingStage(PipelineStage):
+        """A PipelineStage that calls ``on_grads_final(self)`` once its gradients are final."""
+
+        on_grads_final = None
+
+        def perform_reduce_grad(self, grad_scale_factor: int):
+            super().perform_reduce_grad(grad_scale_factor)
+            if self.on_grads_final is not None:
+                self.on_grads_final(self)
+
+    return ReducingStage
+
+
+def build_schedule(chunks: dict, schedule: str, num_chunks: int, num_micro_batches: int, pp_group,
+                   device, loss_fn, on_grads_final=None):
+    """Wrap this rank's chunk modules ({chunk index: module}) in stages and a schedule."""
+    stage_cls = make_stage_class()
+    stages = []
+    for idx in sorted(chunks):
+        st = stage_cls(chunks[idx], idx, num_chunks, device, group=pp_group)
+        st.on_grads_final = on_grads_final
+        stages.append(st)
+    cls = _schedule_class(schedule)
+    if schedule in ("gpipe", "1f1b"):
+        return cls(stages[0], n_microbatches=num_micro_batches, loss_fn=loss_fn), stages
+    return cls(stages, n_microbatches=num_micro_batches, loss_fn=loss_fn), stages
+
+
+def run_step(sched, is_first: bool, is_last: bool, inputs, targets) -> list:
+    """One pipelined forward+backward over all micro-batches; the last stage returns the
+    per-micro-batch losses (others an empty list)."""
+    losses: list = []
+    if is_first and is_last:
+        sched.step(inputs, target=targets, losses=losses)
+    elif is_first:
+        sched.step(inputs)
+    elif is_last:
+        sched.step(target=targets, losses=losses)
+    else:
+        sched.step()
+    return losses

@@ -1,0 +1,107 @@
+"""End to end: the reference trainer under torchrun (CPU, gloo, one thread per process) gives the
+same losses as a single-process run of the same model on the same global batch, for every axis."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autoconf.config import ParallelConfig, check
+from autoconf.model import preset
+from autoconf.trial import make_document, run_trial
+
+torch = pytest.importorskip("torch")
+
+STEPS = 3
+GLOBAL_BATCH = 8
+SEED = 1234
+TINY = preset("tiny")
+TINY_TIED = dataclasses.replace(TINY, tied_embeddings=True, name="tiny-tied")
+
+
+def reference_losses(model, steps: int = STEPS, seed: int = SEED) -> list[float]:
+    """One process, no parallelism, the whole global batch as one micro-batch."""
+    from autoconf import nn as gpt
+    from autoconf.trainer.data import global_batch
+    from autoconf.trainer.main import ADAMW
+
+    torch.manual_seed(seed)
+    net = gpt.GPT(model, dtype=torch.float32, seed=seed)
+    opt = torch.optim.AdamW(net.parameters(), **ADAMW)
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step, GLOBAL_BATCH, model.seq_length, model.vocab_size, seed)
+        loss = net(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def cfg(dp=1, pp=1, tp=1, mbs=1, **kw) -> ParallelConfig:
+    m = GLOBAL_BATCH // (dp * mbs)
+    return ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=mbs, num_micro_batches=m, **kw)
+
+
+# Every axis at least once, at most 4 processes; each line is one torchrun launch.
+CASES = [
+    ("dp2-standard", TINY, cfg(dp=2, mbs=2)),
+    ("dp2-layered-zero1-selective", TINY, cfg(dp=2, mbs=2, layered_grad_accum=True, zero_stage=1, recompute="selective")),
+    ("dp2-layered-zero3-full", TINY, cfg(dp=2, mbs=1, layered_grad_accum=True, zero_stage=3, recompute="full")),
+    ("dp2-zero2-tied", TINY_TIED, cfg(dp=2, mbs=2, zero_stage=2)),
+    ("tp2-sp-selective-layered", TINY, cfg(tp=2, mbs=2, sequence_parallel=True, recompute="selective", layered_grad_accum=True)),
+    ("pp2-gpipe-full", TINY, cfg(pp=2, mbs=2, schedule="gpipe", recompute="full")),
+    ("pp2-interleaved-v2", TINY, cfg(pp=2, mbs=2, schedule="interleaved", virtual_stages=2)),
+    ("pp2-breadth_first-v2-tied", TINY_TIED, cfg(pp=2, mbs=2, schedule="breadth_first", virtual_stages=2, layered_grad_accum=True)),
+    ("dp2-pp2-1f1b-zero1", TINY, cfg(dp=2, pp=2, mbs=1, schedule="1f1b", zero_stage=1)),
+    ("dp2-pp2-gpipe-layered-zero2-tied", TINY_TIED, cfg(dp=2, pp=2, mbs=1, schedule="gpipe", layered_grad_accum=True, zero_stage=2)),
+    ("dp2-pp2-1f1b-zero3", TINY, cfg(dp=2, pp=2, mbs=2, schedule="1f1b", zero_stage=3)),
+    ("pp2-tp2-sp-interleaved", TINY, cfg(pp=2, tp=2, mbs=2, schedule="interleaved", virtual_stages=2, sequence_parallel=True)),
+    ("dp2-tp2-zero3-sp-layered", TINY, cfg(dp=2, tp=2, mbs=2, zero_stage=3, sequence_parallel=True, layered_grad_accum=True)),
+    ("dp2-tp2-order-dp-tp-pp", TINY, cfg(dp=2, tp=2, mbs=1, rank_order="dp-tp-pp")),
+]
+
+_REFERENCE: dict = {}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name,model,config", CASES, ids=[c[0] for c in CASES])
+def test_losses_match_single_process(name, model, config, tmp_path):
+    assert check(config, model) is None, check(config, model)
+    if model.name not in _REFERENCE:
+        _REFERENCE[model.name] = reference_losses(model)
+    expected = _REFERENCE[model.name]
+    result = run_trial(make_document(config, model, seed=SEED), steps=STEPS, warmup=1, timeout_s=180,
+                       out_dir=str(tmp_path))
+    assert result.ok, result.reason
+    assert len(result.losses) == STEPS
+    assert result.losses == pytest.approx(expected, rel=1e-5, abs=1e-5), (result.losses, expected)
+    assert result.step_time_s and result.step_time_s > 0
+    assert result.peak_memory_bytes and result.peak_memory_bytes > 0
+    assert len(result.per_rank) == config.world_size
+
+
+@pytest.mark.e2e
+def test_wrong_world_size_fails_cleanly(tmp_path):
+    result = run_trial(make_document(cfg(dp=2, mbs=2), TINY), steps=2, warmup=1, timeout_s=120, nproc=1,
+                       out_dir=str(tmp_path))
+    assert not result.ok
+    assert "world_size(1)" in result.reason
+
+
+@pytest.mark.e2e
+def test_wall_timeout_kills_the_run():
+    result = run_trial(make_document(cfg(dp=2, mbs=2), TINY), steps=1000, warmup=1, timeout_s=2)
+    assert not result.ok
+    assert "timed out after 2 s" in result.reason
+    assert result.wall_s < 30
+
+
+@pytest.mark.e2e
+def test_step_timeout_reports_failure(tmp_path):
+    result = run_trial(make_document(cfg(dp=2, mbs=2), TINY), steps=3, warmup=1, timeout_s=120,
+                       step_timeout_s=0.05, out_dir=str(tmp_path))
+    assert not result.ok
+    assert "exceeded the step timeout" in result.reason or "timed out" in result.reason.lower()

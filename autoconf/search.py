@@ -209,6 +209,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     persistent = None
     done_keys: set = set()
     earlier = []
+    earlier_by_key: dict = {}
     if storage:
         try:
             persistent = optuna.create_study(storage=storage, study_name=name, direction="minimize",
@@ -224,6 +225,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
             if k in key_of and k not in done_keys:
                 done_keys.add(k)
                 earlier.append(t)
+                earlier_by_key[k] = t
 
     budget = trials if trials is not None else min(len(points), 400)
     todo = [k for k in key_of if k not in done_keys]
@@ -280,6 +282,11 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
             asks += 1
             trial = mem_study.ask(sample_dists)
             k = repair(trial.params)
+            if k in done_keys:  # evaluated by an earlier run of this study
+                t_old = earlier_by_key[k]
+                trial.set_constraint("memory_excess_bytes", t_old.user_attrs.get("memory_excess_bytes", 0.0))
+                mem_study.tell(trial, t_old.value)
+                continue
             if k in results:
                 best, least = results[k]
                 e = best or least

@@ -285,11 +285,16 @@ def _estimate(c: ParallelConfig, ctx: CostContext) -> Estimate:
             rs = _worst(dp_links, comm.reduce_scatter_s, chunk_params[ci] * g_bytes)
             extra_b += max(0.0, rs - bw_) * (n_mb - 1) / n_mb
         if c.dp > 1 and c.zero_stage == 3:
+            # parameters are gathered once per pass over the chunk: every micro-batch (standard) or
+            # once per step (layered: all micro-batches go through a chunk together). Prefetching
+            # hides a gather behind the compute of the pass; the first layer's gather of each pass
+            # over the device's chunks is exposed.
             ag = _worst(dp_links, comm.all_gather_s, chunk_params[ci] * B)
-            per = 1.0 if layered else float(n_mb)
-            # prefetching hides a gather behind the previous layer's compute; the first is exposed
-            extra_f += (max(0.0, ag - f) + ag / max(chunk_layers[ci], 1)) * per / n_mb
-            extra_b += (max(0.0, ag - bw_) + ag / max(chunk_layers[ci], 1)) * per / n_mb
+            ag_layer = _worst(dp_links, comm.all_gather_s, m.layer_params() / tp * B)
+            passes = 1 if layered else n_mb
+            per_pass = n_mb / passes
+            extra_f += (max(0.0, ag - f * per_pass) + (ag_layer if ci < c.pp else 0.0)) * passes / n_mb
+            extra_b += (max(0.0, ag - bw_ * per_pass) + (ag_layer if ci >= n_chunks - c.pp else 0.0)) * passes / n_mb
         comp_f.append(f - 0.0)
         comp_b.append(bw_ - rc)
         rc_part.append(rc)

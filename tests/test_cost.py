@@ -1,0 +1,129 @@
+import dataclasses
+
+import pytest
+
+from autoconf.cluster import load_cluster
+from autoconf.config import ParallelConfig
+from autoconf.cost.estimate import CostContext, TIME_TERMS, estimate
+from autoconf.cost.memory import state_bytes_per_param
+from autoconf.errors import UserError
+from autoconf.model import preset
+
+A100 = load_cluster("examples/clusters/a100-4x8.yaml")
+
+
+@pytest.mark.parametrize("d", [1, 2, 8, 64])
+def test_zero_state_bytes_match_paper(d):
+    # ZeRO (arXiv 1910.02054), mixed-precision Adam: 16, 4 + 12/d, 2 + 14/d, 16/d bytes per parameter
+    expect = {0: 16, 1: 4 + 12 / d, 2: 2 + 14 / d, 3: 16 / d}
+    for stage, want in expect.items():
+        assert state_bytes_per_param("bf16", stage, d).total == pytest.approx(want)
+
+
+def cfg(**kw):
+    base = dict(dp=4, pp=2, tp=4, micro_batch_size=1, num_micro_batches=16)
+    base.update(kw)
+    return ParallelConfig(**base)
+
+
+def test_breakdown_adds_up_and_json_fields():
+    e = estimate(cfg(recompute="selective", sequence_parallel=True, zero_stage=1), preset("llama-3-8b"), A100)
+    assert set(e.breakdown_s) == set(TIME_TERMS)
+    assert sum(e.breakdown_s.values()) == pytest.approx(e.step_time_s)
+    d = e.to_dict()
+    for k in ("step_time_s", "breakdown_s", "peak_memory_bytes", "memory_by_stage", "fits", "tokens_per_s", "mfu", "reasons"):
+        assert k in d
+    for mm in d["memory_by_stage"]:
+        assert {"parameters", "gradients", "optimizer", "activations", "other"} <= set(mm)
+    assert 0.2 < e.mfu < 0.8
+
+
+def test_gpt3_175b_megatron_config_is_plausible():
+    # Narayanan et al. 2021 report 138 TFLOP/s per A100 (44% of peak) for 175B on 1024 GPUs
+    # (t=8, p=16, full recomputation); a model that is off by 2x is wrong.
+    big = dataclasses.replace(A100, node_groups=(dataclasses.replace(A100.node_groups[0], count=128),), _graph_cache={})
+    c = ParallelConfig(dp=8, pp=16, tp=8, micro_batch_size=1, num_micro_batches=192, schedule="interleaved",
+                       virtual_stages=2, recompute="full")
+    e = estimate(c, preset("gpt3-175b"), big)
+    assert 0.3 < e.mfu < 0.6 and e.fits
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+@pytest.mark.parametrize("schedule,v,layered", [("1f1b", 1, False), ("gpipe", 1, True), ("interleaved", 2, False),
+                                                ("breadth_first", 2, True)])
+def test_recompute_never_raises_activation_memory(zero, schedule, v, layered):
+    m = preset("gpt3-2.7b")
+    acts = [estimate(cfg(zero_stage=zero, schedule=schedule, virtual_stages=v, layered_grad_accum=layered, recompute=r),
+                     m, A100).memory_by_stage[0]["activations"] for r in ("none", "selective", "full")]
+    assert acts[0] >= acts[1] >= acts[2]
+
+
+def _slower(cluster, factor):
+    g = cluster.node_groups[0]
+    return dataclasses.replace(cluster, node_groups=(dataclasses.replace(
+        g, nic_bandwidth_bytes_per_s=g.nic_bandwidth_bytes_per_s / factor,
+        intra_node_bandwidth_bytes_per_s=g.intra_node_bandwidth_bytes_per_s / factor),), _graph_cache={})
+
+
+@pytest.mark.parametrize("c", [cfg(), cfg(zero_stage=3), cfg(schedule="interleaved", virtual_stages=2),
+                               cfg(pp=1, dp=8, layered_grad_accum=True, num_micro_batches=8, zero_stage=2),
+                               cfg(sequence_parallel=True, schedule="breadth_first", virtual_stages=4, layered_grad_accum=True)])
+def test_slower_link_never_lowers_step_time(c):
+    m = preset("llama-2-7b")
+    times = [estimate(c, m, _slower(A100, f)).step_time_s for f in (1, 2, 8, 64)]
+    assert times == sorted(times)
+
+
+def test_more_micro_batches_never_raise_1f1b_bubble_fraction():
+    m = preset("gpt3-6.7b")
+    fractions = []
+    for n in (4, 8, 16, 32, 64, 128):
+        e = estimate(cfg(dp=1, pp=4, tp=8, num_micro_batches=n), m, A100)
+        fractions.append(e.breakdown_s["bubble"] / e.step_time_s)
+    assert all(a >= b - 1e-9 for a, b in zip(fractions, fractions[1:]))
+
+
+def test_steady_state_extrapolation_matches_full_simulation():
+    # the estimate simulates at most ~3p micro-batches and extrapolates; compare with a full run
+    from autoconf.cost import estimate as est
+    m = preset("gpt3-6.7b")
+    c = cfg(dp=1, pp=4, tp=8, num_micro_batches=96, schedule="interleaved", virtual_stages=2)
+    e = estimate(c, m, A100)
+    saved = est._sim_size
+    est._sim_size = lambda schedule, pp, mm: mm
+    try:
+        full = estimate(c, m, A100, ctx=CostContext(m, A100))
+    finally:
+        est._sim_size = saved
+    assert e.step_time_s == pytest.approx(full.step_time_s, rel=1e-6)
+    assert e.peak_memory_bytes == pytest.approx(full.peak_memory_bytes, rel=1e-9)
+
+
+def test_cross_group_placement_is_slower():
+    two = load_cluster("examples/clusters/two-kinds.yaml")
+    m = preset("llama-2-7b")
+    # dp groups inside the fast InfiniBand group vs across the capped inter-group link
+    inside = estimate(ParallelConfig(dp=4, pp=1, tp=8, micro_batch_size=1, num_micro_batches=8), m, two)
+    across = estimate(ParallelConfig(dp=6, pp=1, tp=8, micro_batch_size=1, num_micro_batches=8), m, two)
+    assert across.breakdown_s["dp_comm"] > inside.breakdown_s["dp_comm"]
+
+
+def test_layered_accumulation_overlaps_more_dp_than_standard():
+    m = preset("gpt3-2.7b")
+    c = ParallelConfig(dp=32, pp=1, tp=1, micro_batch_size=1, num_micro_batches=8, zero_stage=3)
+    std = estimate(c, m, A100)
+    lay = estimate(dataclasses.replace(c, layered_grad_accum=True), m, A100)
+    assert lay.breakdown_s["dp_comm"] < std.breakdown_s["dp_comm"]
+    assert lay.memory_by_stage[0]["activations"] > std.memory_by_stage[0]["activations"]
+
+
+def test_too_few_devices_and_invalid_config_are_user_errors():
+    with pytest.raises(UserError, match="cluster has 32"):
+        estimate(cfg(dp=8, tp=8), preset("llama-3-8b"), A100)
+    with pytest.raises(UserError, match="tp"):
+        estimate(cfg(tp=3, dp=1), preset("llama-3-8b"), A100)
+
+
+def test_out_of_memory_gets_reason():
+    e = estimate(ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1), preset("llama-3-70b"), A100)
+    assert not e.fits and "out of memory" in e.reasons[0]

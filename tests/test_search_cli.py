@@ -1,0 +1,117 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autoconf.cluster import load_cluster
+from autoconf.config import enumerate_space
+from autoconf.cost.estimate import CostContext, _estimate
+from autoconf.model import preset
+from autoconf.search import search
+
+A100 = load_cluster("examples/clusters/a100-4x8.yaml")
+CPU = load_cluster("examples/clusters/localhost-cpu.yaml")
+
+
+def run_cli(*args, cwd=None):
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    return subprocess.run([sys.executable, "-m", "autoconf", *args], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+def test_brute_force_search_finds_the_exhaustive_best():
+    m = preset("gpt3-1.3b")
+    r = search(m, A100, 64, gpus=8, storage=None, trials=10_000)
+    assert r.sampler == "brute force"
+    ctx = CostContext(m, A100)
+    best = min((e for e in (_estimate(c, ctx) for c, why in enumerate_space(m, 8, 64) if why is None) if e.fits),
+               key=lambda e: e.step_time_s)
+    assert r.top[0].step_time_s == pytest.approx(best.step_time_s)
+    assert sum(r.rejected.values()) + r.valid >= r.space_size - r.rejected.get("out of memory", 0)
+
+
+def test_search_resumes_from_storage(tmp_path):
+    url = f"sqlite:///{tmp_path}/s.db"
+    m = preset("gpt3-1.3b")
+    first = search(m, A100, 64, gpus=8, storage=url, trials=30)
+    again = search(m, A100, 64, gpus=8, storage=url, trials=30)
+    assert first.trials_run == 30 and again.trials_total == 60
+    # points already in the study are not evaluated again
+    import optuna
+    study = optuna.load_study(study_name=first.study_name, storage=url)
+    keys = [tuple(sorted(t.params.items())) for t in study.trials]
+    assert len(keys) == len(set(keys)) == 60
+
+
+def test_sampled_search_on_a_big_space_gets_close():
+    m = preset("llama-3-8b")
+    r = search(m, A100, 256, storage=None, trials=150)
+    assert r.sampler.startswith("TPE") and r.top and r.top[0].fits and r.top[0].mfu > 0.4
+
+
+def test_cli_estimate_json():
+    p = run_cli("estimate", "--model", "llama-3-8b", "--cluster", "examples/clusters/a100-4x8.yaml",
+                "--global-batch", "64", "--dp", "4", "--pp", "2", "--tp", "4", "--micro-batch-size", "1",
+                "--schedule", "interleaved", "--virtual-stages", "2", "--recompute", "selective", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["fits"] and len(d["memory_by_stage"]) == 2 and d["step_time_s"] > 0
+
+
+def test_cli_search_emits_launch_files(tmp_path):
+    p = run_cli("search", "--model", "tiny", "--cluster", os.path.abspath("examples/clusters/localhost-cpu.yaml"),
+                "--global-batch", "8", "--storage", f"sqlite:///{tmp_path}/x.db", "--emit", str(tmp_path / "out"),
+                "--json", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["config"] == d["best"]["config"] and cfg["model"]["name"] == "tiny"
+    sh = (tmp_path / "out" / "node-0.sh").read_text()
+    assert "torchrun" in sh and "--nproc-per-node=2" in sh and "autoconf.trainer" in sh
+
+
+def test_cli_human_output():
+    p = run_cli("search", "--model", "gpt2", "--cluster", "examples/clusters/a100-4x8.yaml", "--global-batch", "64",
+                "--gpus", "8", "--storage", "none")
+    assert p.returncode == 0, p.stderr
+    assert "best:" in p.stdout and "rejected" in p.stdout
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["estimate", "--model", "nope", "--cluster", "examples/clusters/a100-4x8.yaml", "--global-batch", "8", "--dp", "8"],
+     "unknown model preset 'nope'"),
+    (["estimate", "--model", "tiny", "--cluster", "missing.yaml", "--global-batch", "8", "--dp", "2"], "does not exist"),
+    (["estimate", "--model", "tiny", "--cluster", "examples/clusters/localhost-cpu.yaml", "--global-batch", "7",
+      "--dp", "2"], "not divisible"),
+    (["estimate", "--model", "tiny", "--cluster", "examples/clusters/localhost-cpu.yaml", "--global-batch", "8",
+      "--dp", "2", "--tp", "2"], "cluster has 2"),
+    (["estimate", "--model", "tiny", "--cluster", "examples/clusters/a100-4x8.yaml", "--global-batch", "8",
+      "--dp", "1", "--tp", "3"], "tp(3) does not divide"),
+    (["search", "--model", "llama-3-405b", "--cluster", "examples/clusters/localhost-cpu.yaml", "--global-batch", "8",
+      "--storage", "none"], "needs"),
+    (["search", "--model", "tiny", "--cluster", "examples/clusters/localhost-cpu.yaml", "--global-batch", "-3"],
+     "positive"),
+])
+def test_bad_input_is_one_line_exit_2(args, needle):
+    p = run_cli(*args)
+    assert p.returncode == 2, (p.stdout, p.stderr)
+    assert needle in p.stderr and len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr
+
+
+def test_bad_yaml_cluster(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("node_groups: [\n")
+    p = run_cli("estimate", "--model", "tiny", "--cluster", str(bad), "--global-batch", "8", "--dp", "2")
+    assert p.returncode == 2 and "not valid YAML" in p.stderr
+
+
+def test_import_autoconf_does_not_import_torch():
+    code = "import sys, autoconf, autoconf.search, autoconf.cost.estimate, autoconf.cli; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_version_names_the_project():
+    p = run_cli("--version")
+    assert "autoconf-parallel" in p.stdout

@@ -10,6 +10,13 @@ group. Sequence parallelism (Korthikanti et al., arXiv 2205.05198): between bloc
 states are sharded along the sequence, ``[b, s/tp, h]``; a column-parallel linear all-gathers the
 sequence first and saves only its *sharded* input for backward (re-gathering it there), a
 row-parallel linear reduce-scatters its output along the sequence; norms and dropouts run on shards.
+The replicated parameters that then see only a sequence shard (norms, row-parallel biases, learned
+positions) carry ``param.sequence_parallel = True``: call ``allreduce_sequence_parallel_grads(module,
+tp_group)`` after backward, as Megatron-LM does.
+
+Dropout (p = model.dropout, skipped when 0): on attention probabilities (eager attention only; the
+fused SDPA path has none) and after the attention projection and the MLP. Parameters are created in
+``dtype``; the loss is computed in fp32.
 
 Local-width mode (the profiler's): ``tp_size > 1`` with ``tp_group=None`` builds rank 0's shard at
 its local width and skips every collective (an all-gather becomes a repeat of the local shard, a

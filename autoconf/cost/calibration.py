@@ -190,3 +190,34 @@ def calibration_report(pairs, calibration: Calibration) -> dict:
     return {"before": error_stats(pairs, None).to_dict(),
             "after": error_stats(pairs, calibration).to_dict(),
             "calibration": calibration.to_dict()}
+
+
+# -- files ----------------------------------------------------------------------------------------
+
+def save_calibration(calibration: Calibration, path: str) -> None:
+    import json
+
+    with open(path, "w") as f:
+        json.dump({"version": 1, **calibration.to_dict()}, f, indent=1)
+
+
+def load_calibration(path: str) -> Calibration:
+    """Read a calibration JSON written by :func:`save_calibration`; UserError if unreadable."""
+    import json
+
+    from ..errors import UserError
+
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except OSError as e:
+        raise UserError(f"cannot read calibration file {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise UserError(f"calibration file {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(d, dict) or not isinstance(d.get("factors", {}), dict):
+        raise UserError(f"calibration file {path!r} must hold an object with 'factors'")
+    unknown = sorted(set(d.get("factors", {})) - set(TIME_TERMS + MEMORY_TERMS))
+    if unknown:
+        raise UserError(f"calibration file {path!r}: unknown term(s) {', '.join(unknown)}; "
+                        f"valid: {', '.join(TIME_TERMS + MEMORY_TERMS)}")
+    return Calibration.from_dict(d)

@@ -1,0 +1,181 @@
+"""How far the cost model lands from real trial runs on this machine, and whether it picks the best.
+
+For every valid configuration of a small model at world size 2 (or a deterministic spread of at
+most --max-configs of them) it runs the reference trainer under torchrun (CPU, gloo, one thread
+per process) and compares with ``autoconf.cost.estimate.estimate`` on the localhost-cpu cluster
+example (and with a profile, if --profile is given):
+
+    median / max relative error of step time and peak memory, Spearman rank correlation of step
+    time, regret = measured time of the predicted best / best measured, without trials and with
+    verify-3 (best measured among the predicted top 3).
+
+    python bench/accuracy.py --quick                 # ~2-3 minutes
+    python bench/accuracy.py --max-configs 24        # more configurations
+    python bench/accuracy.py --world 4 --max-configs 8   # 4 processes on 2 cores: contention
+
+With more processes than cores the processes share cores: measured times include that contention,
+which the cost model (one device per rank) does not model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from autoconf.cluster import load_cluster  # noqa: E402
+from autoconf.config import enumerate_space  # noqa: E402
+from autoconf.model import ModelSpec  # noqa: E402
+from autoconf.trial import make_document, run_trial  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench_model(quick: bool) -> ModelSpec:
+    """Compute dominates start-up noise: a few layers of hidden 256 (quick) or 384, seq 128, fp32."""
+    h = 256 if quick else 384
+    return ModelSpec(name="bench", num_layers=4, hidden_size=h, num_attention_heads=4, num_kv_heads=4,
+                     ffn_hidden_size=4 * h, vocab_size=2048, seq_length=128, dtype="fp32", bias=True)
+
+
+def spread(configs: list, n: int) -> list:
+    """A deterministic selection of n configurations that covers every (dp, pp, tp) split and schedule."""
+    if len(configs) <= n:
+        return configs
+    buckets: dict = {}
+    for c in configs:
+        buckets.setdefault((c.dp, c.pp, c.tp, c.schedule, c.layered_grad_accum), []).append(c)
+    out, i = [], 0
+    while len(out) < n:
+        added = False
+        for key in sorted(buckets):
+            b = buckets[key]
+            if i < len(b):
+                # stride through the bucket so ZeRO / recompute / mbs choices vary
+                out.append(b[(i * 7) % len(b)] if len(b) > 7 else b[i])
+                added = True
+                if len(out) == n:
+                    break
+        if not added:
+            break
+        i += 1
+    return out
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for k, i in enumerate(order):
+            r[i] = float(k)
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    if n < 2:
+        return float("nan")
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    vy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (vx * vy) if vx and vy else float("nan")
+
+
+def summarise(rows: list[dict], key: str) -> dict:
+    ok = [r for r in rows if r["ok"] and r.get(key) is not None]
+    if not ok:
+        return {}
+    t_err = [abs(r[key]["step_time_s"] - r["step_time_s"]) / r["step_time_s"] for r in ok]
+    m_err = [abs(r[key]["peak_memory_bytes"] - r["peak_memory_bytes"]) / r["peak_memory_bytes"]
+             for r in ok if r.get("peak_memory_bytes")]
+    pred = [r[key]["step_time_s"] for r in ok]
+    meas = [r["step_time_s"] for r in ok]
+    best = min(meas)
+    by_pred = sorted(ok, key=lambda r: r[key]["step_time_s"])
+    return {"n": len(ok), "time_err_median": statistics.median(t_err), "time_err_max": max(t_err),
+            "mem_err_median": statistics.median(m_err) if m_err else float("nan"),
+            "mem_err_max": max(m_err) if m_err else float("nan"),
+            "spearman": spearman(pred, meas), "regret": by_pred[0]["step_time_s"] / best,
+            "regret_verify3": min(r["step_time_s"] for r in by_pred[:3]) / best}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller model, 8 configurations, 4 steps")
+    ap.add_argument("--world", type=int, default=2, help="processes (2 cores here: 4 measures contention)")
+    ap.add_argument("--max-configs", type=int, default=None, help="at most this many configurations")
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=None, help="steps per trial (warm-up 2 included)")
+    ap.add_argument("--cluster", default=os.path.join(ROOT, "examples/clusters/localhost-cpu.yaml"))
+    ap.add_argument("--profile", help="a profile JSON from `autoconf profile` (adds a second prediction)")
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args(argv)
+
+    model = bench_model(args.quick)
+    cluster = load_cluster(args.cluster)
+    if args.world > cluster.num_devices:
+        import dataclasses
+        g = cluster.node_groups[0]
+        cluster = dataclasses.replace(cluster, node_groups=(dataclasses.replace(g, gpus_per_node=args.world),))
+    n_max = args.max_configs or (8 if args.quick else 16)
+    steps = args.steps or (4 if args.quick else 6)
+    valid = [c for c, reason in enumerate_space(model, args.world, args.global_batch, max_micro_batch=8)
+             if reason is None]
+    chosen = spread(valid, n_max)
+    try:
+        from autoconf.cost.estimate import estimate
+    except ImportError as e:
+        print(f"cost model not available yet ({e}); measuring only")
+        estimate = None
+    profile = None
+    if args.profile:
+        from autoconf.profile import load_profile
+        profile = load_profile(args.profile)
+
+    print(f"model {model.hidden_size}h x {model.num_layers}L seq {model.seq_length} fp32, world {args.world}, "
+          f"global batch {args.global_batch}: {len(valid)} valid configurations, running {len(chosen)}")
+    rows = []
+    t_start = time.perf_counter()
+    for i, c in enumerate(chosen):
+        res = run_trial(make_document(c, model), steps=steps, warmup=2, timeout_s=300)
+        row = {"config": c.short(), "ok": res.ok, "reason": res.reason, "step_time_s": res.step_time_s,
+               "peak_memory_bytes": res.peak_memory_bytes, "wall_s": res.wall_s}
+        if estimate is not None:
+            e = estimate(c, model, cluster)
+            row["pred"] = {"step_time_s": e.step_time_s, "peak_memory_bytes": e.peak_memory_bytes}
+            if profile is not None:
+                e = estimate(c, model, cluster, profile)
+                row["pred_profile"] = {"step_time_s": e.step_time_s, "peak_memory_bytes": e.peak_memory_bytes}
+        rows.append(row)
+        _print_row(i, row)
+    print(f"total {time.perf_counter() - t_start:.0f} s")
+    for key, label in (("pred", "catalog (localhost-cpu.yaml)"), ("pred_profile", "with profile")):
+        s = summarise(rows, key)
+        if s:
+            print(f"\n{label}: n={s['n']}  step time err median {s['time_err_median']:.0%} max {s['time_err_max']:.0%}"
+                  f"  | peak mem err median {s['mem_err_median']:.0%} max {s['mem_err_max']:.0%}"
+                  f"  | Spearman {s['spearman']:.2f}  | regret {s['regret']:.2f}, verify-3 {s['regret_verify3']:.2f}")
+    if args.world > os.cpu_count():
+        print(f"\nnote: {args.world} processes on {os.cpu_count()} cores share cores; measured times include "
+              "that contention, the cost model assumes one device per rank.")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def _print_row(i: int, row: dict) -> None:
+    meas = f"{row['step_time_s'] * 1e3:8.1f} ms" if row["ok"] else "  failed  "
+    mem = f"{row['peak_memory_bytes'] / 2**20:7.1f} MiB" if row.get("peak_memory_bytes") else "      -    "
+    pred = row.get("pred")
+    p = (f"{pred['step_time_s'] * 1e3:8.1f} ms {pred['peak_memory_bytes'] / 2**20:7.1f} MiB" if pred else "")
+    extra = "" if row["ok"] else f"  ({row['reason'][:80]})"
+    print(f"{i:3d} {row['config']:<52} measured {meas} {mem} | predicted {p}{extra}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -70,6 +70,7 @@ def assemble(args, model, everyone: list[dict], gathered: list[dict], backend: s
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch threads {torch.get_num_threads()}",
         f"repeats {repeats}, quick={bool(args.quick)}, compute timed without sequence parallelism",
         f"profiling took {elapsed_s:.1f} s",
+        "rank 0 phases ended at (s since start): " + ", ".join(f"{k} {v:.1f}" for k, v in gathered[0]["phases"].items()),
         f"python {platform.python_version()}",
     ]
     prov = Provenance(hosts=tuple(hosts), device_names=tuple(sorted({r.device_name for r in ranks})),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -47,23 +48,36 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+@lru_cache(maxsize=6)
+def _module(model: ModelSpec, layer: str, tp: int, recompute: str, sp: bool, device):
+    """One layer shard, built once per (layer, tp, recompute, sp): items loop over micro-batch sizes."""
+    dtype = acnn.TORCH_DTYPES[model.dtype]
+    common = dict(tp_size=tp, tp_group=None, sequence_parallel=sp, dtype=dtype, device=device)
+    if layer == "embedding":
+        return acnn.Embedding(model, **common)
+    if layer == "block":
+        return acnn.Block(model, recompute=recompute, **common)
+    return acnn.Head(model, **common)
+
+
 def build(model: ModelSpec, layer: str, mbs: int, tp: int, recompute: str, sp: bool, device, seed: int = 0):
-    """(module, inputs, run) for one layer shard; run(module, inputs) -> a tensor to call backward on."""
+    """(module, inputs) for one layer shard; module(*inputs) is a tensor to call backward on."""
     dtype = acnn.TORCH_DTYPES[model.dtype]
     s, h = model.seq_length, model.hidden_size
     s_local = s // tp if sp and tp > 1 else s
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    common = dict(tp_size=tp, tp_group=None, sequence_parallel=sp, dtype=dtype, device=device)
+    mod = _module(model, layer, tp, recompute if layer == "block" else "none", bool(sp and tp > 1), device)
     if layer == "embedding":
-        mod = acnn.Embedding(model, **common)
-        tokens = torch.randint(0, model.vocab_size, (mbs, s), generator=gen).to(device)
-        return mod, (tokens,)
+        return mod, (torch.randint(0, model.vocab_size, (mbs, s), generator=gen).to(device),)
     x = (torch.randn(mbs, s_local, h, generator=gen) * 0.5).to(device=device, dtype=dtype).requires_grad_(True)
     if layer == "block":
-        return acnn.Block(model, recompute=recompute, **common), (x,)
-    mod = acnn.Head(model, **common)
-    target = torch.randint(0, model.vocab_size, (mbs, s), generator=gen).to(device)
-    return mod, (x, target)
+        return mod, (x,)
+    return mod, (x, torch.randint(0, model.vocab_size, (mbs, s), generator=gen).to(device))
+
+
+def release() -> None:
+    """Drop the cached layer shards (their parameters and gradients)."""
+    _module.cache_clear()
 
 
 def _step(mod, inputs, device, grad_cache: dict) -> tuple[float, float]:
@@ -120,8 +134,8 @@ def activation_items(micro_batch_sizes, tps, recompute_modes) -> list[tuple]:
     out = []
     for tp in tps:
         sps = (False, True) if tp > 1 else (False,)
-        for mbs in micro_batch_sizes:
-            for sp in sps:
+        for sp in sps:  # sp outside mbs so cached modules are reused across micro-batch sizes
+            for mbs in micro_batch_sizes:
                 out.append(("embedding", mbs, tp, sp, "none"))
                 out += [("block", mbs, tp, sp, rc) for rc in recompute_modes]
                 out.append(("head", mbs, tp, sp, "none"))

@@ -148,6 +148,7 @@ def run(args) -> int:
     n_rounds = 0 if args.skip_links or world < 2 else links.link_rounds(world, args.serial_links)
     n_coll = 0 if args.skip_links or world < 2 else links.collective_steps(world, coll_sizes)
 
+    phases: dict = {}  # phase -> seconds since the start when it ended
     bars = report.Bars(enabled=rank == 0)
     with bars:
         t_compute = bars.task("compute (this rank's share)", len(my_items) + len(my_acts) + len(my_gemms))
@@ -166,19 +167,24 @@ def run(args) -> int:
             gemm_rows.append({"m": m, "n": n, "k": k, "dtype": model.dtype,
                               "time_s": compute.time_gemm(m, n, k, model.dtype, device, repeats)})
             bars.advance(t_compute)
+        compute.release()
+        phases["compute"] = time.perf_counter() - t_start
         bars.describe(t_compute, "compute done; waiting for the other ranks")
         dist.barrier()
+        phases["compute (all ranks)"] = time.perf_counter() - t_start
         if args.skip_compute:
             bars.describe(t_compute, "compute skipped")
 
         t_links = bars.task("links (tournament rounds)", n_rounds)
         my_links = links.measure_p2p(device, p2p_sizes, repeats, quick, args.serial_links,
                                      advance=lambda n: bars.advance(t_links, n)) if n_rounds else []
+        phases["links"] = time.perf_counter() - t_start
         t_coll = bars.task("collectives", n_coll)
         my_coll = links.measure_collectives(device, coll_sizes, repeats,
                                             advance=lambda n: bars.advance(t_coll, n)) if n_coll else []
 
-    mine_all = {"timings": timings, "acts": acts, "gemm": gemm_rows, "links": my_links, "coll": my_coll,
+    phases["collectives"] = time.perf_counter() - t_start
+    mine_all = {"phases": phases, "timings": timings, "acts": acts, "gemm": gemm_rows, "links": my_links, "coll": my_coll,
                 "kind": me["device_kind"]}
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(mine_all, gathered, dst=0)

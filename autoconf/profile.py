@@ -101,7 +101,7 @@ class LayerTiming:
     backward_s: float
     """Backward of the shard, including the recomputed forward when recompute is not 'none'."""
     forward_spread_s: float
-    """Interquartile range of the forward repeats."""
+    """Interquartile range of the forward repeats (their range with fewer than 4 repeats)."""
     backward_spread_s: float
     repeats: int
     device_kind: str | None

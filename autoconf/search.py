@@ -109,48 +109,65 @@ class _Repair:
     """Map a sampled (tp, pp, micro-batch size, pipeline) to the nearest valid outer point.
 
     The axes are coupled (dp = world / (pp x tp); micro-batch sizes and chunk counts depend on the
-    others), so TPE samples them independently and each sample is projected: nearest tp, then the
-    nearest pp valid with it, then micro-batch size, then the same schedule with the nearest v.
+    others), so TPE samples them independently and each sample is projected: nearest tp (in log
+    scale), then the nearest pp valid with it, then micro-batch size, then the same schedule with
+    the nearest v.
     """
 
     def __init__(self, key_of: dict):
-        self.keys = list(key_of)
+        self.tree: dict = {}
+        for k in key_of:
+            self.tree.setdefault(k[0], {}).setdefault(k[1], {}).setdefault(k[3], []).append(k)
+        self.memo: dict = {}
 
     @staticmethod
-    def _log_dist(a, b) -> float:
+    def _nearest(options, want):
         import math
-        return abs(math.log2(a) - math.log2(b))
+        return min(options, key=lambda o: (abs(math.log2(o) - math.log2(want)), o))
 
     def __call__(self, params: dict) -> tuple:
-        cands = self.keys
-        for idx, name in ((0, "tp"), (1, "pp"), (3, "micro_batch_size")):
-            want = params[name]
-            best = min(self._log_dist(k[idx], want) for k in cands)
-            cands = [k for k in cands if self._log_dist(k[idx], want) == best]
-        want = params["pipeline"]
-        sched, v, layered = _parse_pipeline(want)
+        sig = (params["tp"], params["pp"], params["micro_batch_size"], params["pipeline"])
+        if sig in self.memo:
+            return self.memo[sig]
+        by_tp = self.tree[self._nearest(self.tree, params["tp"])]
+        by_pp = by_tp[self._nearest(list(by_tp), params["pp"])]
+        keys = by_pp[self._nearest(list(by_pp), params["micro_batch_size"])]
+        sched, v, layered = _parse_pipeline(params["pipeline"])
 
         def dist(k):
             s2, v2, l2 = _parse_pipeline(k[4])
             return (s2 != sched) * 100 + abs(v2 - v) + (l2 != layered) * 10
-        return min(cands, key=dist)
+        out = self.memo[sig] = min(keys, key=dist)
+        return out
 
 
 def count_space(model, world: int, global_batch: int, max_micro_batch: int):
-    """(outer points, total configs, valid configs, rejected reason counts)."""
+    """(outer points, total configs, valid configs, rejected reason counts).
+
+    ZeRO, recomputation and sequence parallelism only add reasons to an outer point's own, so an
+    outer point that fails with the plainest inner choice fails with all of them.
+    """
     from .config import reason_key
     rejected: dict = {}
     points = list(outer_space(model, world, global_batch, max_micro_batch, rejected))
     total = sum(rejected.values())
     valid = 0
+
+    def count(reason, n):
+        key = reason_key(reason) if reason_key(reason) != "schedule/option mismatch" else _short_reason(reason)
+        rejected[key] = rejected.get(key, 0) + n
+
     for dp, pp, tp, mbs, sched, v, layered in points:
-        for zero, rc, sp in inner_choices(dp, tp):
-            total += 1
-            c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch)
-            reason = check(c, model)
+        inner = inner_choices(dp, tp)
+        total += len(inner)
+        base = check(make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, global_batch), model)
+        if base:
+            count(base, len(inner))
+            continue
+        for zero, rc, sp in inner:
+            reason = check(make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch), model) if sp else None
             if reason:
-                key = reason_key(reason) if reason_key(reason) != "schedule/option mismatch" else _short_reason(reason)
-                rejected[key] = rejected.get(key, 0) + 1
+                count(reason, 1)
             else:
                 valid += 1
     return points, total, valid, rejected

@@ -52,7 +52,7 @@ def main() -> None:
         t.add_row(name, str(cluster.num_devices), f"{r.space_size:,}", f"{r.valid:,}", f"{r.outer_points:,}",
                   str(r.trials_run), f"{r.estimates:,}", f"{wall:.1f}", f"{r.estimates / wall:,.0f}",
                   best.config.short() if best else "none fits", f"{100 * best.mfu:.1f}%" if best else "")
-    Console().print(t)
+    Console(width=200).print(t)
 
 
 if __name__ == "__main__":

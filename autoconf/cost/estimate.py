@@ -398,7 +398,7 @@ def _sim_size(schedule: str, pp: int, m: int) -> int:
     in m there; the slope is measured from two simulations (exact for periodic steady states,
     transfers included) instead of simulating thousands of micro-batches.
     """
-    cap = max(3 * pp, 16)
+    cap = max(2 * pp, 8)
     if m <= cap + pp:
         return m
     return -(-cap // pp) * pp  # a multiple of pp (interleaved needs it)

@@ -138,6 +138,10 @@ def main(argv=None) -> int:
 
     print(f"model {model.hidden_size}h x {model.num_layers}L seq {model.seq_length} fp32, world {args.world}, "
           f"global batch {args.global_batch}: {len(valid)} valid configurations, running {len(chosen)}")
+    load0 = os.getloadavg()[0]
+    if load0 > 0.5:
+        print(f"warning: load average {load0:.1f} before starting: other processes share the cores, "
+              "measured times will be inflated")
     rows = []
     t_start = time.perf_counter()
     for i, c in enumerate(chosen):
@@ -152,7 +156,8 @@ def main(argv=None) -> int:
                 row["pred_profile"] = {"step_time_s": e.step_time_s, "peak_memory_bytes": e.peak_memory_bytes}
         rows.append(row)
         _print_row(i, row)
-    print(f"total {time.perf_counter() - t_start:.0f} s")
+    print(f"total {time.perf_counter() - t_start:.0f} s; load average {load0:.1f} at start, "
+          f"{os.getloadavg()[0]:.1f} at end (cores: {os.cpu_count()})")
     for key, label in (("pred", "catalog (localhost-cpu.yaml)"), ("pred_profile", "with profile")):
         s = summarise(rows, key)
         if s:

@@ -80,6 +80,7 @@ class _Evaluator:
         self.global_batch = global_batch
         self.rejected: dict = {}
         self.estimates = 0
+        self.pruned = 0
         self.smallest: Estimate | None = None
 
     def __call__(self, point) -> tuple[Estimate | None, Estimate | None]:
@@ -91,8 +92,13 @@ class _Evaluator:
             reason = check(c, self.ctx.model)
             if reason:
                 continue
-            e = _estimate(c, self.ctx)
+            # memory first (no simulation when it cannot fit); skip the schedule simulation when
+            # the busiest device's work alone is slower than the best found for this point
+            e = _estimate(c, self.ctx, bound=best.step_time_s if best else None, time_if_oom=False)
             self.estimates += 1
+            if e is None:
+                self.pruned += 1
+                continue
             if least is None or e.memory_excess_bytes < least.memory_excess_bytes:
                 least = e
             if e.fits:

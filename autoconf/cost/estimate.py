@@ -220,7 +220,10 @@ def estimate(config: ParallelConfig, model: ModelSpec, cluster=None, profile=Non
     return _estimate(config, ctx)
 
 
-def _estimate(c: ParallelConfig, ctx: CostContext) -> Estimate:
+def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
+              time_if_oom: bool = True) -> Estimate | None:
+    """The estimate; with ``bound``, None as soon as a lower bound on the step time reaches it;
+    with ``time_if_oom=False``, a configuration that does not fit gets memory only (step time inf)."""
     m = ctx.model
     topo = ctx.topology
     b, tp, sp, B = c.micro_batch_size, c.tp, c.sequence_parallel, m.dtype_bytes
@@ -303,6 +306,17 @@ def _estimate(c: ParallelConfig, ctx: CostContext) -> Estimate:
         fwd.append(f + tpf + extra_f)
         bwd.append(bw_ + tpb + extra_b)
 
+    memory = _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, v_sim, n_chunks)
+    if ctx.calibration is not None:
+        memory = [_calibrate_memory(mm, ctx.calibration.factors) for mm in memory]
+    oom = [s for s, mm in enumerate(memory) if mm["total"] > mm["capacity"]]
+    if oom and not time_if_oom:
+        return _finish(c, ctx, {k: 0.0 for k in TIME_TERMS}, memory, float("inf"))
+    if bound is not None:
+        busiest = max(sum(fwd[ci] + bwd[ci] for ci in range(d, n_chunks, c.pp)) for d in range(c.pp))
+        if busiest * n_mb >= bound:  # the step is at least the busiest device's work
+            return None
+
     # pipeline transfers: the activation of one micro-batch (sharded along the sequence with SP)
     p2p_bytes = act_bytes_full / (tp if sp else 1)
     if c.pp > 1:
@@ -360,12 +374,14 @@ def _estimate(c: ParallelConfig, ctx: CostContext) -> Estimate:
     residual = (makespan + dp_tail + post_ag + opt) - sum(breakdown.values())
     breakdown["bubble"] = max(0.0, breakdown["bubble"] + residual)
 
-    memory = _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, v_sim, n_chunks)
     if ctx.calibration is not None:
         f = ctx.calibration.factors
         breakdown = {k: v * f.get(k, 1.0) for k, v in breakdown.items()}
-        memory = [_calibrate_memory(mm, f) for mm in memory]
-    step = sum(breakdown.values())
+    return _finish(c, ctx, breakdown, memory, sum(breakdown.values()))
+
+
+def _finish(c: ParallelConfig, ctx: CostContext, breakdown: dict, memory: list, step: float) -> Estimate:
+    m, topo = ctx.model, ctx.topology
     reasons = []
     for s, mm in enumerate(memory):
         if mm["total"] > mm["capacity"]:

@@ -51,7 +51,7 @@ def profile_once(model: str, seq: int | None, extra: list[str], nproc: int) -> d
         if res.returncode:
             return {"error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"}
         p = load_profile(out)
-    inner = next((n.split()[2] for n in p.provenance.notes if n.startswith("profiling took")), "?")
+    inner = next((n.split()[2].rstrip(";") for n in p.provenance.notes if n.startswith("profiling took")), "?")
     return {"wall_s": wall, "cpu_s": cpu, "inner_s": float(inner) if inner != "?" else None, "params": p.model.num_params(),
             "layers": len(p.compute), "acts": len(p.activations), "gemms": len(p.gemm), "links": len(p.links),
             "colls": len(p.collectives), "profile": p}

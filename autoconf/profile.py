@@ -180,6 +180,36 @@ class CollectiveEntry:
 
 
 @dataclass(frozen=True)
+class TpBlockTiming:
+    """One block run with its REAL tensor-parallel collectives (ranks 0..tp-1 of a host).
+
+    Its time minus the local-width time of the same shard (``LayerTiming`` at the same tp and
+    micro-batch size) is the tensor-parallel communication as training experiences it: the
+    collectives plus the waits and wake-ups around them, which a tight loop of collectives
+    does not show (on CPU/gloo a 128 KiB all-reduce costs ~0.5 ms in a loop, ~2 ms between GEMMs).
+    """
+
+    micro_batch_size: int
+    tp: int
+    sequence_parallel: bool
+    forward_s: float
+    backward_s: float
+    repeats: int
+    device_kind: str | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerTiming:
+    """One AdamW step over the parameters of one block shard (torch.optim.AdamW, as the trainer)."""
+
+    tp: int
+    num_params: int
+    time_s: float
+    repeats: int
+    device_kind: str | None = None
+
+
+@dataclass(frozen=True)
 class Profile:
     version: int
     provenance: Provenance
@@ -194,6 +224,10 @@ class Profile:
     overhead: MemoryOverhead | None = None
     links: tuple = ()
     collectives: tuple = ()
+    tp_blocks: tuple = ()
+    """TpBlockTiming entries (absent in profiles written before they were measured)."""
+    optimizer: tuple = ()
+    """OptimizerTiming entries (absent in older profiles)."""
 
     @property
     def world_size(self) -> int:
@@ -237,6 +271,8 @@ class Profile:
             links=tuple(LinkEntry(**{**x, "sizes_bytes": tuple(x["sizes_bytes"]), "times_s": tuple(x["times_s"])})
                         for x in d.get("links", ())),
             collectives=tuple(CollectiveEntry(**{**x, "ranks": tuple(x["ranks"])}) for x in d.get("collectives", ())),
+            tp_blocks=tuple(TpBlockTiming(**x) for x in d.get("tp_blocks", ())),
+            optimizer=tuple(OptimizerTiming(**x) for x in d.get("optimizer", ())),
         )
 
 

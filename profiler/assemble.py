@@ -10,6 +10,7 @@ from autoconf import __version__
 from autoconf.catalog import device_type
 from autoconf.errors import UserError
 from autoconf.profile import (PROFILE_VERSION, ActivationEntry, CollectiveEntry, GemmEntry, HostInfo, LayerTiming,
+                              OptimizerTiming, TpBlockTiming,
                               LinkEntry, MemoryOverhead, ParameterEntry, Profile, Provenance, RankInfo)
 
 from .links import merge_collectives
@@ -88,4 +89,6 @@ def assemble(args, model, everyone: list[dict], gathered: list[dict], backend: s
         parameters=tuple(sorted(params.values(), key=lambda p: (order[p.layer], p.tp))),
         overhead=overhead, links=tuple(sorted(links, key=lambda x: (x.src, x.dst))),
         collectives=tuple(sorted(colls, key=lambda c: (c.op, len(c.ranks), c.ranks, c.bytes))),
+        tp_blocks=tuple(TpBlockTiming(**x, device_kind=gathered[0]["kind"]) for x in gathered[0].get("tp_blocks", ())),
+        optimizer=tuple(OptimizerTiming(**x, device_kind=g["kind"]) for g in gathered for x in g.get("optimizer", ())),
     )

@@ -195,3 +195,47 @@ def time_gemm(m: int, n: int, k: int, dtype_name: str, device, repeats: int, min
         _sync(device)
         samples.append((time.perf_counter() - t0) / inner)
     return statistics.median(samples)
+
+
+def time_tp_block(model: ModelSpec, mbs: int, tp: int, sp: bool, group, device, warmup: int, repeats: int) -> dict:
+    """Median forward/backward of one block shard with its real collectives over ``group``.
+
+    Every rank of the group must call this with the same arguments (the collectives pair up).
+    """
+    dtype = acnn.TORCH_DTYPES[model.dtype]
+    mod = acnn.Block(model, tp_size=tp, tp_group=group, sequence_parallel=sp, dtype=dtype, device=device)
+    mod.train()
+    s_local = model.seq_length // tp if sp else model.seq_length
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    x = (torch.randn(mbs, s_local, model.hidden_size, generator=gen) * 0.5).to(device=device, dtype=dtype)
+    x.requires_grad_(True)
+    cache: dict = {}
+    for _ in range(warmup):
+        _step(mod, (x,), device, cache)
+    fwd, bwd = [], []
+    for _ in range(repeats):
+        f, b = _step(mod, (x,), device, cache)
+        fwd.append(f)
+        bwd.append(b)
+    return {"micro_batch_size": mbs, "tp": tp, "sequence_parallel": sp, "forward_s": statistics.median(fwd),
+            "backward_s": statistics.median(bwd), "repeats": repeats}
+
+
+def time_optimizer(model: ModelSpec, tp: int, device, warmup: int, repeats: int) -> dict:
+    """Median AdamW step over one block shard's parameters (gradients present, as after backward)."""
+    dtype = acnn.TORCH_DTYPES[model.dtype]
+    mod = acnn.Block(model, tp_size=tp, tp_group=None, dtype=dtype, device=device)
+    params = [p for p in mod.parameters() if p.requires_grad]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    times = []
+    for i in range(warmup + repeats):
+        _sync(device)
+        t = time.perf_counter()
+        opt.step()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return {"tp": tp, "num_params": sum(p.numel() for p in params), "time_s": statistics.median(times),
+            "repeats": repeats}

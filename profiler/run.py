@@ -167,6 +167,8 @@ def run(args) -> int:
             gemm_rows.append({"m": m, "n": n, "k": k, "dtype": model.dtype,
                               "time_s": compute.time_gemm(m, n, k, model.dtype, device, repeats)})
             bars.advance(t_compute)
+        opt_rows = [compute.time_optimizer(model, t, device, warmup, repeats) for t in tps] \
+            if my_items and mine[0] == 0 else []
         compute.release()
         phases["compute"] = time.perf_counter() - t_start
         bars.describe(t_compute, "compute done; waiting for the other ranks")
@@ -174,6 +176,25 @@ def run(args) -> int:
         phases["compute (all ranks)"] = time.perf_counter() - t_start
         if args.skip_compute:
             bars.describe(t_compute, "compute skipped")
+
+        # tensor-parallel blocks with their real collectives, on the first tp ranks of the world
+        # (all ranks create every group; ranks outside a group wait at the barrier)
+        tp_rows = []
+        in_host = [t for t in tps if 1 < t <= local_world] if not args.skip_compute else []
+        t_tp = bars.task("tp blocks with collectives", len(in_host) * len(mbs_list) * 2)
+        for t in in_host:
+            group = dist.new_group(list(range(t)))
+            for mbs in mbs_list:
+                for sp in (False, True):
+                    if sp and model.seq_length % t:
+                        continue
+                    if rank < t:
+                        row = compute.time_tp_block(model, mbs, t, sp, group, device, warmup, repeats)
+                        if rank == 0:
+                            tp_rows.append(row)
+                    dist.barrier()
+                    bars.advance(t_tp)
+        phases["tp blocks"] = time.perf_counter() - t_start
 
         t_links = bars.task("links (tournament rounds)", n_rounds)
         my_links = links.measure_p2p(device, p2p_sizes, repeats, quick, args.serial_links,
@@ -184,7 +205,7 @@ def run(args) -> int:
                                             advance=lambda n: bars.advance(t_coll, n)) if n_coll else []
 
     phases["collectives"] = time.perf_counter() - t_start
-    mine_all = {"phases": phases, "timings": timings, "acts": acts, "gemm": gemm_rows, "links": my_links, "coll": my_coll,
+    mine_all = {"phases": phases, "timings": timings, "tp_blocks": tp_rows, "optimizer": opt_rows, "acts": acts, "gemm": gemm_rows, "links": my_links, "coll": my_coll,
                 "kind": me["device_kind"]}
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(mine_all, gathered, dst=0)

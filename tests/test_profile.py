@@ -274,3 +274,46 @@ def test_collective_efficiency():
     assert measured.collective_efficiency(p, "all_reduce", 4) is None
     with pytest.raises(UserError):
         measured.collective_efficiency(p, "broadcast", 2)
+
+
+# -- in-place tensor-parallel communication and optimizer timing (lead's additions) -------------------
+
+def _with(profile, **kw):
+    import dataclasses
+    return dataclasses.replace(profile, **kw)
+
+
+def test_tp_comm_is_in_place_minus_local_width_and_reaches_the_estimate():
+    import dataclasses
+
+    from autoconf.cost.estimate import estimate
+    from autoconf.cost.measured import optimizer_seconds_per_param, tp_comm_times
+    from autoconf.config import ParallelConfig
+    from autoconf.profile import OptimizerTiming, TpBlockTiming
+
+    prof = _tp_profile()
+    model = prof.model
+    base = [(e.micro_batch_size, e.forward_s, e.backward_s) for e in prof.compute
+            if e.layer == "block" and e.tp == 2 and e.recompute == "none"]
+    assert base, "fixture must hold local-width tp=2 block timings"
+    extra_f, extra_b = 0.003, 0.005
+    rows = tuple(TpBlockTiming(micro_batch_size=m, tp=2, sequence_parallel=False, forward_s=f + extra_f,
+                               backward_s=b + extra_b, repeats=3, device_kind="cpu") for m, f, b in base)
+    p2 = _with(prof, tp_blocks=rows, optimizer=(OptimizerTiming(tp=1, num_params=1000, time_s=1e-3, repeats=3,
+                                                                device_kind="cpu"),))
+    got = tp_comm_times(p2, model, base[0][0], 2, False)
+    assert got == pytest.approx((extra_f, extra_b), rel=1e-6)
+    assert tp_comm_times(p2, model, 1, 4, False) is None  # not measured in place: the links decide
+    assert optimizer_seconds_per_param(p2) == pytest.approx(1e-6)
+    c = ParallelConfig(dp=1, pp=1, tp=2, micro_batch_size=base[0][0], num_micro_batches=2)
+    with_comm = estimate(c, model, None, p2)
+    assert with_comm.breakdown_s["tp_comm"] == pytest.approx(2 * model.num_layers * (extra_f + extra_b)
+                                                               + 2 * extra_f, rel=0.05)
+    assert with_comm.breakdown_s["optimizer"] == pytest.approx(model.num_params() / 2 * 1e-6, rel=0.05)
+    assert dataclasses.asdict(p2) == dataclasses.asdict(type(p2).from_dict(p2.to_dict()))
+
+
+def _tp_profile():
+    base = make_profile()
+    extra = (_timing("block", 1, 2, "none", 0.6e-3, 1.2e-3), _timing("block", 4, 2, "none", 1.5e-3, 3.0e-3))
+    return dataclasses.replace(base, compute=base.compute + extra)

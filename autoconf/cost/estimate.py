@@ -28,7 +28,7 @@ from ..topology import Topology, axis_groups, rank_coords
 from . import comm
 from .activations import embedding_activation_bytes, head_activation_bytes, layer_activation_bytes
 from .compute import LayerTimes, Roofline, block_times, embedding_times, head_times, optimizer_s
-from .memory import state_bytes_per_param, zero3_working_bytes
+from .memory import bytes_per_param, state_bytes_per_param, zero3_working_bytes
 from .pipeline import peak_activation, simulate
 
 TIME_TERMS = ("compute", "recompute", "tp_comm", "bubble", "pp_comm", "dp_comm", "optimizer")
@@ -169,9 +169,28 @@ def _axis_links(ctx: CostContext, c: ParallelConfig, axis: str):
     return ctx.cached(("axis", c.dp, c.pp, c.tp, c.rank_order, axis), make)
 
 
-def _worst(links, fn, nbytes: float) -> float:
-    """The slowest group's time: all groups of an axis run the collective together."""
-    return max(fn(nbytes, g) for g in links)
+def _worst(links, fn, nbytes: float, efficiency: float = 1.0) -> float:
+    """The slowest group's time: all groups of an axis run the collective together.
+
+    ``efficiency`` (the profile's measured bus bandwidth over what the links predict) stretches
+    the bandwidth term only: steps x alpha + bytes / (beta x efficiency).
+    """
+    return max(fn(nbytes / efficiency, g) for g in links)
+
+
+_OPS = {comm.all_reduce_s: "all_reduce", comm.all_gather_s: "all_gather", comm.reduce_scatter_s: "reduce_scatter"}
+
+
+def _efficiency(ctx: CostContext, fn, n: int) -> float:
+    """Measured collective efficiency for groups of n ranks (1.0 without a profile measurement)."""
+    if ctx.profile is None or n < 2:
+        return 1.0
+    from .measured import collective_efficiency
+
+    def make():
+        eff = collective_efficiency(ctx.profile, _OPS[fn], n)
+        return min(1.0, eff) if eff and eff > 0 else 1.0
+    return ctx.cached(("eff", _OPS[fn], n), make)
 
 
 def _stage_devices(c: ParallelConfig) -> list[list[int]]:
@@ -243,13 +262,22 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
     act_bytes_full = b * m.seq_length * m.hidden_size * B
     tp_links = _axis_links(ctx, c, "tp") if tp > 1 else None
     if tp > 1:
-        one = (_worst(tp_links, comm.all_gather_s, act_bytes_full) + _worst(tp_links, comm.reduce_scatter_s, act_bytes_full)
-               if sp else _worst(tp_links, comm.all_reduce_s, act_bytes_full))
-        tp_fwd_layer = 2 * one
-        tp_bwd_layer = 2 * one + (tp_fwd_layer if c.recompute == "full" else 0.0)
+        one = (_worst(tp_links, comm.all_gather_s, act_bytes_full, _efficiency(ctx, comm.all_gather_s, tp))
+               + _worst(tp_links, comm.reduce_scatter_s, act_bytes_full, _efficiency(ctx, comm.reduce_scatter_s, tp))
+               if sp else _worst(tp_links, comm.all_reduce_s, act_bytes_full, _efficiency(ctx, comm.all_reduce_s, tp)))
+        tp_fwd_layer = tp_bwd_layer = 2 * one
+        measured_tp = _measured_tp_comm(ctx, c, stage_kinds)
+        if measured_tp is not None:  # the profile timed the block with its real collectives
+            tp_fwd_layer, tp_bwd_layer = measured_tp
+            one = tp_fwd_layer / 2
+        tp_bwd_layer += tp_fwd_layer if c.recompute == "full" else 0.0
         tp_edge = one  # embedding forward reduce / head backward reduce
     else:
         tp_fwd_layer = tp_bwd_layer = tp_edge = 0.0
+
+    # Communication overlaps computation only where a copy engine / NIC does the work; CPU
+    # processes run their collectives on the same cores as their compute, so nothing is hidden.
+    overlaps = not any("cpu" in k for k in stage_kinds)
 
     # data-parallel links and per-chunk gradient / parameter bytes
     dp_links = _axis_links(ctx, c, "dp") if c.dp > 1 else None
@@ -285,19 +313,24 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
         # ZeRO-2/3 traffic that runs every micro-batch, overlapped with that chunk's compute
         extra_f = extra_b = 0.0
         if c.dp > 1 and c.zero_stage >= 2 and not layered:
-            rs = _worst(dp_links, comm.reduce_scatter_s, chunk_params[ci] * g_bytes)
-            extra_b += max(0.0, rs - bw_) * (n_mb - 1) / n_mb
+            rs = _worst(dp_links, comm.reduce_scatter_s, chunk_params[ci] * g_bytes, _efficiency(ctx, comm.reduce_scatter_s, c.dp))
+            extra_b += (max(0.0, rs - bw_) if overlaps else rs) * (n_mb - 1) / n_mb
         if c.dp > 1 and c.zero_stage == 3:
             # parameters are gathered once per pass over the chunk: every micro-batch (standard) or
             # once per step (layered: all micro-batches go through a chunk together). Prefetching
             # hides a gather behind the compute of the pass; the first layer's gather of each pass
             # over the device's chunks is exposed.
-            ag = _worst(dp_links, comm.all_gather_s, chunk_params[ci] * B)
-            ag_layer = _worst(dp_links, comm.all_gather_s, m.layer_params() / tp * B)
+            eff_ag = _efficiency(ctx, comm.all_gather_s, c.dp)
+            ag = _worst(dp_links, comm.all_gather_s, chunk_params[ci] * B, eff_ag)
+            ag_layer = _worst(dp_links, comm.all_gather_s, m.layer_params() / tp * B, eff_ag)
             passes = 1 if layered else n_mb
             per_pass = n_mb / passes
-            extra_f += (max(0.0, ag - f * per_pass) + (ag_layer if ci < c.pp else 0.0)) * passes / n_mb
-            extra_b += (max(0.0, ag - bw_ * per_pass) + (ag_layer if ci >= n_chunks - c.pp else 0.0)) * passes / n_mb
+            if overlaps:
+                extra_f += (max(0.0, ag - f * per_pass) + (ag_layer if ci < c.pp else 0.0)) * passes / n_mb
+                extra_b += (max(0.0, ag - bw_ * per_pass) + (ag_layer if ci >= n_chunks - c.pp else 0.0)) * passes / n_mb
+            else:
+                extra_f += ag * passes / n_mb
+                extra_b += ag * passes / n_mb
         comp_f.append(f - 0.0)
         comp_b.append(bw_ - rc)
         rc_part.append(rc)
@@ -342,21 +375,24 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
             chunks = sorted(range(dev, n_chunks, c.pp), key=lambda ci: sim.last_backward_end_s[ci])
             t_free = 0.0
             for ci in chunks:
-                t = _worst(dp_links, red, chunk_params[ci] * g_bytes)
-                start = max(t_free, sim.last_backward_end_s[ci] - bwd_t[ci] * (1 - 1 / max(chunk_layers[ci], 1)))
+                t = _worst(dp_links, red, chunk_params[ci] * g_bytes, _efficiency(ctx, red, c.dp))
+                if overlaps:
+                    start = max(t_free, sim.last_backward_end_s[ci] - bwd_t[ci] * (1 - 1 / max(chunk_layers[ci], 1)))
+                else:  # no overlap: every reduction adds its whole time to the step
+                    start = max(t_free, makespan)
                 t_free = start + t
             end_all = max(end_all, t_free)
         dp_tail = end_all - makespan
         if c.zero_stage in (1, 2):
             # updated parameter shards are gathered back after the optimizer step
-            post_ag = max(_worst(dp_links, comm.all_gather_s, sum(chunk_params[ci] for ci in range(dev, n_chunks, c.pp)) * B)
-                          for dev in range(c.pp))
+            post_ag = max(_worst(dp_links, comm.all_gather_s, sum(chunk_params[ci] for ci in range(dev, n_chunks, c.pp)) * B,
+                                 _efficiency(ctx, comm.all_gather_s, c.dp)) for dev in range(c.pp))
 
-    # optimizer
+    # optimizer: measured seconds per parameter from the profile, else the memory-bound roofline
     opt = 0.0
     for dev in range(c.pp):
         local = sum(chunk_params[ci] for ci in range(dev, n_chunks, c.pp)) / (c.dp if c.zero_stage >= 1 else 1)
-        opt = max(opt, max(optimizer_s(local, m.dtype != "fp32", ctx.roofline(k)) for k in stage_kinds[dev]))
+        opt = max(opt, max(_optimizer_time(ctx, k, local) for k in stage_kinds[dev]))
 
     # breakdown on the busiest device
     dev_busy = max(range(c.pp), key=lambda d: sim.busy_s[d])
@@ -477,14 +513,38 @@ def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, 
         other = device_type(kind).framework_overhead_bytes
         if c.zero_stage == 3 and c.dp > 1:
             other += zero3_working_bytes(m, c.tp)
-        # largest transient buffer: a gradient-reduction bucket (25 MiB as DDP) or a p2p receive buffer
-        other += (25 * 2**20 if c.dp > 1 else 0) + (c.micro_batch_size * m.seq_length * m.hidden_size * m.dtype_bytes if c.pp > 1 else 0)
+        if c.pp > 1:  # a receive buffer for the activation (or its gradient) of one micro-batch
+            other += c.micro_batch_size * m.seq_length * m.hidden_size * m.dtype_bytes / (c.tp if c.sequence_parallel else 1)
+        if c.dp > 1:
+            # gradient reduction copies one bucket (at most 25 MiB, as DDP) after the backward has
+            # freed the activations: it raises the peak only where it exceeds them
+            bucket = min(25 * 2**20, max(chunk_params[ci] for ci in chunks) * bytes_per_param(m.dtype)[1])
+            other += max(0.0, bucket - acts)
         mm = {"parameters": params * st.parameters, "gradients": params * st.gradients,
               "optimizer": params * st.optimizer, "activations": acts, "other": other}
         mm["total"] = sum(mm.values())
         mm["capacity"] = min(topo.memory_of[d] for d in stage_devs[s])
         out.append(mm)
     return out
+
+
+def _optimizer_time(ctx: CostContext, kind: str, num_params: float) -> float:
+    if ctx.profile is not None and kind == ctx.profile_kind:
+        from .measured import optimizer_seconds_per_param
+        rate = ctx.cached(("optrate", kind), lambda: optimizer_seconds_per_param(ctx.profile, kind) or -1.0)
+        if rate > 0:
+            return num_params * rate
+    return optimizer_s(num_params, ctx.model.dtype != "fp32", ctx.roofline(kind))
+
+
+def _measured_tp_comm(ctx, c, stage_kinds):
+    """Per-layer (forward, backward) tp communication from the profile, if every stage's devices
+    are of the profiled kind and the profile measured this tp in place."""
+    if ctx.profile is None or any(k != [ctx.profile_kind] for k in stage_kinds):
+        return None
+    from .measured import tp_comm_times
+    return ctx.cached(("tpcomm", c.micro_batch_size, c.tp, c.sequence_parallel),
+                      lambda: tp_comm_times(ctx.profile, ctx.model, c.micro_batch_size, c.tp, c.sequence_parallel))
 
 
 def _layer_act(ctx, c, mask) -> dict:

@@ -32,7 +32,7 @@ from ..model import ModelSpec
 from ..profile import Profile, compute_matches
 
 __all__ = ["block_times", "embedding_times", "head_times", "activation_bytes", "gemm_efficiency",
-           "topology_graph", "collective_efficiency"]
+           "topology_graph", "collective_efficiency", "tp_comm_times", "optimizer_seconds_per_param"]
 
 
 # -- layer times ------------------------------------------------------------------------------------
@@ -56,6 +56,47 @@ def head_times(profile: Profile, model: ModelSpec, micro_batch_size: int, tp: in
                device_kind: str | None = None) -> tuple[float, float] | None:
     """(forward_s, backward_s) of the output shard: final norm, projection to the vocabulary, loss."""
     return _layer_times(profile, model, "head", micro_batch_size, tp, "none", device_kind)
+
+
+def tp_comm_times(profile: Profile, model: ModelSpec, micro_batch_size: int, tp: int,
+                  sequence_parallel: bool) -> tuple[float, float] | None:
+    """(forward_s, backward_s) of tensor-parallel communication per block, as measured in place.
+
+    The profile times the block with its real collectives (``Profile.tp_blocks``); the local-width
+    time of the same shard is subtracted. Affine in micro-batch size like the layer times; None
+    when this tp (or the sequence-parallel variant) was not measured in place.
+    """
+    if tp < 2 or not compute_matches(profile, model, "block"):
+        return None
+    rows = [e for e in profile.tp_blocks if e.tp == tp and e.sequence_parallel == sequence_parallel]
+    pts = []
+    for e in rows:
+        base = _layer_times(profile, model, "block", e.micro_batch_size, tp, "none", e.device_kind)
+        if base:
+            pts.append((e.micro_batch_size, max(0.0, e.forward_s - base[0]), max(0.0, e.backward_s - base[1])))
+    if not pts:
+        return None
+    # a difference of two timings is noisy: fit one least-squares line over all micro-batch sizes
+    return (_least_squares_line([(m, f) for m, f, _ in pts], micro_batch_size),
+            _least_squares_line([(m, b) for m, _, b in pts], micro_batch_size))
+
+
+def _least_squares_line(points: list[tuple[float, float]], x: float) -> float:
+    """Value at x of the least-squares line through the points (the mean for one x); never < 0."""
+    xs = [p[0] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(p[1] for p in points)
+    var = sum((px - mx) ** 2 for px in xs)
+    if var == 0:
+        return max(0.0, my)
+    slope = sum((px - mx) * (py - my) for px, py in points) / var
+    return max(0.0, my + slope * (x - mx))
+
+
+def optimizer_seconds_per_param(profile: Profile, device_kind: str | None = None) -> float | None:
+    """Measured AdamW step time per parameter (median over the shards timed), or None."""
+    kind = device_kind if device_kind is not None else _default_kind(profile)
+    rates = [e.time_s / e.num_params for e in profile.optimizer if e.device_kind == kind and e.num_params]
+    return statistics.median(rates) if rates else None
 
 
 def _default_kind(profile: Profile) -> str | None:

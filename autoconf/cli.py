@@ -267,16 +267,32 @@ def _verify(args, model, cluster, profile, result) -> list[dict]:
 
 
 def _record_verified(result, verified: list[dict]) -> None:
+    """Add each verifying run to the study as a trial of its own (finished trials cannot change):
+    same parameters, the measured step time as its value, ``verified=True`` and the prediction in
+    its user attributes, so optuna-dashboard shows predicted and measured side by side."""
     import optuna
+
     study = optuna.load_study(study_name=result.study_name, storage=result.storage)
+    by_config = {}
     for t in study.get_trials(deepcopy=False):
-        for v in verified:
-            if t.user_attrs.get("config") == v["config"]:
-                tr = v["trial"]
-                study._storage.set_trial_user_attr(t._trial_id, "measured_step_time_s", tr.get("step_time_s"))
-                study._storage.set_trial_user_attr(t._trial_id, "measured_peak_memory_bytes", tr.get("peak_memory_bytes"))
-                study._storage.set_trial_user_attr(t._trial_id, "trial_ok", tr.get("ok"))
-                study._storage.set_trial_user_attr(t._trial_id, "trial_reason", tr.get("reason"))
+        if not t.user_attrs.get("verified") and "config" in t.user_attrs:
+            by_config.setdefault(json.dumps(t.user_attrs["config"], sort_keys=True), t)
+    new = []
+    for v in verified:
+        src = by_config.get(json.dumps(v["config"], sort_keys=True))
+        tr = v["trial"]
+        if src is None:
+            continue
+        attrs = {"verified": True, "config": v["config"], "predicted_step_time_s": v["predicted_step_time_s"],
+                 "predicted_peak_memory_bytes": v["predicted_peak_memory_bytes"],
+                 "measured_step_time_s": tr.get("step_time_s"), "measured_peak_memory_bytes": tr.get("peak_memory_bytes"),
+                 "trial_ok": tr["ok"], "trial_reason": tr.get("reason")}
+        ok = tr["ok"] and tr.get("step_time_s")
+        new.append(optuna.trial.create_trial(
+            params=src.params, distributions=src.distributions, user_attrs=attrs,
+            value=tr["step_time_s"] if ok else None,
+            state=optuna.trial.TrialState.COMPLETE if ok else optuna.trial.TrialState.FAIL))
+    study.add_trials(new)
 
 
 def _print_verified(con, verified) -> None:

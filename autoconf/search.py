@@ -244,6 +244,8 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         persistent.set_user_attr("model", model.to_dict())
         persistent.set_user_attr("global_batch", global_batch)
         for t in persistent.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+            if t.user_attrs.get("verified"):  # a measured run, recorded by --verify
+                continue
             k = tuple(t.params.get(p) for p in PARAMS)
             if k in key_of and k not in done_keys:
                 done_keys.add(k)

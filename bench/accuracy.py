@@ -154,11 +154,15 @@ def main(argv=None) -> int:
             if profile is not None:
                 e = estimate(c, model, cluster, profile)
                 row["pred_profile"] = {"step_time_s": e.step_time_s, "peak_memory_bytes": e.peak_memory_bytes}
+        row["_config"] = c
         rows.append(row)
         _print_row(i, row)
+    if profile is not None and estimate is not None:
+        _calibrated(rows, model, cluster, profile, estimate)
     print(f"total {time.perf_counter() - t_start:.0f} s; load average {load0:.1f} at start, "
           f"{os.getloadavg()[0]:.1f} at end (cores: {os.cpu_count()})")
-    for key, label in (("pred", "catalog (localhost-cpu.yaml)"), ("pred_profile", "with profile")):
+    for key, label in (("pred", "catalog (localhost-cpu.yaml)"), ("pred_profile", "with profile"),
+                       ("pred_calibrated", "with profile, calibrated on the predicted top 3 (as --verify 3 --calibrate)")):
         s = summarise(rows, key)
         if s:
             print(f"\n{label}: n={s['n']}  step time err median {s['time_err_median']:.0%} max {s['time_err_max']:.0%}"
@@ -169,15 +173,33 @@ def main(argv=None) -> int:
               "that contention, the cost model assumes one device per rank.")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], f, indent=1)
     return 0
+
+
+def _calibrated(rows: list[dict], model, cluster, profile, estimate) -> None:
+    """What `search --verify 3 --calibrate` would do: fit factors on the trials of the predicted top 3,
+    then predict every configuration again with them (error measured on all, fitted on three)."""
+    from autoconf.cost.calibration import fit_calibration
+
+    ok = [r for r in rows if r["ok"] and "pred_profile" in r]
+    top3 = sorted(ok, key=lambda r: r["pred_profile"]["step_time_s"])[:3]
+    pairs = [(estimate(r["_config"], model, cluster, profile),
+              {"ok": True, "step_time_s": r["step_time_s"], "peak_memory_bytes": r["peak_memory_bytes"]}) for r in top3]
+    cal = fit_calibration(pairs)
+    print("calibration factors from the top 3: " + ", ".join(f"{k} {v:.2f}" for k, v in cal.factors.items() if v != 1.0))
+    for r in rows:
+        if "pred_profile" in r:
+            e = estimate(r["_config"], model, cluster, profile, cal)
+            r["pred_calibrated"] = {"step_time_s": e.step_time_s, "peak_memory_bytes": e.peak_memory_bytes}
 
 
 def _print_row(i: int, row: dict) -> None:
     meas = f"{row['step_time_s'] * 1e3:8.1f} ms" if row["ok"] else "  failed  "
     mem = f"{row['peak_memory_bytes'] / 2**20:7.1f} MiB" if row.get("peak_memory_bytes") else "      -    "
-    pred = row.get("pred")
+    pred = row.get("pred_profile") or row.get("pred")
     p = (f"{pred['step_time_s'] * 1e3:8.1f} ms {pred['peak_memory_bytes'] / 2**20:7.1f} MiB" if pred else "")
+    p += " (profile)" if "pred_profile" in row else " (catalog)" if pred else ""
     extra = "" if row["ok"] else f"  ({row['reason'][:80]})"
     print(f"{i:3d} {row['config']:<52} measured {meas} {mem} | predicted {p}{extra}", flush=True)
 

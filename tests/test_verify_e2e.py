@@ -36,8 +36,8 @@ def test_search_verify_calibrate_emit(tmp_path):
 
     import optuna
     study = optuna.load_study(study_name=doc["study_name"], storage=db)
-    measured = [t for t in study.trials if "measured_step_time_s" in t.user_attrs]
-    assert len(measured) >= 1
+    measured = [t for t in study.trials if t.user_attrs.get("verified")]
+    assert len(measured) == 2 and all("predicted_step_time_s" in t.user_attrs for t in measured)
 
     # the next search reads the calibration
     p2 = run_cli("search", "--model", "tiny", "--cluster", cluster, "--global-batch", "8", "--storage", "none",

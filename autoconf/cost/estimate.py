@@ -513,8 +513,15 @@ def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, 
         other = device_type(kind).framework_overhead_bytes
         if c.zero_stage == 3 and c.dp > 1:
             other += zero3_working_bytes(m, c.tp)
+        tokens = c.micro_batch_size * m.seq_length
         if c.pp > 1:  # a receive buffer for the activation (or its gradient) of one micro-batch
-            other += c.micro_batch_size * m.seq_length * m.hidden_size * m.dtype_bytes / (c.tp if c.sequence_parallel else 1)
+            other += tokens * m.hidden_size * m.dtype_bytes / (c.tp if c.sequence_parallel else 1)
+        if c.pp > 1 and n_chunks - 1 in chunks:
+            # torch.distributed.pipelining keeps the last stage's output (the logits shard) and its
+            # received input of every micro-batch until step() returns (PipelineStage.output_chunks,
+            # merged into step()'s return value)
+            vocab_local = -(-m.vocab_size // c.tp)
+            other += c.num_micro_batches * tokens * (vocab_local + m.hidden_size) * m.dtype_bytes
         if c.dp > 1:
             # gradient reduction copies one bucket (at most 25 MiB, as DDP) after the backward has
             # freed the activations: it raises the peak only where it exceeds them

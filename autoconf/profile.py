@@ -302,6 +302,9 @@ def save_profile(profile: Profile, path: str) -> None:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a profile is meant to be shared
         os.replace(tmp, path)
     except BaseException:
         try:

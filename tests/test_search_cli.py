@@ -115,3 +115,20 @@ def test_import_autoconf_does_not_import_torch():
 def test_version_names_the_project():
     p = run_cli("--version")
     assert "autoconf-parallel" in p.stdout
+
+
+def test_search_with_the_committed_cpu_profile():
+    # a profile can stand in for the cluster file: measured compute, links, tp collectives, optimizer
+    p = run_cli("search", "--model", "examples/models/bench-h256.yaml", "--profile",
+                "examples/profiles/bench-h256-cpu2.json", "--global-batch", "8", "--storage", "none", "--json")
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    assert d["sampler"] == "brute force" and d["top"][0]["fits"]
+    # the profile says tensor parallelism is slow here (in-place tp blocks): the best is not tp=2
+    assert d["best"]["config"]["tp"] == 1
+
+
+def test_profile_for_another_model_is_refused():
+    p = run_cli("search", "--model", "gpt2", "--profile", "examples/profiles/bench-h256-cpu2.json",
+                "--global-batch", "8", "--storage", "none")
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1

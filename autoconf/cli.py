@@ -73,7 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_target(p)
     p.add_argument("--gpus", type=_positive_int, help="use this many devices (default: all in the cluster)")
     p.add_argument("--top", type=_positive_int, default=5)
-    p.add_argument("--trials", type=_positive_int, help="trial budget (default: the whole space up to 400)")
+    p.add_argument("--trials", type=_positive_int, default=400,
+                   help="sampled trials before the exhaustive branch-and-bound sweep (default 400)")
+    p.add_argument("--sample-only", action="store_true",
+                   help="stop after the sampled trials (no exhaustive sweep)")
     p.add_argument("--storage", default="sqlite:///autoconf-study.db",
                    help="Optuna storage URL (default: sqlite:///autoconf-study.db); 'none' keeps it in memory")
     p.add_argument("--study-name", help="resume or share a study by name")
@@ -201,7 +204,7 @@ def cmd_search(args) -> int:
             bar.update(task, completed=done, total=total)
     try:
         result = search(model, cluster, args.global_batch, gpus=args.gpus, top=max(args.top, args.verify),
-                        trials=args.trials, storage=storage, study_name=args.study_name, profile=profile,
+                        trials=args.trials, exhaustive=not args.sample_only, storage=storage, study_name=args.study_name, profile=profile,
                         calibration=calibration, max_micro_batch=args.max_micro_batch, progress=progress)
     finally:
         if bar is not None:

@@ -9,8 +9,13 @@ The space is split in two:
   records that configuration in its user attributes (optuna-dashboard shows them) and its memory
   excess as the constraint (negative: fits).
 
-When the outer space is no bigger than the trial budget every point is evaluated (brute force);
-otherwise a constrained TPE sampler explores it, seeded with every point already in the study.
+When the outer space is no bigger than the trial budget every point is evaluated (brute force).
+Otherwise a constrained TPE sampler explores it for the budget (seeded with every point already
+in the study) and then every remaining point is evaluated by branch and bound: a point whose
+least possible work (``estimate._pipeline_floor`` plus the optimizer step; a true lower bound for
+every schedule) is already slower than the best found is skipped without simulating its
+schedule. The result is the exhaustive optimum of the model, at a fraction of the cost
+(``--sample-only`` stops after the sampler).
 Trials are sampled in memory (about 2 ms each) and written to the persistent storage (SQLite by
 default) in batches, so an interrupted search keeps what it finished and a rerun with the same
 study name resumes: points already in the study are not evaluated again.
@@ -39,6 +44,7 @@ class SearchResult:
     valid: int
     outer_points: int
     trials_run: int
+    """Trials this run added to the study (dominated points of the sweep are counted, not stored)."""
     trials_total: int
     """Trials in the study after this run (including earlier runs)."""
     estimates: int
@@ -82,19 +88,37 @@ class _Evaluator:
         self.estimates = 0
         self.pruned = 0
         self.smallest: Estimate | None = None
+        self.incumbent = float("inf")
+        """Step time of the best fitting configuration found so far, over all outer points."""
+        self.dominated = 0
+
+    def _dominated(self, point) -> bool:
+        """Whether even the least work of this point is slower than the incumbent: then no inner
+        choice can beat it. Least work: no recomputation, ZeRO-1 (ZeRO-0's compute and traffic
+        during the pipeline, with the optimizer step sharded), either sequence-parallel setting."""
+        dp, pp, tp, mbs, sched, v, layered = point
+        for sp in ((False, True) if tp > 1 else (False,)):
+            c = make_config(dp, pp, tp, mbs, sched, v, layered, 1 if dp > 1 else 0, "none", sp, self.global_batch)
+            if check(c, self.ctx.model) is None and _estimate(c, self.ctx, bound=self.incumbent) is not None:
+                return False
+        return True
 
     def __call__(self, point) -> tuple[Estimate | None, Estimate | None]:
         """(best fitting estimate or None, least-memory estimate)."""
         dp, pp, tp, mbs, sched, v, layered = point
         best = least = None
+        if self.incumbent < float("inf") and self._dominated(point):
+            self.dominated += 1
+            return None, None
         for zero, rc, sp in inner_choices(dp, tp):
             c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, self.global_batch)
             reason = check(c, self.ctx.model)
             if reason:
                 continue
             # memory first (no simulation when it cannot fit); skip the schedule simulation when
-            # the busiest device's work alone is slower than the best found for this point
-            e = _estimate(c, self.ctx, bound=best.step_time_s if best else None, time_if_oom=False)
+            # the busiest device's work alone is slower than the best found (branch and bound)
+            bound = min(best.step_time_s if best else float("inf"), self.incumbent)
+            e = _estimate(c, self.ctx, bound=bound if bound < float("inf") else None, time_if_oom=False)
             self.estimates += 1
             if e is None:
                 self.pruned += 1
@@ -104,6 +128,7 @@ class _Evaluator:
             if e.fits:
                 if best is None or e.step_time_s < best.step_time_s:
                     best = e
+                    self.incumbent = min(self.incumbent, e.step_time_s)
             else:
                 self.rejected["out of memory"] = self.rejected.get("out of memory", 0) + 1
         if least is not None and (self.smallest is None or least.memory_excess_bytes < self.smallest.memory_excess_bytes):
@@ -196,7 +221,7 @@ def default_study_name(model, world: int, global_batch: int, cluster_name: str) 
 def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = None, top: int = 5,
            trials: int | None = None, storage: str | None = "sqlite:///autoconf-study.db",
            study_name: str | None = None, profile=None, calibration=None, max_micro_batch: int = 64,
-           seed: int = 0, progress=None) -> SearchResult:
+           seed: int = 0, exhaustive: bool = True, progress=None) -> SearchResult:
     """Search the space for the fastest configuration that fits. ``progress(done, total)`` is
     called as trials finish."""
     import optuna
@@ -243,7 +268,8 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
             raise UserError(f"study {name!r} in {storage} was made for another model; pass --study-name")
         persistent.set_user_attr("model", model.to_dict())
         persistent.set_user_attr("global_batch", global_batch)
-        for t in persistent.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        done_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        for t in persistent.get_trials(deepcopy=False, states=done_states):
             if t.user_attrs.get("verified"):  # a measured run, recorded by --verify
                 continue
             k = tuple(t.params.get(p) for p in PARAMS)
@@ -252,23 +278,42 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                 earlier.append(t)
                 earlier_by_key[k] = t
 
-    budget = trials if trials is not None else min(len(points), 400)
+    budget = trials if trials is not None else 400
     todo = [k for k in key_of if k not in done_keys]
-    brute = len(points) <= budget
-    sampler_name = "brute force" if brute else "TPE (constrained, multivariate)"
+    brute = len(todo) <= budget
+    sampler_name = ("brute force" if brute else
+                    "TPE, then every point by branch and bound" if exhaustive else "TPE (constrained, multivariate)")
+    for t in earlier:  # what earlier runs found bounds this one
+        if t.user_attrs.get("fits") and t.value is not None:
+            evaluate.incumbent = min(evaluate.incumbent, t.value)
     mem_study = optuna.create_study(
         direction="minimize",
         sampler=optuna.samplers.TPESampler(seed=seed, multivariate=True,
                                            n_startup_trials=min(40, max(10, budget // 5))))
     for t in earlier:
+        params = {k: t.params[k] for k in sample_dists}
+        if t.state == optuna.trial.TrialState.PRUNED:
+            mem_study.add_trial(optuna.trial.create_trial(params=params, distributions=sample_dists,
+                                                          state=optuna.trial.TrialState.PRUNED))
+            continue
         mem_study.add_trial(optuna.trial.create_trial(
-            params={k: t.params[k] for k in sample_dists}, distributions=sample_dists, value=t.value,
+            params=params, distributions=sample_dists, value=t.value,
             constraints={"memory_excess_bytes": t.user_attrs.get("memory_excess_bytes", 0.0)}))
 
     pending: list = []
     results: dict = {}
+    swept_skipped = [0]
+    stored = [0]
 
     def record(k, best, least):
+        results[k] = (best, least)
+        if best is None and least is None:  # every choice was dominated by the incumbent
+            ft = optuna.trial.create_trial(params=dict(zip(PARAMS, k)), distributions=dists,
+                                           state=optuna.trial.TrialState.PRUNED,
+                                           user_attrs={"fits": None, "dominated_by_s": evaluate.incumbent})
+            pending.append(ft)
+            stored[0] += 1
+            return None
         e = best or least
         constraint = (e.memory_excess_bytes,) if e is not None else (1e30,)
         value = e.step_time_s if e is not None else float("inf")
@@ -280,7 +325,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
             params=dict(zip(PARAMS, k)), distributions=dists, value=min(value, 1e30), user_attrs=attrs,
             constraints={"memory_excess_bytes": constraint[0]})
         pending.append(ft)
-        results[k] = (best, least)
+        stored[0] += 1
         return ft
 
     def flush():
@@ -309,31 +354,61 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
             k = repair(trial.params)
             if k in done_keys:  # evaluated by an earlier run of this study
                 t_old = earlier_by_key[k]
+                if t_old.value is None:
+                    mem_study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    continue
                 trial.set_constraint("memory_excess_bytes", t_old.user_attrs.get("memory_excess_bytes", 0.0))
                 mem_study.tell(trial, t_old.value)
                 continue
             if k in results:
                 best, least = results[k]
                 e = best or least
-                trial.set_constraint("memory_excess_bytes", e.memory_excess_bytes if e else 1e30)
-                mem_study.tell(trial, min(e.step_time_s if e else 1e30, 1e30))
+                if e is None:
+                    mem_study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+                    continue
+                trial.set_constraint("memory_excess_bytes", e.memory_excess_bytes)
+                mem_study.tell(trial, e.step_time_s)
                 continue
             best, least = evaluate(key_of[k])
             ft = record(k, best, least)
-            trial.set_constraint("memory_excess_bytes", ft.constraints["memory_excess_bytes"])
-            mem_study.tell(trial, ft.value)
+            if ft is None:
+                mem_study.tell(trial, state=optuna.trial.TrialState.PRUNED)
+            else:
+                trial.set_constraint("memory_excess_bytes", ft.constraints["memory_excess_bytes"])
+                mem_study.tell(trial, ft.value)
             run += 1
             if progress:
                 progress(run, target)
             if time.perf_counter() - last_flush > 5:
                 flush()
                 last_flush = time.perf_counter()
+        if exhaustive:
+            # every remaining point, under the bound of the best found: exact, and fast once the
+            # incumbent is good (dominated points skip the schedule simulation). Only points that
+            # fit are stored; dominated and out-of-memory ones are counted.
+            rest = [k for k in todo if k not in results]
+            n_total = run + len(rest)
+            for i, k in enumerate(rest):
+                best, least = evaluate(key_of[k])
+                if best is not None:
+                    record(k, best, least)
+                else:
+                    results[k] = (None, least)
+                    swept_skipped[0] += 1
+                if progress and i % 50 == 0:
+                    progress(run + i + 1, n_total)
+                if time.perf_counter() - last_flush > 5:
+                    flush()
+                    last_flush = time.perf_counter()
+            run += len(rest)
+            if progress:
+                progress(n_total, n_total)
     flush()
 
     # rank: this run's results plus the earlier trials' recorded configurations
     fitting = [b for b, _ in results.values() if b is not None]
     for t in earlier:
-        if t.user_attrs.get("fits"):
+        if t.user_attrs.get("fits") and "config" in t.user_attrs:
             c = ParallelConfig.from_dict(t.user_attrs["config"])
             fitting.append(_estimate(c, ctx))
     fitting.sort(key=lambda e: e.step_time_s)
@@ -341,11 +416,14 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     for k2, v2 in evaluate.rejected.items():
         rejected[k2] = rejected.get(k2, 0) + v2
     notes = []
-    if not brute:
+    if not brute and not exhaustive:
         notes.append(f"sampled {run} of {len(points)} outer points ({len(todo)} not yet in the study); "
                      f"raise --trials to cover more, or rerun to continue the study")
+    if swept_skipped[0]:
+        notes.append(f"{swept_skipped[0]} outer points were dominated by the best found or did not fit "
+                     "(not stored in the study)")
     return SearchResult(top=tuple(fitting[:top]), rejected=rejected, space_size=total, valid=valid,
-                        outer_points=len(points), trials_run=run, trials_total=len(earlier) + run,
+                        outer_points=len(points), trials_run=stored[0], trials_total=len(earlier) + stored[0],
                         estimates=evaluate.estimates, sampler=sampler_name, study_name=name,
                         storage=storage, elapsed_s=time.perf_counter() - t0,
                         smallest_memory=evaluate.smallest if not fitting else None, notes=tuple(notes))

@@ -34,8 +34,8 @@ def test_brute_force_search_finds_the_exhaustive_best():
 def test_search_resumes_from_storage(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
     m = preset("gpt3-1.3b")
-    first = search(m, A100, 64, gpus=8, storage=url, trials=30)
-    again = search(m, A100, 64, gpus=8, storage=url, trials=30)
+    first = search(m, A100, 64, gpus=8, storage=url, trials=30, exhaustive=False)
+    again = search(m, A100, 64, gpus=8, storage=url, trials=30, exhaustive=False)
     assert first.trials_run == 30 and again.trials_total == 60
     # points already in the study are not evaluated again
     import optuna
@@ -46,8 +46,18 @@ def test_search_resumes_from_storage(tmp_path):
 
 def test_sampled_search_on_a_big_space_gets_close():
     m = preset("llama-3-8b")
-    r = search(m, A100, 256, storage=None, trials=150)
+    r = search(m, A100, 256, storage=None, trials=150, exhaustive=False)
     assert r.sampler.startswith("TPE") and r.top and r.top[0].fits and r.top[0].mfu > 0.4
+
+
+def test_branch_and_bound_sweep_is_exact():
+    # TPE for a few trials, then every outer point under the bound: the exhaustive optimum
+    m = preset("gpt3-1.3b")
+    exact = search(m, A100, 64, gpus=8, storage=None, trials=10_000)
+    bnb = search(m, A100, 64, gpus=8, storage=None, trials=20)
+    assert bnb.sampler.startswith("TPE, then every point")
+    assert bnb.top[0].step_time_s == pytest.approx(exact.top[0].step_time_s)
+    assert bnb.estimates < exact.estimates
 
 
 def test_cli_estimate_json():

@@ -339,16 +339,22 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
         fwd.append(f + tpf + extra_f)
         bwd.append(bw_ + tpb + extra_b)
 
+    # optimizer: measured seconds per parameter from the profile, else the memory-bound roofline
+    opt = 0.0
+    for dev in range(c.pp):
+        local = sum(chunk_params[ci] for ci in range(dev, n_chunks, c.pp)) / (c.dp if c.zero_stage >= 1 else 1)
+        opt = max(opt, max(_optimizer_time(ctx, k, local) for k in stage_kinds[dev]))
+
+    pipeline_floor = _pipeline_floor(c, fwd, bwd, n_chunks)
+    if bound is not None and _bounded(ctx, pipeline_floor, opt) >= bound:
+        return None
+
     memory = _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, v_sim, n_chunks)
     if ctx.calibration is not None:
         memory = [_calibrate_memory(mm, ctx.calibration.factors) for mm in memory]
     oom = [s for s, mm in enumerate(memory) if mm["total"] > mm["capacity"]]
     if oom and not time_if_oom:
         return _finish(c, ctx, {k: 0.0 for k in TIME_TERMS}, memory, float("inf"))
-    if bound is not None:
-        busiest = max(sum(fwd[ci] + bwd[ci] for ci in range(d, n_chunks, c.pp)) for d in range(c.pp))
-        if busiest * n_mb >= bound:  # the step is at least the busiest device's work
-            return None
 
     # pipeline transfers: the activation of one micro-batch (sharded along the sequence with SP)
     p2p_bytes = act_bytes_full / (tp if sp else 1)
@@ -360,7 +366,9 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
     fwd_t, bwd_t = tuple(fwd), tuple(bwd)
     sim = _run_schedule(sched, c.pp, n_mb, v_sim, fwd_t, bwd_t, p2p)
     sim0 = sim if not any(p2p) else _run_schedule(sched, c.pp, n_mb, v_sim, fwd_t, bwd_t, tuple(0.0 for _ in p2p))
-    makespan = sim.makespan_s
+    # the extrapolated steady state can fall a hair below the floor no schedule can beat
+    # (breadth-first with unequal chunks): the floor is exact there
+    makespan = max(sim.makespan_s, pipeline_floor)
 
     # data-parallel reductions queued per device as gradients become final
     dp_tail = 0.0
@@ -387,12 +395,6 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
             # updated parameter shards are gathered back after the optimizer step
             post_ag = max(_worst(dp_links, comm.all_gather_s, sum(chunk_params[ci] for ci in range(dev, n_chunks, c.pp)) * B,
                                  _efficiency(ctx, comm.all_gather_s, c.dp)) for dev in range(c.pp))
-
-    # optimizer: measured seconds per parameter from the profile, else the memory-bound roofline
-    opt = 0.0
-    for dev in range(c.pp):
-        local = sum(chunk_params[ci] for ci in range(dev, n_chunks, c.pp)) / (c.dp if c.zero_stage >= 1 else 1)
-        opt = max(opt, max(_optimizer_time(ctx, k, local) for k in stage_kinds[dev]))
 
     # breakdown on the busiest device
     dev_busy = max(range(c.pp), key=lambda d: sim.busy_s[d])
@@ -533,6 +535,31 @@ def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, 
         mm["capacity"] = min(topo.memory_of[d] for d in stage_devs[s])
         out.append(mm)
     return out
+
+
+def _pipeline_floor(c: ParallelConfig, fwd, bwd, n_chunks: int) -> float:
+    """A pipeline makespan no schedule can beat.
+
+    Device d cannot start before micro-batch 0's forward has crossed chunks 0..d-1, and after its
+    last backward the gradient still has to cross them back; in between it does all its own work:
+    makespan >= max_d (sum_{c<d} (f_c + b_c) + m x busy_d). For equal stages this is the 1F1B
+    makespan (m + p - 1)(f + b) and the interleaved one, (m v + p - 1)(f + b) / v.
+    """
+    lower, prefix = 0.0, 0.0
+    for d in range(c.pp):
+        busy = sum(fwd[ci] + bwd[ci] for ci in range(d, n_chunks, c.pp)) * c.num_micro_batches
+        lower = max(lower, prefix + busy)
+        prefix += fwd[d] + bwd[d]
+    return lower
+
+
+def _bounded(ctx: CostContext, floor: float, opt: float) -> float:
+    """Lower bound on the step time (to skip dominated configurations in the search)."""
+    if ctx.calibration is not None:  # calibration scales the terms the floor is made of
+        f = ctx.calibration.factors
+        return floor * min(f.get(k, 1.0) for k in ("compute", "recompute", "tp_comm", "dp_comm", "bubble")) \
+            + opt * f.get("optimizer", 1.0)
+    return floor + opt
 
 
 def _optimizer_time(ctx: CostContext, kind: str, num_params: float) -> float:

@@ -81,8 +81,9 @@ def _parse_pipeline(label: str) -> tuple[str, int, bool]:
 class _Evaluator:
     """Evaluates outer points: the fastest fitting inner choice, counting rejections."""
 
-    def __init__(self, ctx: CostContext, global_batch: int):
+    def __init__(self, ctx: CostContext, global_batch: int, valid_per_point: dict):
         self.ctx = ctx
+        self.valid_per_point = valid_per_point
         self.global_batch = global_batch
         self.rejected: dict = {}
         self.estimates = 0
@@ -108,7 +109,7 @@ class _Evaluator:
         dp, pp, tp, mbs, sched, v, layered = point
         best = least = None
         if self.incumbent < float("inf") and self._dominated(point):
-            self.dominated += 1
+            self.dominated += self.valid_per_point.get(point, 0)
             return None, None
         for zero, rc, sp in inner_choices(dp, tp):
             c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, self.global_batch)
@@ -119,10 +120,10 @@ class _Evaluator:
             # the busiest device's work alone is slower than the best found (branch and bound)
             bound = min(best.step_time_s if best else float("inf"), self.incumbent)
             e = _estimate(c, self.ctx, bound=bound if bound < float("inf") else None, time_if_oom=False)
-            self.estimates += 1
             if e is None:
                 self.pruned += 1
                 continue
+            self.estimates += 1
             if least is None or e.memory_excess_bytes < least.memory_excess_bytes:
                 least = e
             if e.fits:
@@ -188,20 +189,25 @@ def count_space(model, world: int, global_batch: int, max_micro_batch: int):
         key = reason_key(reason) if reason_key(reason) != "schedule/option mismatch" else _short_reason(reason)
         rejected[key] = rejected.get(key, 0) + n
 
-    for dp, pp, tp, mbs, sched, v, layered in points:
+    valid_per_point: dict = {}
+    for point in points:
+        dp, pp, tp, mbs, sched, v, layered = point
         inner = inner_choices(dp, tp)
         total += len(inner)
         base = check(make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, global_batch), model)
         if base:
             count(base, len(inner))
             continue
+        n = 0
         for zero, rc, sp in inner:
             reason = check(make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch), model) if sp else None
             if reason:
                 count(reason, 1)
             else:
-                valid += 1
-    return points, total, valid, rejected
+                n += 1
+        valid += n
+        valid_per_point[point] = n
+    return points, total, valid, rejected, valid_per_point
 
 
 def _short_reason(reason: str) -> str:
@@ -234,11 +240,11 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         raise UserError(f"--gpus {world}: the cluster has only {ctx.num_devices} devices")
     if global_batch <= 0:
         raise UserError(f"--global-batch {global_batch}: must be a positive number of sequences")
-    points, total, valid, rejected = count_space(model, world, global_batch, max_micro_batch)
+    points, total, valid, rejected, valid_per_point = count_space(model, world, global_batch, max_micro_batch)
     if not points or not valid:
         raise UserError(f"no valid configuration: global batch {global_batch} on {world} devices; "
                         f"rejected: {', '.join(f'{k} ({v})' for k, v in rejected.items())}")
-    evaluate = _Evaluator(ctx, global_batch)
+    evaluate = _Evaluator(ctx, global_batch, valid_per_point)
     cluster_name = cluster.name if cluster is not None else "profile"
     name = study_name or default_study_name(model, world, global_batch, cluster_name)
 
@@ -328,12 +334,17 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         stored[0] += 1
         return ft
 
-    def flush():
+    last_flush = [time.perf_counter()]
+
+    def flush(every_s: float = 0.0):
+        """Write pending trials to the storage (at most every ``every_s`` seconds)."""
+        if time.perf_counter() - last_flush[0] < every_s:
+            return
         if persistent is not None and pending:
             persistent.add_trials(pending)
         pending.clear()
+        last_flush[0] = time.perf_counter()
 
-    last_flush = time.perf_counter()
     run = 0
     target = len(todo) if brute else min(budget, len(todo))
     if brute:
@@ -343,9 +354,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
             run += 1
             if progress:
                 progress(run, target)
-            if time.perf_counter() - last_flush > 5:
-                flush()
-                last_flush = time.perf_counter()
+            flush(every_s=5)
     else:
         asks = 0
         while run < target and asks < 5 * target:
@@ -379,9 +388,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
             run += 1
             if progress:
                 progress(run, target)
-            if time.perf_counter() - last_flush > 5:
-                flush()
-                last_flush = time.perf_counter()
+            flush(every_s=5)
         if exhaustive:
             # every remaining point, under the bound of the best found: exact, and fast once the
             # incumbent is good (dominated points skip the schedule simulation). Only points that
@@ -397,9 +404,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                     swept_skipped[0] += 1
                 if progress and i % 50 == 0:
                     progress(run + i + 1, n_total)
-                if time.perf_counter() - last_flush > 5:
-                    flush()
-                    last_flush = time.perf_counter()
+                flush(every_s=5)
             run += len(rest)
             if progress:
                 progress(n_total, n_total)
@@ -415,6 +420,9 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     rejected = dict(rejected)
     for k2, v2 in evaluate.rejected.items():
         rejected[k2] = rejected.get(k2, 0) + v2
+    slower = evaluate.dominated + evaluate.pruned
+    if slower:
+        rejected["slower than the best found (bound, not simulated)"] = slower
     notes = []
     if not brute and not exhaustive:
         notes.append(f"sampled {run} of {len(points)} outer points ({len(todo)} not yet in the study); "

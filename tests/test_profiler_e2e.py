@@ -74,6 +74,19 @@ def test_autoconf_profile_tiny_two_processes(tmp_path):
     assert measured.collective_efficiency(p, "all_reduce", 2) > 0
     g = measured.topology_graph(p)
     assert g.edges[0, 1]["kind"] == "measured"
+    # measured in place: tp blocks with their real collectives, and the optimizer step
+    assert {(e.tp, e.micro_batch_size, e.sequence_parallel) for e in p.tp_blocks} >= {(2, 1, False), (2, 1, True)}
+    assert measured.tp_comm_times(p, m, 2, 2, False) is not None
+    assert measured.optimizer_seconds_per_param(p) > 0
+
+    # and the search runs on it, the profile standing in for a cluster file
+    res = subprocess.run([sys.executable, "-m", "autoconf", "search", "--model", "tiny", "--profile", str(out),
+                          "--global-batch", "8", "--storage", "none", "--json"], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    import json
+    doc = json.loads(res.stdout)
+    assert doc["top"] and doc["best"]["fits"]
 
 
 def test_launch_command_single_and_multi_node(tmp_path):

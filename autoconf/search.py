@@ -224,15 +224,179 @@ def default_study_name(model, world: int, global_batch: int, cluster_name: str) 
     return f"{model.name}-{cluster_name}-{world}gpus-gb{global_batch}"
 
 
+class _Study:
+    """The persistent Optuna study and this run's bookkeeping: what is known per outer point,
+    trials waiting to be written (in batches: SQLite costs ~10 ms a trial), the in-memory study
+    TPE samples from."""
+
+    def __init__(self, storage, name, model, global_batch, points, evaluate, seed, budget):
+        import optuna
+        from optuna.distributions import CategoricalDistribution
+
+        self.optuna = optuna
+        self.evaluate = evaluate
+        self.dists = {
+            "tp": CategoricalDistribution(sorted({p[2] for p in points})),
+            "pp": CategoricalDistribution(sorted({p[1] for p in points})),
+            "dp": CategoricalDistribution(sorted({p[0] for p in points})),
+            "micro_batch_size": CategoricalDistribution(sorted({p[3] for p in points})),
+            "pipeline": CategoricalDistribution(sorted({_pipeline_label(p[4], p[5], p[6]) for p in points})),
+        }
+        self.sample_dists = {k: v for k, v in self.dists.items() if k != "dp"}  # dp = world / (pp x tp)
+        self.key_of = {(p[2], p[1], p[0], p[3], _pipeline_label(p[4], p[5], p[6])): p for p in points}
+        self.results: dict = {}
+        """outer key -> (best fitting estimate or None, least-memory estimate or None)"""
+        self.earlier: dict = {}
+        """outer key -> finished trial of an earlier run (resumed)"""
+        self.pending: list = []
+        self.stored = 0
+        self.swept_skipped = 0
+        self.last_flush = time.perf_counter()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.persistent = self._open(storage, name, model, global_batch) if storage else None
+        for t in self.earlier.values():  # what earlier runs found bounds this one
+            if t.user_attrs.get("fits") and t.value is not None:
+                evaluate.incumbent = min(evaluate.incumbent, t.value)
+        self.memory = optuna.create_study(
+            direction="minimize",
+            sampler=optuna.samplers.TPESampler(seed=seed, multivariate=True,
+                                               n_startup_trials=min(40, max(10, budget // 5))))
+        for t in self.earlier.values():
+            params = {k: t.params[k] for k in self.sample_dists}
+            if t.state == optuna.trial.TrialState.PRUNED:
+                self.memory.add_trial(optuna.trial.create_trial(params=params, distributions=self.sample_dists,
+                                                                state=optuna.trial.TrialState.PRUNED))
+            else:
+                self.memory.add_trial(optuna.trial.create_trial(
+                    params=params, distributions=self.sample_dists, value=t.value,
+                    constraints={"memory_excess_bytes": t.user_attrs.get("memory_excess_bytes", 0.0)}))
+
+    def _open(self, storage, name, model, global_batch):
+        optuna = self.optuna
+        try:
+            study = optuna.create_study(storage=storage, study_name=name, direction="minimize", load_if_exists=True)
+        except Exception as e:  # a bad URL or an unwritable file: say so in one line
+            raise UserError(f"--storage {storage!r}: cannot open the study ({type(e).__name__}: {e})") from None
+        if study.user_attrs.get("model") not in (None, model.to_dict()):
+            raise UserError(f"study {name!r} in {storage} was made for another model; pass --study-name")
+        study.set_user_attr("model", model.to_dict())
+        study.set_user_attr("global_batch", global_batch)
+        done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        for t in study.get_trials(deepcopy=False, states=done):
+            if t.user_attrs.get("verified"):  # a measured run, recorded by --verify
+                continue
+            k = tuple(t.params.get(p) for p in PARAMS)
+            if k in self.key_of and k not in self.earlier:
+                self.earlier[k] = t
+        return study
+
+    def record(self, k, best, least):
+        """Keep the outcome of an outer point and queue its trial; None when it was dominated."""
+        optuna = self.optuna
+        self.results[k] = (best, least)
+        self.stored += 1
+        if best is None and least is None:  # every choice was dominated by the incumbent
+            self.pending.append(optuna.trial.create_trial(
+                params=dict(zip(PARAMS, k)), distributions=self.dists, state=optuna.trial.TrialState.PRUNED,
+                user_attrs={"fits": None, "dominated_by_s": self.evaluate.incumbent}))
+            return None
+        e = best or least
+        attrs = {"config": e.config.to_dict(), "fits": bool(best), "step_time_s": e.step_time_s,
+                 "memory_excess_bytes": e.memory_excess_bytes,
+                 "peak_memory_gib": round(e.peak_memory_bytes / 2**30, 3), "mfu": round(e.mfu, 4),
+                 "breakdown_s": e.breakdown_s}
+        ft = optuna.trial.create_trial(params=dict(zip(PARAMS, k)), distributions=self.dists,
+                                       value=min(e.step_time_s, 1e30), user_attrs=attrs,
+                                       constraints={"memory_excess_bytes": e.memory_excess_bytes})
+        self.pending.append(ft)
+        return ft
+
+    def flush(self, every_s: float = 0.0) -> None:
+        """Write pending trials to the storage (at most every ``every_s`` seconds)."""
+        if time.perf_counter() - self.last_flush < every_s:
+            return
+        if self.persistent is not None and self.pending:
+            self.persistent.add_trials(self.pending)
+        self.pending.clear()
+        self.last_flush = time.perf_counter()
+
+    def brute_force(self, todo, progress) -> None:
+        for i, k in enumerate(todo, 1):
+            self.record(k, *self.evaluate(self.key_of[k]))
+            if progress:
+                progress(i, len(todo))
+            self.flush(every_s=5)
+
+    def _tell_known(self, trial, k) -> bool:
+        """Answer a sampled point already known (earlier run or this one); False if it is new."""
+        pruned = self.optuna.trial.TrialState.PRUNED
+        if k in self.earlier:
+            t = self.earlier[k]
+            if t.value is None:
+                self.memory.tell(trial, state=pruned)
+            else:
+                trial.set_constraint("memory_excess_bytes", t.user_attrs.get("memory_excess_bytes", 0.0))
+                self.memory.tell(trial, t.value)
+            return True
+        if k in self.results:
+            e = self.results[k][0] or self.results[k][1]
+            if e is None:
+                self.memory.tell(trial, state=pruned)
+            else:
+                trial.set_constraint("memory_excess_bytes", e.memory_excess_bytes)
+                self.memory.tell(trial, e.step_time_s)
+            return True
+        return False
+
+    def sample(self, target: int, repair, progress) -> int:
+        """Constrained TPE over (tp, pp, micro-batch size, pipeline), each sample repaired to a
+        valid point; returns the number of new points evaluated."""
+        run = asks = 0
+        while run < target and asks < 5 * target:
+            asks += 1
+            trial = self.memory.ask(self.sample_dists)
+            k = repair(trial.params)
+            if self._tell_known(trial, k):
+                continue
+            ft = self.record(k, *self.evaluate(self.key_of[k]))
+            if ft is None:
+                self.memory.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
+            else:
+                trial.set_constraint("memory_excess_bytes", ft.constraints["memory_excess_bytes"])
+                self.memory.tell(trial, ft.value)
+            run += 1
+            if progress:
+                progress(run, target)
+            self.flush(every_s=5)
+        return run
+
+    def sweep(self, todo, done: int, progress) -> int:
+        """Every remaining point under the bound of the best found: exact, and fast once the
+        incumbent is good (dominated points skip the schedule simulation). Only points that fit are
+        stored; dominated and out-of-memory ones are counted."""
+        rest = [k for k in todo if k not in self.results]
+        n_total = done + len(rest)
+        for i, k in enumerate(rest):
+            best, least = self.evaluate(self.key_of[k])
+            if best is not None:
+                self.record(k, best, least)
+            else:
+                self.results[k] = (None, least)
+                self.swept_skipped += 1
+            if progress and i % 50 == 0:
+                progress(done + i + 1, n_total)
+            self.flush(every_s=5)
+        if progress:
+            progress(n_total, n_total)
+        return len(rest)
+
+
 def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = None, top: int = 5,
            trials: int | None = None, storage: str | None = "sqlite:///autoconf-study.db",
            study_name: str | None = None, profile=None, calibration=None, max_micro_batch: int = 64,
            seed: int = 0, exhaustive: bool = True, progress=None) -> SearchResult:
     """Search the space for the fastest configuration that fits. ``progress(done, total)`` is
     called as trials finish."""
-    import optuna
-    from optuna.distributions import CategoricalDistribution
-
     t0 = time.perf_counter()
     ctx = CostContext(model, cluster, profile, calibration)
     world = gpus or ctx.num_devices
@@ -245,177 +409,28 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         raise UserError(f"no valid configuration: global batch {global_batch} on {world} devices; "
                         f"rejected: {', '.join(f'{k} ({v})' for k, v in rejected.items())}")
     evaluate = _Evaluator(ctx, global_batch, valid_per_point)
-    cluster_name = cluster.name if cluster is not None else "profile"
-    name = study_name or default_study_name(model, world, global_batch, cluster_name)
-
-    dists = {
-        "tp": CategoricalDistribution(sorted({p[2] for p in points})),
-        "pp": CategoricalDistribution(sorted({p[1] for p in points})),
-        "dp": CategoricalDistribution(sorted({p[0] for p in points})),
-        "micro_batch_size": CategoricalDistribution(sorted({p[3] for p in points})),
-        "pipeline": CategoricalDistribution(sorted({_pipeline_label(p[4], p[5], p[6]) for p in points})),
-    }
-    sample_dists = {k: v for k, v in dists.items() if k != "dp"}  # dp = world / (pp x tp)
-    key_of = {(p[2], p[1], p[0], p[3], _pipeline_label(p[4], p[5], p[6])): p for p in points}
-    repair = _Repair(key_of)
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    persistent = None
-    done_keys: set = set()
-    earlier = []
-    earlier_by_key: dict = {}
-    if storage:
-        try:
-            persistent = optuna.create_study(storage=storage, study_name=name, direction="minimize",
-                                             load_if_exists=True)
-        except Exception as e:  # a bad URL or an unwritable file: say so in one line
-            raise UserError(f"--storage {storage!r}: cannot open the study ({type(e).__name__}: {e})") from None
-        if persistent.user_attrs.get("model") not in (None, model.to_dict()):
-            raise UserError(f"study {name!r} in {storage} was made for another model; pass --study-name")
-        persistent.set_user_attr("model", model.to_dict())
-        persistent.set_user_attr("global_batch", global_batch)
-        done_states = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
-        for t in persistent.get_trials(deepcopy=False, states=done_states):
-            if t.user_attrs.get("verified"):  # a measured run, recorded by --verify
-                continue
-            k = tuple(t.params.get(p) for p in PARAMS)
-            if k in key_of and k not in done_keys:
-                done_keys.add(k)
-                earlier.append(t)
-                earlier_by_key[k] = t
-
+    name = study_name or default_study_name(model, world, global_batch, cluster.name if cluster is not None else "profile")
     budget = trials if trials is not None else 400
-    todo = [k for k in key_of if k not in done_keys]
+    study = _Study(storage, name, model, global_batch, points, evaluate, seed, budget)
+
+    todo = [k for k in study.key_of if k not in study.earlier]
     brute = len(todo) <= budget
     sampler_name = ("brute force" if brute else
                     "TPE, then every point by branch and bound" if exhaustive else "TPE (constrained, multivariate)")
-    for t in earlier:  # what earlier runs found bounds this one
-        if t.user_attrs.get("fits") and t.value is not None:
-            evaluate.incumbent = min(evaluate.incumbent, t.value)
-    mem_study = optuna.create_study(
-        direction="minimize",
-        sampler=optuna.samplers.TPESampler(seed=seed, multivariate=True,
-                                           n_startup_trials=min(40, max(10, budget // 5))))
-    for t in earlier:
-        params = {k: t.params[k] for k in sample_dists}
-        if t.state == optuna.trial.TrialState.PRUNED:
-            mem_study.add_trial(optuna.trial.create_trial(params=params, distributions=sample_dists,
-                                                          state=optuna.trial.TrialState.PRUNED))
-            continue
-        mem_study.add_trial(optuna.trial.create_trial(
-            params=params, distributions=sample_dists, value=t.value,
-            constraints={"memory_excess_bytes": t.user_attrs.get("memory_excess_bytes", 0.0)}))
-
-    pending: list = []
-    results: dict = {}
-    swept_skipped = [0]
-    stored = [0]
-
-    def record(k, best, least):
-        results[k] = (best, least)
-        if best is None and least is None:  # every choice was dominated by the incumbent
-            ft = optuna.trial.create_trial(params=dict(zip(PARAMS, k)), distributions=dists,
-                                           state=optuna.trial.TrialState.PRUNED,
-                                           user_attrs={"fits": None, "dominated_by_s": evaluate.incumbent})
-            pending.append(ft)
-            stored[0] += 1
-            return None
-        e = best or least
-        constraint = (e.memory_excess_bytes,) if e is not None else (1e30,)
-        value = e.step_time_s if e is not None else float("inf")
-        attrs = {"config": e.config.to_dict(), "fits": bool(best), "step_time_s": e.step_time_s,
-                 "memory_excess_bytes": constraint[0],
-                 "peak_memory_gib": round(e.peak_memory_bytes / 2**30, 3), "mfu": round(e.mfu, 4),
-                 "breakdown_s": e.breakdown_s} if e is not None else {"fits": False}
-        ft = optuna.trial.create_trial(
-            params=dict(zip(PARAMS, k)), distributions=dists, value=min(value, 1e30), user_attrs=attrs,
-            constraints={"memory_excess_bytes": constraint[0]})
-        pending.append(ft)
-        stored[0] += 1
-        return ft
-
-    last_flush = [time.perf_counter()]
-
-    def flush(every_s: float = 0.0):
-        """Write pending trials to the storage (at most every ``every_s`` seconds)."""
-        if time.perf_counter() - last_flush[0] < every_s:
-            return
-        if persistent is not None and pending:
-            persistent.add_trials(pending)
-        pending.clear()
-        last_flush[0] = time.perf_counter()
-
-    run = 0
-    target = len(todo) if brute else min(budget, len(todo))
     if brute:
-        for k in todo:
-            best, least = evaluate(key_of[k])
-            record(k, best, least)
-            run += 1
-            if progress:
-                progress(run, target)
-            flush(every_s=5)
+        study.brute_force(todo, progress)
+        run = len(todo)
     else:
-        asks = 0
-        while run < target and asks < 5 * target:
-            asks += 1
-            trial = mem_study.ask(sample_dists)
-            k = repair(trial.params)
-            if k in done_keys:  # evaluated by an earlier run of this study
-                t_old = earlier_by_key[k]
-                if t_old.value is None:
-                    mem_study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-                    continue
-                trial.set_constraint("memory_excess_bytes", t_old.user_attrs.get("memory_excess_bytes", 0.0))
-                mem_study.tell(trial, t_old.value)
-                continue
-            if k in results:
-                best, least = results[k]
-                e = best or least
-                if e is None:
-                    mem_study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-                    continue
-                trial.set_constraint("memory_excess_bytes", e.memory_excess_bytes)
-                mem_study.tell(trial, e.step_time_s)
-                continue
-            best, least = evaluate(key_of[k])
-            ft = record(k, best, least)
-            if ft is None:
-                mem_study.tell(trial, state=optuna.trial.TrialState.PRUNED)
-            else:
-                trial.set_constraint("memory_excess_bytes", ft.constraints["memory_excess_bytes"])
-                mem_study.tell(trial, ft.value)
-            run += 1
-            if progress:
-                progress(run, target)
-            flush(every_s=5)
+        run = study.sample(min(budget, len(todo)), _Repair(study.key_of), progress)
         if exhaustive:
-            # every remaining point, under the bound of the best found: exact, and fast once the
-            # incumbent is good (dominated points skip the schedule simulation). Only points that
-            # fit are stored; dominated and out-of-memory ones are counted.
-            rest = [k for k in todo if k not in results]
-            n_total = run + len(rest)
-            for i, k in enumerate(rest):
-                best, least = evaluate(key_of[k])
-                if best is not None:
-                    record(k, best, least)
-                else:
-                    results[k] = (None, least)
-                    swept_skipped[0] += 1
-                if progress and i % 50 == 0:
-                    progress(run + i + 1, n_total)
-                flush(every_s=5)
-            run += len(rest)
-            if progress:
-                progress(n_total, n_total)
-    flush()
+            run += study.sweep(todo, run, progress)
+    study.flush()
 
     # rank: this run's results plus the earlier trials' recorded configurations
-    fitting = [b for b, _ in results.values() if b is not None]
-    for t in earlier:
+    fitting = [b for b, _ in study.results.values() if b is not None]
+    for t in study.earlier.values():
         if t.user_attrs.get("fits") and "config" in t.user_attrs:
-            c = ParallelConfig.from_dict(t.user_attrs["config"])
-            fitting.append(_estimate(c, ctx))
+            fitting.append(_estimate(ParallelConfig.from_dict(t.user_attrs["config"]), ctx))
     fitting.sort(key=lambda e: e.step_time_s)
     rejected = dict(rejected)
     for k2, v2 in evaluate.rejected.items():
@@ -427,11 +442,12 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     if not brute and not exhaustive:
         notes.append(f"sampled {run} of {len(points)} outer points ({len(todo)} not yet in the study); "
                      f"raise --trials to cover more, or rerun to continue the study")
-    if swept_skipped[0]:
-        notes.append(f"{swept_skipped[0]} outer points were dominated by the best found or did not fit "
+    if study.swept_skipped:
+        notes.append(f"{study.swept_skipped} outer points were dominated by the best found or did not fit "
                      "(not stored in the study)")
     return SearchResult(top=tuple(fitting[:top]), rejected=rejected, space_size=total, valid=valid,
-                        outer_points=len(points), trials_run=stored[0], trials_total=len(earlier) + stored[0],
-                        estimates=evaluate.estimates, sampler=sampler_name, study_name=name,
-                        storage=storage, elapsed_s=time.perf_counter() - t0,
+                        outer_points=len(points), trials_run=study.stored,
+                        trials_total=len(study.earlier) + study.stored, estimates=evaluate.estimates,
+                        sampler=sampler_name, study_name=name, storage=storage,
+                        elapsed_s=time.perf_counter() - t0,
                         smallest_memory=evaluate.smallest if not fitting else None, notes=tuple(notes))

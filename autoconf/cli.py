@@ -33,6 +33,16 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return v
+
+
 def _add_target(p, cluster_required: bool = False):
     p.add_argument("--model", required=True, help="preset name (see `autoconf models`), model YAML, or HF config.json")
     p.add_argument("--cluster", required=cluster_required, help="cluster YAML (see examples/clusters/)")
@@ -82,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--study-name", help="resume or share a study by name")
     p.add_argument("--max-micro-batch", type=_positive_int, default=64)
     p.add_argument("--emit", metavar="DIR", help="write launch files for the best configuration")
-    p.add_argument("--verify", type=int, default=0, metavar="K", help="run the top K as short real trials")
+    p.add_argument("--verify", type=_non_negative_int, default=0, metavar="K", help="run the top K as short real trials")
     p.add_argument("--steps", type=_positive_int, default=6, help="steps per verifying trial")
     p.add_argument("--calibrate", metavar="FILE", help="with --verify: fit correction factors, save them to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -220,6 +220,12 @@ def _short_reason(reason: str) -> str:
     return reason.split(":")[0][:60]
 
 
+def _digest(d: dict) -> str:
+    import hashlib
+    import json
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def default_study_name(model, world: int, global_batch: int, cluster_name: str) -> str:
     return f"{model.name}-{cluster_name}-{world}gpus-gb{global_batch}"
 
@@ -229,7 +235,7 @@ class _Study:
     trials waiting to be written (in batches: SQLite costs ~10 ms a trial), the in-memory study
     TPE samples from."""
 
-    def __init__(self, storage, name, model, global_batch, points, evaluate, seed, budget):
+    def __init__(self, storage, name, signature, points, evaluate, seed, budget):
         import optuna
         from optuna.distributions import CategoricalDistribution
 
@@ -253,7 +259,7 @@ class _Study:
         self.swept_skipped = 0
         self.last_flush = time.perf_counter()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-        self.persistent = self._open(storage, name, model, global_batch) if storage else None
+        self.persistent = self._open(storage, name, signature) if storage else None
         for t in self.earlier.values():  # what earlier runs found bounds this one
             if t.user_attrs.get("fits") and t.value is not None:
                 evaluate.incumbent = min(evaluate.incumbent, t.value)
@@ -271,16 +277,23 @@ class _Study:
                     params=params, distributions=self.sample_dists, value=t.value,
                     constraints={"memory_excess_bytes": t.user_attrs.get("memory_excess_bytes", 0.0)}))
 
-    def _open(self, storage, name, model, global_batch):
+    def _open(self, storage, name, signature: dict):
+        """Open (or create) the study; refuse one made for another search. ``signature`` holds
+        everything the stored values depend on: model, cluster, profile, calibration, batch,
+        devices and the space's bounds."""
         optuna = self.optuna
         try:
             study = optuna.create_study(storage=storage, study_name=name, direction="minimize", load_if_exists=True)
         except Exception as e:  # a bad URL or an unwritable file: say so in one line
-            raise UserError(f"--storage {storage!r}: cannot open the study ({type(e).__name__}: {e})") from None
-        if study.user_attrs.get("model") not in (None, model.to_dict()):
-            raise UserError(f"study {name!r} in {storage} was made for another model; pass --study-name")
-        study.set_user_attr("model", model.to_dict())
-        study.set_user_attr("global_batch", global_batch)
+            raise UserError(f"--storage {storage!r}: cannot open the study "
+                            f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        stored = study.user_attrs.get("signature")
+        if stored is not None and stored != signature:
+            differ = sorted(k for k in set(stored) | set(signature) if stored.get(k) != signature.get(k))
+            raise UserError(f"study {name!r} in {storage} was made for another search (different "
+                            f"{', '.join(differ)}); pass another --study-name")
+        if stored is None:
+            study.set_user_attr("signature", signature)
         done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
         for t in study.get_trials(deepcopy=False, states=done):
             if t.user_attrs.get("verified"):  # a measured run, recorded by --verify
@@ -316,7 +329,11 @@ class _Study:
         if time.perf_counter() - self.last_flush < every_s:
             return
         if self.persistent is not None and self.pending:
-            self.persistent.add_trials(self.pending)
+            try:
+                self.persistent.add_trials(self.pending)
+            except Exception as e:  # the storage went away or disagrees: one line, trials kept so far
+                raise UserError(f"cannot write trials to the study ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0]})") from None
         self.pending.clear()
         self.last_flush = time.perf_counter()
 
@@ -411,7 +428,12 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     evaluate = _Evaluator(ctx, global_batch, valid_per_point)
     name = study_name or default_study_name(model, world, global_batch, cluster.name if cluster is not None else "profile")
     budget = trials if trials is not None else 400
-    study = _Study(storage, name, model, global_batch, points, evaluate, seed, budget)
+    signature = {"model": model.to_dict(), "global_batch": global_batch, "devices": world,
+                 "max_micro_batch": max_micro_batch,
+                 "cluster": _digest(cluster.to_dict()) if cluster is not None else None,
+                 "profile": _digest(profile.to_dict()) if profile is not None else None,
+                 "calibration": _digest(calibration.to_dict()) if calibration is not None else None}
+    study = _Study(storage, name, signature, points, evaluate, seed, budget)
 
     todo = [k for k in study.key_of if k not in study.earlier]
     brute = len(todo) <= budget
@@ -430,7 +452,9 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     fitting = [b for b, _ in study.results.values() if b is not None]
     for t in study.earlier.values():
         if t.user_attrs.get("fits") and "config" in t.user_attrs:
-            fitting.append(_estimate(ParallelConfig.from_dict(t.user_attrs["config"]), ctx))
+            e = _estimate(ParallelConfig.from_dict(t.user_attrs["config"]), ctx)
+            if e.fits:
+                fitting.append(e)
     fitting.sort(key=lambda e: e.step_time_s)
     rejected = dict(rejected)
     for k2, v2 in evaluate.rejected.items():

@@ -127,3 +127,20 @@ def test_too_few_devices_and_invalid_config_are_user_errors():
 def test_out_of_memory_gets_reason():
     e = estimate(ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1), preset("llama-3-70b"), A100)
     assert not e.fits and "out of memory" in e.reasons[0]
+
+
+@pytest.mark.parametrize("schedule,v,layered", [("breadth_first", 4, True), ("interleaved", 4, False), ("1f1b", 1, False)])
+def test_extrapolation_exact_with_unequal_stages(schedule, v, layered):
+    # 36 layers over 32 chunks: unequal stages take longer to reach the steady state
+    from autoconf.cost import estimate as est
+    m = preset("gpt2-large")
+    c = ParallelConfig(dp=2, pp=8, tp=2, micro_batch_size=1, num_micro_batches=256, schedule=schedule,
+                       virtual_stages=v, layered_grad_accum=layered)
+    e = estimate(c, m, A100)
+    saved = est._sim_size
+    est._sim_size = lambda schedule, pp, mm: mm
+    try:
+        full = estimate(c, m, A100, ctx=CostContext(m, A100))
+    finally:
+        est._sim_size = saved
+    assert e.step_time_s == pytest.approx(full.step_time_s, rel=2e-3)

@@ -142,3 +142,24 @@ def test_profile_for_another_model_is_refused():
     p = run_cli("search", "--model", "gpt2", "--profile", "examples/profiles/bench-h256-cpu2.json",
                 "--global-batch", "8", "--storage", "none")
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_reusing_a_study_for_another_search_is_refused(tmp_path):
+    url = f"sqlite:///{tmp_path}/s.db"
+    search(preset("tiny"), CPU, 4, storage=url, study_name="same")
+    from autoconf.errors import UserError
+    with pytest.raises(UserError, match="global_batch"):
+        search(preset("tiny"), CPU, 16, storage=url, study_name="same")
+    import dataclasses
+    small = dataclasses.replace(CPU, node_groups=(dataclasses.replace(CPU.node_groups[0], memory_bytes=2**20),),
+                                _graph_cache={})
+    with pytest.raises(UserError, match="cluster"):
+        search(preset("tiny"), small, 4, storage=url, study_name="same")
+
+
+@pytest.mark.parametrize("args,needle", [(["--verify", "-1"], "must be 0 or more"),
+                                         (["--storage", "sqlite:////nonexistent-dir/x.db"], "cannot open the study")])
+def test_more_bad_search_input(args, needle):
+    p = run_cli("search", "--model", "tiny", "--cluster", "examples/clusters/localhost-cpu.yaml", "--global-batch", "8",
+                *args)
+    assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

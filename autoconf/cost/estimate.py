@@ -382,13 +382,16 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
         for dev in range(c.pp):
             chunks = sorted(range(dev, n_chunks, c.pp), key=lambda ci: sim.last_backward_end_s[ci])
             t_free = 0.0
+            eff = _efficiency(ctx, red, c.dp)
             for ci in chunks:
-                t = _worst(dp_links, red, chunk_params[ci] * g_bytes, _efficiency(ctx, red, c.dp))
+                t = _worst(dp_links, red, chunk_params[ci] * g_bytes, eff)
                 if overlaps:
                     start = max(t_free, sim.last_backward_end_s[ci] - bwd_t[ci] * (1 - 1 / max(chunk_layers[ci], 1)))
+                    # the last bucket (one layer, at most 25 MiB) can only go once its gradient exists
+                    last_bucket = min(25 * 2**20, m.layer_params() / tp * g_bytes)
+                    t_free = max(start + t, sim.last_backward_end_s[ci] + _worst(dp_links, red, last_bucket, eff))
                 else:  # no overlap: every reduction adds its whole time to the step
-                    start = max(t_free, makespan)
-                t_free = start + t
+                    t_free = max(t_free, makespan) + t
             end_all = max(end_all, t_free)
         dp_tail = end_all - makespan
         if c.zero_stage in (1, 2):
@@ -405,7 +408,7 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
     dp_in = sum(dp_inline[ci] for ci in mine) * n_mb
     busy = sim.busy_s[dev_busy]
     bubble = max(0.0, sim0.makespan_s - busy)
-    pp_t = max(0.0, makespan - sim0.makespan_s)
+    pp_t = max(0.0, sim.makespan_s - sim0.makespan_s)  # a floor excess over the simulation is bubble
     breakdown = {"compute": compute, "recompute": recompute_t, "tp_comm": tp_t, "bubble": bubble,
                  "pp_comm": pp_t, "dp_comm": dp_in + dp_tail + post_ag, "optimizer": opt}
     # keep the parts summing to the simulated step (rounding of the busiest-device attribution)
@@ -446,12 +449,7 @@ class _Schedule:
 
 
 def _sim_size(schedule: str, pp: int, m: int) -> int:
-    """Micro-batches to simulate: all of them when few, else enough for the steady state.
-
-    Past the warm-up every schedule repeats one period per micro-batch, so the makespan is affine
-    in m there; the slope is measured from two simulations (exact for periodic steady states,
-    transfers included) instead of simulating thousands of micro-batches.
-    """
+    """Micro-batches to simulate first: all of them when few, else a multiple of pp past the warm-up."""
     cap = max(2 * pp, 8)
     if m <= cap + pp:
         return m
@@ -459,12 +457,29 @@ def _sim_size(schedule: str, pp: int, m: int) -> int:
 
 
 def _run_schedule(schedule, pp, m, v, fwd, bwd, p2p) -> _Schedule:
+    """The schedule's makespan for m micro-batches without simulating thousands of them.
+
+    Past the warm-up every schedule repeats one period per micro-batch, so the makespan is affine
+    in m. The slope is measured between two simulations pp micro-batches apart, and the simulated
+    size is doubled until two successive slopes agree within 0.1% (unequal stages take longer to
+    settle) or the whole step is simulated.
+    """
     m_sim = _sim_size(schedule, pp, m)
     r = simulate(schedule, pp, m_sim, v, fwd, bwd, p2p)
     if m_sim == m:
         return _Schedule(r.makespan_s, r.busy_s, r.last_backward_end_s, m)
-    r2 = simulate(schedule, pp, m_sim - pp, v, fwd, bwd, p2p)
-    slope = (r.makespan_s - r2.makespan_s) / pp
+    slope = (r.makespan_s - simulate(schedule, pp, m_sim - pp, v, fwd, bwd, p2p).makespan_s) / pp
+    while True:
+        m_next = 2 * m_sim if 2 * m_sim < m else m  # stays a multiple of pp until it is m
+        r_next = simulate(schedule, pp, m_next, v, fwd, bwd, p2p)
+        if m_next == m:
+            return _Schedule(r_next.makespan_s, r_next.busy_s, r_next.last_backward_end_s, m)
+        slope_next = (r_next.makespan_s - simulate(schedule, pp, m_next - pp, v, fwd, bwd, p2p).makespan_s) / pp
+        m_sim, r = m_next, r_next
+        if abs(slope_next - slope) <= 1e-3 * max(slope_next, 1e-30):
+            slope = slope_next
+            break
+        slope = slope_next
     extra = (m - m_sim) * slope
     scale = m / m_sim
     return _Schedule(r.makespan_s + extra, tuple(b * scale for b in r.busy_s),
@@ -506,13 +521,12 @@ def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, 
     grows = sched in ("gpipe", "breadth_first")
     out = []
     for s in range(c.pp):
-        kind = stage_kinds[s][0]
         chunks = list(range(s, n_chunks, c.pp))
         params = sum(chunk_params[ci] for ci in chunks)
         acts = peaks[s] * (c.num_micro_batches / m_sim if grows else 1.0)
         if c.recompute == "full":
             acts += act_layer.get("recompute_working_bytes", 0.0)
-        other = device_type(kind).framework_overhead_bytes
+        other = max(device_type(k).framework_overhead_bytes for k in stage_kinds[s])
         if c.zero_stage == 3 and c.dp > 1:
             other += zero3_working_bytes(m, c.tp)
         tokens = c.micro_batch_size * m.seq_length
@@ -557,7 +571,7 @@ def _bounded(ctx: CostContext, floor: float, opt: float) -> float:
     """Lower bound on the step time (to skip dominated configurations in the search)."""
     if ctx.calibration is not None:  # calibration scales the terms the floor is made of
         f = ctx.calibration.factors
-        return floor * min(f.get(k, 1.0) for k in ("compute", "recompute", "tp_comm", "dp_comm", "bubble")) \
+        return floor * min(f.get(k, 1.0) for k in ("compute", "recompute", "tp_comm", "dp_comm", "bubble", "pp_comm")) \
             + opt * f.get("optimizer", 1.0)
     return floor + opt
 

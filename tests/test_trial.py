@@ -125,7 +125,7 @@ def _pairs(true_factors, n=12):
 def test_fit_recovers_factors_and_keeps_unseen_terms_at_one():
     truth = {"compute": 1.6, "dp_comm": 2.0, "bubble": 1.3, "activations": 1.25}
     pairs = _pairs(truth)
-    cal = fit_calibration(pairs, ridge=1e-6)
+    cal = fit_calibration(pairs, ridge=1e-6, memory_ridge=1e-6)
     assert cal.factor("compute") == pytest.approx(1.6, rel=0.02)
     assert cal.factor("dp_comm") == pytest.approx(2.0, rel=0.05)
     assert cal.factor("activations") == pytest.approx(1.25, rel=0.05)

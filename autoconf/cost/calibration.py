@@ -111,11 +111,13 @@ def _ridge_nnls(a: np.ndarray, b: np.ndarray, ridge: float) -> np.ndarray:
     return x
 
 
-def fit_calibration(pairs, ridge: float = 1e-2) -> Calibration:
+def fit_calibration(pairs, ridge: float = 1e-2, memory_ridge: float = 1.0) -> Calibration:
     """Fit multipliers from ``(Estimate, TrialResult)`` pairs; failed trials are skipped.
 
     Rows are divided by the measured value, so the fit minimises squared *relative* error.
-    ``ridge`` (relative to one trial's weight) pulls every factor toward 1.
+    ``ridge`` (relative to one trial's weight) pulls every time factor toward 1; ``memory_ridge``
+    does the same for the memory factors, harder: activations and the rest move together across a
+    few trials (nearly collinear), and a weak pull let three trials swing them by 30-50%.
     """
     good = [(e, t) for e, t in pairs if _get(t, "ok") and _get(t, "step_time_s")]
     factors = {k: 1.0 for k in TIME_TERMS + MEMORY_TERMS}
@@ -142,7 +144,7 @@ def fit_calibration(pairs, ridge: float = 1e-2) -> Calibration:
         rows.append([float(stage.get(k, 0.0)) / measured for k in MEMORY_TERMS])
         target.append(1.0 - states / measured)
     if rows:
-        x = _ridge_nnls(np.array(rows), np.array(target), ridge)
+        x = _ridge_nnls(np.array(rows), np.array(target), memory_ridge)
         factors.update({k: float(v) for k, v in zip(MEMORY_TERMS, x)})
     return Calibration(factors=factors, num_trials=len(good))
 

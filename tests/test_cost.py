@@ -83,18 +83,23 @@ def test_more_micro_batches_never_raise_1f1b_bubble_fraction():
     assert all(a >= b - 1e-9 for a, b in zip(fractions, fractions[1:]))
 
 
-def test_steady_state_extrapolation_matches_full_simulation():
-    # the estimate simulates at most ~3p micro-batches and extrapolates; compare with a full run
+def _fully_simulated(c, m):
+    """The estimate with every micro-batch of the step simulated (no steady-state extrapolation)."""
     from autoconf.cost import estimate as est
-    m = preset("gpt3-6.7b")
-    c = cfg(dp=1, pp=4, tp=8, num_micro_batches=96, schedule="interleaved", virtual_stages=2)
-    e = estimate(c, m, A100)
     saved = est._sim_size
     est._sim_size = lambda schedule, pp, mm: mm
     try:
-        full = estimate(c, m, A100, ctx=CostContext(m, A100))
+        return estimate(c, m, A100, ctx=CostContext(m, A100))
     finally:
         est._sim_size = saved
+
+
+def test_steady_state_extrapolation_matches_full_simulation():
+    # the estimate simulates a few pp micro-batches and extrapolates; compare with a full run
+    m = preset("gpt3-6.7b")
+    c = cfg(dp=1, pp=4, tp=8, num_micro_batches=96, schedule="interleaved", virtual_stages=2)
+    e = estimate(c, m, A100)
+    full = _fully_simulated(c, m)
     assert e.step_time_s == pytest.approx(full.step_time_s, rel=1e-6)
     assert e.peak_memory_bytes == pytest.approx(full.peak_memory_bytes, rel=1e-9)
 
@@ -132,15 +137,8 @@ def test_out_of_memory_gets_reason():
 @pytest.mark.parametrize("schedule,v,layered", [("breadth_first", 4, True), ("interleaved", 4, False), ("1f1b", 1, False)])
 def test_extrapolation_exact_with_unequal_stages(schedule, v, layered):
     # 36 layers over 32 chunks: unequal stages take longer to reach the steady state
-    from autoconf.cost import estimate as est
     m = preset("gpt2-large")
     c = ParallelConfig(dp=2, pp=8, tp=2, micro_batch_size=1, num_micro_batches=256, schedule=schedule,
                        virtual_stages=v, layered_grad_accum=layered)
     e = estimate(c, m, A100)
-    saved = est._sim_size
-    est._sim_size = lambda schedule, pp, mm: mm
-    try:
-        full = estimate(c, m, A100, ctx=CostContext(m, A100))
-    finally:
-        est._sim_size = saved
-    assert e.step_time_s == pytest.approx(full.step_time_s, rel=2e-3)
+    assert e.step_time_s == pytest.approx(_fully_simulated(c, m).step_time_s, rel=2e-3)

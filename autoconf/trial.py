@@ -171,6 +171,18 @@ def _kill_group(proc: subprocess.Popen) -> None:
             continue
 
 
+_PEER_GONE = ("read error", "connection closed", "connection reset", "broken pipe", "connection refused",
+              "socket closed", "remote worker")
+
+
+def _symptom(reason: str) -> bool:
+    """Whether a rank's failure is only the echo of another rank's (its peer vanished): when one
+    rank times out or runs out of memory, the others see their connections drop. The root cause
+    is reported, not the echo."""
+    low = reason.lower()
+    return any(s in low for s in _PEER_GONE)
+
+
 def collect(out_dir: str, nproc: int, returncode, timed_out: bool, timeout_s: float, wall_s: float,
             config: ParallelConfig) -> TrialResult:
     """Turn the trainer's per-rank files (and the launcher's exit) into one TrialResult."""
@@ -185,7 +197,7 @@ def collect(out_dir: str, nproc: int, returncode, timed_out: bool, timeout_s: fl
     base = {"per_rank": per_rank, "wall_s": wall_s, "config": config.to_dict()}
     failed = [r for r in per_rank if not r.get("ok")]
     if failed:
-        first = min(failed, key=lambda r: r.get("rank", 0))
+        first = min(failed, key=lambda r: (_symptom(r.get("reason", "")), r.get("rank", 0)))
         return TrialResult(ok=False, reason=f"rank {first.get('rank')}: {first.get('reason', 'failed')}", **base)
     if timed_out:
         return TrialResult(ok=False, reason=f"timed out after {timeout_s:g} s (process group killed)", **base)

@@ -154,3 +154,14 @@ def test_calibration_round_trips_through_a_file(tmp_path):
     path.write_text(json.dumps({"factors": {"warp": 2}}))
     with pytest.raises(UserError, match="warp"):
         load_calibration(str(path))
+
+
+def test_failed_trial_reports_the_root_cause_not_the_peers_echo(tmp_path):
+    # rank 0 sees its connection drop because rank 1 hit the step timeout: report rank 1's reason
+    from autoconf.config import ParallelConfig
+    from autoconf.trial import collect
+    (tmp_path / "rank_0.json").write_text(json.dumps({"rank": 0, "ok": False, "reason": "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:3 ... remote worker hanging"}))
+    (tmp_path / "rank_1.json").write_text(json.dumps({"rank": 1, "ok": False, "reason": "step 1 exceeded the step timeout (0.05 s)"}))
+    result = collect(str(tmp_path), nproc=2, returncode=1, timed_out=False, timeout_s=10.0, wall_s=1.0,
+                     config=ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1))
+    assert not result.ok and result.reason.startswith("rank 1:") and "step timeout" in result.reason

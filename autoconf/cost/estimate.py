@@ -533,18 +533,12 @@ def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, 
         if c.pp > 1:
             # torch.distributed.pipelining's PipelineStage allocates, for every micro-batch, a
             # buffer for the activation it receives (all chunks but the first) and one for the
-            # gradient it receives (all but the last), up front (stage._prepare_forward_infra /
-            # _setup_backward_recv_info)
+            # gradient it receives (all but the last), up front (stage._setup_forward_recv_info /
+            # _setup_backward_recv_info): a replica's whole batch of boundary activations, twice.
+            # (The trainer passes return_outputs=False, so the last stage's outputs are not kept.)
             act = tokens * m.hidden_size * m.dtype_bytes / (c.tp if c.sequence_parallel else 1)
             buffers = sum((ci > 0) + (ci < n_chunks - 1) for ci in chunks)
             other += buffers * c.num_micro_batches * act
-        if c.pp > 1 and n_chunks - 1 in chunks:
-            # ... and keeps the last stage's output (the logits shard) of every micro-batch until
-            # step() returns (PipelineStage.output_chunks); the ones still awaiting their backward
-            # are already among the activations
-            vocab_local = -(-m.vocab_size // c.tp)
-            retained = c.num_micro_batches - (c.num_micro_batches if grows else 1)
-            other += retained * tokens * vocab_local * m.dtype_bytes
         if c.dp > 1:
             # gradient reduction copies one bucket (at most 25 MiB, as DDP) after the backward has
             # freed the activations: it raises the peak only where it exceeds them

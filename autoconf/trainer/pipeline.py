@@ -62,12 +62,14 @@ def run_step(sched, is_first: bool, is_last: bool, inputs, targets) -> list:
     """One pipelined forward+backward over all micro-batches; the last stage returns the
     per-micro-batch losses (others an empty list)."""
     losses: list = []
+    # return_outputs=False: otherwise the last stage keeps every micro-batch's output (the logits,
+    # m x b x s x V) until step() returns, only to hand them back; the losses are all we need
     if is_first and is_last:
-        sched.step(inputs, target=targets, losses=losses)
+        sched.step(inputs, target=targets, losses=losses, return_outputs=False)
     elif is_first:
-        sched.step(inputs)
+        sched.step(inputs, return_outputs=False)
     elif is_last:
-        sched.step(target=targets, losses=losses)
+        sched.step(target=targets, losses=losses, return_outputs=False)
     else:
-        sched.step()
+        sched.step(return_outputs=False)
     return losses

@@ -141,16 +141,17 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
 
 
 def reason_key(reason: str) -> str:
-    """A short category for a rejection reason (for counting)."""
-    for key, needle in (("tp does not divide the model", "does not divide num_"),
-                        ("tp does not divide the model", "does not divide ffn"),
-                        ("batch not divisible", "global batch"),
-                        ("micro-batches not divisible by pp", "does not divide num_micro_batches"),
-                        ("more chunks than layers", "exceeds num_layers"),
-                        ("schedule/option mismatch", "")):
+    """A short category for a rejection reason (for the search's counts); most specific first."""
+    for needle, key in (("does not divide num_micro_batches", "interleaved needs m divisible by pp"),
+                        ("does not divide num_", "tp does not divide the model"),
+                        ("does not divide ffn", "tp does not divide the model"),
+                        ("sequence_parallel", "sequence parallel indivisible"),
+                        ("exceeds num_layers", "more chunks than layers"),
+                        ("with dp=1 shards nothing", "zero with dp=1"),
+                        ("one micro-batch", "layered with one micro-batch")):
         if needle in reason:
             return key
-    return "other"
+    return reason.split(":")[0][:60]
 
 
 def validate(config: ParallelConfig, model: ModelSpec) -> None:
@@ -181,12 +182,6 @@ def pipeline_choices(pp: int, model: ModelSpec, max_virtual: int = 8) -> list[tu
 
 def micro_batch_choices(per_replica_batch: int, max_micro_batch: int = 64) -> list[int]:
     return [b for b in divisors(per_replica_batch) if b <= max_micro_batch]
-
-
-@dataclass(frozen=True)
-class SpaceCounts:
-    valid: int
-    rejected: dict
 
 
 def outer_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch: int = 64,

@@ -186,7 +186,7 @@ def count_space(model, world: int, global_batch: int, max_micro_batch: int):
     valid = 0
 
     def count(reason, n):
-        key = reason_key(reason) if reason_key(reason) != "schedule/option mismatch" else _short_reason(reason)
+        key = reason_key(reason)
         rejected[key] = rejected.get(key, 0) + n
 
     valid_per_point: dict = {}
@@ -208,16 +208,6 @@ def count_space(model, world: int, global_batch: int, max_micro_batch: int):
         valid += n
         valid_per_point[point] = n
     return points, total, valid, rejected, valid_per_point
-
-
-def _short_reason(reason: str) -> str:
-    for needle, key in (("with dp=1 shards nothing", "zero with dp=1"),
-                        ("one micro-batch", "layered with one micro-batch"),
-                        ("sequence_parallel", "sequence parallel indivisible"),
-                        ("interleaved", "interleaved needs m divisible by pp")):
-        if needle in reason:
-            return key
-    return reason.split(":")[0][:60]
 
 
 def _digest(d: dict) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..catalog import device_type
-from ..config import ParallelConfig, check, layers_per_chunk
+from ..config import ParallelConfig, layers_per_chunk, validate
 from ..errors import UserError
 from ..model import ModelSpec
 from ..topology import Topology, axis_groups, rank_coords
@@ -230,9 +230,7 @@ def estimate(config: ParallelConfig, model: ModelSpec, cluster=None, profile=Non
     """Estimate one configuration. Pass ``ctx`` (a CostContext) when estimating many."""
     if ctx is None:
         ctx = CostContext(model, cluster, profile, calibration)
-    reason = check(config, model)
-    if reason:
-        raise UserError(f"invalid configuration ({config.short()}): {reason}")
+    validate(config, model)
     if config.world_size > ctx.num_devices:
         raise UserError(f"dp({config.dp}) x pp({config.pp}) x tp({config.tp}) = {config.world_size} devices, "
                         f"but the cluster has {ctx.num_devices}")
@@ -281,7 +279,7 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
 
     # data-parallel links and per-chunk gradient / parameter bytes
     dp_links = _axis_links(ctx, c, "dp") if c.dp > 1 else None
-    _, g_bytes, _ = _state_bytes(m.dtype)
+    _, g_bytes, _ = bytes_per_param(m.dtype)
     chunk_params = []
     for ci, nl in enumerate(chunk_layers):
         p = nl * m.layer_params()
@@ -331,7 +329,7 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
             else:
                 extra_f += ag * passes / n_mb
                 extra_b += ag * passes / n_mb
-        comp_f.append(f - 0.0)
+        comp_f.append(f)
         comp_b.append(bw_ - rc)
         rc_part.append(rc)
         tp_part.append(tpf + tpb)
@@ -484,11 +482,6 @@ def _run_schedule(schedule, pp, m, v, fwd, bwd, p2p) -> _Schedule:
     scale = m / m_sim
     return _Schedule(r.makespan_s + extra, tuple(b * scale for b in r.busy_s),
                      tuple(t + extra for t in r.last_backward_end_s), m_sim)
-
-
-def _state_bytes(dtype: str):
-    from .memory import bytes_per_param
-    return bytes_per_param(dtype)
 
 
 def _calibrate_memory(mm: dict, f: dict) -> dict:

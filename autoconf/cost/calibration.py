@@ -37,6 +37,18 @@ class Calibration:
     def factor(self, term: str) -> float:
         return float(self.factors.get(term, 1.0))
 
+    def apply_breakdown(self, breakdown_s: dict) -> dict:
+        """Each step-time term scaled by its factor."""
+        return {k: float(v) * self.factor(k) for k, v in breakdown_s.items()}
+
+    def apply_memory(self, stage: dict) -> dict:
+        """A stage's memory parts with activations and other scaled (model states exact)."""
+        out = dict(stage)
+        for k in MEMORY_TERMS:
+            out[k] = float(stage.get(k, 0.0)) * self.factor(k)
+        out["total"] = sum(float(out.get(k, 0.0)) for k in MODEL_STATE_PARTS + MEMORY_TERMS)
+        return out
+
     def to_dict(self) -> dict:
         return {"factors": dict(self.factors), "num_trials": self.num_trials}
 
@@ -66,8 +78,7 @@ def calibrated_step_time_s(estimate, calibration: Calibration | None) -> float:
     """The estimate's step time with each breakdown term scaled by its factor."""
     if calibration is None:
         return float(_get(estimate, "step_time_s"))
-    breakdown = _get(estimate, "breakdown_s") or {}
-    return float(sum(calibration.factor(k) * float(v) for k, v in breakdown.items()))
+    return float(sum(calibration.apply_breakdown(_get(estimate, "breakdown_s") or {}).values()))
 
 
 def calibrated_peak_memory_bytes(estimate, calibration: Calibration | None) -> float:
@@ -77,8 +88,7 @@ def calibrated_peak_memory_bytes(estimate, calibration: Calibration | None) -> f
     stage = _peak_stage(estimate)
     if not stage:
         return float(_get(estimate, "peak_memory_bytes"))
-    states = sum(float(stage.get(k, 0.0)) for k in MODEL_STATE_PARTS)
-    return states + sum(calibration.factor(k) * float(stage.get(k, 0.0)) for k in MEMORY_TERMS)
+    return calibration.apply_memory(stage)["total"]
 
 
 # -- fitting --------------------------------------------------------------------------------------

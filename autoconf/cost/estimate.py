@@ -349,7 +349,7 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
 
     memory = _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, v_sim, n_chunks)
     if ctx.calibration is not None:
-        memory = [_calibrate_memory(mm, ctx.calibration.factors) for mm in memory]
+        memory = [ctx.calibration.apply_memory(mm) for mm in memory]
     oom = [s for s, mm in enumerate(memory) if mm["total"] > mm["capacity"]]
     if oom and not time_if_oom:
         return _finish(c, ctx, {k: 0.0 for k in TIME_TERMS}, memory, float("inf"))
@@ -414,8 +414,7 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
     breakdown["bubble"] = max(0.0, breakdown["bubble"] + residual)
 
     if ctx.calibration is not None:
-        f = ctx.calibration.factors
-        breakdown = {k: v * f.get(k, 1.0) for k, v in breakdown.items()}
+        breakdown = ctx.calibration.apply_breakdown(breakdown)
     return _finish(c, ctx, breakdown, memory, sum(breakdown.values()))
 
 
@@ -482,14 +481,6 @@ def _run_schedule(schedule, pp, m, v, fwd, bwd, p2p) -> _Schedule:
     scale = m / m_sim
     return _Schedule(r.makespan_s + extra, tuple(b * scale for b in r.busy_s),
                      tuple(t + extra for t in r.last_backward_end_s), m_sim)
-
-
-def _calibrate_memory(mm: dict, f: dict) -> dict:
-    out = dict(mm)
-    for k in ("activations", "other"):
-        out[k] = mm[k] * f.get(k, 1.0)
-    out["total"] = sum(out[k] for k in MEMORY_TERMS)
-    return out
 
 
 def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, v_sim, n_chunks) -> list[dict]:
@@ -563,10 +554,10 @@ def _pipeline_floor(c: ParallelConfig, fwd, bwd, n_chunks: int) -> float:
 
 def _bounded(ctx: CostContext, floor: float, opt: float) -> float:
     """Lower bound on the step time (to skip dominated configurations in the search)."""
-    if ctx.calibration is not None:  # calibration scales the terms the floor is made of
-        f = ctx.calibration.factors
-        return floor * min(f.get(k, 1.0) for k in ("compute", "recompute", "tp_comm", "dp_comm", "bubble", "pp_comm")) \
-            + opt * f.get("optimizer", 1.0)
+    cal = ctx.calibration
+    if cal is not None:  # calibration scales the terms the floor is made of
+        floor_terms = ("compute", "recompute", "tp_comm", "dp_comm", "bubble", "pp_comm")
+        return floor * min(cal.factor(k) for k in floor_terms) + opt * cal.factor("optimizer")
     return floor + opt
 
 

@@ -226,8 +226,10 @@ def cmd_search(args) -> int:
     doc = result.to_dict()
     verified = None
     if args.verify > 0:
-        verified = _verify(args, model, cluster, profile, result)
+        verified, cal_report = _verify(args, model, cluster, profile, result)
         doc["verified"] = verified
+        if cal_report is not None:
+            doc["calibration"] = cal_report
     best = result.top[0]
     if verified:
         ok = [v for v in verified if v["trial"]["ok"]]
@@ -252,6 +254,11 @@ def cmd_search(args) -> int:
         con.print(f"note: {n}")
     if verified:
         _print_verified(con, verified)
+        if doc.get("calibration"):
+            b, a = doc["calibration"]["before"], doc["calibration"]["after"]
+            con.print(f"calibration saved to {args.calibrate}: step-time error median {100 * b['time_median']:.1f}% "
+                      f"-> {100 * a['time_median']:.1f}%, peak memory {100 * b['memory_median']:.1f}% "
+                      f"-> {100 * a['memory_median']:.1f}% (on the {a['n']} verifying trials)")
     con.print(f"best: {best.config.short()}  predicted {best.step_time_s:.4g} s/step, "
               f"{best.tokens_per_s:,.0f} tokens/s, {best.peak_memory_bytes / 2**30:.2f} GiB peak")
     con.print(f"study {result.study_name!r} in {result.storage or 'memory'}")
@@ -260,8 +267,9 @@ def cmd_search(args) -> int:
     return 0
 
 
-def _verify(args, model, cluster, profile, result) -> list[dict]:
-    """Run the top K as real trials; record them in the study; optionally calibrate."""
+def _verify(args, model, cluster, profile, result) -> tuple[list[dict], dict | None]:
+    """Run the top K as real trials; record them in the study; optionally calibrate and report the
+    prediction error before and after."""
     from .trial import verify
     cands = list(result.top[:args.verify])
     trials = verify([e.config for e in cands], model, cluster, steps=args.steps)
@@ -270,13 +278,16 @@ def _verify(args, model, cluster, profile, result) -> list[dict]:
            for e, t in zip(cands, trials)]
     if result.storage:
         _record_verified(result, out)
+    report = None
     if args.calibrate:
-        from .cost.calibration import fit_calibration, save_calibration
+        from .cost.calibration import calibration_report, fit_calibration, save_calibration
         pairs = [(e, t) for e, t in zip(cands, trials) if t.ok]
         if not pairs:
             raise UserError("--calibrate: no verifying trial succeeded, nothing to fit")
-        save_calibration(fit_calibration(pairs), args.calibrate)
-    return out
+        calibration = fit_calibration(pairs)
+        save_calibration(calibration, args.calibrate)
+        report = calibration_report(pairs, calibration)
+    return out, report
 
 
 def _record_verified(result, verified: list[dict]) -> None:

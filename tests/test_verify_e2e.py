@@ -33,6 +33,9 @@ def test_search_verify_calibrate_emit(tmp_path):
     assert json.loads((tmp_path / "launch" / "config.json").read_text())["config"] == measured_best["config"]
     cal = json.loads((tmp_path / "cal.json").read_text())
     assert "factors" in cal and cal["factors"]
+    # prediction error before and after calibration, on the verifying trials
+    rep = doc["calibration"]
+    assert rep["after"]["time_median"] <= rep["before"]["time_median"] and rep["after"]["n"] == len(ok)
 
     import optuna
     study = optuna.load_study(study_name=doc["study_name"], storage=db)

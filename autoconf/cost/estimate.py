@@ -312,6 +312,7 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
         extra_f = extra_b = 0.0
         if c.dp > 1 and c.zero_stage >= 2 and not layered:
             rs = _worst(dp_links, comm.reduce_scatter_s, chunk_params[ci] * g_bytes, _efficiency(ctx, comm.reduce_scatter_s, c.dp))
+            rs += _copy_time(ctx, stage_kinds[stage], _bucket_traffic(c) * chunk_params[ci] * g_bytes)
             extra_b += (max(0.0, rs - bw_) if overlaps else rs) * (n_mb - 1) / n_mb
         if c.dp > 1 and c.zero_stage == 3:
             # parameters are gathered once per pass over the chunk: every micro-batch (standard) or
@@ -382,7 +383,8 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
             t_free = 0.0
             eff = _efficiency(ctx, red, c.dp)
             for ci in chunks:
-                t = _worst(dp_links, red, chunk_params[ci] * g_bytes, eff)
+                t = _worst(dp_links, red, chunk_params[ci] * g_bytes, eff) \
+                    + _copy_time(ctx, stage_kinds[dev], _bucket_traffic(c) * chunk_params[ci] * g_bytes)
                 if overlaps:
                     start = max(t_free, sim.last_backward_end_s[ci] - bwd_t[ci] * (1 - 1 / max(chunk_layers[ci], 1)))
                     # the last bucket (one layer, at most 25 MiB) can only go once its gradient exists
@@ -394,8 +396,12 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
         dp_tail = end_all - makespan
         if c.zero_stage in (1, 2):
             # updated parameter shards are gathered back after the optimizer step
-            post_ag = max(_worst(dp_links, comm.all_gather_s, sum(chunk_params[ci] for ci in range(dev, n_chunks, c.pp)) * B,
-                                 _efficiency(ctx, comm.all_gather_s, c.dp)) for dev in range(c.pp))
+            # (each owner's shard is flattened, sent and copied back into the parameters)
+            post_ag = 0.0
+            for dev in range(c.pp):
+                nbytes = sum(chunk_params[ci] for ci in range(dev, n_chunks, c.pp)) * B
+                post_ag = max(post_ag, _worst(dp_links, comm.all_gather_s, nbytes, _efficiency(ctx, comm.all_gather_s, c.dp))
+                              + _copy_time(ctx, stage_kinds[dev], (4 - 2 / c.dp) * nbytes))
 
     # breakdown on the busiest device
     dev_busy = max(range(c.pp), key=lambda d: sim.busy_s[d])
@@ -559,6 +565,35 @@ def _bounded(ctx: CostContext, floor: float, opt: float) -> float:
         floor_terms = ("compute", "recompute", "tp_comm", "dp_comm", "bubble", "pp_comm")
         return floor * min(cal.factor(k) for k in floor_terms) + opt * cal.factor("optimizer")
     return floor + opt
+
+
+def _bucket_traffic(c: ParallelConfig) -> float:
+    """Memory traffic of one gradient-bucket reduction, in multiples of the bucket's bytes.
+
+    ZeRO-0/1 (as DDP without gradient views): copy the gradients into the flat bucket (read +
+    write), average in place, copy back: 6. ZeRO-2: copy in, then the owner adds its 1/dp share
+    into its accumulator: 2 + 3/dp. ZeRO-3 (FSDP2): reduce-scatter copy-in, then the shard is
+    averaged: 2 + 2/dp.
+    """
+    if c.zero_stage <= 1:
+        return 6.0
+    return 2.0 + (3.0 if c.zero_stage == 2 else 2.0) / c.dp
+
+
+def _copy_time(ctx: CostContext, kinds, nbytes: float) -> float:
+    """Seconds to stream ``nbytes`` through memory (read + write counted separately) on the slowest
+    of ``kinds``: the profile's AdamW step gives the measured bandwidth (its traffic per parameter
+    is known, see compute.optimizer_s), else the catalog's memory bandwidth."""
+    worst = 0.0
+    for kind in kinds:
+        if ctx.profile is not None and kind == ctx.profile_kind:
+            from .measured import optimizer_seconds_per_param
+            rate = ctx.cached(("optrate", kind), lambda: optimizer_seconds_per_param(ctx.profile, kind) or -1.0)
+            if rate > 0:
+                worst = max(worst, nbytes * rate / (32 if ctx.model.dtype != "fp32" else 28))
+                continue
+        worst = max(worst, ctx.roofline(kind).elementwise(nbytes, kernels=0))
+    return worst
 
 
 def _optimizer_time(ctx: CostContext, kind: str, num_params: float) -> float:

@@ -69,7 +69,8 @@ def assemble(args, model, everyone: list[dict], gathered: list[dict], backend: s
         f"compute split: {split}" + (" (rank 0 measured every layer while the others waited at a barrier)"
                                      if split == "serial" else " (the ranks of each device kind shared the items)"),
         f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}, torch threads {torch.get_num_threads()}",
-        f"repeats {repeats}, quick={bool(args.quick)}, compute timed without sequence parallelism",
+        f"repeats {repeats} in {args.rounds} round(s) per layer, quick={bool(args.quick)}, compute timed without "
+        "sequence parallelism",
         f"profiling took {elapsed_s:.1f} s; load average at the end "
         + " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" on {os.cpu_count()} CPUs (other work skews timings)",
         "rank 0 phases ended at (s since start): " + ", ".join(f"{k} {v:.1f}" for k, v in gathered[0]["phases"].items()),

@@ -48,8 +48,8 @@ def _local_gpus() -> int:
         return 0
 
 
-_PASS = ("model", "seq_length", "micro_batch_sizes", "tp", "recompute", "repeats", "warmup", "compute_split",
-         "timeout_min")
+_PASS = ("model", "seq_length", "micro_batch_sizes", "tp", "recompute", "repeats", "warmup", "rounds",
+         "compute_split", "timeout_min")
 _FLAGS = ("quick", "serial_links", "skip_links", "skip_compute")
 
 
@@ -80,6 +80,9 @@ def cmd_profile(args) -> int:
     from autoconf.model import load_model
 
     load_model(args.model, seq_length=args.seq_length)
+    repeats = args.repeats or (3 if args.quick else 10)
+    if args.rounds is not None and not 1 <= args.rounds <= repeats:
+        raise UserError(f"--rounds {args.rounds}: expected 1 to the number of repeats ({repeats})")
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise UserError(f"--out {args.out!r}: directory {out_dir!r} does not exist")

@@ -3,7 +3,8 @@
 Layers are built by ``autoconf.nn`` in local-width mode (``tp_group=None``): a tp-way shard at its
 local width, without collectives, which is exactly one tensor-parallel rank's compute. Timing is
 warm-up runs, then the median of ``repeats`` runs, with the interquartile range as the spread;
-CUDA work is synchronised before each clock read. Gradients accumulate across repeats, as they do
+CUDA work is synchronised before each clock read. The profiler times every item in several rounds
+spread over its compute phase and merges them (``merge_rounds``). Gradients accumulate across repeats, as they do
 over the micro-batches of a step.
 
 Compute is timed without sequence parallelism (in local-width mode its gathers are emulated by
@@ -126,7 +127,21 @@ def time_item(model: ModelSpec, item: Item, device, warmup: int, repeats: int) -
     return {"layer": item.layer, "micro_batch_size": item.micro_batch_size, "tp": item.tp,
             "recompute": item.recompute, "forward_s": statistics.median(fwd), "backward_s": statistics.median(bwd),
             "forward_spread_s": _iqr(fwd), "backward_spread_s": _iqr(bwd), "repeats": repeats,
-            "step_peak_bytes": peak, "parameter_bytes": parameter_bytes(mod)}
+            "step_peak_bytes": peak, "parameter_bytes": parameter_bytes(mod),
+            "forward_samples": fwd, "backward_samples": bwd}
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One item timed in several rounds (``time_item`` results): the median and spread over every
+    sample of every round, so a machine that is faster or slower for a few seconds moves only the
+    samples of one round. The raw samples are dropped."""
+    fwd = [x for r in rounds for x in r["forward_samples"]]
+    bwd = [x for r in rounds for x in r["backward_samples"]]
+    peaks = [r["step_peak_bytes"] for r in rounds if r["step_peak_bytes"] is not None]
+    out = {k: v for k, v in rounds[0].items() if k not in ("forward_samples", "backward_samples")}
+    out.update(forward_s=statistics.median(fwd), backward_s=statistics.median(bwd), forward_spread_s=_iqr(fwd),
+               backward_spread_s=_iqr(bwd), repeats=len(fwd), step_peak_bytes=max(peaks) if peaks else None)
+    return out
 
 
 def activation_items(micro_batch_sizes, tps, recompute_modes) -> list[tuple]:

@@ -47,6 +47,10 @@ def add_measure_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute", default=",".join(RECOMPUTE_MODES), help="comma-separated recompute modes to time")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per measurement (default 10; --quick 3)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 2; --quick 1)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="time every layer in this many rounds spread over the compute phase, the repeats split "
+                   "between them, and take the median of all (a machine whose speed moves for seconds at a time "
+                   "then skews no single layer; default 3, --quick 1)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (tests, a first look)")
     p.add_argument("--compute-split", choices=("auto", "serial", "split"), default="auto",
                    help="who measures compute: serial = rank 0 alone, split = ranks of a device kind share the "
@@ -99,6 +103,10 @@ def run(args) -> int:
     mbs_list = _ints(args.micro_batch_sizes or ("1,2" if quick else "1,2,4"), "micro-batch-sizes")
     repeats = args.repeats or (3 if quick else 10)
     warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    rounds = args.rounds if args.rounds is not None else (1 if quick else 3)
+    if rounds < 1 or rounds > repeats:
+        raise UserError(f"--rounds {rounds}: expected 1 to the number of repeats ({repeats})")
+    args.rounds = rounds
     rc_modes = [m for m in args.recompute.split(",") if m]
     bad = [m for m in rc_modes if m not in RECOMPUTE_MODES]
     if bad:
@@ -151,12 +159,17 @@ def run(args) -> int:
     phases: dict = {}  # phase -> seconds since the start when it ended
     bars = report.Bars(enabled=rank == 0)
     with bars:
-        t_compute = bars.task("compute (this rank's share)", len(my_items) + len(my_acts) + len(my_gemms))
-        timings, acts, gemm_rows = [], [], []
-        for it in my_items:
-            bars.describe(t_compute, f"{it.layer} mbs={it.micro_batch_size} tp={it.tp} rc={it.recompute}")
-            timings.append(compute.time_item(model, it, device, warmup, repeats))
-            bars.advance(t_compute)
+        t_compute = bars.task("compute (this rank's share)", len(my_items) * rounds + len(my_acts) + len(my_gemms))
+        acts, gemm_rows = [], []
+        samples: list[list[dict]] = [[] for _ in my_items]
+        for r in range(rounds):  # the repeats are split between rounds; later rounds warm up once
+            per_round = repeats // rounds + (1 if r < repeats % rounds else 0)
+            for it, got in zip(my_items, samples):
+                bars.describe(t_compute, f"{it.layer} mbs={it.micro_batch_size} tp={it.tp} rc={it.recompute}"
+                              + (f" (round {r + 1}/{rounds})" if rounds > 1 else ""))
+                got.append(compute.time_item(model, it, device, warmup if r == 0 else 1, per_round))
+                bars.advance(t_compute)
+        timings = [compute.merge_rounds(got) for got in samples]
         for layer, mbs, tp, sp, rc in my_acts:
             bars.describe(t_compute, f"saved bytes {layer} mbs={mbs} tp={tp} sp={sp} rc={rc}")
             acts.append({"layer": layer, "micro_batch_size": mbs, "tp": tp, "sequence_parallel": sp, "recompute": rc,

@@ -9,6 +9,23 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def test_merge_rounds_takes_the_median_of_every_sample():
+    pytest.importorskip("torch")
+    from profiler.compute import merge_rounds
+
+    def row(fwd, bwd, peak):
+        return {"layer": "block", "micro_batch_size": 1, "tp": 1, "recompute": "none", "forward_s": 0.0,
+                "backward_s": 0.0, "forward_spread_s": 0.0, "backward_spread_s": 0.0, "repeats": len(fwd),
+                "step_peak_bytes": peak, "parameter_bytes": (8.0, 2), "forward_samples": fwd, "backward_samples": bwd}
+
+    # a slow round (x1.5) among two normal ones moves the median by one sample, not by 50%
+    m = merge_rounds([row([1.0, 1.1], [2.0, 2.2], None), row([1.5, 1.6], [3.0, 3.3], 10.0),
+                      row([1.0, 1.05], [2.1, 2.0], 12.0)])
+    assert m["forward_s"] == pytest.approx(1.075) and m["backward_s"] == pytest.approx(2.15)
+    assert m["repeats"] == 6 and m["step_peak_bytes"] == 12.0 and "forward_samples" not in m
+    assert m["parameter_bytes"] == (8.0, 2) and m["forward_spread_s"] > 0
+
+
 def test_tournament_rounds_pair_everyone_once_without_sharing_a_rank():
     pytest.importorskip("torch")
     from profiler.links import collective_groups, tournament_rounds
@@ -34,7 +51,7 @@ def test_autoconf_profile_tiny_two_processes(tmp_path):
     out = tmp_path / "profile.json"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, "-m", "autoconf", "profile", "--model", "tiny", "--nproc-per-node", "2",
-                          "--out", str(out), "--quick"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          "--out", str(out), "--quick", "--rounds", "2"], cwd=tmp_path, env=env, capture_output=True, text=True,
                          timeout=180)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "profile written to" in res.stdout
@@ -45,6 +62,9 @@ def test_autoconf_profile_tiny_two_processes(tmp_path):
     assert check_profile_matches(p, p.model) == []
     # per-layer times for every layer kind, tp shard, micro-batch size and (block) recompute mode
     keys = {(c.layer, c.micro_batch_size, c.tp, c.recompute) for c in p.compute}
+    assert len(keys) == len(p.compute)  # the rounds are merged into one entry per item
+    assert {c.repeats for c in p.compute} == {3}  # --quick's 3 repeats, split 2 + 1 over the rounds
+    assert "3 in 2 round(s)" in " ".join(p.provenance.notes)
     for mbs in (1, 2):
         for tp in (1, 2):
             assert {("embedding", mbs, tp, "none"), ("head", mbs, tp, "none")} <= keys

@@ -9,9 +9,15 @@ example (and with a profile, if --profile is given):
     time, regret = measured time of the predicted best / best measured, without trials and with
     verify-3 (best measured among the predicted top 3).
 
-    python bench/accuracy.py --quick                 # ~2-3 minutes
+    python bench/accuracy.py --quick                 # ~5 minutes
     python bench/accuracy.py --max-configs 24        # more configurations
     python bench/accuracy.py --world 4 --max-configs 8   # 4 processes on 2 cores: contention
+
+Protocol, as a user would work: profile first (``autoconf profile`` on the same processes, unless
+--profile names a stored one), then the trials. Every configuration runs --passes times, the
+passes in alternating order (forward, reverse, ...), and its measured time is the mean of the
+passes: a shared VM's speed moves by tens of percent for seconds to minutes at a time, and the
+pass-to-pass difference printed at the end is that noise floor.
 
 With more processes than cores the processes share cores: measured times include that contention,
 which the cost model (one device per rank) does not model.
@@ -111,9 +117,14 @@ def main(argv=None) -> int:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=None, help="steps per trial (warm-up 2 included)")
     ap.add_argument("--cluster", default=os.path.join(ROOT, "examples/clusters/localhost-cpu.yaml"))
-    ap.add_argument("--profile", help="a profile JSON from `autoconf profile` (adds a second prediction)")
+    ap.add_argument("--profile", default="fresh",
+                    help="a profile JSON from `autoconf profile`, 'fresh' (default: profile the model now, with "
+                    "the same number of processes) or 'none' (catalog prediction only)")
+    ap.add_argument("--passes", type=int, default=2, help="run every configuration this many times (mean)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
+    if args.passes < 1:
+        ap.error(f"--passes {args.passes}: expected 1 or more")
 
     model = bench_model(args.quick)
     cluster = load_cluster(args.cluster)
@@ -131,23 +142,38 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"cost model not available yet ({e}); measuring only")
         estimate = None
+    load0 = os.getloadavg()[0]
+    print(f"started {time.strftime('%H:%M:%S')}, load average {load0:.1f}")
     profile = None
-    if args.profile:
+    if args.profile == "fresh":
+        args.profile = _fresh_profile(model, args.world)
+    if args.profile != "none":
         from autoconf.profile import load_profile
         profile = load_profile(args.profile)
 
     print(f"model {model.hidden_size}h x {model.num_layers}L seq {model.seq_length} fp32, world {args.world}, "
           f"global batch {args.global_batch}: {len(valid)} valid configurations, running {len(chosen)}")
-    load0 = os.getloadavg()[0]
     if load0 > 0.5:
         print(f"warning: load average {load0:.1f} before starting: other processes share the cores, "
               "measured times will be inflated")
-    rows = []
     t_start = time.perf_counter()
+    runs: dict = {i: [] for i in range(len(chosen))}
+    for p in range(args.passes):
+        order = range(len(chosen)) if p % 2 == 0 else reversed(range(len(chosen)))
+        for i in order:
+            res = run_trial(make_document(chosen[i], model), steps=steps, warmup=2, timeout_s=300)
+            runs[i].append(res)
+            t = f"{res.step_time_s * 1e3:8.1f} ms" if res.ok else f"failed ({res.reason[:60]})"
+            print(f"  pass {p + 1} {i:3d} {chosen[i].short():<52} {t}", flush=True)
+    rows = []
     for i, c in enumerate(chosen):
-        res = run_trial(make_document(c, model), steps=steps, warmup=2, timeout_s=300)
-        row = {"config": c.short(), "ok": res.ok, "reason": res.reason, "step_time_s": res.step_time_s,
-               "peak_memory_bytes": res.peak_memory_bytes, "wall_s": res.wall_s}
+        done = runs[i]
+        ok = [r for r in done if r.ok]
+        res = ok[0] if len(ok) == len(done) else next(r for r in done if not r.ok)
+        times = [r.step_time_s for r in ok]
+        row = {"config": c.short(), "ok": res.ok, "reason": res.reason,
+               "step_time_s": statistics.mean(times) if res.ok else None, "pass_times_s": times,
+               "peak_memory_bytes": res.peak_memory_bytes, "wall_s": sum(r.wall_s for r in done)}
         if estimate is not None:
             e = estimate(c, model, cluster)
             row["pred"] = {"step_time_s": e.step_time_s, "peak_memory_bytes": e.peak_memory_bytes}
@@ -168,6 +194,11 @@ def main(argv=None) -> int:
             print(f"\n{label}: n={s['n']}  step time err median {s['time_err_median']:.0%} max {s['time_err_max']:.0%}"
                   f"  | peak mem err median {s['mem_err_median']:.0%} max {s['mem_err_max']:.0%}"
                   f"  | Spearman {s['spearman']:.2f}  | regret {s['regret']:.2f}, verify-3 {s['regret_verify3']:.2f}")
+    diffs = [abs(r["pass_times_s"][1] - r["pass_times_s"][0]) / min(r["pass_times_s"][:2])
+             for r in rows if r["ok"] and len(r["pass_times_s"]) >= 2]
+    if diffs:
+        print(f"\nnoise floor: the same configuration's first two passes differ by {statistics.median(diffs):.0%} "
+              f"(median), {max(diffs):.0%} (max)")
     if args.world > os.cpu_count():
         print(f"\nnote: {args.world} processes on {os.cpu_count()} cores share cores; measured times include "
               "that contention, the cost model assumes one device per rank.")
@@ -175,6 +206,29 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], f, indent=1)
     return 0
+
+
+def _fresh_profile(model: ModelSpec, world: int) -> str:
+    """Profile the bench model now with ``autoconf profile`` (micro-batch sizes 1-8) and return the
+    file: predictions then rest on measurements of this machine taken minutes before the trials."""
+    import subprocess
+    import tempfile
+
+    import yaml
+
+    tmp = tempfile.mkdtemp(prefix="accuracy-")
+    spec = os.path.join(tmp, "model.yaml")
+    with open(spec, "w") as f:
+        yaml.safe_dump({k: v for k, v in model.to_dict().items() if k != "name"}, f)
+    out = os.path.join(tmp, "profile.json")
+    cmd = [sys.executable, "-m", "autoconf", "profile", "--model", spec, "--nproc-per-node", str(world),
+           "--micro-batch-sizes", "1,2,4,8", "--out", out]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if res.returncode != 0:
+        sys.exit(f"profiling failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
+    print(f"profiled the model in {time.perf_counter() - t0:.0f} s: {out}")
+    return out
 
 
 def _calibrated(rows: list[dict], model, cluster, profile, estimate) -> None:

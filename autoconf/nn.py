@@ -406,7 +406,8 @@ def _vocab_shard(model: ModelSpec, key: str, seed: int, tp: int, group, dtype, d
     full = _randn((v, h), INIT_STD, key, seed, device)
     if vp > v:
         full = torch.cat([full, torch.zeros(vp - v, h, device=full.device)])
-    return _param(full.chunk(tp, dim=0)[_rank(group)].contiguous(), dtype)
+    # clone: a chunk along dim 0 is a view, which would keep the whole table's storage alive
+    return _param(full.chunk(tp, dim=0)[_rank(group)].clone(), dtype)
 
 
 class Embedding(nn.Module):

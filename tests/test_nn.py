@@ -122,6 +122,16 @@ def test_param_count(m):
     assert model_state_bytes(model) == 2 * 4 * m.num_params()
 
 
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shards_own_only_their_storage(tp):
+    """A tp shard's parameters hold 1/tp of the storage (a view of the full table would keep it all,
+    and the memory model counts only the shard)."""
+    m = spec(vocab=128, tied=False)
+    for mod in (Embedding(m, tp_size=tp), Head(m, tp_size=tp), Block(m, tp_size=tp)):
+        for name, prm in mod.named_parameters():
+            assert prm.untyped_storage().nbytes() == prm.numel() * prm.element_size(), (type(mod).__name__, name)
+
+
 def test_loss_is_cross_entropy_and_recompute_is_exact():
     m = spec(att="eager", p=0.1, vocab=101)
     tok, y = torch.randint(0, 101, (2, 32)), torch.randint(0, 101, (2, 32))

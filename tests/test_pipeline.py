@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoconf.cost import pipeline
-from autoconf.cost.pipeline import PipelineResult, device_orders, peak_activation, simulate
+from autoconf.cost.pipeline import PipelineResult, device_orders, peak_activation, peak_memory, simulate
 
 
 def equal(schedule: str, pp: int, m: int, v: int = 1, f: float = 1.0, p2p: float = 0.0) -> PipelineResult:
@@ -162,6 +162,27 @@ def test_peak_activation_weighted():
     peaks = peak_activation("interleaved", 4, 8, 2, w)
     at_count_peak = r.peak_live[0][0] * 1.0 + r.peak_live[0][1] * 3.0
     assert peaks[0] >= at_count_peak and peaks[1:] == (9.0, 7.0, 5.0)
+
+
+@pytest.mark.parametrize("sched, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("breadth_first", 2)])
+def test_peak_memory_without_gradients_is_the_activation_peak(sched, v):
+    w = [1.0 + 0.5 * c for c in range(4 * v)]
+    got = peak_memory(sched, 4, 8, v, w, [0.0] * (4 * v), 2.0)
+    assert tuple(a for a, _ in got) == tuple(2.0 * x for x in peak_activation(sched, 4, 8, v, w))
+    assert all(g == 0.0 for _, g in got)
+
+
+def test_peak_memory_gradients_appear_at_the_first_backward():
+    # GPipe: every forward first, then the first backward adds its chunk's gradient on top
+    assert peak_memory("gpipe", 2, 4, 1, [5.0, 5.0], [1.0, 1.0]) == ((20.0, 1.0), (20.0, 1.0))
+    # 1F1B on device 0: F0 F1 B0 ...: two micro-batches in flight when the gradient appears
+    assert peak_memory("1f1b", 2, 4, 1, [5.0, 5.0], [1.0, 1.0])[0] == (10.0, 1.0)
+    # large gradients: 1F1B's peak is later, with the gradient and the in-flight micro-batches
+    acts, grads = peak_memory("1f1b", 2, 4, 1, [1.0, 1.0], [50.0, 50.0])[0]
+    assert grads == 50.0 and acts == 2.0
+    # breadth-first (layered): device 0 holds chunks 0 and 2; the gradient of chunk 2 comes first
+    acts, grads = peak_memory("breadth_first", 2, 4, 2, [1.0, 1.0, 1.0, 1.0], [3.0, 0.0, 7.0, 0.0])[0]
+    assert grads == 7.0 and acts == 8.0
 
 
 # --- properties -------------------------------------------------------------------------------

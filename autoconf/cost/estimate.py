@@ -29,7 +29,7 @@ from . import comm
 from .activations import embedding_activation_bytes, head_activation_bytes, layer_activation_bytes
 from .compute import LayerTimes, Roofline, block_times, embedding_times, head_times, optimizer_s
 from .memory import bytes_per_param, state_bytes_per_param, zero3_working_bytes
-from .pipeline import peak_activation, simulate
+from .pipeline import peak_memory, simulate
 
 TIME_TERMS = ("compute", "recompute", "tp_comm", "bubble", "pp_comm", "dp_comm", "optimizer")
 MEMORY_TERMS = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -507,13 +507,16 @@ def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, 
     # liveness is structural (independent of durations): simulate the steady-state size and scale
     # the schedules that keep every micro-batch alive (gpipe, breadth-first, layered)
     m_sim = _sim_size(sched, c.pp, c.num_micro_batches)
-    peaks = peak_activation(sched, c.pp, m_sim, v_sim, tuple(per_chunk))
     grows = sched in ("gpipe", "breadth_first")
+    # gradients are set to None after each step: they coexist with the activations only from
+    # each chunk's first backward on (so GPipe / layered peak with almost none)
+    peaks = peak_memory(sched, c.pp, m_sim, v_sim, tuple(per_chunk), tuple(p * st.gradients for p in chunk_params),
+                        c.num_micro_batches / m_sim if grows else 1.0)
     out = []
     for s in range(c.pp):
         chunks = list(range(s, n_chunks, c.pp))
         params = sum(chunk_params[ci] for ci in chunks)
-        acts = peaks[s] * (c.num_micro_batches / m_sim if grows else 1.0)
+        acts, grads = peaks[s]
         if c.recompute == "full":
             acts += act_layer.get("recompute_working_bytes", 0.0)
         other = max(device_type(k).framework_overhead_bytes for k in stage_kinds[s])
@@ -534,7 +537,7 @@ def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, 
             # freed the activations: it raises the peak only where it exceeds them
             bucket = min(25 * 2**20, max(chunk_params[ci] for ci in chunks) * bytes_per_param(m.dtype)[1])
             other += max(0.0, bucket - acts)
-        mm = {"parameters": params * st.parameters, "gradients": params * st.gradients,
+        mm = {"parameters": params * st.parameters, "gradients": grads,
               "optimizer": params * st.optimizer, "activations": acts, "other": other}
         mm["total"] = sum(mm.values())
         mm["capacity"] = min(topo.memory_of[d] for d in stage_devs[s])

@@ -51,7 +51,7 @@ class ClusterSpec:
     inter_node_latency_s: float = 10e-6
     inter_group_bandwidth_bytes_per_s: float | None = None
     """Optional cap on any path between two node groups."""
-    _graph_cache: dict = field(default_factory=dict, compare=False, repr=False, hash=False)
+    _graph_cache: dict = field(default_factory=dict, init=False, compare=False, repr=False, hash=False)
 
     @property
     def num_nodes(self) -> int:

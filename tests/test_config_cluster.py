@@ -26,6 +26,17 @@ def test_example_clusters_load():
         assert load_cluster(f"examples/clusters/{name}.yaml").num_devices == n
 
 
+def test_replaced_cluster_builds_its_own_graph():
+    import dataclasses
+
+    cl = load_cluster("examples/clusters/localhost-cpu.yaml")
+    two = cl.graph()
+    g = cl.node_groups[0]
+    four = dataclasses.replace(cl, node_groups=(dataclasses.replace(g, gpus_per_node=4),))
+    assert Topology(four.graph()).num_devices == 4 and Topology(cl.graph()).num_devices == 2
+    assert cl.graph() is two
+
+
 def test_slow_nic_group_pays_for_it():
     topo = Topology(load_cluster("examples/clusters/two-kinds.yaml").graph())
     fast = topo.group_links((0, 8))      # two A100 hosts, InfiniBand

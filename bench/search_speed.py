@@ -33,8 +33,7 @@ ONE_T = ModelSpec(name="gpt-1t", num_layers=128, hidden_size=25600, num_attentio
 
 def a100_nodes(n: int):
     base = load_cluster(os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "a100-4x8.yaml"))
-    return dataclasses.replace(base, name=f"a100-{n}x8", node_groups=(dataclasses.replace(base.node_groups[0], count=n),),
-                               _graph_cache={})
+    return dataclasses.replace(base, name=f"a100-{n}x8", node_groups=(dataclasses.replace(base.node_groups[0], count=n),))
 
 
 def main() -> None:

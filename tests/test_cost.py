@@ -41,7 +41,7 @@ def test_breakdown_adds_up_and_json_fields():
 def test_gpt3_175b_megatron_config_is_plausible():
     # Narayanan et al. 2021 report 138 TFLOP/s per A100 (44% of peak) for 175B on 1024 GPUs
     # (t=8, p=16, full recomputation); a model that is off by 2x is wrong.
-    big = dataclasses.replace(A100, node_groups=(dataclasses.replace(A100.node_groups[0], count=128),), _graph_cache={})
+    big = dataclasses.replace(A100, node_groups=(dataclasses.replace(A100.node_groups[0], count=128),))
     c = ParallelConfig(dp=8, pp=16, tp=8, micro_batch_size=1, num_micro_batches=192, schedule="interleaved",
                        virtual_stages=2, recompute="full")
     e = estimate(c, preset("gpt3-175b"), big)
@@ -62,7 +62,7 @@ def _slower(cluster, factor):
     g = cluster.node_groups[0]
     return dataclasses.replace(cluster, node_groups=(dataclasses.replace(
         g, nic_bandwidth_bytes_per_s=g.nic_bandwidth_bytes_per_s / factor,
-        intra_node_bandwidth_bytes_per_s=g.intra_node_bandwidth_bytes_per_s / factor),), _graph_cache={})
+        intra_node_bandwidth_bytes_per_s=g.intra_node_bandwidth_bytes_per_s / factor),))
 
 
 @pytest.mark.parametrize("c", [cfg(), cfg(zero_stage=3), cfg(schedule="interleaved", virtual_stages=2),

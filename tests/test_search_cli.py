@@ -151,8 +151,7 @@ def test_reusing_a_study_for_another_search_is_refused(tmp_path):
     with pytest.raises(UserError, match="global_batch"):
         search(preset("tiny"), CPU, 16, storage=url, study_name="same")
     import dataclasses
-    small = dataclasses.replace(CPU, node_groups=(dataclasses.replace(CPU.node_groups[0], memory_bytes=2**20),),
-                                _graph_cache={})
+    small = dataclasses.replace(CPU, node_groups=(dataclasses.replace(CPU.node_groups[0], memory_bytes=2**20),))
     with pytest.raises(UserError, match="cluster"):
         search(preset("tiny"), small, 4, storage=url, study_name="same")
 

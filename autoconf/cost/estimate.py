@@ -99,6 +99,22 @@ class CostContext:
             self._cache[key] = Roofline.of(device_type(kind), self.model.dtype, eff)
         return self._cache[key]
 
+    def cpu_share(self, kind: str) -> float:
+        """How much slower a CPU rank computes because its host's cores are shared: with more
+        ranks on a host than it has cores (the profile's host record; ranks run one thread each,
+        as the launchers set OMP_NUM_THREADS=1), the scheduler gives each busy rank cores/ranks of
+        a core. 1.0 for accelerators, without a profile, or when every rank has its own core."""
+        if kind != "cpu" or self.profile is None:
+            return 1.0
+
+        def make():
+            cores = [h.cpu_count for h in self.profile.provenance.hosts if h.cpu_count]
+            if not cores:
+                return 1.0
+            per_host = max(self.topology.host_of.count(h) for h in set(self.topology.host_of))
+            return max(1.0, per_host / min(cores))
+        return self.cached(("cpushare",), make)
+
     def mask_bytes(self, kind: str) -> int:
         # PyTorch keeps dropout masks as bool (1 byte) on CUDA, at the activation's precision on CPU.
         return self.model.dtype_bytes if kind == "cpu" else 1
@@ -130,7 +146,11 @@ def _block(ctx: CostContext, kind: str, b: int, tp: int, sp: bool, recompute: st
                 rc = got[0] if recompute == "full" else 0.0
                 return LayerTimes(got[0], got[1], rc)
         return block_times(ctx.model, b, tp, sp, recompute, ctx.roofline(kind))
-    return ctx.cached(("block", kind, b, tp, sp, recompute), make)
+    return ctx.cached(("block", kind, b, tp, sp, recompute), lambda: _shared(make(), ctx.cpu_share(kind)))
+
+
+def _shared(t: LayerTimes, k: float) -> LayerTimes:
+    return t if k == 1.0 else LayerTimes(t.forward_s * k, t.backward_s * k, t.recompute_s * k)
 
 
 def _edge(ctx: CostContext, kind: str, b: int, tp: int, which: str) -> LayerTimes:
@@ -142,7 +162,7 @@ def _edge(ctx: CostContext, kind: str, b: int, tp: int, which: str) -> LayerTime
                 return LayerTimes(got[0], got[1])
         fn = embedding_times if which == "embedding" else head_times
         return fn(ctx.model, b, tp, ctx.roofline(kind))
-    return ctx.cached((which, kind, b, tp), make)
+    return ctx.cached((which, kind, b, tp), lambda: _shared(make(), ctx.cpu_share(kind)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -593,9 +613,9 @@ def _copy_time(ctx: CostContext, kinds, nbytes: float) -> float:
             from .measured import optimizer_seconds_per_param
             rate = ctx.cached(("optrate", kind), lambda: optimizer_seconds_per_param(ctx.profile, kind) or -1.0)
             if rate > 0:
-                worst = max(worst, nbytes * rate / (32 if ctx.model.dtype != "fp32" else 28))
+                worst = max(worst, nbytes * rate * ctx.cpu_share(kind) / (32 if ctx.model.dtype != "fp32" else 28))
                 continue
-        worst = max(worst, ctx.roofline(kind).elementwise(nbytes, kernels=0))
+        worst = max(worst, ctx.roofline(kind).elementwise(nbytes, kernels=0) * ctx.cpu_share(kind))
     return worst
 
 
@@ -604,8 +624,8 @@ def _optimizer_time(ctx: CostContext, kind: str, num_params: float) -> float:
         from .measured import optimizer_seconds_per_param
         rate = ctx.cached(("optrate", kind), lambda: optimizer_seconds_per_param(ctx.profile, kind) or -1.0)
         if rate > 0:
-            return num_params * rate
-    return optimizer_s(num_params, ctx.model.dtype != "fp32", ctx.roofline(kind))
+            return num_params * rate * ctx.cpu_share(kind)
+    return optimizer_s(num_params, ctx.model.dtype != "fp32", ctx.roofline(kind)) * ctx.cpu_share(kind)
 
 
 def _measured_tp_comm(ctx, c, stage_kinds):

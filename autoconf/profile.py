@@ -210,6 +210,22 @@ class OptimizerTiming:
 
 
 @dataclass(frozen=True)
+class PipelineOverheadTiming:
+    """The pipeline runtime's own cost: one step of ``schedule`` (torch.distributed.pipelining, as
+    the trainer) over ranks 0..pp-1 with trivial stages (one 16x16 linear per chunk, 16-float
+    activations), so the time is the schedule's bookkeeping and its point-to-point round trips.
+    ``per_action_s`` = step / (2 x micro-batches x chunks per rank)."""
+
+    schedule: str
+    pp: int
+    virtual_stages: int
+    num_micro_batches: int
+    step_s: float
+    per_action_s: float
+    repeats: int
+
+
+@dataclass(frozen=True)
 class Profile:
     version: int
     provenance: Provenance
@@ -228,6 +244,8 @@ class Profile:
     """TpBlockTiming entries (absent in profiles written before they were measured)."""
     optimizer: tuple = ()
     """OptimizerTiming entries (absent in older profiles)."""
+    pipeline_overhead: tuple = ()
+    """PipelineOverheadTiming entries, one per schedule (absent in older profiles)."""
 
     @property
     def world_size(self) -> int:
@@ -273,6 +291,7 @@ class Profile:
             collectives=tuple(CollectiveEntry(**{**x, "ranks": tuple(x["ranks"])}) for x in d.get("collectives", ())),
             tp_blocks=tuple(TpBlockTiming(**x) for x in d.get("tp_blocks", ())),
             optimizer=tuple(OptimizerTiming(**x) for x in d.get("optimizer", ())),
+            pipeline_overhead=tuple(PipelineOverheadTiming(**x) for x in d.get("pipeline_overhead", ())),
         )
 
 

@@ -12,7 +12,7 @@ TERM_SOURCES = {
     "recompute": "cost/compute.py: forward recomputed in backward (full / selective)",
     "tp_comm": "cost/comm.py: Megatron all-reduces (SP: all-gather + reduce-scatter) per layer",
     "bubble": "cost/pipeline.py: simulated schedule, idle time without transfers",
-    "pp_comm": "cost/pipeline.py: simulated schedule, extra time from stage-to-stage transfers",
+    "pp_comm": "cost/pipeline.py: simulated schedule, extra time from stage-to-stage transfers; the pipeline runtime per action (measured)",
     "dp_comm": "cost/estimate.py: gradient reduction not hidden behind backward; ZeRO gathers",
     "optimizer": "cost/compute.py: AdamW, memory-bound",
 }

@@ -10,7 +10,7 @@ from autoconf import __version__
 from autoconf.catalog import device_type
 from autoconf.errors import UserError
 from autoconf.profile import (PROFILE_VERSION, ActivationEntry, CollectiveEntry, GemmEntry, HostInfo, LayerTiming,
-                              OptimizerTiming, TpBlockTiming,
+                              OptimizerTiming, PipelineOverheadTiming, TpBlockTiming,
                               LinkEntry, MemoryOverhead, ParameterEntry, Profile, Provenance, RankInfo)
 
 from .links import merge_collectives
@@ -92,4 +92,5 @@ def assemble(args, model, everyone: list[dict], gathered: list[dict], backend: s
         collectives=tuple(sorted(colls, key=lambda c: (c.op, len(c.ranks), c.ranks, c.bytes))),
         tp_blocks=tuple(TpBlockTiming(**x, device_kind=gathered[0]["kind"]) for x in gathered[0].get("tp_blocks", ())),
         optimizer=tuple(OptimizerTiming(**x, device_kind=g["kind"]) for g in gathered for x in g.get("optimizer", ())),
+        pipeline_overhead=tuple(PipelineOverheadTiming(**x) for x in gathered[0].get("pipeline", ())),
     )

@@ -109,4 +109,7 @@ def summary(profile, path: str) -> None:
     ov = profile.overhead
     if ov is not None:
         console.print(f"framework overhead per rank: {fmt_bytes(ov.framework_overhead_bytes)} ({ov.method})")
+    if profile.pipeline_overhead:
+        console.print("pipeline runtime per action (trivial stages, pp 2): " + ", ".join(
+            f"{e.schedule} {fmt_seconds(e.per_action_s)}" for e in profile.pipeline_overhead))
     console.print(f"profile written to {path}")

@@ -1,7 +1,8 @@
 """The profiler's main: run under torchrun, measure, gather to rank 0, write the profile.
 
 Phases: environment (hosts, devices, interfaces, framework overhead) -> compute (layer timings,
-GEMM table, activation and parameter bytes) -> point-to-point links -> collectives -> write.
+GEMM table, activation and parameter bytes) -> point-to-point links -> collectives -> pipeline
+runtime (per schedule, trivial stages) -> write.
 
 Who measures compute (``--compute-split``):
 
@@ -217,8 +218,16 @@ def run(args) -> int:
         my_coll = links.measure_collectives(device, coll_sizes, repeats,
                                             advance=lambda n: bars.advance(t_coll, n)) if n_coll else []
 
-    phases["collectives"] = time.perf_counter() - t_start
-    mine_all = {"phases": phases, "timings": timings, "tp_blocks": tp_rows, "optimizer": opt_rows, "acts": acts, "gemm": gemm_rows, "links": my_links, "coll": my_coll,
+        phases["collectives"] = time.perf_counter() - t_start
+        pipe_rows = []
+        if not args.skip_links and world >= 2:
+            from . import pipeline_runtime
+
+            t_pipe = bars.task("pipeline runtime (trivial stages)", len(pipeline_runtime.SCHEDULES))
+            pipe_rows = pipeline_runtime.measure(device, repeats, advance=lambda n: bars.advance(t_pipe, n))
+
+    phases["pipeline runtime"] = time.perf_counter() - t_start
+    mine_all = {"pipeline": pipe_rows, "phases": phases, "timings": timings, "tp_blocks": tp_rows, "optimizer": opt_rows, "acts": acts, "gemm": gemm_rows, "links": my_links, "coll": my_coll,
                 "kind": me["device_kind"]}
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(mine_all, gathered, dst=0)

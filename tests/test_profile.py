@@ -11,7 +11,7 @@ from autoconf.cost import measured
 from autoconf.errors import UserError
 from autoconf.model import preset
 from autoconf.profile import (PROFILE_VERSION, ActivationEntry, CollectiveEntry, GemmEntry, HostInfo, LayerTiming,
-                              LinkEntry, MemoryOverhead, ParameterEntry, Profile, Provenance, RankInfo, busbw_factor,
+                              LinkEntry, MemoryOverhead, ParameterEntry, PipelineOverheadTiming, Profile, Provenance, RankInfo, busbw_factor,
                               catalog_kind, check_profile_matches, fit_alpha_beta, load_profile, save_profile)
 
 TINY = preset("tiny")
@@ -343,3 +343,28 @@ def test_oversubscribed_cpu_host_computes_at_its_share():
     b = estimate(c, TINY, ctx=CostContext(TINY, cl, two_cores))
     assert b.breakdown_s["compute"] == pytest.approx(2 * a.breakdown_s["compute"])
     assert b.breakdown_s["optimizer"] == pytest.approx(2 * a.breakdown_s["optimizer"])
+
+
+def test_pipeline_runtime_per_action_reaches_the_estimate(tmp_path):
+    from autoconf.config import ParallelConfig
+    from autoconf.cost.estimate import estimate
+
+    def entry(sched, v, per_action):
+        return PipelineOverheadTiming(schedule=sched, pp=2, virtual_stages=v, num_micro_batches=8,
+                                      step_s=per_action * 16 * v, per_action_s=per_action, repeats=3)
+
+    base = make_profile()
+    prof = dataclasses.replace(base, pipeline_overhead=(entry("1f1b", 1, 1e-3), entry("interleaved", 2, 2e-3)))
+    assert measured.pipeline_action_overhead(prof, "interleaved") == 2e-3
+    assert measured.pipeline_action_overhead(prof, "gpipe") == pytest.approx(1.5e-3)  # not measured: the median
+    assert measured.pipeline_action_overhead(base, "1f1b") is None
+    save_profile(prof, str(tmp_path / "p.json"))  # round trip keeps it
+    assert load_profile(str(tmp_path / "p.json")).pipeline_overhead == prof.pipeline_overhead
+
+    c = ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4)
+    a, b = estimate(c, TINY, profile=base), estimate(c, TINY, profile=prof)
+    # every one of the 2 x 4 actions of the busiest device pays 1 ms, on top of what it did
+    assert b.breakdown_s["pp_comm"] - a.breakdown_s["pp_comm"] == pytest.approx(8e-3)
+    assert b.step_time_s - a.step_time_s >= 8e-3 - 1e-9
+    single = ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4)
+    assert estimate(single, TINY, profile=prof).step_time_s == estimate(single, TINY, profile=base).step_time_s

@@ -63,6 +63,10 @@ def test_autoconf_profile_tiny_two_processes(tmp_path):
     # per-layer times for every layer kind, tp shard, micro-batch size and (block) recompute mode
     keys = {(c.layer, c.micro_batch_size, c.tp, c.recompute) for c in p.compute}
     assert len(keys) == len(p.compute)  # the rounds are merged into one entry per item
+    # the pipeline runtime's own cost, per schedule, on ranks 0 and 1
+    assert {e.schedule for e in p.pipeline_overhead} == {"gpipe", "1f1b", "interleaved", "breadth_first"}
+    assert all(0 < e.per_action_s < 0.05 and e.step_s == pytest.approx(e.per_action_s * 16 * e.virtual_stages)
+               for e in p.pipeline_overhead)
     assert {c.repeats for c in p.compute} == {3}  # --quick's 3 repeats, split 2 + 1 over the rounds
     assert "3 in 2 round(s)" in " ".join(p.provenance.notes)
     for mbs in (1, 2):

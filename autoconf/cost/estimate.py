@@ -309,6 +309,8 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
             p += m.output_params() + (m.vocab_size * m.hidden_size if m.tied_embeddings and n_chunks > 1 else 0)
         chunk_params.append(p / tp)
 
+    # the pipeline runtime's own work per action (torch.distributed.pipelining), measured
+    runtime = _pipeline_runtime(ctx, c, stage_kinds)
     fwd, bwd = [], []
     comp_f, comp_b, rc_part, tp_part, dp_inline = [], [], [], [], []
     for ci, nl in enumerate(chunk_layers):
@@ -355,8 +357,8 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
         rc_part.append(rc)
         tp_part.append(tpf + tpb)
         dp_inline.append(extra_f + extra_b)
-        fwd.append(f + tpf + extra_f)
-        bwd.append(bw_ + tpb + extra_b)
+        fwd.append(f + tpf + extra_f + runtime)
+        bwd.append(bw_ + tpb + extra_b + runtime)
 
     # optimizer: measured seconds per parameter from the profile, else the memory-bound roofline
     opt = 0.0
@@ -433,6 +435,7 @@ def _estimate(c: ParallelConfig, ctx: CostContext, bound: float | None = None,
     busy = sim.busy_s[dev_busy]
     bubble = max(0.0, sim0.makespan_s - busy)
     pp_t = max(0.0, sim.makespan_s - sim0.makespan_s)  # a floor excess over the simulation is bubble
+    pp_t += runtime * 2 * n_mb * len(mine)
     breakdown = {"compute": compute, "recompute": recompute_t, "tp_comm": tp_t, "bubble": bubble,
                  "pp_comm": pp_t, "dp_comm": dp_in + dp_tail + post_ag, "optimizer": opt}
     # keep the parts summing to the simulated step (rounding of the busiest-device attribution)
@@ -626,6 +629,16 @@ def _optimizer_time(ctx: CostContext, kind: str, num_params: float) -> float:
         if rate > 0:
             return num_params * rate * ctx.cpu_share(kind)
     return optimizer_s(num_params, ctx.model.dtype != "fp32", ctx.roofline(kind)) * ctx.cpu_share(kind)
+
+
+def _pipeline_runtime(ctx: CostContext, c: ParallelConfig, stage_kinds) -> float:
+    """Seconds per action the pipeline runtime adds (pp > 1), if the profile measured it on the
+    devices every stage runs on; 0 otherwise."""
+    if c.pp == 1 or ctx.profile is None or any(k != [ctx.profile_kind] for k in stage_kinds):
+        return 0.0
+    from .measured import pipeline_action_overhead
+    got = ctx.cached(("piperuntime", c.schedule), lambda: pipeline_action_overhead(ctx.profile, c.schedule) or 0.0)
+    return got * ctx.cpu_share(ctx.profile_kind)
 
 
 def _measured_tp_comm(ctx, c, stage_kinds):

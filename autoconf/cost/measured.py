@@ -99,6 +99,16 @@ def optimizer_seconds_per_param(profile: Profile, device_kind: str | None = None
     return statistics.median(rates) if rates else None
 
 
+def pipeline_action_overhead(profile: Profile, schedule: str) -> float | None:
+    """Measured seconds the pipeline runtime spends per action (one chunk's forward or backward of
+    one micro-batch) under ``schedule``, from trivial-stage runs; another schedule's if this one
+    was not measured; None if none was (profiles older than the measurement)."""
+    got = getattr(profile, "pipeline_overhead", ()) or ()
+    same = [e.per_action_s for e in got if e.schedule == schedule]
+    vals = same or [e.per_action_s for e in got]
+    return statistics.median(vals) if vals else None
+
+
 def _default_kind(profile: Profile) -> str | None:
     return profile.ranks[0].device_kind if profile.ranks else None
 

@@ -183,6 +183,8 @@ def test_peak_memory_gradients_appear_at_the_first_backward():
     # breadth-first (layered): device 0 holds chunks 0 and 2; the gradient of chunk 2 comes first
     acts, grads = peak_memory("breadth_first", 2, 4, 2, [1.0, 1.0, 1.0, 1.0], [3.0, 0.0, 7.0, 0.0])[0]
     assert grads == 7.0 and acts == 8.0
+    # a backward transient (the loss gradient on the last chunk) counts at that chunk's backward
+    assert peak_memory("gpipe", 2, 4, 1, [5.0, 5.0], [1.0, 1.0], 1.0, [0.0, 3.0]) == ((20.0, 1.0), (23.0, 1.0))
 
 
 # --- properties -------------------------------------------------------------------------------

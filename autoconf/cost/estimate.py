@@ -533,8 +533,12 @@ def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, 
     grows = sched in ("gpipe", "breadth_first")
     # gradients are set to None after each step: they coexist with the activations only from
     # each chunk's first backward on (so GPipe / layered peak with almost none)
+    # the last chunk's backward starts from the loss gradient of one micro-batch's logits (fp32,
+    # vocabulary-parallel), alive next to its saved activations
+    ce_grad = c.micro_batch_size * m.seq_length * (-(-m.vocab_size // c.tp)) * 4.0
     peaks = peak_memory(sched, c.pp, m_sim, v_sim, tuple(per_chunk), tuple(p * st.gradients for p in chunk_params),
-                        c.num_micro_batches / m_sim if grows else 1.0)
+                        c.num_micro_batches / m_sim if grows else 1.0,
+                        tuple(ce_grad if ci == n_chunks - 1 else 0.0 for ci in range(n_chunks)))
     out = []
     for s in range(c.pp):
         chunks = list(range(s, n_chunks, c.pp))

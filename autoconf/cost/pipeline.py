@@ -366,25 +366,28 @@ def peak_activation(schedule: str, pp: int, num_micro_batches: int, virtual_stag
 
 def peak_memory(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
                 per_chunk: Sequence[float], grads_per_chunk: Sequence[float],
-                act_scale: float = 1.0) -> tuple[tuple[float, float], ...]:
+                act_scale: float = 1.0, backward_transient: Sequence[float] | None = None
+                ) -> tuple[tuple[float, float], ...]:
     """Per device: (activations, gradients) alive at the moment their sum peaks.
 
     Gradients are freed after every optimizer step (``zero_grad(set_to_none=True)``), so a chunk's
     gradient (``grads_per_chunk[c]`` bytes) appears at its first backward and stays to the end of
     the step; it is counted before that backward frees the micro-batch's activations. Activations
     are weighted by ``act_scale`` (a schedule simulated with fewer micro-batches than it runs).
-    So GPipe / breadth-first / layered accumulation peak at the end of the forwards with (almost) no
+    ``backward_transient[c]``: working memory chunk c's backward needs on top (e.g. the loss
+    gradient of the logits), counted with the activations at that moment. So GPipe / breadth-first / layered accumulation peak at the end of the forwards with (almost) no
     gradient, and 1F1B with every gradient plus its in-flight micro-batches.
     """
     _check_shape(schedule, pp, num_micro_batches, virtual_stages)
     nc = pp * virtual_stages
+    bt = _floats("backward_transient", backward_transient, nc) if backward_transient is not None else (0.0,) * nc
     return _peak_memory(schedule, pp, num_micro_batches, virtual_stages, _floats("per_chunk", per_chunk, nc),
-                        _floats("grads_per_chunk", grads_per_chunk, nc), float(act_scale))
+                        _floats("grads_per_chunk", grads_per_chunk, nc), float(act_scale), bt)
 
 
 @lru_cache(maxsize=4096)
 def _peak_memory(schedule: str, pp: int, m: int, v: int, w: tuple[float, ...], g: tuple[float, ...],
-                 scale: float) -> tuple[tuple[float, float], ...]:
+                 scale: float, bt: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
     out = []
     for r in range(pp):
         acts = grads = 0.0
@@ -395,8 +398,8 @@ def _peak_memory(schedule: str, pp: int, m: int, v: int, w: tuple[float, ...], g
                 if c not in seen:
                     seen.add(c)
                     grads += g[c]
-                    if acts + grads > sum(best):
-                        best = (acts, grads)
+                if acts + bt[c] + grads > sum(best):
+                    best = (acts + bt[c], grads)
                 acts -= w[c] * scale
             else:
                 acts += w[c] * scale

@@ -304,6 +304,13 @@ def test_tp_comm_is_in_place_minus_local_width_and_reaches_the_estimate():
     got = tp_comm_times(p2, model, base[0][0], 2, False)
     assert got == pytest.approx((extra_f, extra_b), rel=1e-6)
     assert tp_comm_times(p2, model, 1, 4, False) is None  # not measured in place: the links decide
+    # measured on a 1-core host, the two ranks computed at half speed: that is not communication
+    one_core = _with(p2, provenance=dataclasses.replace(p2.provenance, hosts=tuple(
+        dataclasses.replace(h, cpu_count=1) for h in p2.provenance.hosts)))
+    half = [(m, f + extra_f + f, b + extra_b + b) for m, f, b in base]
+    one_core = _with(one_core, tp_blocks=tuple(TpBlockTiming(micro_batch_size=m, tp=2, sequence_parallel=False,
+                     forward_s=f, backward_s=b, repeats=3, device_kind="cpu") for m, f, b in half))
+    assert tp_comm_times(one_core, model, base[0][0], 2, False) == pytest.approx((extra_f, extra_b), rel=1e-6)
     assert optimizer_seconds_per_param(p2) == pytest.approx(1e-6)
     c = ParallelConfig(dp=1, pp=1, tp=2, micro_batch_size=base[0][0], num_micro_batches=2)
     with_comm = estimate(c, model, None, p2)

@@ -73,12 +73,23 @@ def tp_comm_times(profile: Profile, model: ModelSpec, micro_batch_size: int, tp:
     for e in rows:
         base = _layer_times(profile, model, "block", e.micro_batch_size, tp, "none", e.device_kind)
         if base:
-            pts.append((e.micro_batch_size, max(0.0, e.forward_s - base[0]), max(0.0, e.backward_s - base[1])))
+            # CPU ranks measured in place on fewer cores than ranks computed at their time-share
+            k = _inplace_share(profile, tp, e.device_kind)
+            pts.append((e.micro_batch_size, max(0.0, e.forward_s - k * base[0]), max(0.0, e.backward_s - k * base[1])))
     if not pts:
         return None
     # a difference of two timings is noisy: fit one least-squares line over all micro-batch sizes
     return (_least_squares_line([(m, f) for m, f, _ in pts], micro_batch_size),
             _least_squares_line([(m, b) for m, _, b in pts], micro_batch_size))
+
+
+def _inplace_share(profile: Profile, nranks: int, device_kind: str | None) -> float:
+    """How much slower each of ``nranks`` CPU ranks computed, measured together on one host with
+    fewer cores (one thread each); 1.0 for accelerators or without a core count."""
+    if device_kind != "cpu":
+        return 1.0
+    cores = [h.cpu_count for h in profile.provenance.hosts if h.cpu_count]
+    return max(1.0, nranks / min(cores)) if cores else 1.0
 
 
 def _least_squares_line(points: list[tuple[float, float]], x: float) -> float:

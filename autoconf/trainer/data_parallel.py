@@ -2,10 +2,17 @@
 
 - ZeRO-0/1/2 are hand-written over the data-parallel process group (DDP cannot be combined with
   ``torch.distributed.pipelining`` on gloo, see TESTBED.md):
-  * :class:`GradSync` averages gradients bucket by bucket (one bucket per layer or stage), each
-    bucket launched asynchronously as soon as its gradients are final; ZeRO-0/1 all-reduce, ZeRO-2
-    reduces each parameter's gradient to the rank that owns its optimizer state and drops it
-    elsewhere.
+  * :class:`GradSync` averages gradients bucket by bucket (one bucket per unit: embedding, block,
+    head), each launched asynchronously. ZeRO-0/1 all-reduce each bucket once its gradients are
+    final (after the last micro-batch). ZeRO-2 reduces each parameter's gradient to the rank that
+    owns its optimizer state:
+      - standard accumulation (:meth:`GradSync.reduce_every_backward`): after *every* micro-batch's
+        backward, bucket by bucket as ``register_post_accumulate_grad_hook`` sees a bucket's
+        gradients complete; the bucket is flattened, ``p.grad`` is dropped on every rank and the
+        owner adds the reduced values into a persistent accumulator for the parameters it owns.
+        So a rank holds 1/dp of the gradients plus one bucket in flight (DeepSpeed ZeRO-2);
+      - layered accumulation (and gradients synced separately, such as tied embeddings across
+        pipeline stages): once, when the gradients are final, as ZeRO-0/1; other ranks drop theirs.
   * :class:`ShardedAdamW` (ZeRO-1/2) keeps AdamW state only for the parameters a rank owns
     (greedy partition by size, as ``ZeroRedundancyOptimizer``) and broadcasts updated parameters
     from their owners.
@@ -37,7 +44,16 @@ class GradSync:
         self.me = my_index
         self.params = list(params)
         self.owner = {id(p): o for p, o in zip(self.params, partition([p.numel() for p in self.params], len(group_ranks)))}
-        self.pending = []
+        self.pending = []  # launch(): (work, flat, params, owner or None)
+        # reduce_every_backward() state
+        self.buckets: list[list] = []
+        self.bucket_of: dict[int, int] = {}
+        self.fired: list[int] = []  # parameters of each bucket whose gradient this backward produced
+        self.complete = None  # a bucket whose last gradient just arrived, launched at the next hook
+        self.callback_queued = False
+        self.in_flight = []  # (work, flat, params, owner)
+        self.acc: dict[int, object] = {}  # id(p) -> summed reduced gradient (owned parameters only)
+        self.grad_scale = 1
 
     @property
     def size(self) -> int:
@@ -58,18 +74,104 @@ class GradSync:
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             self.pending.append((work, flat, with_grad, None))
             return
+        self.pending += self._reduce_to_owners(with_grad, drop=False)
+
+    def _reduce_to_owners(self, params, drop: bool) -> list:
+        """Launch one reduce per owner of its share of these gradients; ``drop``: set each
+        ``p.grad`` to None as soon as it is flattened (the flat copy holds it)."""
+        import torch.distributed as dist
+        from torch._utils import _flatten_dense_tensors
+
+        out = []
         for o in range(self.size):
-            mine = [p for p in with_grad if self.owner[id(p)] == o]
+            mine = [p for p in params if self.owner[id(p)] == o]
             if mine:
                 flat = _flatten_dense_tensors([p.grad for p in mine])
-                work = dist.reduce(flat, dst=self.ranks[o], group=self.group, async_op=True)
-                self.pending.append((work, flat, mine, o))
+                if drop:
+                    for p in mine:
+                        p.grad = None
+                out.append((dist.reduce(flat, dst=self.ranks[o], group=self.group, async_op=True), flat, mine, o))
+        return out
+
+    def reduce_every_backward(self, buckets, grad_scale: int = 1) -> bool:
+        """ZeRO-2 with standard accumulation: reduce every bucket (a list of parameters) to its
+        owners after each backward, so gradients never accumulate in full. ``grad_scale`` divides
+        the result besides dp (the pipeline schedules scale ``p.grad`` by 1/m only after the last
+        micro-batch, when these gradients are already gone). Returns whether it is in use (ZeRO-2
+        with dp > 1); then :meth:`finish` leaves averaged gradients on the owners only.
+
+        Every rank of the group builds the same buckets and runs the same backward, so the hooks
+        launch the same reduces in the same order everywhere."""
+        if self.zero_stage != 2 or self.size == 1:
+            return False
+        self.grad_scale = grad_scale
+        for bucket in buckets:
+            bucket = [p for p in bucket if id(p) not in self.bucket_of]  # a parameter in one bucket only
+            for p in bucket:
+                self.bucket_of[id(p)] = len(self.buckets)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+            if bucket:
+                self.buckets.append(bucket)
+        self.fired = [0] * len(self.buckets)
+        return True
+
+    def _on_grad(self, p) -> None:
+        """A gradient was accumulated into ``p.grad``. A completed bucket is launched at the next
+        hook (or at the end of the backward), never in the hook of its own last parameter: later
+        hooks of that parameter (MemTracker's) still read ``p.grad``."""
+        from torch.autograd import Variable
+
+        if not self.callback_queued:
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.callback_queued = True
+        if self.complete is not None:
+            self._reduce_bucket(self.complete)
+        i = self.bucket_of[id(p)]
+        self.fired[i] += 1
+        if self.fired[i] == len(self.buckets[i]):
+            self.complete = i
+
+    def _reduce_bucket(self, i: int) -> None:
+        """Launch bucket ``i`` once the previous one has landed; its gradients go to None."""
+        self.fired[i] = 0
+        if self.complete == i:
+            self.complete = None
+        self._drain()  # at most one bucket in flight
+        self.in_flight = self._reduce_to_owners([p for p in self.buckets[i] if p.grad is not None], drop=True)
+
+    def _end_of_backward(self) -> None:
+        """Launch what is left (buckets with parameters that got no gradient), then wait for all."""
+        for i, n in enumerate(self.fired):
+            if n:
+                self._reduce_bucket(i)
+        self._drain()
+        self.callback_queued = False
+
+    def _drain(self) -> None:
+        """Wait for the reduces in flight; the owner adds its share into its accumulators."""
+        from torch._utils import _unflatten_dense_tensors
+
+        for work, flat, params, owner in self.in_flight:
+            work.wait()
+            if owner != self.me:
+                continue
+            for p, g in zip(params, _unflatten_dense_tensors(flat, params)):
+                if id(p) in self.acc:
+                    self.acc[id(p)].add_(g)
+                else:
+                    self.acc[id(p)] = g.clone()
+        self.in_flight = []
 
     def finish(self) -> None:
         """Wait for every launched bucket and write the averaged gradients back (ZeRO-2: only on
-        the owner; other ranks drop theirs)."""
+        the owner, whose accumulators become ``p.grad``; other ranks drop theirs)."""
         from torch._utils import _unflatten_dense_tensors
 
+        self._drain()
+        for bucket in self.buckets:
+            for p in bucket:
+                acc = self.acc.pop(id(p), None)
+                p.grad = None if acc is None else acc.div_(self.size * self.grad_scale)
         for work, flat, params, owner in self.pending:
             work.wait()
             if owner is not None and owner != self.me:

@@ -1,5 +1,11 @@
 """pp > 1: this rank's pipeline chunks as torch.distributed.pipelining stages, ZeRO 0-3, tied
-embeddings kept in sync between the first and the last stage."""
+embeddings kept in sync between the first and the last stage.
+
+A stage's gradients are reduced over dp once its backward has seen every micro-batch, except
+ZeRO-2 without layered accumulation, which reduces every unit's gradients to their owners after
+each micro-batch's backward (GradSync.reduce_every_backward; the tied weights still go once, after
+their sum over the first and last stage); sequence-parallel gradients are then summed over tp at
+the end of the step."""
 
 from __future__ import annotations
 
@@ -28,14 +34,18 @@ class Piped:
                 self.tied.append(self.chunks[n - 1].head.weight)
         self.tied_ids = {id(p) for p in self.tied}
         self.grad_sync = None
+        self.partitioned = False  # ZeRO-2 reducing every micro-batch's gradients
         if config.zero_stage == 3:
             for mod in self.chunks.values():
-                units = ([mod.embedding] if mod.embedding is not None else []) + list(mod.blocks.values()) \
-                    + ([mod.head] if mod.head is not None else [])
-                data_parallel.apply_fsdp(units, mod, groups.dp, device.type)
+                data_parallel.apply_fsdp(_units(mod), mod, groups.dp, device.type)
         else:
             self.grad_sync = data_parallel.GradSync(self.parameters(), config.zero_stage, groups.dp,
                                                     groups.dp_ranks, groups.dp_rank)
+            if not config.layered_grad_accum:
+                buckets = [[p for p in u.parameters() if id(p) not in self.tied_ids]
+                           for c in self.chunk_ids for u in _units(self.chunks[c])]
+                # the schedules scale p.grad by 1/m after the last micro-batch: do it on the owners
+                self.partitioned = self.grad_sync.reduce_every_backward(buckets, config.num_micro_batches)
 
         def loss_fn(logits, target):
             return gpt.vocab_parallel_cross_entropy(logits, target, model, tp_group)
@@ -52,6 +62,8 @@ class Piped:
 
     def _grads_final(self, stage) -> None:
         """A stage's backward has seen every micro-batch: sum SP grads, launch its dp reduction."""
+        if self.partitioned:  # already reduced, micro-batch by micro-batch
+            return
         idx = stage.stage_index
         self.sp[idx](self.chunks[idx])
         if self.grad_sync is not None:
@@ -68,4 +80,13 @@ class Piped:
         if self.grad_sync is not None:
             self.grad_sync.launch(self.tied)
             self.grad_sync.finish()
+        if self.partitioned:
+            for c in self.chunk_ids:
+                self.sp[c](self.chunks[c])
         return [float(loss) for loss in losses]
+
+
+def _units(mod) -> list:
+    """A stage's units: embedding (first stage), blocks, head (last stage)."""
+    return ([mod.embedding] if mod.embedding is not None else []) + list(mod.blocks.values()) \
+        + ([mod.head] if mod.head is not None else [])

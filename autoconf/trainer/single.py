@@ -1,4 +1,9 @@
-"""pp = 1: the whole model on every rank, standard or layered gradient accumulation, ZeRO 0-3."""
+"""pp = 1: the whole model on every rank, standard or layered gradient accumulation, ZeRO 0-3.
+
+Gradients are reduced over dp once they are final (after the last micro-batch; per unit when
+layered), except ZeRO-2 with standard accumulation, which reduces every unit's gradients to their
+owners after each micro-batch (GradSync.reduce_every_backward); sequence-parallel gradients are
+then summed over tp on the owners' averaged gradients, at the end of the step."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ class SingleStage:
         self.units = [("embedding", s.embedding)] + [(f"blocks.{i}", b) for i, b in s.blocks.items()] + [("head", s.head)]
         self.sp = SequenceParallelGrads(s, groups.tp if config.tp > 1 else None)
         self.grad_sync = None
+        self.partitioned = False  # ZeRO-2 reducing every micro-batch's gradients
         if config.zero_stage == 3:
             from torch.distributed.device_mesh import DeviceMesh
             from torch.distributed.fsdp import fully_shard
@@ -35,6 +41,8 @@ class SingleStage:
         else:
             self.grad_sync = data_parallel.GradSync(self.parameters(), config.zero_stage, groups.dp,
                                                     groups.dp_ranks, groups.dp_rank)
+            if not config.layered_grad_accum:
+                self.partitioned = self.grad_sync.reduce_every_backward([list(u.parameters()) for _, u in self.units])
 
     def modules(self):
         return [self.stage]
@@ -52,6 +60,8 @@ class SingleStage:
             losses = standard_step(self.stage, xs, ys, hooks)
         if self.grad_sync is not None:
             self.grad_sync.finish()
+        if self.partitioned:
+            self.sp(self.stage)
         return losses
 
 
@@ -73,6 +83,8 @@ class _Hooks(Hooks):
                 unit.set_reshard_after_backward(last)
 
     def grads_final(self, unit) -> None:
+        if self.r.partitioned:  # already reduced, micro-batch by micro-batch
+            return
         self.r.sp(unit, self.prefix[id(unit)])
         if self.r.grad_sync is not None:
             self.r.grad_sync.launch(list(unit.parameters()))

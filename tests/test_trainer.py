@@ -56,9 +56,11 @@ CASES = [
     ("pp2-interleaved-v2", TINY, cfg(pp=2, mbs=2, schedule="interleaved", virtual_stages=2)),
     ("pp2-breadth_first-v2-tied", TINY_TIED, cfg(pp=2, mbs=2, schedule="breadth_first", virtual_stages=2, layered_grad_accum=True)),
     ("dp2-pp2-1f1b-zero1", TINY, cfg(dp=2, pp=2, mbs=1, schedule="1f1b", zero_stage=1)),
+    ("dp2-pp2-1f1b-zero2-tied", TINY_TIED, cfg(dp=2, pp=2, mbs=1, schedule="1f1b", zero_stage=2)),
     ("dp2-pp2-gpipe-layered-zero2-tied", TINY_TIED, cfg(dp=2, pp=2, mbs=1, schedule="gpipe", layered_grad_accum=True, zero_stage=2)),
     ("dp2-pp2-1f1b-zero3", TINY, cfg(dp=2, pp=2, mbs=2, schedule="1f1b", zero_stage=3)),
     ("pp2-tp2-sp-interleaved", TINY, cfg(pp=2, tp=2, mbs=2, schedule="interleaved", virtual_stages=2, sequence_parallel=True)),
+    ("dp2-tp2-zero2-sp", TINY, cfg(dp=2, tp=2, mbs=2, zero_stage=2, sequence_parallel=True)),
     ("dp2-tp2-zero3-sp-layered", TINY, cfg(dp=2, tp=2, mbs=2, zero_stage=3, sequence_parallel=True, layered_grad_accum=True)),
     ("dp2-tp2-order-dp-tp-pp", TINY, cfg(dp=2, tp=2, mbs=1, rank_order="dp-tp-pp")),
 ]
@@ -105,3 +107,100 @@ def test_step_timeout_reports_failure(tmp_path):
                        step_timeout_s=0.05, out_dir=str(tmp_path))
     assert not result.ok
     assert "exceeded the step timeout" in result.reason or "timed out" in result.reason.lower()
+
+
+def _peaks(config, model, tmp_path) -> dict:
+    """Peak memory bytes of one trial, by rank."""
+    result = run_trial(make_document(config, model, seed=SEED), steps=STEPS, warmup=1, timeout_s=180,
+                       out_dir=str(tmp_path))
+    assert result.ok, result.reason
+    return {r["rank"]: r["peak_memory_bytes"] for r in result.per_rank}
+
+
+@pytest.mark.e2e
+def test_zero2_partitions_gradients(tmp_path):
+    """Standard accumulation over 4 micro-batches: ZeRO-2 keeps only its own 1/dp of the gradients
+    (plus one bucket in flight), so every rank peaks lower than under ZeRO-1 by at least the
+    gradients it does not own, less the largest bucket (a block) and the partition's imbalance."""
+    from autoconf import nn as gpt
+
+    net = gpt.GPT(TINY, dtype=torch.float32)
+    grad_bytes = 4 * sum(p.numel() for p in net.parameters())
+    bucket = 4 * max(sum(p.numel() for p in u.parameters()) for u in [net.embedding, *net.blocks.values(), net.head])
+    largest = 4 * max(p.numel() for p in net.parameters())
+    dp = 2
+    z1 = _peaks(cfg(dp=dp, mbs=1, zero_stage=1), TINY, tmp_path / "z1")
+    z2 = _peaks(cfg(dp=dp, mbs=1, zero_stage=2), TINY, tmp_path / "z2")
+    saving = (1 - 1 / dp) * grad_bytes - bucket - largest
+    assert saving > 0
+    for rank in z1:
+        assert z1[rank] - z2[rank] >= saving, (rank, z1[rank], z2[rank], saving)
+
+
+# The losses above cannot tell a gradient off by a constant factor (AdamW is nearly scale-invariant):
+# compare ZeRO-2's gradients with ZeRO-1's (a full all-reduce) right after one step's backward.
+GRAD_CASES = [
+    ("dp2-standard", TINY_TIED, cfg(dp=2, mbs=1)),
+    ("dp2-layered", TINY, cfg(dp=2, mbs=2, layered_grad_accum=True)),
+    ("dp2-pp2-1f1b-tied", TINY_TIED, cfg(dp=2, pp=2, mbs=1, schedule="1f1b")),
+    ("dp2-pp2-gpipe", TINY, cfg(dp=2, pp=2, mbs=2, schedule="gpipe")),
+    ("dp2-pp2-interleaved-v2", TINY, cfg(dp=2, pp=2, mbs=1, schedule="interleaved", virtual_stages=2)),
+    ("dp2-tp2-sp", TINY, cfg(dp=2, tp=2, mbs=2, sequence_parallel=True, recompute="selective")),
+]
+
+
+def _grads_worker(rank: int, world: int, port: int, cases: list) -> None:
+    """One rank: for each (model, config), one step of ZeRO-1 and of ZeRO-2 on the same batch; every
+    gradient ZeRO-2 leaves (the owner's) equals ZeRO-1's, and it leaves exactly the owned ones."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from autoconf import nn as gpt
+    from autoconf.trainer import data
+    from autoconf.trainer.parallel_dims import ParallelDims, build_groups
+    from autoconf.trainer.run import chunk_layers
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=120)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    for model, config in cases:
+        groups = build_groups(ParallelDims(config.dp, config.pp, config.tp, config.rank_order), rank, timeout)
+        common = dict(tp_size=config.tp, tp_group=groups.tp if config.tp > 1 else None,
+                      sequence_parallel=config.sequence_parallel, recompute=config.recompute,
+                      dtype=torch.float32, seed=SEED, device=torch.device("cpu"))
+        if config.pp == 1:
+            from autoconf.trainer.single import SingleStage as Runner
+        else:
+            from autoconf.trainer.piped import Piped as Runner
+        x, y = data.replica_batch(0, GLOBAL_BATCH, model.seq_length, model.vocab_size, SEED,
+                                  groups.dp_rank, config.dp)
+        grads = {}
+        for zero in (1, 2):
+            runner = Runner(model, dataclasses.replace(config, zero_stage=zero), groups, torch.device("cpu"),
+                            chunk_layers(model, config), common)
+            runner.step(x, y)
+            grads[zero] = {n: p.grad for m in runner.modules() for n, p in m.named_parameters()}
+            owned = {n for m in runner.modules() for n, p in m.named_parameters()
+                     if runner.grad_sync.owner[id(p)] == groups.dp_rank}
+        assert {n for n, g in grads[2].items() if g is not None} == owned, config.short()
+        for n in owned:
+            torch.testing.assert_close(grads[2][n], grads[1][n], rtol=1e-5, atol=1e-7, msg=f"{config.short()} {n}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero2_gradients_match_zero1(world):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    cases = [(model, config) for _, model, config in GRAD_CASES if config.world_size == world]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_grads_worker, args=(world, port, cases), nprocs=world)

@@ -536,9 +536,14 @@ def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, 
     # the last chunk's backward starts from the loss gradient of one micro-batch's logits (fp32,
     # vocabulary-parallel), alive next to its saved activations
     ce_grad = c.micro_batch_size * m.seq_length * (-(-m.vocab_size // c.tp)) * 4.0
+    # ZeRO-2/3 reduce (and drop) each layer's full gradient during the backward of every
+    # micro-batch: one layer's worth is in flight next to the activations
+    in_flight = 0.0
+    if c.dp > 1 and c.zero_stage >= 2 and not c.layered_grad_accum:
+        in_flight = min(25 * 2**20, m.layer_params() / c.tp * bytes_per_param(m.dtype)[1])
     peaks = peak_memory(sched, c.pp, m_sim, v_sim, tuple(per_chunk), tuple(p * st.gradients for p in chunk_params),
                         c.num_micro_batches / m_sim if grows else 1.0,
-                        tuple(ce_grad if ci == n_chunks - 1 else 0.0 for ci in range(n_chunks)))
+                        tuple(in_flight + (ce_grad if ci == n_chunks - 1 else 0.0) for ci in range(n_chunks)))
     out = []
     for s in range(c.pp):
         chunks = list(range(s, n_chunks, c.pp))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,11 +54,15 @@ class TrialResult:
     """The ParallelConfig that ran, as a dict."""
     memory_method: str = ""
     """How peak memory was measured."""
+    speed_probe_s: float | None = None
+    """With ``speed_probe``: the median over ranks of each rank's median probe (one block's
+    forward+backward at micro-batch size 1), to compare with the profile's (``speed_vs_profile``)."""
 
     def to_dict(self) -> dict:
         return {"ok": self.ok, "reason": self.reason, "step_time_s": self.step_time_s,
                 "peak_memory_bytes": self.peak_memory_bytes, "losses": list(self.losses),
                 "wall_s": self.wall_s, "config": self.config, "memory_method": self.memory_method,
+                "speed_probe_s": self.speed_probe_s,
                 "per_rank": list(self.per_rank)}
 
 
@@ -111,12 +116,13 @@ def make_document(config: ParallelConfig, model: ModelSpec, cluster=None, seed: 
 
 def run_trial(config_path_or_dict, steps: int = 6, warmup: int = 2, timeout_s: float = 300.0,
               nproc: int | None = None, env_extra: dict | None = None, step_timeout_s: float | None = None,
-              out_dir: str | None = None, keep: bool = False) -> TrialResult:
+              out_dir: str | None = None, keep: bool = False, speed_probe: bool = False) -> TrialResult:
     """Run the configuration for ``steps`` steps (``warmup`` of them untimed) under torchrun.
 
     ``nproc`` defaults to the configuration's world size. ``step_timeout_s`` (default: ``timeout_s``)
     bounds each step and every collective inside the trainer. Output goes to ``out_dir`` (a
-    temporary directory, removed unless ``keep``, when not given).
+    temporary directory, removed unless ``keep``, when not given). ``speed_probe``: time the
+    profile's reference block after every timed step (see ``speed_vs_profile``).
     """
     doc = load_document(config_path_or_dict)
     config = ParallelConfig.from_dict(doc["config"])
@@ -128,19 +134,20 @@ def run_trial(config_path_or_dict, steps: int = 6, warmup: int = 2, timeout_s: f
         out_dir = tmp.name
     os.makedirs(out_dir, exist_ok=True)
     try:
-        return _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s)
+        return _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s, speed_probe)
     finally:
         if tmp is not None and not keep:
             tmp.cleanup()
 
 
-def _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s) -> TrialResult:
+def _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s,
+            speed_probe=False) -> TrialResult:
     cfg_path = os.path.join(out_dir, "config.json")
     with open(cfg_path, "w") as f:
         json.dump(doc, f, indent=1)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "autoconf.trainer", "--config", cfg_path, "--out", out_dir, "--steps", str(steps),
-           "--warmup", str(warmup), "--step-timeout", str(step_timeout_s)]
+           "--warmup", str(warmup), "--step-timeout", str(step_timeout_s)] + (["--speed-probe"] if speed_probe else [])
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                 "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)})
@@ -207,9 +214,24 @@ def collect(out_dir: str, nproc: int, returncode, timed_out: bool, timeout_s: fl
     times = [r["step_time_s"] for r in per_rank if r.get("step_time_s") is not None]
     peaks = [r["peak_memory_bytes"] for r in per_rank if r.get("peak_memory_bytes") is not None]
     losses = next((r["losses"] for r in per_rank if r.get("rank") == 0), [])
+    probes = [r["speed_probe_s"] for r in per_rank if r.get("speed_probe_s") is not None]
     return TrialResult(ok=True, step_time_s=max(times) if times else None,
+                       speed_probe_s=statistics.median(probes) if probes else None,
                        peak_memory_bytes=max(peaks) if peaks else None, losses=losses,
                        memory_method=per_rank[0].get("memory_method", ""), **base)
+
+
+def speed_vs_profile(result: TrialResult, profile, model: ModelSpec) -> float | None:
+    """How much slower (> 1) or faster the machine ran during the trial than when ``profile`` was
+    measured: the trial's speed probe over the profile's time for the same block (micro-batch
+    size 1, tp 1, no recomputation). None without a probe or without that profile row. A shared
+    or throttled machine drifts; this separates that drift from the cost model's own error."""
+    if result.speed_probe_s is None or profile is None:
+        return None
+    from .cost.measured import block_times
+
+    got = block_times(profile, model, 1, 1, "none")
+    return result.speed_probe_s / (got[0] + got[1]) if got and got[0] + got[1] > 0 else None
 
 
 def _log_tail(out_dir: str, lines: int = 3) -> str:
@@ -247,12 +269,15 @@ def add_trial_parser(subparsers):
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
     p.add_argument("--timeout", type=float, default=300.0, help="wall-clock limit in seconds (default 300)")
     p.add_argument("--cluster", help="cluster YAML for the prediction (default: the one in the config file)")
+    p.add_argument("--profile", help="profile JSON for the prediction (`autoconf profile`); the trial then also times "
+                   "the profile's reference block after every step and reports how fast the machine ran compared "
+                   "with when it was profiled")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=cmd_trial)
     return p
 
 
-def _predict(doc: dict, cluster_path: str | None):
+def _predict(doc: dict, cluster_path: str | None, profile=None):
     """(Estimate or None, note) — the cost model's view of the same configuration."""
     from .cluster import ClusterSpec, load_cluster
 
@@ -260,30 +285,46 @@ def _predict(doc: dict, cluster_path: str | None):
         cluster = load_cluster(cluster_path)
     elif isinstance(doc.get("cluster"), dict):
         cluster = ClusterSpec.from_dict(doc["cluster"])
+    elif profile is not None:
+        cluster = None  # the profile's topology
     else:
-        return None, "no cluster in the config file and no --cluster: no prediction"
+        return None, "no cluster in the config file, no --cluster and no --profile: no prediction"
     try:
         from .cost.estimate import estimate
     except ImportError as e:
         return None, f"cost model not available ({e}): no prediction"
     model = ModelSpec.from_dict(doc["model"])
     config = ParallelConfig.from_dict(doc["config"])
-    return estimate(config, model, cluster), ""
+    return estimate(config, model, cluster, profile), ""
 
 
 def cmd_trial(args) -> int:
     doc = load_document(args.config)
     if args.steps < 1 or args.warmup < 0 or args.warmup >= args.steps:
         raise UserError(f"--steps {args.steps} / --warmup {args.warmup}: need steps >= 1 and 0 <= warmup < steps")
-    result = run_trial(doc, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout)
-    est, note = _predict(doc, getattr(args, "cluster", None))
+    profile = None
+    if getattr(args, "profile", None):
+        from .profile import check_profile_matches, load_profile
+
+        profile = load_profile(args.profile)
+        check_profile_matches(profile, ModelSpec.from_dict(doc["model"]))  # one-line error if it does not apply
+    result = run_trial(doc, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
+                       speed_probe=profile is not None)
+    est, note = _predict(doc, getattr(args, "cluster", None), profile)
+    speed = speed_vs_profile(result, profile, ModelSpec.from_dict(doc["model"])) if profile is not None else None
+    if speed is not None:
+        note = (note + "; " if note else "") + (
+            f"machine speed: the reference block took {result.speed_probe_s * 1e3:.2f} ms now, {speed:.2f}x its time "
+            "in the profile" + (" (the machine ran slower than when profiled: expect the step time to be off by "
+                                "about as much)" if abs(speed - 1) > 0.1 else ""))
     if args.json:
         pred = None
         if est is not None:
             pred = est.to_dict() if hasattr(est, "to_dict") else {
                 "step_time_s": est.step_time_s, "peak_memory_bytes": est.peak_memory_bytes,
                 "breakdown_s": dict(est.breakdown_s)}
-        print(json.dumps({"measured": result.to_dict(), "predicted": pred, "note": note}, indent=1, default=str))
+        print(json.dumps({"measured": result.to_dict(), "predicted": pred, "speed_vs_profile": speed, "note": note},
+                         indent=1, default=str))
         return 0 if result.ok else 1
     _print_table(result, est, note, ParallelConfig.from_dict(doc["config"]))
     return 0 if result.ok else 1

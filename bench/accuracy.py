@@ -17,7 +17,10 @@ Protocol, as a user would work: profile first (``autoconf profile`` on the same 
 --profile names a stored one), then the trials. Every configuration runs --passes times, the
 passes in alternating order (forward, reverse, ...), and its measured time is the mean of the
 passes: a shared VM's speed moves by tens of percent for seconds to minutes at a time, and the
-pass-to-pass difference printed at the end is that noise floor.
+pass-to-pass difference printed at the end is that noise floor. With a profile, every trial also
+times the profile's reference block after each step (the trainer's --speed-probe); the ratio to
+the profile's time is the machine's drift since profiling, and one more prediction row scales the
+profile prediction by it (a correction measured beside the trial, not fitted to it).
 
 With more processes than cores the processes share cores: measured times include that contention,
 which the cost model (one device per rank) does not model.
@@ -37,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from autoconf.cluster import load_cluster  # noqa: E402
 from autoconf.config import enumerate_space  # noqa: E402
 from autoconf.model import ModelSpec  # noqa: E402
-from autoconf.trial import make_document, run_trial  # noqa: E402
+from autoconf.trial import make_document, run_trial, speed_vs_profile  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -161,9 +164,12 @@ def main(argv=None) -> int:
     for p in range(args.passes):
         order = range(len(chosen)) if p % 2 == 0 else reversed(range(len(chosen)))
         for i in order:
-            res = run_trial(make_document(chosen[i], model), steps=steps, warmup=2, timeout_s=300)
+            res = run_trial(make_document(chosen[i], model), steps=steps, warmup=2, timeout_s=300,
+                            speed_probe=profile is not None)
             runs[i].append(res)
             t = f"{res.step_time_s * 1e3:8.1f} ms" if res.ok else f"failed ({res.reason[:60]})"
+            ratio = speed_vs_profile(res, profile, model) if res.ok else None
+            t += f"   machine speed vs profile {ratio:.2f}x" if ratio else ""
             print(f"  pass {p + 1} {i:3d} {chosen[i].short():<52} {t}", flush=True)
     rows = []
     for i, c in enumerate(chosen):
@@ -180,6 +186,11 @@ def main(argv=None) -> int:
             if profile is not None:
                 e = estimate(c, model, cluster, profile)
                 row["pred_profile"] = {"step_time_s": e.step_time_s, "peak_memory_bytes": e.peak_memory_bytes}
+                ratios = [speed_vs_profile(r, profile, model) for r in ok]
+                if ok and all(ratios):
+                    row["speed_vs_profile"] = statistics.mean(ratios)
+                    row["pred_drift"] = {"step_time_s": e.step_time_s * row["speed_vs_profile"],
+                                         "peak_memory_bytes": e.peak_memory_bytes}
         row["_config"] = c
         rows.append(row)
         _print_row(i, row)
@@ -188,6 +199,7 @@ def main(argv=None) -> int:
     print(f"total {time.perf_counter() - t_start:.0f} s; load average {load0:.1f} at start, "
           f"{os.getloadavg()[0]:.1f} at end (cores: {os.cpu_count()})")
     for key, label in (("pred", "catalog (localhost-cpu.yaml)"), ("pred_profile", "with profile"),
+                       ("pred_drift", "with profile, scaled by the machine's measured speed drift (speed probe)"),
                        ("pred_calibrated", "with profile, calibrated on the predicted top 3 (as --verify 3 --calibrate)")):
         s = summarise(rows, key)
         if s:

@@ -47,3 +47,33 @@ def test_search_verify_calibrate_emit(tmp_path):
                  "--calibration", str(tmp_path / "cal.json"), "--json", cwd=tmp_path)
     assert p2.returncode == 0, p2.stderr[-2000:]
     assert json.loads(p2.stdout)["top"]
+
+
+def test_trial_with_a_profile_reports_the_machines_speed(tmp_path):
+    """`autoconf trial --profile`: the prediction uses the profile, and the trial times the
+    profile's reference block, so the output says how fast the machine ran against profiling."""
+    from autoconf.cluster import load_cluster
+    from autoconf.config import ParallelConfig
+    from autoconf.model import preset
+    from autoconf.trial import make_document
+
+    root = os.getcwd()
+    prof = tmp_path / "p.json"
+    r = run_cli("profile", "--model", "tiny", "--nproc-per-node", "2", "--quick", "--skip-links",
+                "--micro-batch-sizes", "1,2", "--out", str(prof), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = make_document(ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=2, num_micro_batches=2), preset("tiny"),
+                        load_cluster(os.path.join(root, "examples/clusters/localhost-cpu.yaml")))
+    (tmp_path / "c.json").write_text(json.dumps(doc))
+    r = run_cli("trial", "--config", "c.json", "--profile", str(prof), "--steps", "4", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    assert out["measured"]["ok"] and out["measured"]["speed_probe_s"] > 0
+    assert out["predicted"]["step_time_s"] > 0
+    # same machine, minutes apart: the same block takes the same time within the VM's drift
+    assert 0.2 < out["speed_vs_profile"] < 5
+    assert "machine speed" in out["note"]
+    # a profile of another model is refused in one line
+    r = run_cli("trial", "--config", "c.json", "--profile",
+                os.path.join(root, "examples/profiles/bench-h256-cpu2.json"), cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1

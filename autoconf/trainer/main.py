@@ -30,6 +30,9 @@ def parse_args(argv=None):
     p.add_argument("--out", required=True, help="directory for rank_<K>.json and summary.json")
     p.add_argument("--steps", type=int, default=6, help="steps to run, warm-up included")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps")
+    p.add_argument("--speed-probe", action="store_true",
+                   help="after every step, each rank in turn times one block's forward+backward at micro-batch "
+                   "size 1 (the profile's reference measurement): how fast this machine runs right now")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds allowed for rendezvous, each step and each collective")
     return p.parse_args(argv)

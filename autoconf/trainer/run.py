@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import statistics
 import time
 
 from ..config import ParallelConfig, check, layers_per_chunk
@@ -93,7 +94,7 @@ def train(args, rank: int, watchdog) -> dict:
 
     steps, warmup = args.steps, args.warmup
     mem_step = min(1, steps - 1) if warmup >= 2 or steps == 1 else steps - 1
-    losses, step_times, timed = [], [], []
+    losses, step_times, timed, probes = [], [], [], []
     peak, breakdown, method = None, {}, ""
     for step in range(steps):
         x, y = data.replica_batch(step, config.global_batch, model.seq_length, model.vocab_size, seed,
@@ -119,6 +120,8 @@ def train(args, rank: int, watchdog) -> dict:
         step_times.append(time.perf_counter() - t0)
         timed.append(step >= warmup and step != mem_step)
         losses.append(_global_loss(local, runner, groups, config, device))
+        if getattr(args, "speed_probe", False) and timed[-1]:
+            probes.append(speed_probe(model, device, dtype))
         watchdog.stop()
 
     return {
@@ -128,8 +131,42 @@ def train(args, rank: int, watchdog) -> dict:
         "step_times_s": step_times, "timed": timed, "step_time_s": median_after_warmup(step_times, timed),
         "peak_memory_bytes": peak, "memory_breakdown": breakdown, "memory_method": method,
         "memory_step": mem_step, "losses": losses,
+        "speed_probe_s": statistics.median(probes) if probes else None,
         "local_parameters": sum(_numel_local(p) for m in runner.modules() for p in m.parameters()),
     }
+
+
+def speed_probe(model: ModelSpec, device, dtype, repeats: int = 3) -> float:
+    """How fast this machine runs now: the median of ``repeats`` forward+backward passes of one
+    transformer block at micro-batch size 1, tp 1, no recomputation (after one warm-up), the
+    measurement the profile also holds. The ranks take turns (barriers), as the profiler measured
+    alone; the block is built and freed here, outside the timed and memory-tracked steps."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import nn as gpt
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    mine = None
+    for r in range(dist.get_world_size()):
+        dist.barrier()
+        if r != dist.get_rank():
+            continue
+        block = gpt.Block(model, dtype=dtype, device=device)
+        x = torch.randn(1, model.seq_length, model.hidden_size, device=device, dtype=dtype, requires_grad=True)
+        g = torch.randn_like(x)
+        times = []
+        for i in range(repeats + 1):
+            sync()
+            t0 = time.perf_counter()
+            block(x).backward(g)
+            sync()
+            if i:
+                times.append(time.perf_counter() - t0)
+        mine = statistics.median(times)
+        del block, x, g
+    dist.barrier()
+    return mine
 
 
 def _numel_local(p) -> int:

@@ -531,8 +531,6 @@ def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, 
     # the schedules that keep every micro-batch alive (gpipe, breadth-first, layered)
     m_sim = _sim_size(sched, c.pp, c.num_micro_batches)
     grows = sched in ("gpipe", "breadth_first")
-    # gradients are set to None after each step: they coexist with the activations only from
-    # each chunk's first backward on (so GPipe / layered peak with almost none)
     # the last chunk's backward starts from the loss gradient of one micro-batch's logits (fp32,
     # vocabulary-parallel), alive next to its saved activations
     ce_grad = c.micro_batch_size * m.seq_length * (-(-m.vocab_size // c.tp)) * 4.0
@@ -541,6 +539,8 @@ def _memory(c, ctx, stage_devs, stage_kinds, chunk_layers, chunk_params, sched, 
     in_flight = 0.0
     if c.dp > 1 and c.zero_stage >= 2 and not c.layered_grad_accum:
         in_flight = min(25 * 2**20, m.layer_params() / c.tp * bytes_per_param(m.dtype)[1])
+    # gradients are set to None after each step: they coexist with the activations only from
+    # each chunk's first backward on (so GPipe / layered peak with almost none)
     peaks = peak_memory(sched, c.pp, m_sim, v_sim, tuple(per_chunk), tuple(p * st.gradients for p in chunk_params),
                         c.num_micro_batches / m_sim if grows else 1.0,
                         tuple(in_flight + (ce_grad if ci == n_chunks - 1 else 0.0) for ci in range(n_chunks)))

@@ -3,17 +3,21 @@
 Pure: no torch, no I/O, no globals beyond caches of pure results. The recipe:
 
 1. per pipeline chunk, forward/backward time per micro-batch on the slowest device of its stage
-   (roofline per op in ``compute``, or the profile's measured layer times) plus the exposed
-   tensor-parallel collectives of its layers (``comm``, on the links the tp groups span);
+   (roofline per op in ``compute``, or the profile's measured layer times; CPU ranks that share
+   too few cores at their time-share) plus the exposed tensor-parallel collectives of its layers
+   (``comm``, on the links the tp groups span) and the pipeline runtime's measured cost per action;
 2. the schedule simulated event by event (``pipeline.simulate``) with the point-to-point time of
    the link between adjacent chunks' devices, twice (with and without transfers, to separate
    bubble from pipeline communication);
 3. data-parallel reductions queued per device as each chunk's gradients become final (the last
    micro-batch's backward for standard accumulation; progressively for layered / breadth-first),
-   ZeRO-2/3's per-micro-batch traffic against the compute it overlaps, ZeRO-3's parameter gathers;
+   ZeRO-2/3's per-micro-batch traffic against the compute it overlaps, ZeRO-3's parameter gathers,
+   each bucket's memory traffic (copy in, average, copy back);
 4. the optimizer step (memory-bound);
-5. memory per stage: model states (ZeRO), activations x live micro-batches from the simulation,
-   embedding / output layer on the stages that hold them, buffers and framework overhead.
+5. memory per stage: model states (ZeRO), and the peak of activations + gradients over the
+   schedule's order (gradients exist from each chunk's first backward; the loss gradient and
+   ZeRO-2/3's bucket in flight on top during a backward), embedding / output layer on the stages
+   that hold them, buffers and framework overhead.
 """
 
 from __future__ import annotations

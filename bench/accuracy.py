@@ -22,8 +22,8 @@ times the profile's reference block after each step (the trainer's --speed-probe
 the profile's time is the machine's drift since profiling, and one more prediction row scales the
 profile prediction by it (a correction measured beside the trial, not fitted to it).
 
-With more processes than cores the processes share cores: measured times include that contention,
-which the cost model (one device per rank) does not model.
+With more processes than cores the processes share cores; the cost model charges each busy rank
+its time-share (cores / ranks on the host, from the profile's host record).
 """
 
 from __future__ import annotations
@@ -212,8 +212,9 @@ def main(argv=None) -> int:
         print(f"\nnoise floor: the same configuration's first two passes differ by {statistics.median(diffs):.0%} "
               f"(median), {max(diffs):.0%} (max)")
     if args.world > os.cpu_count():
-        print(f"\nnote: {args.world} processes on {os.cpu_count()} cores share cores; measured times include "
-              "that contention, the cost model assumes one device per rank.")
+        print(f"\nnote: {args.world} processes on {os.cpu_count()} cores share cores; the cost model gives every "
+              "rank its time-share of them while busy (ranks idle in a pipeline bubble leave theirs to the others, "
+              "which it does not model)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], f, indent=1)

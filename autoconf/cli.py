@@ -270,11 +270,12 @@ def cmd_search(args) -> int:
 def _verify(args, model, cluster, profile, result) -> tuple[list[dict], dict | None]:
     """Run the top K as real trials; record them in the study; optionally calibrate and report the
     prediction error before and after."""
-    from .trial import verify
+    from .trial import speed_vs_profile, verify
     cands = list(result.top[:args.verify])
-    trials = verify([e.config for e in cands], model, cluster, steps=args.steps)
+    trials = verify([e.config for e in cands], model, cluster, steps=args.steps, speed_probe=profile is not None)
     out = [{"config": e.config.to_dict(), "predicted_step_time_s": e.step_time_s,
-            "predicted_peak_memory_bytes": e.peak_memory_bytes, "trial": t.to_dict()}
+            "predicted_peak_memory_bytes": e.peak_memory_bytes, "trial": t.to_dict(),
+            "speed_vs_profile": speed_vs_profile(t, profile, model) if t.ok else None}
            for e, t in zip(cands, trials)]
     if result.storage:
         _record_verified(result, out)
@@ -310,7 +311,7 @@ def _record_verified(result, verified: list[dict]) -> None:
         attrs = {"verified": True, "config": v["config"], "predicted_step_time_s": v["predicted_step_time_s"],
                  "predicted_peak_memory_bytes": v["predicted_peak_memory_bytes"],
                  "measured_step_time_s": tr.get("step_time_s"), "measured_peak_memory_bytes": tr.get("peak_memory_bytes"),
-                 "trial_ok": tr["ok"], "trial_reason": tr.get("reason")}
+                 "trial_ok": tr["ok"], "trial_reason": tr.get("reason"), "speed_vs_profile": v.get("speed_vs_profile")}
         ok = tr["ok"] and tr.get("step_time_s")
         new.append(optuna.trial.create_trial(
             params=src.params, distributions=src.distributions, user_attrs=attrs,
@@ -335,6 +336,12 @@ def _print_verified(con, verified) -> None:
                   + (f"{tr['peak_memory_bytes'] / 2**20:.1f} MiB" if tr.get("peak_memory_bytes") else "-"),
                   "ok" if tr["ok"] else f"failed: {tr.get('reason')}")
     con.print(t)
+    speeds = [v["speed_vs_profile"] for v in verified if v.get("speed_vs_profile")]
+    if speeds:
+        lo, hi = min(speeds), max(speeds)
+        con.print(f"machine speed during the trials: the profile's reference block took {lo:.2f}-{hi:.2f}x its "
+                  "profiled time" + (" (the machine ran slower or faster than when profiled; step-time errors "
+                                     "include that drift)" if max(abs(lo - 1), abs(hi - 1)) > 0.1 else ""))
 
 
 COMMANDS = {"models": cmd_models, "devices": cmd_devices, "estimate": cmd_estimate, "search": cmd_search}

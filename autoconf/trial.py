@@ -245,8 +245,9 @@ def _log_tail(out_dir: str, lines: int = 3) -> str:
 
 
 def verify(candidates, model: ModelSpec, cluster=None, steps: int = 6, warmup: int = 2,
-           timeout_s: float = 300.0, seed: int = 0, progress=None) -> list[TrialResult]:
-    """Run each ParallelConfig in turn (one torchrun at a time); a failure is a result, not an error."""
+           timeout_s: float = 300.0, seed: int = 0, progress=None, speed_probe: bool = False) -> list[TrialResult]:
+    """Run each ParallelConfig in turn (one torchrun at a time); a failure is a result, not an error.
+    ``speed_probe``: each trial also times the profile's reference block (``speed_vs_profile``)."""
     results = []
     for i, config in enumerate(candidates):
         if progress is not None:
@@ -256,7 +257,7 @@ def verify(candidates, model: ModelSpec, cluster=None, steps: int = 6, warmup: i
             results.append(TrialResult(ok=False, reason=f"invalid configuration: {reason}", config=config.to_dict()))
             continue
         results.append(run_trial(make_document(config, model, cluster, seed), steps=steps, warmup=warmup,
-                                 timeout_s=timeout_s))
+                                 timeout_s=timeout_s, speed_probe=speed_probe))
     return results
 
 

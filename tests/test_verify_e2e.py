@@ -73,6 +73,12 @@ def test_trial_with_a_profile_reports_the_machines_speed(tmp_path):
     # same machine, minutes apart: the same block takes the same time within the VM's drift
     assert 0.2 < out["speed_vs_profile"] < 5
     assert "machine speed" in out["note"]
+    # search --verify with a profile records the same drift for every verifying trial
+    r = run_cli("search", "--model", "tiny", "--profile", str(prof), "--global-batch", "8", "--storage", "none",
+                "--verify", "1", "--steps", "3", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    v = json.loads(r.stdout)["verified"][0]
+    assert v["trial"]["ok"] and 0.2 < v["speed_vs_profile"] < 5
     # a profile of another model is refused in one line
     r = run_cli("trial", "--config", "c.json", "--profile",
                 os.path.join(root, "examples/profiles/bench-h256-cpu2.json"), cwd=tmp_path)

@@ -625,22 +625,27 @@ def _copy_time(ctx: CostContext, kinds, nbytes: float) -> float:
     is known, see compute.optimizer_s), else the catalog's memory bandwidth."""
     worst = 0.0
     for kind in kinds:
-        if ctx.profile is not None and kind == ctx.profile_kind:
-            from .measured import optimizer_seconds_per_param
-            rate = ctx.cached(("optrate", kind), lambda: optimizer_seconds_per_param(ctx.profile, kind) or -1.0)
-            if rate > 0:
-                worst = max(worst, nbytes * rate * ctx.cpu_share(kind) / (32 if ctx.model.dtype != "fp32" else 28))
-                continue
-        worst = max(worst, ctx.roofline(kind).elementwise(nbytes, kernels=0) * ctx.cpu_share(kind))
+        rate = _optimizer_rate(ctx, kind)
+        if rate > 0:
+            t = nbytes * rate / (32 if ctx.model.dtype != "fp32" else 28)
+        else:
+            t = ctx.roofline(kind).elementwise(nbytes, kernels=0)
+        worst = max(worst, t * ctx.cpu_share(kind))
     return worst
 
 
+def _optimizer_rate(ctx: CostContext, kind: str) -> float:
+    """The profile's measured AdamW seconds per parameter on ``kind``; -1.0 when not measured."""
+    if ctx.profile is None or kind != ctx.profile_kind:
+        return -1.0
+    from .measured import optimizer_seconds_per_param
+    return ctx.cached(("optrate", kind), lambda: optimizer_seconds_per_param(ctx.profile, kind) or -1.0)
+
+
 def _optimizer_time(ctx: CostContext, kind: str, num_params: float) -> float:
-    if ctx.profile is not None and kind == ctx.profile_kind:
-        from .measured import optimizer_seconds_per_param
-        rate = ctx.cached(("optrate", kind), lambda: optimizer_seconds_per_param(ctx.profile, kind) or -1.0)
-        if rate > 0:
-            return num_params * rate * ctx.cpu_share(kind)
+    rate = _optimizer_rate(ctx, kind)
+    if rate > 0:
+        return num_params * rate * ctx.cpu_share(kind)
     return optimizer_s(num_params, ctx.model.dtype != "fp32", ctx.roofline(kind)) * ctx.cpu_share(kind)
 
 

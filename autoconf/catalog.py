@@ -25,6 +25,17 @@ class DeviceType:
     """Fixed cost per kernel launch."""
     framework_overhead_bytes: float = 0.0
     """Device memory held outside the allocator's count (CUDA context, workspaces, comm buffers)."""
+    sm_count: int = 0
+    """Streaming multiprocessors (GPU): GEMM tiles are scheduled over them in waves. 0: no wave
+    quantization (CPU)."""
+    collective: dict = None
+    """What the collective library reaches on this device's links: ``base_latency_s`` per call,
+    ``intra_efficiency`` and ``inter_efficiency`` of the intra-node fabric's and the NICs'
+    bandwidth (see ``cost.comm.CollectiveTuning``). None: the bare alpha-beta model."""
+
+    def collective_tuning(self):
+        from .cost.comm import NEUTRAL, CollectiveTuning
+        return CollectiveTuning(**self.collective) if self.collective else NEUTRAL
 
     def peak(self, dtype: str) -> float:
         if dtype in self.peak_flop_per_s:

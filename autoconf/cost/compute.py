@@ -8,10 +8,26 @@ replaces whole-layer times by measured ones in ``estimate``.
 
 Backward = two GEMMs per forward GEMM (input and weight gradients), twice the element-wise traffic;
 fused (flash) attention's backward is 2.5x its forward (it recomputes the scores; Dao 2022).
+
+Three effects make small work slower than its FLOPs say:
+
+- **Wave quantization.** A GEMM runs as output tiles (128 x 128 or 128 x 256 on Ampere / Hopper
+  cuBLAS kernels) scheduled over the streaming multiprocessors in waves; the last wave is partly
+  idle, and small GEMMs fill few SMs. The library picks the tile that finishes first. A short inner
+  dimension k pays the tile's prologue and epilogue (efficiency k / (k + 64)). Scaled so that a
+  large square GEMM reaches the catalog's ``gemm_efficiency``. (NVIDIA, "Matrix Multiplication
+  Background User's Guide", tile and wave quantization.)
+- **Vector math.** Norms, softmax and activations run on the CUDA cores, not the tensor cores: an
+  element-wise kernel takes the longer of its memory traffic and its FLOPs at the vector rate
+  (the catalog's fp32 peak).
+- **The host.** An eager framework issues every kernel from Python; when the device work of a
+  layer pass is shorter than the host's time to issue it, the pass takes the host's time:
+  max(host, device) per layer pass (``HostCost``, from the framework model).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,26 +43,95 @@ class Roofline:
     memory_efficiency: float
     kernel_launch_s: float
     gemm_eff: Callable | None = None
-    """Measured efficiency as a function of (m, n, k); None: the catalog constant."""
+    """Measured efficiency as a function of (m, n, k); None: the catalog's curve."""
+    sm_count: int = 0
+    """Streaming multiprocessors for wave quantization (0: none, e.g. CPU)."""
+    vector_flop_per_s: float = 0.0
+    """Non-tensor-core rate for element-wise math (0: not modelled)."""
 
     @classmethod
     def of(cls, dev: DeviceType, dtype: str, gemm_eff=None) -> "Roofline":
         return cls(dev.peak(dtype), dev.memory_bandwidth_bytes_per_s, dev.gemm_efficiency,
-                   dev.memory_efficiency, dev.kernel_launch_s, gemm_eff)
+                   dev.memory_efficiency, dev.kernel_launch_s, gemm_eff, dev.sm_count,
+                   dev.peak_flop_per_s.get("fp32", 0.0) if dev.sm_count else 0.0)
 
     def gemm(self, m: float, n: float, k: float, elem_bytes: int, batch: float = 1) -> float:
         flops = 2.0 * m * n * k * batch
         nbytes = (m * k + k * n + m * n) * elem_bytes * batch
-        eff = self.gemm_efficiency
+        eff = None
         if self.gemm_eff is not None:
-            measured = self.gemm_eff(m, n, k)
-            if measured:
-                eff = measured
+            eff = self.gemm_eff(m, n, k)
+        if not eff:
+            eff = self.gemm_efficiency * tile_efficiency(m, n, k, batch, self.sm_count)
         return max(flops / (self.peak_flop_per_s * eff),
                    nbytes / (self.memory_bandwidth_bytes_per_s * self.memory_efficiency)) + self.kernel_launch_s
 
-    def elementwise(self, nbytes: float, kernels: int = 1) -> float:
-        return nbytes / (self.memory_bandwidth_bytes_per_s * self.memory_efficiency) + kernels * self.kernel_launch_s
+    def elementwise(self, nbytes: float, kernels: int = 1, flops: float = 0.0) -> float:
+        """Memory-bound kernels moving ``nbytes``, or bound by ``flops`` of vector math."""
+        t = nbytes / (self.memory_bandwidth_bytes_per_s * self.memory_efficiency)
+        if flops and self.vector_flop_per_s:
+            t = max(t, flops / self.vector_flop_per_s)
+        return t + kernels * self.kernel_launch_s
+
+
+# (tile rows, tile columns, relative efficiency of the tile's main loop): the cuBLAS / CUTLASS
+# tensor-core tiles of Ampere and Hopper; smaller tiles re-read more operand data per FLOP.
+_TILES = ((256, 128, 1.0), (128, 256, 1.0), (128, 128, 0.92), (128, 64, 0.8), (64, 64, 0.65))
+_K_HALF = 64  # inner-dimension length at which prologue / epilogue cost as much as the main loop
+_REFERENCE = 8192  # a "large square GEMM": the catalog's gemm_efficiency is quoted for it
+
+
+def tile_efficiency(m: float, n: float, k: float, batch: float, sm_count: int) -> float:
+    """Fraction of a large GEMM's rate that an (m x k) @ (k x n) GEMM (``batch`` of them) reaches,
+    from tile and wave quantization over ``sm_count`` SMs and the inner dimension's length.
+    1.0 for the reference 8192^3 GEMM; 1.0 when ``sm_count`` is 0 (no SMs: CPU)."""
+    if sm_count <= 0:
+        return 1.0
+    return _raw_tile_efficiency(m, n, k, batch, sm_count) / _raw_tile_efficiency(
+        _REFERENCE, _REFERENCE, _REFERENCE, 1, sm_count)
+
+
+def _raw_tile_efficiency(m, n, k, batch, sm_count) -> float:
+    best = 0.0
+    for tm, tn, tile_eff in _TILES:
+        tiles = math.ceil(m / tm) * math.ceil(n / tn) * max(1, round(batch))
+        waves = math.ceil(tiles / sm_count)
+        useful = (m * n * max(1, round(batch))) / (waves * sm_count * tm * tn)
+        best = max(best, useful * tile_eff)
+    return best * k / (k + _K_HALF)
+
+
+@dataclass(frozen=True)
+class HostCost:
+    """Seconds the host needs to issue one operation: from Python in the forward (and recomputed
+    forward), from the autograd engine in the backward. From the framework model."""
+
+    forward_op_s: float = 0.0
+    backward_op_s: float = 0.0
+
+
+def block_op_counts(model: ModelSpec, tp: int, sp: bool) -> tuple[int, int]:
+    """Operations one transformer block dispatches in its forward and in its backward (eager).
+
+    Counted from the block's structure as Megatron-style code writes it, views and layout changes
+    included (each is a dispatch): per norm 1; per linear 1 (+1 bias add unless fused); q/k/v
+    split and head reshapes 8; eager attention 8 (scores buffer + baddbmm, scale-mask-softmax,
+    dropout under the model-parallel RNG tracker 3, context bmm) or fused 2; output reshape 3;
+    rope 6; activation 1 (SwiGLU 3); bias-dropout-add 1 per residual (dropout 0: 1 add); each TP
+    collective 2 (the autograd function and the call), sequence parallelism adds its gathers.
+    The backward runs one autograd node per differentiable forward op, except views, which
+    cost nothing there.
+    """
+    linears = 2 + model.mlp_matrices  # qkv, o, mlp
+    views = 8 + 3
+    fwd = 2 + linears + views + (6 if model.position_embedding == "rope" else 0)
+    fwd += 8 if model.attention == "eager" else 2
+    fwd += 3 if model.activation == "swiglu" else 1
+    fwd += 2 * (2 if model.dropout > 0 else 1)
+    if tp > 1:
+        fwd += 2 * (2 if sp else 1)
+    bwd = fwd - views
+    return fwd, bwd
 
 
 @dataclass(frozen=True)
@@ -58,8 +143,10 @@ class LayerTimes:
     """The part of backward_s that is recomputation (reported separately)."""
 
 
-def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf: Roofline) -> LayerTimes:
-    """One transformer block shard (of a tp-way split) for a micro-batch of b sequences."""
+def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf: Roofline,
+                host: HostCost | None = None) -> LayerTimes:
+    """One transformer block shard (of a tp-way split) for a micro-batch of b sequences; with
+    ``host``, each pass takes at least the host's time to issue its operations."""
     s, h, f, a = model.seq_length, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
     kv, B = model.kv_size, model.dtype_bytes
     T = b * s
@@ -81,8 +168,9 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
         bmm = 2 * rf.gemm(s, s, model.head_dim, B, batch=b * heads)
         probs = b * heads * s * s * B
         drop = 2 if model.dropout > 0 else 0
-        att_f = bmm + rf.elementwise(probs * (3 + drop), kernels=2 + drop // 2)
-        att_b = 2 * bmm + rf.elementwise(probs * (4 + drop), kernels=2 + drop // 2)
+        # scale, mask, max, exp, sum, divide: ~6 vector FLOPs per score (softmax backward ~4)
+        att_f = bmm + rf.elementwise(probs * (3 + drop), kernels=2 + drop // 2, flops=6 * probs / B)
+        att_b = 2 * bmm + rf.elementwise(probs * (4 + drop), kernels=2 + drop // 2, flops=4 * probs / B)
     # element-wise: norms (read + write), residual adds, dropouts, activation, rope
     drop_k = 2 if model.dropout > 0 else 0
     ew_bytes = (2 * 2 + 2 * 2 + drop_k * 2) * T_rep * h * B
@@ -90,11 +178,21 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     if model.position_embedding == "rope":
         ew_bytes += 2 * T * (h + kv) / tp * B
     ew_kernels = 4 + drop_k + (2 if model.activation == "swiglu" else 1) + (2 if model.position_embedding == "rope" else 0)
-    ew_f = rf.elementwise(ew_bytes, ew_kernels)
-    ew_b = rf.elementwise(2 * ew_bytes, 2 * ew_kernels)
+    # vector FLOPs: norms ~8 per element each, GeLU (tanh form) ~20, SwiGLU's SiLU and product ~6
+    ew_flops = 2 * 8 * T_rep * h + (20 if model.activation == "gelu" else 6) * T * f / tp
+    ew_f = rf.elementwise(ew_bytes, ew_kernels, flops=ew_flops)
+    ew_b = rf.elementwise(2 * ew_bytes, 2 * ew_kernels, flops=2 * ew_flops)
     fwd = g_fwd + att_f + ew_f
+    bwd = g_bwd + att_b + ew_b
     rc = fwd if recompute == "full" else att_f if recompute == "selective" else 0.0
-    return LayerTimes(forward_s=fwd, backward_s=g_bwd + att_b + ew_b + rc, recompute_s=rc)
+    if host is not None and (host.forward_op_s or host.backward_op_s):
+        ops_f, ops_b = block_op_counts(model, tp, sp)
+        host_f, host_b = ops_f * host.forward_op_s, ops_b * host.backward_op_s
+        host_rc = host_f if recompute == "full" else 0.0
+        fwd = max(fwd, host_f)
+        rc = max(rc, host_rc) if recompute == "full" else rc
+        bwd = max(bwd, host_b)
+    return LayerTimes(forward_s=fwd, backward_s=bwd + rc, recompute_s=rc)
 
 
 def embedding_times(model: ModelSpec, b: int, tp: int, rf: Roofline) -> LayerTimes:

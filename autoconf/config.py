@@ -47,6 +47,15 @@ class ParallelConfig:
     """Shard norms/dropout along the sequence over the TP group (all-gather/reduce-scatter)."""
     rank_order: str = "tp-dp-pp"
     """Axes from innermost (consecutive ranks) to outermost, as Megatron's RankGenerator."""
+    overlap_grad_reduce: bool | None = None
+    """Overlap the data-parallel gradient reduction with the backward pass (Megatron
+    ``--overlap-grad-reduce``, DeepSpeed ``overlap_comm``). None: the framework's default."""
+    overlap_param_gather: bool | None = None
+    """Prefetch ZeRO's parameter all-gathers behind compute (Megatron ``--overlap-param-gather``,
+    FSDP2 prefetch). None: the framework's default."""
+    tp_comm_overlap: bool | None = None
+    """Overlap tensor-parallel communication with the GEMMs (Megatron ``--tp-comm-overlap`` with
+    sequence parallelism, torchtitan's asynchronous TP). None: the framework's default."""
 
     @property
     def world_size(self) -> int:
@@ -73,6 +82,10 @@ class ParallelConfig:
             s += f" rc-{self.recompute}"
         if self.sequence_parallel:
             s += " sp"
+        for knob, tag in (("overlap_grad_reduce", "ogr"), ("overlap_param_gather", "opg"), ("tp_comm_overlap", "tpo")):
+            v = getattr(self, knob)
+            if v is not None:
+                s += f" {tag}" if v else f" no-{tag}"
         return s
 
     def to_dict(self) -> dict:
@@ -137,6 +150,12 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return f"zero_stage={c.zero_stage} with dp=1 shards nothing"
     if c.layered_grad_accum and c.num_micro_batches == 1:
         return "layered_grad_accum with one micro-batch is plain accumulation"
+    for knob in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"):
+        v = getattr(c, knob)
+        if v is not None and not isinstance(v, bool):
+            return f"{knob}={v!r} must be true, false or absent (the framework's default)"
+    if c.tp_comm_overlap and not c.sequence_parallel:
+        return "tp_comm_overlap needs sequence_parallel (it overlaps the all-gather / reduce-scatter pairs)"
     return None
 
 

@@ -1,0 +1,144 @@
+"""The runtime that runs the plan: what each training framework does by default, and which knobs it has.
+
+The same (dp, pp, tp, schedule, ZeRO, recompute) costs different time and memory in different
+stacks. What differs, and is modelled here from each framework's own code and documentation:
+
+- **pipeline buffers**: ``torch.distributed.pipelining`` (the reference trainer, torchtitan)
+  allocates a receive buffer for every micro-batch's activation and gradient up front
+  (``PipelineStage._setup_forward_recv_info`` / ``_setup_backward_recv_info``); Megatron-LM and
+  DeepSpeed receive into tensors allocated per transfer, so only the micro-batches in flight hold
+  one (already counted as their activations);
+- **gradient buffer precision**: Megatron-LM accumulates into an fp32 ``main_grad`` buffer when
+  training in bf16 (``accumulate_allreduce_grads_in_fp32`` is forced on for bf16 in its argument
+  checks), and in the parameters' precision for fp16;
+- **ZeRO**: which stages exist (Megatron's distributed optimizer is ZeRO-1; torchtitan's FSDP2 is
+  ZeRO-3, or ZeRO-2-like without resharding after forward; DeepSpeed has 0-3, and 0-1 with its
+  pipeline engine);
+- **schedules**: what each can run (Megatron: 1F1B and interleaved; DeepSpeed's pipeline engine:
+  1F1B; torchtitan: GPipe, 1F1B, Interleaved1F1B, LoopedBFS; the reference trainer: all, plus
+  layered gradient accumulation);
+- **overlap**: whether the data-parallel reduction overlaps the backward
+  (``overlap_grad_reduce``; Megatron's flag is off by default, DDP / FSDP2 / DeepSpeed buckets
+  overlap), whether ZeRO's parameter gathers are prefetched (``overlap_param_gather``) and whether
+  tensor-parallel communication overlaps the GEMMs (``tp_comm_overlap``; Megatron with Transformer
+  Engine userbuffers, torchtitan's asynchronous TP);
+- **host cost**: eager PyTorch issues every operation from Python (about 5-20 us each on a server
+  CPU) and every backward node from the autograd engine; small layers are host-bound;
+- **vocabulary padding**: Megatron pads the vocabulary to a multiple of 128 x tp.
+
+A knob set to None in a :class:`~autoconf.config.ParallelConfig` takes the framework's default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from .cost.compute import HostCost
+from .errors import UserError
+
+FRAMEWORK_NAMES = ("reference", "megatron", "torchtitan", "deepspeed")
+KNOBS = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap")
+
+
+@dataclass(frozen=True)
+class Framework:
+    name: str
+    """reference, megatron, torchtitan or deepspeed."""
+    schedules: tuple
+    """Pipeline schedules it can run (autoconf spellings)."""
+    zero_stages: tuple
+    """ZeRO stages it offers without pipelining."""
+    zero_stages_with_pp: tuple
+    """ZeRO stages it offers together with pipeline parallelism."""
+    layered_grad_accum: bool
+    """Whether it can run layered gradient accumulation outside breadth-first."""
+    per_micro_batch_pipeline_buffers: bool
+    """Receive buffers for every micro-batch allocated up front (torch.distributed.pipelining)."""
+    fp32_grad_buffer_bf16: bool
+    """Gradients accumulate in an fp32 buffer when training in bf16 (Megatron's main_grad)."""
+    host: HostCost
+    """Seconds per operation the host needs to issue (Python forward, autograd backward)."""
+    defaults: dict
+    """Default value of each knob in KNOBS."""
+    knobs: tuple
+    """The knobs a user can switch in this framework (the search tries both values)."""
+    vocab_multiple: int = 1
+    """The vocabulary is padded to a multiple of this times tp."""
+    memory_fragmentation: float = 0.05
+    """Fraction of device memory the caching allocator loses to fragmentation (memory margin)."""
+
+    def knob(self, config, name: str) -> bool:
+        """The knob's value for a configuration: its own if set, else this framework's default."""
+        v = getattr(config, name, None)
+        return self.defaults[name] if v is None else bool(v)
+
+    def padded_vocab(self, vocab: int, tp: int) -> int:
+        mult = self.vocab_multiple * tp
+        return -(-vocab // mult) * mult if self.vocab_multiple > 1 else vocab
+
+    def check(self, config) -> str | None:
+        """Why this framework cannot run the configuration, or None."""
+        c = config
+        if c.pp > 1 and c.schedule not in self.schedules:
+            return f"framework {self.name} has no {c.schedule} schedule; valid: {', '.join(self.schedules)}"
+        zs = self.zero_stages_with_pp if c.pp > 1 else self.zero_stages
+        if c.zero_stage not in zs:
+            return (f"framework {self.name} has no ZeRO-{c.zero_stage}"
+                    f"{' with pipelining' if c.pp > 1 else ''}; valid: {', '.join(map(str, zs))}")
+        if c.layered_grad_accum and c.schedule != "breadth_first" and not self.layered_grad_accum:
+            return f"framework {self.name} has no layered gradient accumulation"
+        for k in KNOBS:
+            if getattr(c, k, None) is not None and k not in self.knobs and bool(getattr(c, k)) != self.defaults[k]:
+                return f"framework {self.name} cannot switch {k} (always {self.defaults[k]})"
+        return None
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Host cost per eager operation. Measured where it shows: on the GPU development set (Megatron-
+# DeepSpeed, 8 x A100, bench/gpu_devset.py) every layer pass at micro-batch 1 takes the same
+# 3.3-3.6 ms whatever its hidden size (1024 or 2048) or tp (1-4): the host's time to issue it.
+# Divided by the block's counted operations that is ~20 us per Python-issued op and ~10 us per
+# autograd node (Megatron's model-parallel RNG tracker, DeepSpeed's checkpointing wrappers and
+# fp16 loss scaling add Python work per op). torch eager without those wrappers (torchtitan, the
+# reference trainer) is taken at the commonly measured ~10 us per op and ~5 us per node.
+_EAGER = HostCost(forward_op_s=10e-6, backward_op_s=5e-6)
+_MEGATRON_HOST = HostCost(forward_op_s=45e-6, backward_op_s=20e-6)
+
+FRAMEWORKS = {
+    "reference": Framework(
+        name="reference", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
+        zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1, 2, 3), layered_grad_accum=True,
+        per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_EAGER,
+        defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False},
+        knobs=()),
+    "megatron": Framework(
+        name="megatron", schedules=("1f1b", "interleaved"),
+        zero_stages=(0, 1), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
+        per_micro_batch_pipeline_buffers=False, fp32_grad_buffer_bf16=True, host=_MEGATRON_HOST,
+        defaults={"overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False},
+        knobs=("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"), vocab_multiple=128),
+    "torchtitan": Framework(
+        name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
+        zero_stages=(0, 2, 3), zero_stages_with_pp=(0, 2, 3), layered_grad_accum=False,
+        per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_EAGER,
+        defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False},
+        knobs=("tp_comm_overlap",)),
+    "deepspeed": Framework(
+        name="deepspeed", schedules=("1f1b",),
+        zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
+        per_micro_batch_pipeline_buffers=False, fp32_grad_buffer_bf16=False, host=_MEGATRON_HOST,
+        defaults={"overlap_grad_reduce": False, "overlap_param_gather": True, "tp_comm_overlap": False},
+        knobs=("overlap_grad_reduce",)),
+}
+
+
+def framework(name: str | None) -> Framework:
+    """The framework model by name (None: the reference trainer)."""
+    if name is None:
+        return FRAMEWORKS["reference"]
+    if name not in FRAMEWORKS:
+        raise UserError(f"unknown framework {name!r}; valid: {', '.join(FRAMEWORK_NAMES)}")
+    return FRAMEWORKS[name]

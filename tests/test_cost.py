@@ -85,13 +85,13 @@ def test_more_micro_batches_never_raise_1f1b_bubble_fraction():
 
 def _fully_simulated(c, m):
     """The estimate with every micro-batch of the step simulated (no steady-state extrapolation)."""
-    from autoconf.cost import estimate as est
-    saved = est._sim_size
-    est._sim_size = lambda schedule, pp, mm: mm
+    from autoconf.cost import schedule_time as est
+    saved = est.sim_size
+    est.sim_size = lambda schedule, pp, mm: mm
     try:
         return estimate(c, m, A100, ctx=CostContext(m, A100))
     finally:
-        est._sim_size = saved
+        est.sim_size = saved
 
 
 def test_steady_state_extrapolation_matches_full_simulation():

@@ -29,11 +29,11 @@ from .chunk_time import ChunkTimes, chunk_times, optimizer_step_s
 from .data_parallel import post_all_gather_s, reduction_tail_s
 from .layout import Layout, layout
 from .schedule_time import chunk_p2p_times, pipeline_floor, simulate_step
-from .stage_memory import stage_memory
+from .stage_memory import StageMemory, stage_memory
 from .system import CostContext, System
 from .tensor_parallel import tp_times
 
-__all__ = ["Estimate", "System", "CostContext", "TIME_TERMS", "MEMORY_TERMS", "estimate"]
+__all__ = ["Estimate", "StageMemory", "System", "CostContext", "TIME_TERMS", "MEMORY_TERMS", "estimate"]
 
 TIME_TERMS = ("compute", "recompute", "tp_comm", "bubble", "pp_comm", "dp_comm", "optimizer")
 MEMORY_TERMS = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -46,8 +46,7 @@ class Estimate:
     breakdown_s: dict
     """compute, recompute, tp_comm, bubble, pp_comm, dp_comm, optimizer: they add up to the step."""
     memory_by_stage: tuple
-    """Per pipeline stage (its most loaded device): parameters, gradients, optimizer, activations,
-    other, total, capacity (bytes)."""
+    """Per pipeline stage (its most loaded device): a StageMemory."""
     peak_memory_bytes: float
     fits: bool
     tokens_per_s: float
@@ -58,14 +57,14 @@ class Estimate:
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "step_time_s": self.step_time_s,
                 "breakdown_s": dict(self.breakdown_s), "peak_memory_bytes": self.peak_memory_bytes,
-                "memory_by_stage": [dict(m) for m in self.memory_by_stage], "fits": self.fits,
+                "memory_by_stage": [m.to_dict() for m in self.memory_by_stage], "fits": self.fits,
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "reasons": list(self.reasons),
                 "notes": list(self.notes)}
 
     @property
     def memory_excess_bytes(self) -> float:
         """How far the worst stage is over its capacity (negative: headroom)."""
-        return max(m["total"] - m["capacity"] for m in self.memory_by_stage)
+        return max(m.total - m.capacity for m in self.memory_by_stage)
 
 
 def estimate(config: ParallelConfig, model: ModelSpec, cluster=None, profile=None, calibration=None,
@@ -95,7 +94,7 @@ def _estimate(c: ParallelConfig, ctx: System, bound: float | None = None,
     memory = stage_memory(ctx, c, lay)
     if ctx.calibration is not None:
         memory = [ctx.calibration.apply_memory(mm) for mm in memory]
-    if not time_if_oom and any(mm["total"] > mm["capacity"] for mm in memory):
+    if not time_if_oom and any(mm.total > mm.capacity for mm in memory):
         return _finish(c, ctx, {k: 0.0 for k in TIME_TERMS}, memory, float("inf"))
 
     p2p = chunk_p2p_times(ctx, c, lay.num_chunks)
@@ -147,16 +146,16 @@ def _lower_bound(ctx: System, floor: float, opt: float) -> float:
 def _finish(c: ParallelConfig, ctx: System, breakdown: dict, memory: list, step: float) -> Estimate:
     reasons = []
     for s, mm in enumerate(memory):
-        if mm["total"] > mm["capacity"]:
-            reasons.append(f"out of memory: stage {s} needs {mm['total'] / 2**30:.2f} GiB "
-                           f"> {mm['capacity'] / 2**30:.2f} GiB")
+        if mm.total > mm.capacity:
+            reasons.append(f"out of memory: stage {s} needs {mm.total / 2**30:.2f} GiB "
+                           f"> {mm.capacity / 2**30:.2f} GiB")
     m = ctx.model
     tokens = c.global_batch * m.seq_length
     notes = []
     if c.world_size < ctx.num_devices:
         notes.append(f"uses the first {c.world_size} of {ctx.num_devices} devices")
     return Estimate(config=c, step_time_s=step, breakdown_s=breakdown, memory_by_stage=tuple(memory),
-                    peak_memory_bytes=max(mm["total"] for mm in memory), fits=not reasons,
+                    peak_memory_bytes=max(mm.total for mm in memory), fits=not reasons,
                     tokens_per_s=tokens / step,
                     mfu=m.model_flops_per_token() * tokens / (step * ctx.peak_flop_per_s(c.world_size)),
                     reasons=tuple(reasons), notes=tuple(notes))

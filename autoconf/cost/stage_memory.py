@@ -10,6 +10,8 @@ buffers and DDP's bucket copy.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..catalog import device_type
 from ..config import ParallelConfig
 from .activations import embedding_activation_bytes, head_activation_bytes
@@ -20,7 +22,29 @@ from .pipeline import peak_memory
 from .system import System
 
 
-def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[dict]:
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one pipeline stage's most loaded device."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    other: float
+    capacity: float
+    """The smallest device memory of the stage."""
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.other
+
+    def to_dict(self) -> dict:
+        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": self.activations, "other": self.other, "total": self.total,
+                "capacity": self.capacity}
+
+
+def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMemory]:
     """Memory of every pipeline stage for configuration ``c``."""
     m = system.model
     st = state_bytes_per_param(m.dtype, c.zero_stage, c.dp)
@@ -32,11 +56,10 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[dict]:
         acts, grads = peaks[s]
         if c.recompute == "full":
             acts += act_layer.get("recompute_working_bytes", 0.0)
-        mm = {"parameters": params * st.parameters, "gradients": grads, "optimizer": params * st.optimizer,
-              "activations": acts, "other": _other_bytes(system, c, lay, s, acts)}
-        mm["total"] = sum(mm.values())
-        mm["capacity"] = min(system.topology.memory_of[d] for d in lay.stage_devices[s])
-        out.append(mm)
+        out.append(StageMemory(parameters=params * st.parameters, gradients=grads,
+                               optimizer=params * st.optimizer, activations=acts,
+                               other=_other_bytes(system, c, lay, s, acts),
+                               capacity=min(system.topology.memory_of[d] for d in lay.stage_devices[s])))
     return out
 
 

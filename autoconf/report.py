@@ -32,7 +32,7 @@ def estimate_tables(e, title: str = "") -> list[Table]:
     for k in ("parameters", "gradients", "optimizer", "activations", "other", "total", "capacity"):
         m.add_column(k, justify="right")
     for i, mm in enumerate(e.memory_by_stage):
-        m.add_row(str(i), *(fmt_bytes(mm[k]) for k in ("parameters", "gradients", "optimizer", "activations",
+        m.add_row(str(i), *(fmt_bytes(getattr(mm, k)) for k in ("parameters", "gradients", "optimizer", "activations",
                                                         "other", "total", "capacity")))
     return [t, m]
 

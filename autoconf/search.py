@@ -12,7 +12,7 @@ The space is split in two:
 When the outer space is no bigger than the trial budget every point is evaluated (brute force).
 Otherwise a constrained TPE sampler explores it for the budget (seeded with every point already
 in the study) and then every remaining point is evaluated by branch and bound: a point whose
-least possible work (``estimate._pipeline_floor`` plus the optimizer step; a true lower bound for
+least possible work (``schedule_time.pipeline_floor`` plus the optimizer step; a true lower bound for
 every schedule) is already slower than the best found is skipped without simulating its
 schedule. The result is the exhaustive optimum of the model, at a fraction of the cost
 (``--sample-only`` stops after the sampler).
@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 from .config import ParallelConfig, check, inner_choices, make_config, outer_space
-from .cost.estimate import CostContext, Estimate, _estimate
+from .cost.estimate import Estimate, _estimate
+from .cost.system import System
 from .errors import UserError
 
 PARAMS = ("tp", "pp", "dp", "micro_batch_size", "pipeline")
@@ -81,7 +82,7 @@ def _parse_pipeline(label: str) -> tuple[str, int, bool]:
 class _Evaluator:
     """Evaluates outer points: the fastest fitting inner choice, counting rejections."""
 
-    def __init__(self, ctx: CostContext, global_batch: int, valid_per_point: dict):
+    def __init__(self, ctx: System, global_batch: int, valid_per_point: dict):
         self.ctx = ctx
         self.valid_per_point = valid_per_point
         self.global_batch = global_batch
@@ -405,7 +406,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     """Search the space for the fastest configuration that fits. ``progress(done, total)`` is
     called as trials finish."""
     t0 = time.perf_counter()
-    ctx = CostContext(model, cluster, profile, calibration)
+    ctx = System(model, cluster, profile, calibration)
     world = gpus or ctx.num_devices
     if world > ctx.num_devices:
         raise UserError(f"--gpus {world}: the cluster has only {ctx.num_devices} devices")

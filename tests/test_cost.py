@@ -54,7 +54,7 @@ def test_gpt3_175b_megatron_config_is_plausible():
 def test_recompute_never_raises_activation_memory(zero, schedule, v, layered):
     m = preset("gpt3-2.7b")
     acts = [estimate(cfg(zero_stage=zero, schedule=schedule, virtual_stages=v, layered_grad_accum=layered, recompute=r),
-                     m, A100).memory_by_stage[0]["activations"] for r in ("none", "selective", "full")]
+                     m, A100).memory_by_stage[0].activations for r in ("none", "selective", "full")]
     assert acts[0] >= acts[1] >= acts[2]
 
 
@@ -85,13 +85,13 @@ def test_more_micro_batches_never_raise_1f1b_bubble_fraction():
 
 def _fully_simulated(c, m):
     """The estimate with every micro-batch of the step simulated (no steady-state extrapolation)."""
-    from autoconf.cost import estimate as est
-    saved = est._sim_size
-    est._sim_size = lambda schedule, pp, mm: mm
+    from autoconf.cost import schedule_time as est
+    saved = est.sim_size
+    est.sim_size = lambda schedule, pp, mm: mm
     try:
         return estimate(c, m, A100, ctx=CostContext(m, A100))
     finally:
-        est._sim_size = saved
+        est.sim_size = saved
 
 
 def test_steady_state_extrapolation_matches_full_simulation():
@@ -119,7 +119,7 @@ def test_layered_accumulation_overlaps_more_dp_than_standard():
     std = estimate(c, m, A100)
     lay = estimate(dataclasses.replace(c, layered_grad_accum=True), m, A100)
     assert lay.breakdown_s["dp_comm"] < std.breakdown_s["dp_comm"]
-    assert lay.memory_by_stage[0]["activations"] > std.memory_by_stage[0]["activations"]
+    assert lay.memory_by_stage[0].activations > std.memory_by_stage[0].activations
 
 
 def test_too_few_devices_and_invalid_config_are_user_errors():

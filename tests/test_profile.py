@@ -329,7 +329,7 @@ def _tp_profile():
 def test_oversubscribed_cpu_host_computes_at_its_share():
     """4 single-threaded ranks on a 2-core host: each computes at half speed (time-sharing)."""
     from autoconf.config import ParallelConfig
-    from autoconf.cost.estimate import CostContext, _block
+    from autoconf.cost.system import System as CostContext
 
     prof = make_profile()
     two_cores = dataclasses.replace(prof, provenance=dataclasses.replace(
@@ -342,7 +342,7 @@ def test_oversubscribed_cpu_host_computes_at_its_share():
                       two_cores)
     assert (base.cpu_share("cpu"), shared.cpu_share("cpu"), own.cpu_share("cpu")) == (1.0, 2.0, 1.0)
     assert shared.cpu_share("h100-sxm") == 1.0
-    t1, t2 = _block(own, "cpu", 1, 1, False, "none"), _block(shared, "cpu", 1, 1, False, "none")
+    t1, t2 = own.block("cpu", 1, 1, False, "none"), shared.block("cpu", 1, 1, False, "none")
     assert t2.forward_s == pytest.approx(2 * t1.forward_s) and t2.backward_s == pytest.approx(2 * t1.backward_s)
     c = ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4)
     from autoconf.cost.estimate import estimate

@@ -15,6 +15,7 @@ scaled. Pure Python + numpy: no torch, no I/O.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -41,8 +42,11 @@ class Calibration:
         """Each step-time term scaled by its factor."""
         return {k: float(v) * self.factor(k) for k, v in breakdown_s.items()}
 
-    def apply_memory(self, stage: dict) -> dict:
-        """A stage's memory parts with activations and other scaled (model states exact)."""
+    def apply_memory(self, stage):
+        """A stage's memory parts with activations and other scaled (model states exact): a
+        ``StageMemory`` for a StageMemory, a dict for a dict (an estimate read from JSON)."""
+        if not isinstance(stage, dict):
+            return dataclasses.replace(stage, **{k: float(getattr(stage, k)) * self.factor(k) for k in MEMORY_TERMS})
         out = dict(stage)
         for k in MEMORY_TERMS:
             out[k] = float(stage.get(k, 0.0)) * self.factor(k)
@@ -67,11 +71,12 @@ def _get(obj, name, default=None):
     return getattr(obj, name, default)
 
 
-def _peak_stage(estimate) -> dict:
+def _peak_stage(estimate):
+    """The stage with the most memory: a StageMemory, or a dict from JSON; {} when none."""
     stages = _get(estimate, "memory_by_stage") or []
     if not stages:
         return {}
-    return max(stages, key=lambda s: s.get("total", 0.0))
+    return max(stages, key=lambda s: _get(s, "total", 0.0))
 
 
 def calibrated_step_time_s(estimate, calibration: Calibration | None) -> float:
@@ -88,7 +93,7 @@ def calibrated_peak_memory_bytes(estimate, calibration: Calibration | None) -> f
     stage = _peak_stage(estimate)
     if not stage:
         return float(_get(estimate, "peak_memory_bytes"))
-    return calibration.apply_memory(stage)["total"]
+    return _get(calibration.apply_memory(stage), "total")
 
 
 # -- fitting --------------------------------------------------------------------------------------
@@ -150,8 +155,8 @@ def fit_calibration(pairs, ridge: float = 1e-2, memory_ridge: float = 1.0) -> Ca
         if not measured or not stage:
             continue
         measured = float(measured)
-        states = sum(float(stage.get(k, 0.0)) for k in MODEL_STATE_PARTS)
-        rows.append([float(stage.get(k, 0.0)) / measured for k in MEMORY_TERMS])
+        states = sum(float(_get(stage, k, 0.0)) for k in MODEL_STATE_PARTS)
+        rows.append([float(_get(stage, k, 0.0)) / measured for k in MEMORY_TERMS])
         target.append(1.0 - states / measured)
     if rows:
         x = _ridge_nnls(np.array(rows), np.array(target), memory_ridge)

@@ -4,7 +4,7 @@ Each kernel costs max(FLOPs / (peak x efficiency), bytes / (memory bandwidth x e
 launch overhead (Williams et al., "Roofline", CACM 2009), so that small GEMMs (high tp, micro-batch
 1) are as slow as they really are. Peak, bandwidth, efficiencies and launch cost come from the
 device catalog; a profile replaces the GEMM efficiency by its measured table (``gemm_eff``), and
-replaces whole-layer times by measured ones in ``estimate``.
+replaces whole-layer times by measured ones in ``system.System.block``.
 
 Backward = two GEMMs per forward GEMM (input and weight gradients), twice the element-wise traffic;
 fused (flash) attention's backward is 2.5x its forward (it recomputes the scores; Dao 2022).

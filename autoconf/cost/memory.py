@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 from ..model import ModelSpec
 
+BUCKET_BYTES = 25 * 2**20
+"""Gradient bucket size: PyTorch DDP's default (bucket_cap_mb=25; Li et al., VLDB 2020)."""
+
 
 @dataclass(frozen=True)
 class StateBytes:

@@ -1,0 +1,82 @@
+"""Time of each pipeline chunk per micro-batch, and the optimizer step.
+
+A chunk's forward / backward runs at the speed of the slowest device kind of its stage (the
+System's measured or roofline layer times), plus the exposed tensor-parallel collectives of its
+layers (``tensor_parallel``), ZeRO's per-micro-batch data-parallel traffic (``data_parallel``) and
+the pipeline runtime's measured cost per action. These are the durations the schedule simulation
+plays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ParallelConfig
+from .data_parallel import per_micro_batch_s
+from .layout import Layout
+from .system import System
+from .tensor_parallel import TpTimes
+
+
+@dataclass(frozen=True)
+class ChunkTimes:
+    """Per chunk, seconds per micro-batch."""
+
+    forward_s: tuple
+    backward_s: tuple
+    """What the schedule simulation plays: compute + communication + runtime."""
+    compute_forward_s: tuple
+    compute_backward_s: tuple
+    """Without recomputation."""
+    recompute_s: tuple
+    tp_comm_s: tuple
+    dp_inline_s: tuple
+    """ZeRO-2/3 traffic exposed during the micro-batch."""
+
+
+def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tuple[float, float, float]:
+    """(forward, backward incl. recompute, recompute) of chunk ``ci``'s layers on the slowest
+    device kind of its stage: its blocks, the embedding on the first chunk, the output layer on
+    the last."""
+    b, tp, nl = c.micro_batch_size, c.tp, lay.chunk_layers[ci]
+    best = None
+    for kind in lay.stage_kinds[ci % c.pp]:
+        lt = system.block(kind, b, tp, c.sequence_parallel, c.recompute)
+        f, bw_, rc = nl * lt.forward_s, nl * lt.backward_s, nl * lt.recompute_s
+        if ci == 0:
+            e = system.edge(kind, b, tp, "embedding")
+            f, bw_ = f + e.forward_s, bw_ + e.backward_s
+        if ci == lay.num_chunks - 1:
+            h = system.edge(kind, b, tp, "head")
+            f, bw_ = f + h.forward_s, bw_ + h.backward_s
+        if best is None or f + bw_ > best[0] + best[1]:
+            best = (f, bw_, rc)
+    return best
+
+
+def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, runtime_s: float) -> ChunkTimes:
+    """Every chunk's times per micro-batch; ``runtime_s``: the pipeline runtime's cost per action."""
+    cols = {k: [] for k in ChunkTimes.__dataclass_fields__}
+    for ci, nl in enumerate(lay.chunk_layers):
+        f, bw_, rc = chunk_compute(system, c, lay, ci)
+        tpf = nl * tpt.forward_per_layer_s + (tpt.edge_s if ci == 0 else 0.0)
+        tpb = nl * tpt.backward_per_layer_s + (tpt.edge_s if ci == lay.num_chunks - 1 else 0.0)
+        extra_f, extra_b = per_micro_batch_s(system, c, lay, ci, f, bw_)
+        cols["compute_forward_s"].append(f)
+        cols["compute_backward_s"].append(bw_ - rc)
+        cols["recompute_s"].append(rc)
+        cols["tp_comm_s"].append(tpf + tpb)
+        cols["dp_inline_s"].append(extra_f + extra_b)
+        cols["forward_s"].append(f + tpf + extra_f + runtime_s)
+        cols["backward_s"].append(bw_ + tpb + extra_b + runtime_s)
+    return ChunkTimes(**{k: tuple(v) for k, v in cols.items()})
+
+
+def optimizer_step_s(system: System, c: ParallelConfig, lay: Layout) -> float:
+    """The optimizer step on the slowest device: AdamW over its local parameters (sharded over dp
+    from ZeRO-1 on), at the System's measured or memory-bound rate (``compute.optimizer_s``)."""
+    opt = 0.0
+    for dev in range(c.pp):
+        local = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev)) / (c.dp if c.zero_stage >= 1 else 1)
+        opt = max(opt, max(system.optimizer_time(k, local) for k in lay.stage_kinds[dev]))
+    return opt

@@ -1,0 +1,116 @@
+"""Data-parallel communication: gradient reductions, ZeRO's extra traffic, bucket copies.
+
+- Gradient reduction (all-reduce for ZeRO-0, reduce-scatter for ZeRO-1/2/3; ZeRO paper,
+  Rajbhandari et al., arXiv 1910.02054) is queued per device as each chunk's gradients become
+  final, in 25 MiB buckets as PyTorch DDP (Li et al., VLDB 2020), overlapped with the rest of the
+  backward where a copy engine / NIC does the work (:func:`reduction_tail_s`).
+- ZeRO-1/2 gather the updated parameter shards after the optimizer step (:func:`post_all_gather_s`).
+- ZeRO-2/3 reduce-scatter every micro-batch's gradients, ZeRO-3 gathers parameters before each
+  pass over a chunk (FSDP's prefetching hides all but the first layer's gather):
+  :func:`per_micro_batch_s`.
+- Every bucket is copied through memory (:func:`bucket_traffic`).
+"""
+
+from __future__ import annotations
+
+from ..config import ParallelConfig
+from . import comm
+from .layout import Layout
+from .memory import BUCKET_BYTES, bytes_per_param
+from .system import System
+from .tensor_parallel import axis_links, collective_s
+
+
+def bucket_traffic(c: ParallelConfig) -> float:
+    """Memory traffic of one gradient-bucket reduction, in multiples of the bucket's bytes.
+
+    ZeRO-0/1 (as DDP without gradient views): copy the gradients into the flat bucket (read +
+    write), average in place, copy back: 6. ZeRO-2: copy in, then the owner adds its 1/dp share
+    into its accumulator: 2 + 3/dp. ZeRO-3 (FSDP2): reduce-scatter copy-in, then the shard is
+    averaged: 2 + 2/dp.
+    """
+    if c.zero_stage <= 1:
+        return 6.0
+    return 2.0 + (3.0 if c.zero_stage == 2 else 2.0) / c.dp
+
+
+def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds) -> float:
+    """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic."""
+    g_bytes = bytes_per_param(system.model.dtype)[1]
+    return (collective_s(system, axis_links(system, c, "dp"), fn, c.dp, lay.chunk_params[ci] * g_bytes)
+            + system.copy_time(kinds, bucket_traffic(c) * lay.chunk_params[ci] * g_bytes))
+
+
+def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f: float, b: float):
+    """(forward, backward) seconds per micro-batch that ZeRO-2/3's data-parallel traffic adds to
+    chunk ``ci`` (compute f, b), averaged over the step's micro-batches.
+
+    ZeRO-2/3 reduce-scatter every micro-batch's gradients but the last (the step's reduction,
+    :func:`reduction_tail_s`, covers that one), overlapped with the chunk's backward. ZeRO-3
+    gathers the parameters once per pass over the chunk: every micro-batch (standard) or once per
+    step (layered: all micro-batches go through a chunk together). Prefetching hides a gather
+    behind the compute of the pass; the first layer's gather of each pass over the device's
+    chunks is exposed.
+    """
+    m, n_mb = system.model, c.num_micro_batches
+    extra_f = extra_b = 0.0
+    if c.dp > 1 and c.zero_stage >= 2 and not lay.layered:
+        rs = _reduction(system, c, lay, comm.reduce_scatter_s, ci, lay.stage_kinds[ci % c.pp])
+        extra_b += (max(0.0, rs - b) if lay.overlaps else rs) * (n_mb - 1) / n_mb
+    if c.dp > 1 and c.zero_stage == 3:
+        links = axis_links(system, c, "dp")
+        ag = collective_s(system, links, comm.all_gather_s, c.dp, lay.chunk_params[ci] * m.dtype_bytes)
+        ag_layer = collective_s(system, links, comm.all_gather_s, c.dp, m.layer_params() / c.tp * m.dtype_bytes)
+        passes = 1 if lay.layered else n_mb
+        per_pass = n_mb / passes
+        if lay.overlaps:
+            extra_f += (max(0.0, ag - f * per_pass) + (ag_layer if ci < c.pp else 0.0)) * passes / n_mb
+            extra_b += (max(0.0, ag - b * per_pass) + (ag_layer if ci >= lay.num_chunks - c.pp else 0.0)) * passes / n_mb
+        else:
+            extra_f += ag * passes / n_mb
+            extra_b += ag * passes / n_mb
+    return extra_f, extra_b
+
+
+def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makespan: float, bwd) -> float:
+    """Seconds the gradient reductions run past the pipeline's makespan (0 without dp).
+
+    Per device, each chunk's reduction queues once its gradients are final: the last
+    micro-batch's backward (standard accumulation; the buckets of all but the last layer go
+    during that backward) or progressively (layered / breadth-first). The last bucket (one
+    layer, at most 25 MiB) can only go once its gradient exists. Without overlap every
+    reduction adds its whole time to the step.
+    """
+    if c.dp == 1:
+        return 0.0
+    m = system.model
+    red = comm.all_reduce_s if c.zero_stage == 0 else comm.reduce_scatter_s
+    links = axis_links(system, c, "dp")
+    last_bucket = min(BUCKET_BYTES, m.layer_params() / c.tp * bytes_per_param(m.dtype)[1])
+    end_all = makespan
+    for dev in range(c.pp):
+        ends = sim.last_backward_end_s
+        t_free = 0.0
+        for ci in sorted(lay.chunks_of(c, dev), key=lambda ci: ends[ci]):
+            t = _reduction(system, c, lay, red, ci, lay.stage_kinds[dev])
+            if lay.overlaps:
+                start = max(t_free, ends[ci] - bwd[ci] * (1 - 1 / max(lay.chunk_layers[ci], 1)))
+                t_free = max(start + t, ends[ci] + collective_s(system, links, red, c.dp, last_bucket))
+            else:
+                t_free = max(t_free, makespan) + t
+        end_all = max(end_all, t_free)
+    return end_all - makespan
+
+
+def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
+    """ZeRO-1/2: the updated parameter shards gathered back after the optimizer step (each owner's
+    shard is flattened, sent and copied back into the parameters); 0 otherwise."""
+    if c.dp == 1 or c.zero_stage not in (1, 2):
+        return 0.0
+    links = axis_links(system, c, "dp")
+    post_ag = 0.0
+    for dev in range(c.pp):
+        nbytes = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev)) * system.model.dtype_bytes
+        post_ag = max(post_ag, collective_s(system, links, comm.all_gather_s, c.dp, nbytes)
+                      + system.copy_time(lay.stage_kinds[dev], (4 - 2 / c.dp) * nbytes))
+    return post_ag

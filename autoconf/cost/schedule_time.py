@@ -1,0 +1,121 @@
+"""The pipeline schedule's makespan: simulated, extrapolated past the warm-up, bounded below.
+
+``pipeline.simulate`` plays a schedule event by event; a step has up to thousands of
+micro-batches, so :func:`run_schedule` simulates a few and extrapolates the steady state.
+:func:`pipeline_floor` is a makespan no schedule can beat (the search prunes with it), and
+:func:`p2p_times` the point-to-point transfer of an activation between adjacent stages (Hockney's
+alpha-beta: latency + bytes / bandwidth, on the slowest replica's link).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ParallelConfig
+from ..topology import rank_coords
+from .pipeline import simulate
+from .system import System
+
+
+@dataclass(frozen=True)
+class Schedule:
+    makespan_s: float
+    busy_s: tuple
+    last_backward_end_s: tuple
+    m_sim: int
+
+
+def sim_size(schedule: str, pp: int, m: int) -> int:
+    """Micro-batches to simulate first: all of them when few, else a multiple of pp past the warm-up."""
+    cap = max(2 * pp, 8)
+    if m <= cap + pp:
+        return m
+    return -(-cap // pp) * pp  # a multiple of pp (interleaved needs it)
+
+
+def run_schedule(schedule, pp, m, v, fwd, bwd, p2p) -> Schedule:
+    """The schedule's makespan for m micro-batches without simulating thousands of them.
+
+    Past the warm-up every schedule repeats one period per micro-batch, so the makespan is affine
+    in m. The slope is measured between two simulations pp micro-batches apart, and the simulated
+    size is doubled until two successive slopes agree within 0.1% (unequal stages take longer to
+    settle) or the whole step is simulated.
+    """
+    m_sim = sim_size(schedule, pp, m)
+    r = simulate(schedule, pp, m_sim, v, fwd, bwd, p2p)
+    if m_sim == m:
+        return Schedule(r.makespan_s, r.busy_s, r.last_backward_end_s, m)
+    slope = (r.makespan_s - simulate(schedule, pp, m_sim - pp, v, fwd, bwd, p2p).makespan_s) / pp
+    while True:
+        m_next = 2 * m_sim if 2 * m_sim < m else m  # stays a multiple of pp until it is m
+        r_next = simulate(schedule, pp, m_next, v, fwd, bwd, p2p)
+        if m_next == m:
+            return Schedule(r_next.makespan_s, r_next.busy_s, r_next.last_backward_end_s, m)
+        slope_next = (r_next.makespan_s - simulate(schedule, pp, m_next - pp, v, fwd, bwd, p2p).makespan_s) / pp
+        m_sim, r = m_next, r_next
+        if abs(slope_next - slope) <= 1e-3 * max(slope_next, 1e-30):
+            slope = slope_next
+            break
+        slope = slope_next
+    extra = (m - m_sim) * slope
+    scale = m / m_sim
+    return Schedule(r.makespan_s + extra, tuple(b * scale for b in r.busy_s),
+                    tuple(t + extra for t in r.last_backward_end_s), m_sim)
+
+
+def pipeline_floor(c: ParallelConfig, fwd, bwd, n_chunks: int) -> float:
+    """A pipeline makespan no schedule can beat.
+
+    Device d cannot start before micro-batch 0's forward has crossed chunks 0..d-1, and after its
+    last backward the gradient still has to cross them back; in between it does all its own work:
+    makespan >= max_d (sum_{c<d} (f_c + b_c) + m x busy_d). For equal stages this is the 1F1B
+    makespan (m + p - 1)(f + b) and the interleaved one, (m v + p - 1)(f + b) / v.
+    """
+    lower, prefix = 0.0, 0.0
+    for d in range(c.pp):
+        busy = sum(fwd[ci] + bwd[ci] for ci in range(d, n_chunks, c.pp)) * c.num_micro_batches
+        lower = max(lower, prefix + busy)
+        prefix += fwd[d] + bwd[d]
+    return lower
+
+
+def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:
+    """Transfer time between consecutive pipeline stages (slowest replica pair), per stage pair."""
+    def make():
+        topo = system.topology
+        by_stage: dict = {}
+        for r in range(c.world_size):
+            co = rank_coords(r, c.dp, c.pp, c.tp, c.rank_order)
+            by_stage[(co["pp"], co["dp"], co["tp"])] = r
+        links = []
+        for s in range(c.pp):
+            nxt = (s + 1) % c.pp
+            worst = (0.0, 0.0)
+            for d in range(c.dp):
+                for t in range(c.tp):
+                    bw, lat = topo.p2p(by_stage[(s, d, t)], by_stage[(nxt, d, t)])
+                    worst = max(worst, (1.0 / bw, lat))
+            links.append(worst)
+        return links
+    links = system.cached(("p2p", c.dp, c.pp, c.tp, c.rank_order), make)
+    return [lat + nbytes * inv_bw for inv_bw, lat in links]
+
+
+def chunk_p2p_times(system: System, c: ParallelConfig, n_chunks: int) -> tuple:
+    """Transfer time after each chunk but the last: one micro-batch's activation (sharded along
+    the sequence with sequence parallelism) over the link to the next stage."""
+    m = system.model
+    nbytes = c.micro_batch_size * m.seq_length * m.hidden_size * m.dtype_bytes / (c.tp if c.sequence_parallel else 1)
+    if c.pp == 1:
+        return tuple(0.0 for _ in range(n_chunks - 1))
+    per_stage = p2p_times(system, c, nbytes)
+    return tuple(per_stage[ci % c.pp] for ci in range(n_chunks - 1))
+
+
+def simulate_step(schedule: str, c: ParallelConfig, v: int, fwd: tuple, bwd: tuple, p2p: tuple):
+    """(with transfers, without transfers): the schedule run twice to separate the bubble from the
+    pipeline communication."""
+    n_mb = c.num_micro_batches
+    sim = run_schedule(schedule, c.pp, n_mb, v, fwd, bwd, p2p)
+    sim0 = sim if not any(p2p) else run_schedule(schedule, c.pp, n_mb, v, fwd, bwd, tuple(0.0 for _ in p2p))
+    return sim, sim0

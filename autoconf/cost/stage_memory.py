@@ -1,0 +1,136 @@
+"""Memory per pipeline stage (its most loaded device): model states, activations, the rest.
+
+Model states follow ZeRO (``memory.state_bytes_per_param``; Rajbhandari et al., arXiv
+1910.02054). Activations and gradients peak together over the schedule's order
+(``pipeline.peak_memory``): gradients exist from each chunk's first backward (they are set to None
+after each step), the loss gradient and ZeRO-2/3's bucket in flight sit on top during a backward.
+The rest: the framework's overhead, ZeRO-3's gathered layers, the pipeline runtime's receive
+buffers and DDP's bucket copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..catalog import device_type
+from ..config import ParallelConfig
+from .activations import embedding_activation_bytes, head_activation_bytes
+from .layout import Layout
+from .memory import BUCKET_BYTES, bytes_per_param, state_bytes_per_param, zero3_working_bytes
+from . import schedule_time
+from .pipeline import peak_memory
+from .system import System
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Bytes on one pipeline stage's most loaded device."""
+
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float
+    other: float
+    capacity: float
+    """The smallest device memory of the stage."""
+
+    @property
+    def total(self) -> float:
+        return self.parameters + self.gradients + self.optimizer + self.activations + self.other
+
+    def to_dict(self) -> dict:
+        return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
+                "activations": self.activations, "other": self.other, "total": self.total,
+                "capacity": self.capacity}
+
+
+def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMemory]:
+    """Memory of every pipeline stage for configuration ``c``."""
+    m = system.model
+    st = state_bytes_per_param(m.dtype, c.zero_stage, c.dp)
+    act_layer = system.layer_activations(c, _mask_bytes(system, lay))
+    peaks = _activation_peaks(system, c, lay, act_layer["total"], st.gradients)
+    out = []
+    for s in range(c.pp):
+        params = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, s))
+        acts, grads = peaks[s]
+        if c.recompute == "full":
+            acts += act_layer.get("recompute_working_bytes", 0.0)
+        out.append(StageMemory(parameters=params * st.parameters, gradients=grads,
+                               optimizer=params * st.optimizer, activations=acts,
+                               other=_other_bytes(system, c, lay, s, acts),
+                               capacity=min(system.topology.memory_of[d] for d in lay.stage_devices[s])))
+    return out
+
+
+def _mask_bytes(system: System, lay: Layout) -> int:
+    """Dropout mask bytes per element: the widest among the devices of the layout."""
+    kinds = sorted({k for ks in lay.stage_kinds for k in ks})
+    return max(system.mask_bytes(k) for k in kinds)
+
+
+def _chunk_activation_bytes(system: System, c: ParallelConfig, lay: Layout, layer_bytes: float) -> list[float]:
+    """Activations each chunk saves per micro-batch: its blocks (``System.layer_activations``),
+    plus the embedding's on the first chunk and the output layer's on the last (``activations``)."""
+    m, mask, n_chunks = system.model, _mask_bytes(system, lay), lay.num_chunks
+    per_chunk = []
+    for ci in range(n_chunks):
+        per_mb = lay.chunk_layers[ci] * layer_bytes
+        if ci == 0:
+            per_mb += embedding_activation_bytes(m, c.micro_batch_size, c.tp, c.sequence_parallel, mask)
+        if ci == n_chunks - 1:
+            per_mb += head_activation_bytes(m, c.micro_batch_size, c.tp, c.sequence_parallel, mask)
+        per_chunk.append(per_mb)
+    return per_chunk
+
+
+def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_bytes: float, grad_bytes: float):
+    """(activations, gradients) at each stage's peak over the schedule's order.
+
+    Liveness is structural (independent of durations): the steady-state size is simulated and
+    scaled for the schedules that keep every micro-batch alive (gpipe, breadth-first, layered).
+    The last chunk's backward starts from the loss gradient of one micro-batch's logits (fp32,
+    vocabulary-parallel), alive next to its saved activations. ZeRO-2/3 reduce (and drop) each
+    layer's full gradient during the backward of every micro-batch: one layer's worth is in
+    flight next to the activations. Gradients coexist with the activations only from each chunk's
+    first backward on (so GPipe / layered peak with almost none).
+    """
+    m, n_chunks, sched = system.model, lay.num_chunks, lay.schedule
+    m_sim = schedule_time.sim_size(sched, c.pp, c.num_micro_batches)
+    grows = sched in ("gpipe", "breadth_first")
+    ce_grad = c.micro_batch_size * m.seq_length * (-(-m.vocab_size // c.tp)) * 4.0
+    in_flight = 0.0
+    if c.dp > 1 and c.zero_stage >= 2 and not c.layered_grad_accum:
+        in_flight = min(BUCKET_BYTES, m.layer_params() / c.tp * bytes_per_param(m.dtype)[1])
+    return peak_memory(sched, c.pp, m_sim, lay.virtual_stages,
+                       tuple(_chunk_activation_bytes(system, c, lay, layer_bytes)),
+                       tuple(p * grad_bytes for p in lay.chunk_params),
+                       c.num_micro_batches / m_sim if grows else 1.0,
+                       tuple(in_flight + (ce_grad if ci == n_chunks - 1 else 0.0) for ci in range(n_chunks)))
+
+
+def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: float) -> float:
+    """Everything but model states and activations on stage ``s``.
+
+    The framework's own overhead (catalog), ZeRO-3's gathered layers (``memory.zero3_working_bytes``),
+    torch.distributed.pipelining's receive buffers: its PipelineStage allocates, for every
+    micro-batch, a buffer for the activation it receives (all chunks but the first) and one for
+    the gradient it receives (all but the last), up front (stage._setup_forward_recv_info /
+    _setup_backward_recv_info): a replica's whole batch of boundary activations, twice (the
+    trainer passes return_outputs=False, so the last stage's outputs are not kept). And the
+    gradient reduction's copy of one bucket (at most 25 MiB, as DDP) after the backward has freed
+    the activations: it raises the peak only where it exceeds them.
+    """
+    m, chunks = system.model, lay.chunks_of(c, s)
+    other = max(device_type(k).framework_overhead_bytes for k in lay.stage_kinds[s])
+    if c.zero_stage == 3 and c.dp > 1:
+        other += zero3_working_bytes(m, c.tp)
+    if c.pp > 1:
+        tokens = c.micro_batch_size * m.seq_length
+        act = tokens * m.hidden_size * m.dtype_bytes / (c.tp if c.sequence_parallel else 1)
+        buffers = sum((ci > 0) + (ci < lay.num_chunks - 1) for ci in chunks)
+        other += buffers * c.num_micro_batches * act
+    if c.dp > 1:
+        bucket = min(BUCKET_BYTES, max(lay.chunk_params[ci] for ci in chunks) * bytes_per_param(m.dtype)[1])
+        other += max(0.0, bucket - acts)
+    return other

@@ -1,0 +1,237 @@
+"""System: the machine a configuration runs on, as the cost model sees it. Build once, estimate many.
+
+A System holds what does not change between configurations: the model, the topology (from a
+cluster file, else from the profile's measured links), the rates of each device kind and the
+calibration. Rates come from the profile where it measured the device kind in question (see
+:meth:`System.measured_for`), else from the device catalog's datasheet figures through the roofline
+of ``compute``. Every "measured, else datasheet" choice of the cost model is made here, and only
+here; the modules that compose the step time (``schedule_time``, ``tensor_parallel``,
+``data_parallel``, ``stage_memory``) ask the System for rates and never look at the profile.
+
+Pure: no torch, no I/O; the only state is a cache of pure results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..catalog import device_type
+from ..errors import UserError
+from ..model import ModelSpec
+from ..topology import Topology
+from . import comm
+from .activations import layer_activation_bytes
+from .compute import LayerTimes, Roofline, block_times, embedding_times, head_times, optimizer_s
+
+_OPS = {comm.all_reduce_s: "all_reduce", comm.all_gather_s: "all_gather", comm.reduce_scatter_s: "reduce_scatter"}
+"""Profile name of each collective. ``comm.reduce_scatter_s`` *is* ``comm.all_gather_s`` (the same
+ring cost), so that key maps to "reduce_scatter": an all-gather looks up the measured
+reduce-scatter efficiency."""
+
+
+@dataclass
+class System:
+    """What does not change between configurations: links, devices, measured data. Build once."""
+
+    model: ModelSpec
+    cluster: object = None
+    profile: object = None
+    calibration: object = None
+    topology: Topology = None
+    framework: object = None
+    """The training framework's behaviour (not used yet)."""
+    _cache: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.topology is None:
+            if self.cluster is not None:
+                self.topology = Topology(self.cluster.graph())
+            elif self.profile is not None:
+                from .measured import topology_graph
+                self.topology = Topology(topology_graph(self.profile))
+            else:
+                raise UserError("estimate needs a cluster file or a profile (--cluster or --profile)")
+        self.num_devices = self.topology.num_devices
+        self.profile_kind = None
+        if self.profile is not None:
+            from .measured import gemm_efficiency
+            kinds = {self.topology.kind_of[i] for i in range(self.num_devices)}
+            self.profile_kind = _profile_device_kind(self.profile) or (kinds.pop() if len(kinds) == 1 else None)
+            self._gemm_eff = lambda m, n, k: gemm_efficiency(self.profile, m, n, k)
+
+    # -- where the profile applies ------------------------------------------------------------
+
+    def measured_for(self, kind: str | None = None) -> bool:
+        """Whether the profile's measurements apply to devices of ``kind`` (the kind it was taken
+        on). ``kind=None``: measurements that do not depend on the device (activation bytes,
+        collective efficiency, host core counts) -- whether there is a profile at all."""
+        return self.profile is not None and (kind is None or kind == self.profile_kind)
+
+    def measured_everywhere(self, stage_kinds) -> bool:
+        """Whether every pipeline stage runs on the profiled device kind alone."""
+        return self.profile is not None and all(k == [self.profile_kind] for k in stage_kinds)
+
+    def cached(self, key, fn):
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = fn()
+        return hit
+
+    # -- compute rates ------------------------------------------------------------------------
+
+    def roofline(self, kind: str) -> Roofline:
+        """The catalog roofline of ``kind``, with the profile's GEMM efficiency table where measured."""
+        key = ("rf", kind)
+        if key not in self._cache:
+            eff = self._gemm_eff if self.measured_for(kind) else None
+            self._cache[key] = Roofline.of(device_type(kind), self.model.dtype, eff)
+        return self._cache[key]
+
+    def cpu_share(self, kind: str) -> float:
+        """How much slower a CPU rank computes because its host's cores are shared: with more
+        ranks on a host than it has cores (the profile's host record; ranks run one thread each,
+        as the launchers set OMP_NUM_THREADS=1), the scheduler gives each busy rank cores/ranks of
+        a core. 1.0 for accelerators, without a profile, or when every rank has its own core."""
+        if kind != "cpu" or not self.measured_for():
+            return 1.0
+
+        def make():
+            cores = [h.cpu_count for h in self.profile.provenance.hosts if h.cpu_count]
+            if not cores:
+                return 1.0
+            per_host = max(self.topology.host_of.count(h) for h in set(self.topology.host_of))
+            return max(1.0, per_host / min(cores))
+        return self.cached(("cpushare",), make)
+
+    def mask_bytes(self, kind: str) -> int:
+        # PyTorch keeps dropout masks as bool (1 byte) on CUDA, at the activation's precision on CPU.
+        return self.model.dtype_bytes if kind == "cpu" else 1
+
+    def block(self, kind: str, b: int, tp: int, sp: bool, recompute: str) -> LayerTimes:
+        """One transformer block shard per micro-batch on ``kind``: the profile's measured layer
+        times (``measured.block_times``), else the roofline per op (``compute.block_times``); at
+        the CPU time-share."""
+        def make():
+            if self.measured_for(kind):
+                from .measured import block_times as measured_block
+                got = measured_block(self.profile, self.model, b, tp, recompute)
+                if got:
+                    rc = got[0] if recompute == "full" else 0.0
+                    return LayerTimes(got[0], got[1], rc)
+            return block_times(self.model, b, tp, sp, recompute, self.roofline(kind))
+        return self.cached(("block", kind, b, tp, sp, recompute), lambda: _shared(make(), self.cpu_share(kind)))
+
+    def edge(self, kind: str, b: int, tp: int, which: str) -> LayerTimes:
+        """The embedding (``which="embedding"``) or output layer (``"head"``) shard per micro-batch,
+        measured or by roofline as :meth:`block`."""
+        def make():
+            if self.measured_for(kind):
+                from . import measured
+                fn = measured.embedding_times if which == "embedding" else measured.head_times
+                got = fn(self.profile, self.model, b, tp)
+                if got:
+                    return LayerTimes(got[0], got[1])
+            fn = embedding_times if which == "embedding" else head_times
+            return fn(self.model, b, tp, self.roofline(kind))
+        return self.cached((which, kind, b, tp), lambda: _shared(make(), self.cpu_share(kind)))
+
+    def layer_activations(self, c, mask: int) -> dict:
+        """Activation bytes one block saves per micro-batch, by part (``activations``, after
+        Korthikanti et al., arXiv 2205.05198); ``total`` replaced by the profile's measurement
+        (``measured.activation_bytes``) when it has one."""
+        def make():
+            base = layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask)
+            if self.measured_for():
+                from .measured import activation_bytes
+                got = activation_bytes(self.profile, self.model, c.micro_batch_size, c.tp, c.sequence_parallel,
+                                       c.recompute)
+                if got:
+                    return {**base, "total": float(got)}
+            return base
+        return self.cached(("act", c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask), make)
+
+    # -- memory-bound rates: optimizer step and bucket copies ---------------------------------
+
+    def optimizer_rate(self, kind: str) -> float:
+        """The profile's measured AdamW seconds per parameter on ``kind``; -1.0 when not measured."""
+        if not self.measured_for(kind):
+            return -1.0
+        from .measured import optimizer_seconds_per_param
+        return self.cached(("optrate", kind), lambda: optimizer_seconds_per_param(self.profile, kind) or -1.0)
+
+    def optimizer_time(self, kind: str, num_params: float) -> float:
+        """AdamW step over ``num_params`` local parameters on ``kind``: measured seconds per
+        parameter, else memory-bound (``compute.optimizer_s``); at the CPU time-share."""
+        rate = self.optimizer_rate(kind)
+        if rate > 0:
+            return num_params * rate * self.cpu_share(kind)
+        return optimizer_s(num_params, self.model.dtype != "fp32", self.roofline(kind)) * self.cpu_share(kind)
+
+    def copy_time(self, kinds, nbytes: float) -> float:
+        """Seconds to stream ``nbytes`` through memory (read + write counted separately) on the slowest
+        of ``kinds``: the profile's AdamW step gives the measured bandwidth (its traffic per parameter
+        is known, see compute.optimizer_s), else the catalog's memory bandwidth."""
+        worst = 0.0
+        for kind in kinds:
+            rate = self.optimizer_rate(kind)
+            if rate > 0:
+                t = nbytes * rate / (32 if self.model.dtype != "fp32" else 28)
+            else:
+                t = self.roofline(kind).elementwise(nbytes, kernels=0)
+            worst = max(worst, t * self.cpu_share(kind))
+        return worst
+
+    # -- communication and runtime measurements -----------------------------------------------
+
+    def collective_efficiency(self, fn, n: int) -> float:
+        """Measured bus-bandwidth efficiency of collective ``fn`` (a ``comm`` function) for groups
+        of n ranks, at most 1.0; 1.0 without a profile measurement."""
+        if not self.measured_for() or n < 2:
+            return 1.0
+        from .measured import collective_efficiency
+
+        def make():
+            eff = collective_efficiency(self.profile, _OPS[fn], n)
+            return min(1.0, eff) if eff and eff > 0 else 1.0
+        return self.cached(("eff", _OPS[fn], n), make)
+
+    def measured_tp_comm(self, c, stage_kinds) -> tuple[float, float] | None:
+        """Per-layer (forward, backward) tp communication from the profile, if every stage's devices
+        are of the profiled kind and the profile measured this tp in place."""
+        if not self.measured_everywhere(stage_kinds):
+            return None
+        from .measured import tp_comm_times
+        return self.cached(("tpcomm", c.micro_batch_size, c.tp, c.sequence_parallel),
+                           lambda: tp_comm_times(self.profile, self.model, c.micro_batch_size, c.tp,
+                                                 c.sequence_parallel))
+
+    def pipeline_runtime(self, c, stage_kinds) -> float:
+        """Seconds per action the pipeline runtime (torch.distributed.pipelining) adds (pp > 1), if
+        the profile measured it on the devices every stage runs on; 0 otherwise."""
+        if c.pp == 1 or not self.measured_everywhere(stage_kinds):
+            return 0.0
+        from .measured import pipeline_action_overhead
+        got = self.cached(("piperuntime", c.schedule),
+                          lambda: pipeline_action_overhead(self.profile, c.schedule) or 0.0)
+        return got * self.cpu_share(self.profile_kind)
+
+    def peak_flop_per_s(self, world_size: int) -> float:
+        """Sum of the datasheet peaks of the first ``world_size`` devices (for MFU)."""
+        topo = self.topology
+        return self.cached(("peak", world_size),
+                           lambda: sum(device_type(topo.kind_of[d]).peak(self.model.dtype) for d in range(world_size)))
+
+
+CostContext = System
+"""The former name of :class:`System`."""
+
+
+def _shared(t: LayerTimes, k: float) -> LayerTimes:
+    return t if k == 1.0 else LayerTimes(t.forward_s * k, t.backward_s * k, t.recompute_s * k)
+
+
+def _profile_device_kind(profile) -> str | None:
+    ranks = getattr(profile, "ranks", None) or []
+    kinds = {r.get("device_kind") if isinstance(r, dict) else getattr(r, "device_kind", None) for r in ranks}
+    kinds.discard(None)
+    return kinds.pop() if len(kinds) == 1 else None

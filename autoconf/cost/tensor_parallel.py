@@ -1,0 +1,94 @@
+"""Groups and links of a layout, and the tensor-parallel collectives per layer.
+
+Megatron-LM's tensor parallelism (Shoeybi et al., arXiv 1909.08053) all-reduces the block's
+activation twice in the forward (after attention and after the MLP) and twice in the backward;
+with sequence parallelism (Korthikanti et al., arXiv 2205.05198) each all-reduce becomes an
+all-gather plus a reduce-scatter of the same bytes. The collectives run on the links the tp groups
+really span (``comm``), every group at once: the slowest group sets the time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ParallelConfig
+from ..topology import axis_groups, rank_coords
+from . import comm
+from .system import System
+
+
+def axis_links(system: System, c: ParallelConfig, axis: str):
+    """GroupLinks of every group along an axis, with NIC sharing among groups running together."""
+    def make():
+        topo = system.topology
+        groups = axis_groups(c.dp, c.pp, c.tp, c.rank_order, axis)
+        active: dict = {}
+        for grp in groups:
+            hosts = {topo.host_of[d] for d in grp}
+            if len(hosts) > 1:
+                for d in grp:
+                    active[topo.host_of[d]] = active.get(topo.host_of[d], 0) + 1
+        distinct = {}
+        for grp in groups:
+            # groups with the same hosts, NIC sharing and link speeds have the same links: keep one
+            g = topo.group_links(grp, {h: active[h] for h in {topo.host_of[d] for d in grp} if h in active} or None)
+            distinct[g] = g
+        return list(distinct)
+    return system.cached(("axis", c.dp, c.pp, c.tp, c.rank_order, axis), make)
+
+
+def worst(links, fn, nbytes: float, efficiency: float = 1.0) -> float:
+    """The slowest group's time: all groups of an axis run the collective together.
+
+    ``efficiency`` (the profile's measured bus bandwidth over what the links predict) stretches
+    the bandwidth term only: steps x alpha + bytes / (beta x efficiency).
+    """
+    return max(fn(nbytes / efficiency, g) for g in links)
+
+
+def collective_s(system: System, links, fn, n: int, nbytes: float) -> float:
+    """Collective ``fn`` of ``nbytes`` on every group of ``links`` (n ranks each), at the measured
+    efficiency: the slowest group's time."""
+    return worst(links, fn, nbytes, system.collective_efficiency(fn, n))
+
+
+def stage_devices(c: ParallelConfig) -> list[list[int]]:
+    """The ranks of each pipeline stage."""
+    out = [[] for _ in range(c.pp)]
+    for r in range(c.world_size):
+        out[rank_coords(r, c.dp, c.pp, c.tp, c.rank_order)["pp"]].append(r)
+    return out
+
+
+@dataclass(frozen=True)
+class TpTimes:
+    """Exposed tensor-parallel communication per micro-batch."""
+
+    forward_per_layer_s: float = 0.0
+    backward_per_layer_s: float = 0.0
+    """Including the forward's collectives again under full recomputation."""
+    edge_s: float = 0.0
+    """One collective of the embedding forward / the output layer's backward."""
+
+
+def tp_times(system: System, c: ParallelConfig, stage_kinds) -> TpTimes:
+    """Megatron's 2 collectives per block in the forward and 2 in the backward (all-reduce, or
+    all-gather + reduce-scatter with sequence parallelism) of one micro-batch's activation; the
+    profile's in-place measurement replaces them when it has one (``System.measured_tp_comm``)."""
+    if c.tp == 1:
+        return TpTimes()
+    m, tp = system.model, c.tp
+    nbytes = c.micro_batch_size * m.seq_length * m.hidden_size * m.dtype_bytes
+    links = axis_links(system, c, "tp")
+    if c.sequence_parallel:
+        one = (collective_s(system, links, comm.all_gather_s, tp, nbytes)
+               + collective_s(system, links, comm.reduce_scatter_s, tp, nbytes))
+    else:
+        one = collective_s(system, links, comm.all_reduce_s, tp, nbytes)
+    fwd = bwd = 2 * one
+    measured = system.measured_tp_comm(c, stage_kinds)
+    if measured is not None:  # the profile timed the block with its real collectives
+        fwd, bwd = measured
+        one = fwd / 2
+    bwd += fwd if c.recompute == "full" else 0.0
+    return TpTimes(fwd, bwd, one)

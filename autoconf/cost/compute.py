@@ -20,9 +20,11 @@ Three effects make small work slower than its FLOPs say:
 - **Vector math.** Norms, softmax and activations run on the CUDA cores, not the tensor cores: an
   element-wise kernel takes the longer of its memory traffic and its FLOPs at the vector rate
   (the catalog's fp32 peak).
-- **The host.** An eager framework issues every kernel from Python; when the device work of a
-  layer pass is shorter than the host's time to issue it, the pass takes the host's time:
-  max(host, device) per layer pass (``HostCost``, from the framework model).
+- **The host.** An eager framework issues every kernel from Python; when the device work is
+  shorter than the host's time to issue it, the device waits. ``LayerTimes`` carries the host's
+  issue time next to the device time (``HostCost``, from the framework model); ``chunk_time``
+  charges max(host, device compute) per pass (the forward; the backward with its recomputed
+  forward), and the collectives on top.
 """
 
 from __future__ import annotations
@@ -141,12 +143,16 @@ class LayerTimes:
     """Backward including any recomputed forward."""
     recompute_s: float = 0.0
     """The part of backward_s that is recomputation (reported separately)."""
+    host_forward_s: float = 0.0
+    """Seconds the host needs to issue the forward's operations (0: not modelled)."""
+    host_backward_s: float = 0.0
+    """Seconds the host needs to issue the backward's (and the recomputed forward's)."""
 
 
 def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf: Roofline,
                 host: HostCost | None = None) -> LayerTimes:
-    """One transformer block shard (of a tp-way split) for a micro-batch of b sequences; with
-    ``host``, each pass takes at least the host's time to issue its operations."""
+    """One transformer block shard (of a tp-way split) for a micro-batch of b sequences: device
+    times, and with ``host`` the host's time to issue the operations (``block_op_counts``)."""
     s, h, f, a = model.seq_length, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
     kv, B = model.kv_size, model.dtype_bytes
     T = b * s
@@ -185,14 +191,26 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     fwd = g_fwd + att_f + ew_f
     bwd = g_bwd + att_b + ew_b
     rc = fwd if recompute == "full" else att_f if recompute == "selective" else 0.0
-    if host is not None and (host.forward_op_s or host.backward_op_s):
+    host_f = host_b = 0.0
+    if host is not None:
         ops_f, ops_b = block_op_counts(model, tp, sp)
         host_f, host_b = ops_f * host.forward_op_s, ops_b * host.backward_op_s
-        host_rc = host_f if recompute == "full" else 0.0
-        fwd = max(fwd, host_f)
-        rc = max(rc, host_rc) if recompute == "full" else rc
-        bwd = max(bwd, host_b)
-    return LayerTimes(forward_s=fwd, backward_s=bwd + rc, recompute_s=rc)
+        host_b += host_f if recompute == "full" else 0.0  # the recomputed forward is issued again
+    return LayerTimes(forward_s=fwd, backward_s=bwd + rc, recompute_s=rc, host_forward_s=host_f, host_backward_s=host_b)
+
+
+# Operations the embedding (lookup, position add, dropout, TP reduce) and the output layer (norm,
+# projection, vocabulary-parallel cross-entropy: cast, max, subtract, exp, sum, divide, target
+# gather and its reductions) dispatch in their forward and backward.
+EDGE_OPS = {"embedding": (5, 4), "head": (14, 8)}
+
+
+def with_host(t: LayerTimes, which: str, host: HostCost | None) -> LayerTimes:
+    """``t`` with the host's issue time of the embedding or output layer's operations."""
+    if host is None:
+        return t
+    f, b = EDGE_OPS[which]
+    return LayerTimes(t.forward_s, t.backward_s, t.recompute_s, f * host.forward_op_s, b * host.backward_op_s)
 
 
 def embedding_times(model: ModelSpec, b: int, tp: int, rf: Roofline) -> LayerTimes:
@@ -204,10 +222,20 @@ def embedding_times(model: ModelSpec, b: int, tp: int, rf: Roofline) -> LayerTim
 
 
 def head_times(model: ModelSpec, b: int, tp: int, rf: Roofline) -> LayerTimes:
-    """Final norm, output projection (vocab-parallel) and cross-entropy on fp32 logits."""
+    """Final norm, output projection (vocab-parallel) and cross-entropy on fp32 logits.
+
+    The vocabulary-parallel cross-entropy (Megatron-LM's ``vocab_parallel_cross_entropy`` on
+    ``logits.float()``) streams every logit several times. Forward, bytes per logit: cast to fp32
+    (read 2, write 4), max (4), subtract the max in place (8), exp in place (8), sum (4), divide
+    in place, the softmax kept for the backward (8): 38 for 16-bit logits. Backward: scale by the
+    loss gradient in place (8), cast back (6): 14. fp32 logits skip the casts (32 and 8).
+    """
     T, h, B, V = b * model.seq_length, model.hidden_size, model.dtype_bytes, model.vocab_size / tp
-    fwd = rf.gemm(T, V, h, B) + rf.elementwise(2 * T * h * B + 3 * T * V * 4, kernels=4)
-    bwd = rf.gemm(T, h, V, B) + rf.gemm(V, h, T, B) + rf.elementwise(2 * T * h * B + 3 * T * V * 4, kernels=4)
+    cast_f, cast_b = (6, 6) if B < 4 else (0, 0)
+    fwd = rf.gemm(T, V, h, B) + rf.elementwise(2 * T * h * B + (32 + cast_f) * T * V, kernels=7,
+                                               flops=4 * T * V)
+    bwd = (rf.gemm(T, h, V, B) + rf.gemm(V, h, T, B)
+           + rf.elementwise(2 * T * h * B + (8 + cast_b) * T * V, kernels=3))
     return LayerTimes(fwd, bwd)
 
 

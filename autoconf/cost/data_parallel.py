@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import math
+
 from ..config import ParallelConfig
 from . import comm
 from .layout import Layout
@@ -43,33 +45,56 @@ def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kind
 
 def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f: float, b: float):
     """(forward, backward) seconds per micro-batch that ZeRO-2/3's data-parallel traffic adds to
-    chunk ``ci`` (compute f, b), averaged over the step's micro-batches.
+    chunk ``ci`` (compute f, b per micro-batch), averaged over the step's micro-batches.
 
-    ZeRO-2/3 reduce-scatter every micro-batch's gradients but the last (the step's reduction,
-    :func:`reduction_tail_s`, covers that one), overlapped with the chunk's backward. ZeRO-3
-    gathers the parameters once per pass over the chunk: every micro-batch (standard) or once per
-    step (layered: all micro-batches go through a chunk together). Prefetching hides a gather
-    behind the compute of the pass; the first layer's gather of each pass over the device's
-    chunks is exposed.
+    Layer by layer, as FSDP / DeepSpeed run it (Zhao et al., "PyTorch FSDP", VLDB 2023):
+
+    - ZeRO-3 gathers each layer's parameters once per pass over the chunk: every micro-batch
+      (standard accumulation), or once per step (layered: all micro-batches go through a chunk
+      together), in the forward and again in the backward. With pipelining the gather is per
+      micro-batch even for breadth-first: FSDP2 under ``torch.distributed.pipelining`` (the
+      reference trainer) reshards after every micro-batch's forward and backward; the model
+      follows what the trainer runs. With prefetching
+      (``overlap_param_gather``) the next layer's gather runs during this layer's compute, so a
+      layer exposes max(0, gather - compute); the first layer's gather of each pass over the
+      device's chunks is exposed. Without it every gather is exposed.
+    - ZeRO-2/3 reduce-scatter the gradients every micro-batch but the last (the step's
+      reduction, :func:`reduction_tail_s`, covers that one), in buckets of at most 25 MiB. In the
+      backward the reduce-scatter and the next layer's gather share the links: a layer exposes
+      max(0, gather + its share of the reduce-scatter - compute) when overlapped
+      (``overlap_grad_reduce``), all of it otherwise.
     """
-    m, n_mb = system.model, c.num_micro_batches
-    extra_f = extra_b = 0.0
-    if c.dp > 1 and c.zero_stage >= 2 and not lay.layered:
-        rs = _reduction(system, c, lay, comm.reduce_scatter_s, ci, lay.stage_kinds[ci % c.pp])
-        extra_b += (max(0.0, rs - b) if lay.overlaps else rs) * (n_mb - 1) / n_mb
-    if c.dp > 1 and c.zero_stage == 3:
-        links = axis_links(system, c, "dp")
-        ag = collective_s(system, links, comm.all_gather_s, c.dp, lay.chunk_params[ci] * m.dtype_bytes)
-        ag_layer = collective_s(system, links, comm.all_gather_s, c.dp, m.layer_params() / c.tp * m.dtype_bytes)
-        passes = 1 if lay.layered else n_mb
-        per_pass = n_mb / passes
-        if lay.overlaps:
-            extra_f += (max(0.0, ag - f * per_pass) + (ag_layer if ci < c.pp else 0.0)) * passes / n_mb
-            extra_b += (max(0.0, ag - b * per_pass) + (ag_layer if ci >= lay.num_chunks - c.pp else 0.0)) * passes / n_mb
-        else:
-            extra_f += ag * passes / n_mb
-            extra_b += ag * passes / n_mb
-    return extra_f, extra_b
+    m, n_mb, nl = system.model, c.num_micro_batches, max(lay.chunk_layers[ci], 1)
+    if c.dp == 1 or c.zero_stage < 2:
+        return 0.0, 0.0
+    kinds = lay.stage_kinds[ci % c.pp]
+    links = axis_links(system, c, "dp")
+    passes = 1 if lay.layered and c.pp == 1 else n_mb
+    per_pass = n_mb / passes  # micro-batches per pass over the chunk
+    f_l, b_l = f / nl * per_pass, b / nl * per_pass  # one layer's compute in one pass
+    g_bytes = bytes_per_param(m.dtype)[1]
+    rs_l = 0.0
+    if not lay.layered:  # standard accumulation: every micro-batch's gradients but the last
+        grads = lay.chunk_params[ci] * g_bytes
+        buckets = max(1, math.ceil(grads / BUCKET_BYTES))
+        rs = (buckets * collective_s(system, links, comm.reduce_scatter_s, c.dp, grads / buckets)
+              + system.copy_time(kinds, bucket_traffic(c) * grads))
+        rs_l = rs / nl * (n_mb - 1) / n_mb
+    ag_l = 0.0
+    if c.zero_stage == 3:
+        ag_l = collective_s(system, links, comm.all_gather_s, c.dp, lay.chunk_params[ci] / nl * m.dtype_bytes)
+    first_f = ag_l if ci < c.pp else 0.0  # the first layer of a device's first pass
+    first_b = ag_l if ci >= lay.num_chunks - c.pp else 0.0
+    fwd = first_f + nl * max(0.0, ag_l - f_l) if lay.overlap_param_gather else nl * ag_l
+    if lay.overlap_param_gather and lay.overlap_grad_reduce:
+        bwd = first_b + nl * max(0.0, ag_l + rs_l - b_l)
+    elif lay.overlap_param_gather:
+        bwd = first_b + nl * (max(0.0, ag_l - b_l) + rs_l)
+    elif lay.overlap_grad_reduce:
+        bwd = nl * (ag_l + max(0.0, rs_l - b_l))
+    else:
+        bwd = nl * (ag_l + rs_l)
+    return fwd * passes / n_mb, bwd * passes / n_mb
 
 
 def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makespan: float, bwd) -> float:
@@ -93,7 +118,7 @@ def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makesp
         t_free = 0.0
         for ci in sorted(lay.chunks_of(c, dev), key=lambda ci: ends[ci]):
             t = _reduction(system, c, lay, red, ci, lay.stage_kinds[dev])
-            if lay.overlaps:
+            if lay.overlap_grad_reduce:
                 start = max(t_free, ends[ci] - bwd[ci] * (1 - 1 / max(lay.chunk_layers[ci], 1)))
                 t_free = max(start + t, ends[ci] + collective_s(system, links, red, c.dp, last_bucket))
             else:

@@ -53,9 +53,11 @@ class Estimate:
     mfu: float
     reasons: tuple = ()
     notes: tuple = ()
+    framework: str = "reference"
+    """The runtime the estimate assumes (``frameworks``)."""
 
     def to_dict(self) -> dict:
-        return {"config": self.config.to_dict(), "step_time_s": self.step_time_s,
+        return {"config": self.config.to_dict(), "framework": self.framework, "step_time_s": self.step_time_s,
                 "breakdown_s": dict(self.breakdown_s), "peak_memory_bytes": self.peak_memory_bytes,
                 "memory_by_stage": [m.to_dict() for m in self.memory_by_stage], "fits": self.fits,
                 "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "reasons": list(self.reasons),
@@ -68,11 +70,15 @@ class Estimate:
 
 
 def estimate(config: ParallelConfig, model: ModelSpec, cluster=None, profile=None, calibration=None,
-             ctx: System | None = None) -> Estimate:
-    """Estimate one configuration. Pass ``ctx`` (a System) when estimating many."""
+             ctx: System | None = None, framework=None) -> Estimate:
+    """Estimate one configuration. Pass ``ctx`` (a System) when estimating many; ``framework``
+    (a name from ``frameworks.FRAMEWORK_NAMES``; default the reference trainer) without one."""
     if ctx is None:
-        ctx = System(model, cluster, profile, calibration)
+        ctx = System(model, cluster, profile, calibration, framework=framework)
     validate(config, model)
+    reason = ctx.framework.check(config)
+    if reason:
+        raise UserError(f"invalid configuration ({config.short()}): {reason}")
     if config.world_size > ctx.num_devices:
         raise UserError(f"dp({config.dp}) x pp({config.pp}) x tp({config.tp}) = {config.world_size} devices, "
                         f"but the cluster has {ctx.num_devices}")
@@ -158,4 +164,4 @@ def _finish(c: ParallelConfig, ctx: System, breakdown: dict, memory: list, step:
                     peak_memory_bytes=max(mm.total for mm in memory), fits=not reasons,
                     tokens_per_s=tokens / step,
                     mfu=m.model_flops_per_token() * tokens / (step * ctx.peak_flop_per_s(c.world_size)),
-                    reasons=tuple(reasons), notes=tuple(notes))
+                    reasons=tuple(reasons), notes=tuple(notes), framework=ctx.framework.name)

@@ -31,6 +31,10 @@ class Layout:
     """Gradients of a chunk become final progressively (layered / breadth-first), not at the end."""
     overlaps: bool
     """Communication can overlap computation (no CPU stage)."""
+    overlap_grad_reduce: bool
+    """The data-parallel reduction overlaps the backward (the framework's knob, and overlaps)."""
+    overlap_param_gather: bool
+    """ZeRO-3's parameter gathers are prefetched behind compute (the knob, and overlaps)."""
 
     @property
     def num_chunks(self) -> int:
@@ -55,7 +59,9 @@ def layout(system: System, c: ParallelConfig) -> Layout:
     return Layout(stage_devices=tuple(stage_devs), stage_kinds=tuple(stage_kinds),
                   schedule="breadth_first" if layered_pp1 else c.schedule, virtual_stages=v_sim,
                   chunk_layers=tuple(chunk_layers), chunk_params=tuple(chunk_params(system, c, chunk_layers)),
-                  layered=c.layered_grad_accum or c.schedule == "breadth_first", overlaps=overlaps)
+                  layered=c.layered_grad_accum or c.schedule == "breadth_first", overlaps=overlaps,
+                  overlap_grad_reduce=overlaps and system.framework.knob(c, "overlap_grad_reduce"),
+                  overlap_param_gather=overlaps and system.framework.knob(c, "overlap_param_gather"))
 
 
 def chunk_params(system: System, c: ParallelConfig, chunk_layers) -> list[float]:

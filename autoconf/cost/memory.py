@@ -39,9 +39,15 @@ def bytes_per_param(dtype: str) -> tuple[int, int, int]:
     return 2, 2, 12
 
 
-def state_bytes_per_param(dtype: str, zero_stage: int, dp: int) -> StateBytes:
-    """Model-state bytes per parameter on one device under ZeRO stage 0-3 with dp shards."""
+def state_bytes_per_param(dtype: str, zero_stage: int, dp: int, fp32_grads: bool = False) -> StateBytes:
+    """Model-state bytes per parameter on one device under ZeRO stage 0-3 with dp shards.
+
+    ``fp32_grads``: gradients accumulate in an fp32 buffer (Megatron-LM's ``main_grad`` in bf16
+    training): 4 bytes instead of 2, which gives Megatron's documented 18 bytes per parameter
+    without, and 6 + 12/dp with, its distributed optimizer."""
     p, g, o = bytes_per_param(dtype)
+    if fp32_grads:
+        g = 4
     return StateBytes(parameters=p / dp if zero_stage >= 3 else p,
                       gradients=g / dp if zero_stage >= 2 else g,
                       optimizer=o / dp if zero_stage >= 1 else o)

@@ -80,7 +80,11 @@ def pipeline_floor(c: ParallelConfig, fwd, bwd, n_chunks: int) -> float:
 
 
 def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:
-    """Transfer time between consecutive pipeline stages (slowest replica pair), per stage pair."""
+    """Transfer time between consecutive pipeline stages (slowest replica pair), per stage pair,
+    with the collective library's fixed cost per call and its bus efficiency on the tier crossed
+    (``System.collective_tuning``)."""
+    tune = system.collective_tuning
+
     def make():
         topo = system.topology
         by_stage: dict = {}
@@ -93,8 +97,10 @@ def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:
             worst = (0.0, 0.0)
             for d in range(c.dp):
                 for t in range(c.tp):
-                    bw, lat = topo.p2p(by_stage[(s, d, t)], by_stage[(nxt, d, t)])
-                    worst = max(worst, (1.0 / bw, lat))
+                    a, b = by_stage[(s, d, t)], by_stage[(nxt, d, t)]
+                    bw, lat = topo.p2p(a, b)
+                    eff = tune.inter_efficiency if topo.host_of[a] != topo.host_of[b] else tune.intra_efficiency
+                    worst = max(worst, (1.0 / (bw * eff), lat + tune.base_latency_s))
             links.append(worst)
         return links
     links = system.cached(("p2p", c.dp, c.pp, c.tp, c.rank_order), make)

@@ -32,7 +32,9 @@ class StageMemory:
     activations: float
     other: float
     capacity: float
-    """The smallest device memory of the stage."""
+    """The smallest usable device memory of the stage (memory less the fragmentation margin)."""
+    other_parts: tuple = ()
+    """(name, bytes) of what ``other`` holds, for the explanation."""
 
     @property
     def total(self) -> float:
@@ -41,13 +43,14 @@ class StageMemory:
     def to_dict(self) -> dict:
         return {"parameters": self.parameters, "gradients": self.gradients, "optimizer": self.optimizer,
                 "activations": self.activations, "other": self.other, "total": self.total,
-                "capacity": self.capacity}
+                "capacity": self.capacity, "other_parts": dict(self.other_parts)}
 
 
 def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMemory]:
     """Memory of every pipeline stage for configuration ``c``."""
     m = system.model
-    st = state_bytes_per_param(m.dtype, c.zero_stage, c.dp)
+    st = state_bytes_per_param(m.dtype, c.zero_stage, c.dp,
+                               fp32_grads=system.framework.fp32_grad_buffer_bf16 and m.dtype == "bf16")
     act_layer = system.layer_activations(c, _mask_bytes(system, lay))
     peaks = _activation_peaks(system, c, lay, act_layer["total"], st.gradients)
     out = []
@@ -56,10 +59,11 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         acts, grads = peaks[s]
         if c.recompute == "full":
             acts += act_layer.get("recompute_working_bytes", 0.0)
+        other = _other_bytes(system, c, lay, s, acts)
         out.append(StageMemory(parameters=params * st.parameters, gradients=grads,
                                optimizer=params * st.optimizer, activations=acts,
-                               other=_other_bytes(system, c, lay, s, acts),
-                               capacity=min(system.topology.memory_of[d] for d in lay.stage_devices[s])))
+                               other=sum(v for _, v in other), other_parts=other,
+                               capacity=min(system.capacity_bytes(d) for d in lay.stage_devices[s])))
     return out
 
 
@@ -109,11 +113,13 @@ def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_byte
                        tuple(in_flight + (ce_grad if ci == n_chunks - 1 else 0.0) for ci in range(n_chunks)))
 
 
-def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: float) -> float:
+def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: float) -> tuple:
     """Everything but model states and activations on stage ``s``.
 
     The framework's own overhead (catalog), ZeRO-3's gathered layers (``memory.zero3_working_bytes``),
-    torch.distributed.pipelining's receive buffers: its PipelineStage allocates, for every
+    torch.distributed.pipelining's receive buffers (frameworks built on it: the reference trainer,
+    torchtitan; Megatron and DeepSpeed receive into per-transfer tensors of the micro-batches in
+    flight, which their activations already count): its PipelineStage allocates, for every
     micro-batch, a buffer for the activation it receives (all chunks but the first) and one for
     the gradient it receives (all but the last), up front (stage._setup_forward_recv_info /
     _setup_backward_recv_info): a replica's whole batch of boundary activations, twice (the
@@ -122,15 +128,15 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
     the activations: it raises the peak only where it exceeds them.
     """
     m, chunks = system.model, lay.chunks_of(c, s)
-    other = max(device_type(k).framework_overhead_bytes for k in lay.stage_kinds[s])
+    parts = [("runtime context", max(device_type(k).framework_overhead_bytes for k in lay.stage_kinds[s]))]
     if c.zero_stage == 3 and c.dp > 1:
-        other += zero3_working_bytes(m, c.tp)
-    if c.pp > 1:
+        parts.append(("zero-3 gathered layers", zero3_working_bytes(m, c.tp)))
+    if c.pp > 1 and system.framework.per_micro_batch_pipeline_buffers:
         tokens = c.micro_batch_size * m.seq_length
         act = tokens * m.hidden_size * m.dtype_bytes / (c.tp if c.sequence_parallel else 1)
         buffers = sum((ci > 0) + (ci < lay.num_chunks - 1) for ci in chunks)
-        other += buffers * c.num_micro_batches * act
+        parts.append(("pipeline receive buffers", buffers * c.num_micro_batches * act))
     if c.dp > 1:
         bucket = min(BUCKET_BYTES, max(lay.chunk_params[ci] for ci in chunks) * bytes_per_param(m.dtype)[1])
-        other += max(0.0, bucket - acts)
-    return other
+        parts.append(("gradient bucket copy", max(0.0, bucket - acts)))
+    return tuple((k, v) for k, v in parts if v > 0)

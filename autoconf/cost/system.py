@@ -21,7 +21,7 @@ from ..model import ModelSpec
 from ..topology import Topology
 from . import comm
 from .activations import layer_activation_bytes
-from .compute import LayerTimes, Roofline, block_times, embedding_times, head_times, optimizer_s
+from .compute import LayerTimes, Roofline, block_times, embedding_times, head_times, optimizer_s, with_host
 
 _OPS = {comm.all_reduce_s: "all_reduce", comm.all_gather_s: "all_gather", comm.reduce_scatter_s: "reduce_scatter"}
 """Profile name of each collective. ``comm.reduce_scatter_s`` *is* ``comm.all_gather_s`` (the same
@@ -39,10 +39,14 @@ class System:
     calibration: object = None
     topology: Topology = None
     framework: object = None
-    """The training framework's behaviour (not used yet)."""
+    """The training framework's behaviour (``frameworks.Framework``, or its name; None: the
+    reference trainer)."""
     _cache: dict = field(default_factory=dict)
 
     def __post_init__(self):
+        from ..frameworks import framework as framework_model
+        if self.framework is None or isinstance(self.framework, str):
+            self.framework = framework_model(self.framework)
         if self.topology is None:
             if self.cluster is not None:
                 self.topology = Topology(self.cluster.graph())
@@ -118,8 +122,13 @@ class System:
                 if got:
                     rc = got[0] if recompute == "full" else 0.0
                     return LayerTimes(got[0], got[1], rc)
-            return block_times(self.model, b, tp, sp, recompute, self.roofline(kind))
+            return block_times(self.model, b, tp, sp, recompute, self.roofline(kind), self.host_cost(kind))
         return self.cached(("block", kind, b, tp, sp, recompute), lambda: _shared(make(), self.cpu_share(kind)))
+
+    def host_cost(self, kind: str):
+        """The framework's host cost per operation on an accelerator; None on CPU processes,
+        where the host is the device (its dispatch cost is inside the measured or roofline time)."""
+        return None if kind == "cpu" else self.framework.host
 
     def edge(self, kind: str, b: int, tp: int, which: str) -> LayerTimes:
         """The embedding (``which="embedding"``) or output layer (``"head"``) shard per micro-batch,
@@ -132,7 +141,7 @@ class System:
                 if got:
                     return LayerTimes(got[0], got[1])
             fn = embedding_times if which == "embedding" else head_times
-            return fn(self.model, b, tp, self.roofline(kind))
+            return with_host(fn(self.model, b, tp, self.roofline(kind)), which, self.host_cost(kind))
         return self.cached((which, kind, b, tp), lambda: _shared(make(), self.cpu_share(kind)))
 
     def layer_activations(self, c, mask: int) -> dict:
@@ -195,6 +204,27 @@ class System:
             return min(1.0, eff) if eff and eff > 0 else 1.0
         return self.cached(("eff", _OPS[fn], n), make)
 
+    @property
+    def collective_tuning(self) -> comm.CollectiveTuning:
+        """What the collective library adds to the links (``comm.CollectiveTuning``): the device
+        catalog's figures, the worst over the cluster's device kinds; neutral with a profile, whose
+        measured collective efficiencies already hold them."""
+        def make():
+            if self.measured_for():
+                return comm.NEUTRAL
+            tunes = [device_type(k).collective_tuning() for k in set(self.topology.kind_of)]
+            return comm.CollectiveTuning(base_latency_s=max(t.base_latency_s for t in tunes),
+                                         intra_efficiency=min(t.intra_efficiency for t in tunes),
+                                         inter_efficiency=min(t.inter_efficiency for t in tunes))
+        return self.cached(("tune",), make)
+
+    def capacity_bytes(self, device: int) -> float:
+        """Usable memory of a device: its memory less the allocator's fragmentation margin
+        (``Framework.memory_fragmentation``; the CUDA context is counted in ``other``). CPU
+        processes allocate with malloc, which the test bed measures exactly: no margin."""
+        mem = self.topology.memory_of[device]
+        return mem if self.topology.kind_of[device] == "cpu" else mem * (1.0 - self.framework.memory_fragmentation)
+
     def measured_tp_comm(self, c, stage_kinds) -> tuple[float, float] | None:
         """Per-layer (forward, backward) tp communication from the profile, if every stage's devices
         are of the profiled kind and the profile measured this tp in place."""
@@ -227,7 +257,8 @@ CostContext = System
 
 
 def _shared(t: LayerTimes, k: float) -> LayerTimes:
-    return t if k == 1.0 else LayerTimes(t.forward_s * k, t.backward_s * k, t.recompute_s * k)
+    return t if k == 1.0 else LayerTimes(t.forward_s * k, t.backward_s * k, t.recompute_s * k,
+                                         t.host_forward_s * k, t.host_backward_s * k)
 
 
 def _profile_device_kind(profile) -> str | None:

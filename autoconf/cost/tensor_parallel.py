@@ -37,19 +37,20 @@ def axis_links(system: System, c: ParallelConfig, axis: str):
     return system.cached(("axis", c.dp, c.pp, c.tp, c.rank_order, axis), make)
 
 
-def worst(links, fn, nbytes: float, efficiency: float = 1.0) -> float:
+def worst(links, fn, nbytes: float, efficiency: float = 1.0, tune: comm.CollectiveTuning = comm.NEUTRAL) -> float:
     """The slowest group's time: all groups of an axis run the collective together.
 
     ``efficiency`` (the profile's measured bus bandwidth over what the links predict) stretches
-    the bandwidth term only: steps x alpha + bytes / (beta x efficiency).
+    the bandwidth term only: steps x alpha + bytes / (beta x efficiency). ``tune``: the collective
+    library's fixed cost and bus efficiency per tier (``comm.CollectiveTuning``).
     """
-    return max(fn(nbytes / efficiency, g) for g in links)
+    return max(fn(nbytes / efficiency, g, tune) for g in links)
 
 
 def collective_s(system: System, links, fn, n: int, nbytes: float) -> float:
     """Collective ``fn`` of ``nbytes`` on every group of ``links`` (n ranks each), at the measured
     efficiency: the slowest group's time."""
-    return worst(links, fn, nbytes, system.collective_efficiency(fn, n))
+    return worst(links, fn, nbytes, system.collective_efficiency(fn, n), system.collective_tuning)
 
 
 def stage_devices(c: ParallelConfig) -> list[list[int]]:

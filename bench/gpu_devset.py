@@ -1,0 +1,200 @@
+"""Datasheet-mode accuracy on real GPUs: measured Megatron step times and NCCL all-reduce curves.
+
+Data (``bench/data/vtrain-a100/``, public, MIT licence beside it): 1,260 measured training
+iterations of GPT models (hidden 1024 / 2048, 12-24 layers, 16 heads, sequence 1024) on one
+8 x A100-SXM4 node with NVSwitch, every (tp, pp, dp) layout on 2, 4 and 8 GPUs, run with
+Megatron-DeepSpeed (1F1B, fp16, vocabulary 50,257 padded by Megatron, learned positions, GeLU,
+tied embeddings); and nccl-tests all-reduce times on the same node, 2-8 GPUs, 1 MiB - 1 GiB.
+
+The model is judged as a user would run it: ``estimate`` with ``--framework megatron`` on the
+catalog's ``a100-80gb`` with nothing fitted to these rows. Printed:
+
+- per (shape, GPUs, global batch) group: rows, median / max |error|, median signed error,
+  Spearman rank correlation, regret (measured time of the predicted best over the measured best);
+- the 10 worst rows with their breakdown;
+- predicted against measured all-reduce times per message size and group size.
+
+    python bench/gpu_devset.py [--recompute none|full] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from autoconf.cluster import cluster_from_mapping  # noqa: E402
+from autoconf.config import ParallelConfig  # noqa: E402
+from autoconf.cost.estimate import estimate  # noqa: E402
+from autoconf.model import ModelSpec  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(__file__), "data", "vtrain-a100")
+
+NODE = {"name": "dgx-a100", "node_groups": [{
+    "count": 1, "device": "a100-80gb", "gpus_per_node": 8,
+    "intra_node_bandwidth": "300 GB/s",  # NVLink 3 through NVSwitch, per GPU per direction
+    "nics": {"count": 8, "bandwidth": "200 Gbit/s", "kind": "infiniband"}}],
+    "latency": {"intra_node": "2 us", "inter_node": "10 us"}}
+
+
+def gpt(hidden: int, heads: int, layers: int, seq: int) -> ModelSpec:
+    """The GPT of Megatron-DeepSpeed's examples: GPT-2 BPE vocabulary, learned positions, GeLU
+    MLP of 4h, biases, tied embeddings, dropout 0.1, fp16 mixed precision, fused (unflashed)
+    softmax attention."""
+    return ModelSpec(num_layers=layers, hidden_size=hidden, num_attention_heads=heads, num_kv_heads=heads,
+                     ffn_hidden_size=4 * hidden, vocab_size=50257, seq_length=seq, activation="gelu",
+                     tied_embeddings=True, dtype="fp16", norm="layernorm", position_embedding="learned",
+                     bias=True, dropout=0.1, attention="eager", name=f"gpt-h{hidden}-l{layers}")
+
+
+def load_rows() -> list[dict]:
+    with open(os.path.join(DATA, "single_node.csv")) as f:
+        rows = list(csv.DictReader(f))
+    out = []
+    for r in rows:
+        d = {k: int(v) for k, v in r.items() if k != "iteration_time_ms"}
+        d["measured_s"] = float(r["iteration_time_ms"]) / 1e3
+        out.append(d)
+    return out
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2
+            i = j + 1
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    if n < 2:
+        return float("nan")
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = math.sqrt(sum((a - mx) ** 2 for a in rx))
+    vy = math.sqrt(sum((b - my) ** 2 for b in ry))
+    return cov / (vx * vy) if vx and vy else float("nan")
+
+
+def predict(rows: list[dict], recompute: str, framework: str) -> None:
+    cluster = cluster_from_mapping(NODE)
+    for r in rows:
+        model = gpt(r["hidden_size"], r["attention_heads"], r["num_layers"], r["seq_length"])
+        m = r["global_batch"] // (r["dp"] * r["micro_batch"])
+        c = ParallelConfig(dp=r["dp"], pp=r["pp"], tp=r["tp"], micro_batch_size=r["micro_batch"],
+                           num_micro_batches=m, schedule="1f1b", recompute=recompute)
+        kw = {"framework": framework} if framework else {}
+        e = estimate(c, model, cluster, **kw)
+        r["predicted_s"] = e.step_time_s
+        r["fits"] = e.fits
+        r["breakdown"] = e.breakdown_s
+        r["error"] = e.step_time_s / r["measured_s"] - 1
+
+
+def report(rows: list[dict]) -> dict:
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["hidden_size"], r["num_layers"], r["gpus"], r["global_batch"])].append(r)
+    print(f"{'h':>5} {'L':>3} {'gpus':>4} {'gbs':>4} {'rows':>4} {'med|e|':>7} {'max|e|':>7} {'med e':>7} "
+          f"{'spear':>6} {'regret':>6}")
+    spears, regrets = [], []
+    for key in sorted(groups):
+        g = groups[key]
+        errs = [r["error"] for r in g]
+        sp = spearman([r["predicted_s"] for r in g], [r["measured_s"] for r in g]) if len(g) > 2 else float("nan")
+        best_pred = min(g, key=lambda r: r["predicted_s"])
+        regret = best_pred["measured_s"] / min(r["measured_s"] for r in g)
+        if not math.isnan(sp):
+            spears.append(sp)
+        regrets.append(regret)
+        print(f"{key[0]:>5} {key[1]:>3} {key[2]:>4} {key[3]:>4} {len(g):>4} "
+              f"{statistics.median(abs(e) for e in errs):>7.1%} {max(abs(e) for e in errs):>7.1%} "
+              f"{statistics.median(errs):>+7.1%} {sp:>6.3f} {regret:>6.3f}")
+    errs = [r["error"] for r in rows]
+    summary = {"rows": len(rows), "median_abs_error": statistics.median(abs(e) for e in errs),
+               "max_abs_error": max(abs(e) for e in errs), "median_signed_error": statistics.median(errs),
+               "groups": len(groups), "min_spearman": min(spears), "median_spearman": statistics.median(spears),
+               "groups_spearman_ge_0.9": sum(s >= 0.9 for s in spears), "max_regret": max(regrets),
+               "median_regret": statistics.median(regrets),
+               "false_oom": sum(not r["fits"] for r in rows)}
+    print()
+    print("overall: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+    print("\n10 worst rows:")
+    for r in sorted(rows, key=lambda r: -abs(r["error"]))[:10]:
+        parts = " ".join(f"{k}={v * 1e3:.1f}" for k, v in r["breakdown"].items() if v > 0)
+        print(f"  h{r['hidden_size']} L{r['num_layers']} gbs{r['global_batch']} mbs{r['micro_batch']} "
+              f"dp{r['dp']} tp{r['tp']} pp{r['pp']}: measured {r['measured_s'] * 1e3:.1f} ms, "
+              f"predicted {r['predicted_s'] * 1e3:.1f} ms ({r['error']:+.1%}) [{parts} ms]")
+    return summary
+
+
+def all_reduce_check() -> dict:
+    """Predicted against measured nccl-tests all-reduce (out-of-place) on n GPUs of the node."""
+    from autoconf.cost import comm
+    from autoconf.topology import Topology
+    cluster = cluster_from_mapping(NODE)
+    topo = Topology(cluster.graph())
+    print("\nall-reduce (fp32, nccl-tests, out-of-place): predicted / measured time")
+    sizes_shown = [2**20, 2**22, 2**24, 2**26, 2**28, 2**30]
+    print(f"{'n':>2} " + " ".join(f"{_mib(s):>12}" for s in sizes_shown) + f" {'med|e|':>7} {'max|e|':>7}")
+    worst, all_errs = 0.0, []
+    for n in range(2, 9):
+        with open(os.path.join(DATA, f"allreduce_{n}gpu.csv")) as f:
+            meas = {int(r["size(B)"]): float(r["time(ns)"]) * 1e-9 for r in csv.DictReader(f)}
+        g = topo.group_links(tuple(range(n)))
+        errs, cells = [], []
+        for size, t in sorted(meas.items()):
+            p = comm.all_reduce_s(size, g, **_ar_kwargs())
+            errs.append(p / t - 1)
+            if size in sizes_shown:
+                cells.append(f"{p * 1e6:5.0f}/{t * 1e6:5.0f}us")
+        all_errs += errs
+        worst = max(worst, max(abs(e) for e in errs))
+        print(f"{n:>2} " + " ".join(f"{c:>12}" for c in cells)
+              + f" {statistics.median(abs(e) for e in errs):>7.1%} {max(abs(e) for e in errs):>7.1%}")
+    out = {"median_abs_error": statistics.median(abs(e) for e in all_errs), "max_abs_error": worst,
+           "within_10pct": sum(abs(e) <= 0.10 for e in all_errs) / len(all_errs)}
+    print("all-reduce overall: " + ", ".join(f"{k} {v:.3f}" for k, v in out.items()))
+    return out
+
+
+def _ar_kwargs() -> dict:
+    from autoconf.catalog import device_type
+    return {"tune": device_type("a100-80gb").collective_tuning()}
+
+
+def _mib(s: int) -> str:
+    return f"{s // 2**20} MiB" if s < 2**30 else f"{s // 2**30} GiB"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recompute", default="full", choices=("none", "selective", "full"))
+    ap.add_argument("--framework", default="megatron")
+    ap.add_argument("--json", help="write the summary and every row here")
+    args = ap.parse_args()
+    rows = load_rows()
+    predict(rows, args.recompute, args.framework if args.framework != "none" else None)
+    summary = report(rows)
+    summary["all_reduce"] = all_reduce_check()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -33,6 +33,10 @@ class DeviceType:
     ``intra_efficiency`` and ``inter_efficiency`` of the intra-node fabric's and the NICs'
     bandwidth (see ``cost.comm.CollectiveTuning``). None: the bare alpha-beta model."""
 
+    attention_efficiency: dict = None
+    """Fraction of peak the fused (flash) attention kernel reaches, ``forward`` and ``backward``
+    (FlashAttention-2 as PyTorch's SDPA runs it). None: the GEMM efficiency."""
+
     def collective_tuning(self):
         from .cost.comm import NEUTRAL, CollectiveTuning
         return CollectiveTuning(**self.collective) if self.collective else NEUTRAL

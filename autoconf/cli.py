@@ -12,6 +12,7 @@ import sys
 
 from . import __version__
 from .errors import UserError
+from .frameworks import FRAMEWORK_NAMES
 
 EPILOG = "This is autoconf-parallel (training-parallelism planner), not GNU Autoconf."
 
@@ -50,6 +51,9 @@ def _add_target(p, cluster_required: bool = False):
     p.add_argument("--calibration", help="calibration JSON from `autoconf search --verify K --calibrate`")
     p.add_argument("--seq-length", type=_positive_int, help="override the model's sequence length")
     p.add_argument("--global-batch", type=_positive_int, required=True, help="sequences per optimizer step")
+    p.add_argument("--framework", default="reference", choices=FRAMEWORK_NAMES,
+                   help="the runtime that will run the plan: its defaults, buffers, overlap and knobs are "
+                        "modelled, and search offers only what it can run (default: reference, this project's trainer)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -78,6 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="none", help="none, selective, full")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--rank-order", default="tp-dp-pp")
+    for knob, what in (("overlap-grad-reduce", "overlap the data-parallel gradient reduction with the backward"),
+                       ("overlap-param-gather", "prefetch ZeRO's parameter gathers behind compute"),
+                       ("tp-comm-overlap", "overlap tensor-parallel communication with the GEMMs (needs SP)")):
+        p.add_argument(f"--{knob}", action=argparse.BooleanOptionalAction, default=None,
+                       help=f"{what} (default: the framework's)")
 
     p = sub.add_parser("search", help="search the space for the fastest configuration that fits")
     _add_target(p)
@@ -179,8 +188,10 @@ def cmd_estimate(args) -> int:
                             num_micro_batches=args.global_batch // per_replica, schedule=schedule,
                             virtual_stages=args.virtual_stages, layered_grad_accum=args.layered_grad_accum,
                             zero_stage=args.zero, recompute=args.recompute,
-                            sequence_parallel=args.sequence_parallel, rank_order=args.rank_order)
-    e = estimate(config, model, cluster, profile, calibration)
+                            sequence_parallel=args.sequence_parallel, rank_order=args.rank_order,
+                            overlap_grad_reduce=args.overlap_grad_reduce,
+                            overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap)
+    e = estimate(config, model, cluster, profile, calibration, framework=args.framework)
     if args.json:
         _print_json(e.to_dict())
         return 0
@@ -215,7 +226,8 @@ def cmd_search(args) -> int:
     try:
         result = search(model, cluster, args.global_batch, gpus=args.gpus, top=max(args.top, args.verify),
                         trials=args.trials, exhaustive=not args.sample_only, storage=storage, study_name=args.study_name, profile=profile,
-                        calibration=calibration, max_micro_batch=args.max_micro_batch, progress=progress)
+                        calibration=calibration, max_micro_batch=args.max_micro_batch, progress=progress,
+                        framework=args.framework)
     finally:
         if bar is not None:
             bar.stop()

@@ -32,7 +32,7 @@ def hosts_used(cluster, world: int) -> list[int]:
 
 def config_document(estimate, model, cluster, profile_path: str | None = None) -> dict:
     return {"version": CONFIG_VERSION, "created_by": f"autoconf {__version__}",
-            "model": model.to_dict(), "config": estimate.config.to_dict(),
+            "model": model.to_dict(), "config": estimate.config.to_dict(), "framework": estimate.framework,
             "cluster": cluster.to_dict() if cluster is not None else None,
             "profile": profile_path, "estimate": estimate.to_dict()}
 

@@ -19,7 +19,7 @@ TERM_SOURCES = {
 
 
 def estimate_tables(e, title: str = "") -> list[Table]:
-    t = Table(title=title or f"step time {fmt_seconds(e.step_time_s)}  ({e.config.short()})")
+    t = Table(title=title or f"step time {fmt_seconds(e.step_time_s)}  ({e.config.short()}; framework {e.framework})")
     t.add_column("term")
     t.add_column("time", justify="right")
     t.add_column("share", justify="right")
@@ -34,6 +34,10 @@ def estimate_tables(e, title: str = "") -> list[Table]:
     for i, mm in enumerate(e.memory_by_stage):
         m.add_row(str(i), *(fmt_bytes(getattr(mm, k)) for k in ("parameters", "gradients", "optimizer", "activations",
                                                         "other", "total", "capacity")))
+    parts = {k for mm in e.memory_by_stage for k, _ in mm.other_parts}
+    if parts:
+        m.caption = ("other = " + " + ".join(sorted(parts)) + f"; capacity = device memory less the "
+                     f"{e.framework} allocator's fragmentation margin")
     return [t, m]
 
 

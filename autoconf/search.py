@@ -112,10 +112,8 @@ class _Evaluator:
         if self.incumbent < float("inf") and self._dominated(point):
             self.dominated += self.valid_per_point.get(point, 0)
             return None, None
-        for zero, rc, sp in inner_choices(dp, tp):
-            c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, self.global_batch)
-            reason = check(c, self.ctx.model)
-            if reason:
+        for c in framework_inner(self.ctx.framework, dp, pp, tp, mbs, sched, v, layered, self.global_batch):
+            if check(c, self.ctx.model):
                 continue
             # memory first (no simulation when it cannot fit); skip the schedule simulation when
             # the busiest device's work alone is slower than the best found (branch and bound)
@@ -174,15 +172,46 @@ class _Repair:
         return out
 
 
-def count_space(model, world: int, global_batch: int, max_micro_batch: int):
+def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch):
+    """The inner configurations of an outer point that framework ``fw`` can run: ZeRO stages it
+    has, every recompute mode, sequence parallelism, and both values of each knob it lets a user
+    switch where the knob matters (overlap_grad_reduce with dp > 1, overlap_param_gather with
+    ZeRO, tp_comm_overlap with sequence parallelism); other knobs stay at the framework's default."""
+    import dataclasses
+    for zero, rc, sp in inner_choices(dp, tp):
+        c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch)
+        if fw.check(c):
+            continue
+        matters = {"overlap_grad_reduce": dp > 1, "overlap_param_gather": dp > 1 and zero >= 1,
+                   "tp_comm_overlap": sp}
+        variants = [{}]
+        for knob in fw.knobs:
+            if matters[knob]:
+                variants = [{**v_, knob: val} for v_ in variants for val in (False, True)]
+        for kw in variants:
+            yield dataclasses.replace(c, **kw) if kw else c
+
+
+def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=None):
     """(outer points, total configs, valid configs, rejected reason counts).
 
     ZeRO, recomputation and sequence parallelism only add reasons to an outer point's own, so an
-    outer point that fails with the plainest inner choice fails with all of them.
+    outer point that fails with the plainest inner choice fails with all of them. With a framework
+    ``fw``, the schedules and layered accumulation it cannot run are rejected with that reason.
     """
     from .config import reason_key
+    from .frameworks import framework as framework_model
+    fw = fw or framework_model(None)
     rejected: dict = {}
-    points = list(outer_space(model, world, global_batch, max_micro_batch, rejected))
+    points = []
+    for point in outer_space(model, world, global_batch, max_micro_batch, rejected):
+        dp, pp, tp, mbs, sched, v, layered = point
+        why = fw.check(make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, global_batch))
+        if why:
+            key = f"{fw.name} cannot run it"
+            rejected[key] = rejected.get(key, 0) + len(inner_choices(dp, tp))
+            continue
+        points.append(point)
     total = sum(rejected.values())
     valid = 0
 
@@ -193,15 +222,15 @@ def count_space(model, world: int, global_batch: int, max_micro_batch: int):
     valid_per_point: dict = {}
     for point in points:
         dp, pp, tp, mbs, sched, v, layered = point
-        inner = inner_choices(dp, tp)
+        inner = list(framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch))
         total += len(inner)
         base = check(make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, global_batch), model)
         if base:
             count(base, len(inner))
             continue
         n = 0
-        for zero, rc, sp in inner:
-            reason = check(make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch), model) if sp else None
+        for c in inner:
+            reason = check(c, model) if c.sequence_parallel else None
             if reason:
                 count(reason, 1)
             else:
@@ -217,8 +246,9 @@ def _digest(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def default_study_name(model, world: int, global_batch: int, cluster_name: str) -> str:
-    return f"{model.name}-{cluster_name}-{world}gpus-gb{global_batch}"
+def default_study_name(model, world: int, global_batch: int, cluster_name: str, framework: str = "reference") -> str:
+    name = f"{model.name}-{cluster_name}-{world}gpus-gb{global_batch}"
+    return name if framework == "reference" else f"{name}-{framework}"
 
 
 class _Study:
@@ -402,24 +432,29 @@ class _Study:
 def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = None, top: int = 5,
            trials: int | None = None, storage: str | None = "sqlite:///autoconf-study.db",
            study_name: str | None = None, profile=None, calibration=None, max_micro_batch: int = 64,
-           seed: int = 0, exhaustive: bool = True, progress=None) -> SearchResult:
+           seed: int = 0, exhaustive: bool = True, progress=None, framework=None) -> SearchResult:
     """Search the space for the fastest configuration that fits. ``progress(done, total)`` is
-    called as trials finish."""
+    called as trials finish. ``framework``: the runtime that will run the plan (a name from
+    ``frameworks.FRAMEWORK_NAMES``; default the reference trainer): only what it can run is
+    offered, its switchable knobs are searched, and its behaviour is modelled."""
     t0 = time.perf_counter()
-    ctx = System(model, cluster, profile, calibration)
+    ctx = System(model, cluster, profile, calibration, framework=framework)
     world = gpus or ctx.num_devices
     if world > ctx.num_devices:
         raise UserError(f"--gpus {world}: the cluster has only {ctx.num_devices} devices")
     if global_batch <= 0:
         raise UserError(f"--global-batch {global_batch}: must be a positive number of sequences")
-    points, total, valid, rejected, valid_per_point = count_space(model, world, global_batch, max_micro_batch)
+    points, total, valid, rejected, valid_per_point = count_space(model, world, global_batch, max_micro_batch,
+                                                                  ctx.framework)
     if not points or not valid:
         raise UserError(f"no valid configuration: global batch {global_batch} on {world} devices; "
                         f"rejected: {', '.join(f'{k} ({v})' for k, v in rejected.items())}")
     evaluate = _Evaluator(ctx, global_batch, valid_per_point)
-    name = study_name or default_study_name(model, world, global_batch, cluster.name if cluster is not None else "profile")
+    name = study_name or default_study_name(model, world, global_batch, cluster.name if cluster is not None else "profile",
+                                            ctx.framework.name)
     budget = trials if trials is not None else 400
     signature = {"model": model.to_dict(), "global_batch": global_batch, "devices": world,
+                 "framework": ctx.framework.name,
                  "max_micro_batch": max_micro_batch,
                  "cluster": _digest(cluster.to_dict()) if cluster is not None else None,
                  "profile": _digest(profile.to_dict()) if profile is not None else None,

@@ -1,7 +1,6 @@
 """Size-dependent efficiencies, the host floor, collective tuning and the framework models,
 each against its closed form."""
 
-import math
 
 import pytest
 
@@ -149,3 +148,66 @@ def test_unknown_framework_is_a_user_error():
     with pytest.raises(UserError, match="valid: reference, megatron, torchtitan, deepspeed"):
         framework("jax")
     assert set(FRAMEWORKS) == {"reference", "megatron", "torchtitan", "deepspeed"}
+
+
+def _a100_node(n_nodes: int = 1):
+    from autoconf.cluster import cluster_from_mapping
+    return cluster_from_mapping({"name": "n", "node_groups": [{
+        "count": n_nodes, "device": "a100-80gb", "gpus_per_node": 8, "intra_node_bandwidth": "300 GB/s",
+        "nics": {"count": 8, "bandwidth": "200 Gbit/s", "kind": "infiniband"}}]})
+
+
+def test_megatron_memory_terms():
+    """Megatron keeps bf16 gradients in an fp32 buffer (18 bytes per parameter, 6 + 12/dp with
+    the distributed optimizer), has no per-micro-batch receive buffers, and capacity is memory
+    less the fragmentation margin."""
+    from autoconf.cost.estimate import estimate
+    m = preset("llama-3-8b")
+    cl = _a100_node(2)
+    c = ParallelConfig(dp=2, pp=2, tp=4, micro_batch_size=1, num_micro_batches=8)
+    meg = estimate(c, m, cl, framework="megatron")
+    ref = estimate(c, m, cl)
+    s_meg, s_ref = meg.memory_by_stage[0], ref.memory_by_stage[0]
+    params = s_meg.parameters / 2
+    assert s_meg.gradients == pytest.approx(4 * params)
+    assert s_ref.gradients == pytest.approx(2 * params)
+    assert s_meg.optimizer == pytest.approx(12 * params)
+    z1 = estimate(ParallelConfig(dp=2, pp=2, tp=4, micro_batch_size=1, num_micro_batches=8, zero_stage=1),
+                  m, cl, framework="megatron").memory_by_stage[0]
+    assert (z1.parameters + z1.gradients + z1.optimizer) == pytest.approx((6 + 12 / 2) * params)
+    recv = dict(s_ref.other_parts).get("pipeline receive buffers")
+    assert recv == pytest.approx(1 * 8 * m.seq_length * m.hidden_size * 2)  # stage 0 receives gradients only
+    assert "pipeline receive buffers" not in dict(s_meg.other_parts)
+    assert s_meg.capacity == pytest.approx(80 * 2**30 * (1 - framework("megatron").memory_fragmentation))
+    assert meg.framework == "megatron" and meg.to_dict()["framework"] == "megatron"
+
+
+def test_estimate_refuses_what_the_framework_cannot_run():
+    from autoconf.cost.estimate import estimate
+    c = ParallelConfig(dp=2, pp=2, tp=4, micro_batch_size=1, num_micro_batches=8, schedule="gpipe")
+    with pytest.raises(UserError, match="megatron has no gpipe"):
+        estimate(c, preset("llama-3-8b"), _a100_node(2), framework="megatron")
+
+
+def test_zero3_gathers_hide_behind_compute_only_when_prefetched():
+    """Layer by layer: with prefetching (torchtitan's FSDP2 default) a gather shorter than its
+    layer's compute is hidden; without it every layer's gather, forward and backward, every
+    micro-batch, is exposed."""
+    import dataclasses
+
+    from autoconf import frameworks
+    from autoconf.cost import comm
+    from autoconf.cost.estimate import estimate
+    from autoconf.cost.system import System
+    from autoconf.cost.tensor_parallel import axis_links, worst
+    m = preset("llama-3-8b")
+    cl = _a100_node(4)
+    c = ParallelConfig(dp=32, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4, zero_stage=3)
+    titan = frameworks.FRAMEWORKS["torchtitan"]
+    no_prefetch = dataclasses.replace(titan, defaults={**titan.defaults, "overlap_param_gather": False})
+    hidden = estimate(c, m, cl, framework="torchtitan")
+    sysm = System(m, cl, framework=no_prefetch)
+    exposed = estimate(c, m, cl, ctx=sysm)
+    assert exposed.breakdown_s["dp_comm"] > hidden.breakdown_s["dp_comm"]
+    ag = worst(axis_links(sysm, c, "dp"), comm.all_gather_s, m.layer_params() * 2, 1.0, sysm.collective_tuning)
+    assert exposed.breakdown_s["dp_comm"] >= 2 * 4 * m.num_layers * ag * 0.99

@@ -7,7 +7,8 @@ device catalog; a profile replaces the GEMM efficiency by its measured table (``
 replaces whole-layer times by measured ones in ``system.System.block``.
 
 Backward = two GEMMs per forward GEMM (input and weight gradients), twice the element-wise traffic;
-fused (flash) attention's backward is 2.5x its forward (it recomputes the scores; Dao 2022).
+fused (flash) attention's backward does 2.5x its forward's FLOPs (it recomputes the scores; Dao
+2022), each at the device's measured flash-attention efficiency (catalog ``attention_efficiency``).
 
 Three effects make small work slower than its FLOPs say:
 
@@ -50,12 +51,16 @@ class Roofline:
     """Streaming multiprocessors for wave quantization (0: none, e.g. CPU)."""
     vector_flop_per_s: float = 0.0
     """Non-tensor-core rate for element-wise math (0: not modelled)."""
+    attention_efficiency: tuple = ()
+    """(forward, backward) fraction of peak of fused attention; empty: the GEMM efficiency."""
 
     @classmethod
     def of(cls, dev: DeviceType, dtype: str, gemm_eff=None) -> "Roofline":
+        att = dev.attention_efficiency or {}
         return cls(dev.peak(dtype), dev.memory_bandwidth_bytes_per_s, dev.gemm_efficiency,
                    dev.memory_efficiency, dev.kernel_launch_s, gemm_eff, dev.sm_count,
-                   dev.peak_flop_per_s.get("fp32", 0.0) if dev.sm_count else 0.0)
+                   dev.peak_flop_per_s.get("fp32", 0.0) if dev.sm_count else 0.0,
+                   (att["forward"], att["backward"]) if att else ())
 
     def gemm(self, m: float, n: float, k: float, elem_bytes: int, batch: float = 1) -> float:
         flops = 2.0 * m * n * k * batch
@@ -167,9 +172,13 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     if model.attention == "flash":
         flops = 4.0 * b * heads * s * s * model.head_dim * 0.5  # causal blocks skipped
         io = (T * (h + 2 * kv) / tp + T * h / tp) * B
-        att_f = max(flops / (rf.peak_flop_per_s * rf.gemm_efficiency),
-                    io / (rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency)) + rf.kernel_launch_s
-        att_b = 2.5 * att_f
+        eff_f, eff_b = rf.attention_efficiency or (rf.gemm_efficiency, rf.gemm_efficiency)
+        if rf.gemm_eff is not None:  # a profile measured this device: scale by its large-GEMM rate
+            eff_f, eff_b = (e * (rf.gemm_eff(8192, 8192, 8192) or rf.gemm_efficiency) / rf.gemm_efficiency
+                            for e in (eff_f, eff_b))
+        mem = io / (rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency)
+        att_f = max(flops / (rf.peak_flop_per_s * eff_f), mem) + rf.kernel_launch_s
+        att_b = max(2.5 * flops / (rf.peak_flop_per_s * eff_b), 2.5 * mem) + rf.kernel_launch_s
     else:
         bmm = 2 * rf.gemm(s, s, model.head_dim, B, batch=b * heads)
         probs = b * heads * s * s * B

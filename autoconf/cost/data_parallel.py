@@ -18,7 +18,7 @@ import math
 from ..config import ParallelConfig
 from . import comm
 from .layout import Layout
-from .memory import BUCKET_BYTES, bytes_per_param
+from .memory import BUCKET_BYTES
 from .system import System
 from .tensor_parallel import axis_links, collective_s
 
@@ -38,7 +38,7 @@ def bucket_traffic(c: ParallelConfig) -> float:
 
 def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds) -> float:
     """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic."""
-    g_bytes = bytes_per_param(system.model.dtype)[1]
+    g_bytes = system.grad_bytes
     return (collective_s(system, axis_links(system, c, "dp"), fn, c.dp, lay.chunk_params[ci] * g_bytes)
             + system.copy_time(kinds, bucket_traffic(c) * lay.chunk_params[ci] * g_bytes))
 
@@ -72,7 +72,7 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
     passes = 1 if lay.layered and c.pp == 1 else n_mb
     per_pass = n_mb / passes  # micro-batches per pass over the chunk
     f_l, b_l = f / nl * per_pass, b / nl * per_pass  # one layer's compute in one pass
-    g_bytes = bytes_per_param(m.dtype)[1]
+    g_bytes = system.grad_bytes
     rs_l = 0.0
     if not lay.layered:  # standard accumulation: every micro-batch's gradients but the last
         grads = lay.chunk_params[ci] * g_bytes
@@ -111,7 +111,7 @@ def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makesp
     m = system.model
     red = comm.all_reduce_s if c.zero_stage == 0 else comm.reduce_scatter_s
     links = axis_links(system, c, "dp")
-    last_bucket = min(BUCKET_BYTES, m.layer_params() / c.tp * bytes_per_param(m.dtype)[1])
+    last_bucket = min(BUCKET_BYTES, m.layer_params() / c.tp * system.grad_bytes)
     end_all = makespan
     for dev in range(c.pp):
         ends = sim.last_backward_end_s
@@ -129,7 +129,9 @@ def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makesp
 
 def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     """ZeRO-1/2: the updated parameter shards gathered back after the optimizer step (each owner's
-    shard is flattened, sent and copied back into the parameters); 0 otherwise."""
+    shard is flattened, sent and copied back into the parameters); 0 otherwise. With
+    ``overlap_param_gather`` (Megatron's distributed optimizer) each layer's gather runs under the
+    next step's forward, layer by layer: only the first layer's share waits."""
     if c.dp == 1 or c.zero_stage not in (1, 2):
         return 0.0
     links = axis_links(system, c, "dp")
@@ -138,4 +140,6 @@ def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
         nbytes = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev)) * system.model.dtype_bytes
         post_ag = max(post_ag, collective_s(system, links, comm.all_gather_s, c.dp, nbytes)
                       + system.copy_time(lay.stage_kinds[dev], (4 - 2 / c.dp) * nbytes))
+    if lay.overlap_param_gather:
+        return post_ag / max(1, system.model.num_layers // c.pp)
     return post_ag

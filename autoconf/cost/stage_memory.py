@@ -16,7 +16,7 @@ from ..catalog import device_type
 from ..config import ParallelConfig
 from .activations import embedding_activation_bytes, head_activation_bytes
 from .layout import Layout
-from .memory import BUCKET_BYTES, bytes_per_param, state_bytes_per_param, zero3_working_bytes
+from .memory import BUCKET_BYTES, state_bytes_per_param, zero3_working_bytes
 from . import schedule_time
 from .pipeline import peak_memory
 from .system import System
@@ -105,7 +105,7 @@ def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_byte
     ce_grad = c.micro_batch_size * m.seq_length * (-(-m.vocab_size // c.tp)) * 4.0
     in_flight = 0.0
     if c.dp > 1 and c.zero_stage >= 2 and not c.layered_grad_accum:
-        in_flight = min(BUCKET_BYTES, m.layer_params() / c.tp * bytes_per_param(m.dtype)[1])
+        in_flight = min(BUCKET_BYTES, m.layer_params() / c.tp * system.grad_bytes)
     return peak_memory(sched, c.pp, m_sim, lay.virtual_stages,
                        tuple(_chunk_activation_bytes(system, c, lay, layer_bytes)),
                        tuple(p * grad_bytes for p in lay.chunk_params),
@@ -137,6 +137,6 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
         buffers = sum((ci > 0) + (ci < lay.num_chunks - 1) for ci in chunks)
         parts.append(("pipeline receive buffers", buffers * c.num_micro_batches * act))
     if c.dp > 1:
-        bucket = min(BUCKET_BYTES, max(lay.chunk_params[ci] for ci in chunks) * bytes_per_param(m.dtype)[1])
+        bucket = min(BUCKET_BYTES, max(lay.chunk_params[ci] for ci in chunks) * system.grad_bytes)
         parts.append(("gradient bucket copy", max(0.0, bucket - acts)))
     return tuple((k, v) for k, v in parts if v > 0)

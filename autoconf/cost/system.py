@@ -218,6 +218,15 @@ class System:
                                          inter_efficiency=min(t.inter_efficiency for t in tunes))
         return self.cached(("tune",), make)
 
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element as the framework keeps and reduces them: the parameters'
+        precision, or fp32 where it accumulates bf16 gradients in an fp32 buffer (Megatron)."""
+        from .memory import bytes_per_param
+        if self.framework.fp32_grad_buffer_bf16 and self.model.dtype == "bf16":
+            return 4
+        return bytes_per_param(self.model.dtype)[1]
+
     def capacity_bytes(self, device: int) -> float:
         """Usable memory of a device: its memory less the allocator's fragmentation margin
         (``Framework.memory_fragmentation``; the CUDA context is counted in ``other``). CPU

@@ -110,7 +110,7 @@ def report(rows: list[dict]) -> dict:
         groups[(r["hidden_size"], r["num_layers"], r["gpus"], r["global_batch"])].append(r)
     print(f"{'h':>5} {'L':>3} {'gpus':>4} {'gbs':>4} {'rows':>4} {'med|e|':>7} {'max|e|':>7} {'med e':>7} "
           f"{'spear':>6} {'regret':>6}")
-    spears, regrets = [], []
+    spears, regrets, spears5 = [], [], []
     for key in sorted(groups):
         g = groups[key]
         errs = [r["error"] for r in g]
@@ -119,6 +119,8 @@ def report(rows: list[dict]) -> dict:
         regret = best_pred["measured_s"] / min(r["measured_s"] for r in g)
         if not math.isnan(sp):
             spears.append(sp)
+            if len(g) >= 5:
+                spears5.append(sp)
         regrets.append(regret)
         print(f"{key[0]:>5} {key[1]:>3} {key[2]:>4} {key[3]:>4} {len(g):>4} "
               f"{statistics.median(abs(e) for e in errs):>7.1%} {max(abs(e) for e in errs):>7.1%} "
@@ -127,8 +129,10 @@ def report(rows: list[dict]) -> dict:
     summary = {"rows": len(rows), "median_abs_error": statistics.median(abs(e) for e in errs),
                "max_abs_error": max(abs(e) for e in errs), "median_signed_error": statistics.median(errs),
                "groups": len(groups), "min_spearman": min(spears), "median_spearman": statistics.median(spears),
-               "groups_spearman_ge_0.9": sum(s >= 0.9 for s in spears), "max_regret": max(regrets),
-               "median_regret": statistics.median(regrets),
+               "groups_spearman_ge_0.9": sum(s >= 0.9 for s in spears),
+               "groups_of_5_or_more": len(spears5), "of_them_spearman_ge_0.9": sum(s >= 0.9 for s in spears5),
+               "max_regret": max(regrets), "median_regret": statistics.median(regrets),
+               "groups_regret_le_1.03": sum(r <= 1.03 for r in regrets),
                "false_oom": sum(not r["fits"] for r in rows)}
     print()
     print("overall: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))

@@ -84,7 +84,7 @@ class ClusterSpec:
         """From :meth:`to_dict`'s form (SI numbers), checked against ``SI_CLUSTER_SCHEMA``."""
         try:
             d = SI_CLUSTER_SCHEMA(d)
-            _check_devices(d["node_groups"], "cluster")
+            _check_devices(d["node_groups"])
         except UserError as e:
             raise UserError(f"cluster: {e}") from None
         d["node_groups"] = tuple(NodeGroup(**g) for g in d["node_groups"])
@@ -169,12 +169,12 @@ SI_CLUSTER_SCHEMA = Dict(
     what="a cluster")
 
 
-def _check_devices(groups, where: str) -> None:
-    for i, g in enumerate(groups):
+def _check_devices(groups) -> None:
+    for g in groups:
         device_type(g["device"])  # a UserError naming the valid devices
     total = sum(g["count"] * g["gpus_per_node"] for g in groups)
     if total > MAX_DEVICES:
-        raise UserError(f"{where}: {total:,} devices in all; at most {MAX_DEVICES:,}")
+        raise UserError(f"{total:,} devices in all; at most {MAX_DEVICES:,}")
 
 
 def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
@@ -185,7 +185,7 @@ def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
         raise UserError(f"{where}: 'node_groups' must be a non-empty list")
     try:
         d = CLUSTER_SCHEMA(data)
-        _check_devices(d["node_groups"], where)
+        _check_devices(d["node_groups"])
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
     out = []

@@ -174,6 +174,7 @@ class ModelSpec:
     def from_dict(cls, d: dict, name: str | None = None) -> "ModelSpec":
         """Build from a mapping checked against :data:`MODEL_SCHEMA` (exact types, ranges, known keys)."""
         label = name or (d.get("name") if isinstance(d, dict) and isinstance(d.get("name"), str) else "custom")
+        label = label if len(label) <= 60 else label[:57] + "..."
         try:
             kwargs = MODEL_SCHEMA(d)
         except UserError as e:
@@ -297,7 +298,7 @@ def _load_model_file(path: str) -> ModelSpec:
     name = os.path.splitext(os.path.basename(path))[0][:200] or "custom"
     text = read_text(path, "model file")
     if path.endswith(".json"):
-        data = parse_json(text, path, "model file")
+        data = parse_json(text, path, "model file", ("model", "hf"))
         if not isinstance(data, dict):
             raise UserError(f"model file {path!r} must hold a JSON object")
         check_kind(data, path, ("model", "hf"))

@@ -429,7 +429,7 @@ def load_profile(path: str) -> Profile:
     if not os.path.exists(path):
         raise UserError(f"profile {path!r} does not exist (create one with `autoconf profile --model M --out {path}`)")
     text = read_text(path, "profile", MAX_PROFILE_BYTES)
-    data = parse_json(text, path, "profile")
+    data = parse_json(text, path, "profile", ("profile",))
     check_kind(data, path, ("profile",))
     if not isinstance(data, dict) or "version" not in data:
         raise UserError(f"profile {path!r} is not an autoconf profile (no 'version' field)")

@@ -40,6 +40,8 @@ MAX_YAML_NODES = 100_000          # nodes of a YAML document once its aliases ar
 
 def _show(value, limit: int = 60) -> str:
     """repr() cut to ``limit`` characters, for one-line messages."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
     try:
         r = repr(value)
     except Exception:  # noqa: BLE001 - a repr must never turn an error into a traceback
@@ -98,7 +100,10 @@ class Num(Spec):
     def __call__(self, value, path=""):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             self.fail(value, path, f"a number in {self._range()}")
-        v = float(value) if not isinstance(value, int) or abs(value) < 2**63 else math.inf
+        try:
+            v = float(value)
+        except OverflowError:  # an integer beyond any float
+            raise UserError(f"{_val(path, value)} is out of range; expected a number in {self._range()}") from None
         if not math.isfinite(v):
             raise UserError(f"{_val(path, value)} is not a finite number; expected a number in {self._range()}")
         if v < self.lo or v > self.hi or (self.lo_open and v == self.lo) or (self.hi_open and v == self.hi):
@@ -286,24 +291,39 @@ def read_text(path: str, what: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
     return text
 
 
-def parse_json(text: str, path: str, what: str):
-    """JSON text -> data; NaN and Infinity are read (the schemas refuse them with the key's name)."""
+def parse_json(text: str, path: str, what: str, expected: tuple = ()):
+    """JSON text -> data; NaN and Infinity are read (the schemas refuse them with the key's name).
+
+    With ``expected`` (kind names), a file that is not JSON but YAML of another kind says so.
+    """
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
+        if expected:
+            try:
+                other = parse_yaml(text, path, what)
+            except UserError:
+                other = None
+            check_kind(other, path, expected)
         raise UserError(f"{what} {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
     except RecursionError:
         raise UserError(f"{what} {path!r} is nested too deeply to be a {what}") from None
     except ValueError as e:  # e.g. an integer with more digits than Python converts
-        raise UserError(f"{what} {path!r} is not valid JSON: {str(e).splitlines()[0][:120]}") from None
+        raise UserError(f"{what} {path!r} is not valid JSON: {_why(e)}") from None
+
+
+def _why(e: Exception) -> str:
+    text = " ".join(str(e).split())
+    return "a number with thousands of digits" if "digits" in text else text[:120]
 
 
 def parse_yaml(text: str, path: str, what: str = "file"):
     """YAML text -> data with the safe loader; alias bombs and deep nesting refused before construction."""
     import yaml
 
-    loader = _bounded_loader()(text)
+    loader = None
     try:
+        loader = _bounded_loader()(text)
         return loader.get_single_data()
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -316,9 +336,10 @@ def parse_yaml(text: str, path: str, what: str = "file"):
     except UserError as e:
         raise UserError(f"{what} {path!r}: {e}") from None
     except (ValueError, OverflowError) as e:  # e.g. an integer with more digits than Python converts
-        raise UserError(f"{what} {path!r} holds a value YAML cannot convert: {str(e).splitlines()[0][:120]}") from None
+        raise UserError(f"{what} {path!r} holds a value YAML cannot convert: {_why(e)}") from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 _LOADER = None

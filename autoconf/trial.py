@@ -92,7 +92,7 @@ def load_document(config_path_or_dict) -> dict:
         where = repr(path)
         if not os.path.exists(path):
             raise UserError(f"trial config file {path!r} does not exist")
-        doc = parse_json(read_text(path, "trial config file", 64 << 20), path, "trial config file")
+        doc = parse_json(read_text(path, "trial config file", 64 << 20), path, "trial config file", ("plan",))
         check_kind(doc, path, ("plan",))
     if not isinstance(doc, dict):
         raise UserError(f"{where} must hold a JSON object with 'model' and 'config'")

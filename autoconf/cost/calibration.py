@@ -234,7 +234,7 @@ def load_calibration(path: str) -> Calibration:
     from ..errors import UserError
     from ..schema import check_kind, parse_json, read_text
 
-    data = parse_json(read_text(path, "calibration file"), path, "calibration file")
+    data = parse_json(read_text(path, "calibration file"), path, "calibration file", ("calibration",))
     check_kind(data, path, ("calibration",))
     if not isinstance(data, dict) or "factors" not in data:
         raise UserError(f"calibration file {path!r} must hold an object with 'factors' "

@@ -134,10 +134,12 @@ MEMORY = ("bytes", float(1 << 20), float(1 << 50))  # 1 MiB .. 1 PiB per device
 
 
 def _quantity(kind, lo, hi):
-    return Quantity(kind, lo, hi, lo_open=lo == 0.0 and kind != "seconds")
+    """A person writes it with a unit ("300 GB/s")."""
+    return Quantity(kind, lo, hi)
 
 
 def _si(kind, lo, hi):
+    """A machine wrote it in SI (the field name carries the unit: ``*_bytes_per_s``)."""
     return Num(lo, hi)
 
 

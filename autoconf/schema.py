@@ -20,8 +20,8 @@ The rules, for every kind:
   not a calibration file".
 
 This was chosen over pydantic: the project's dependencies are fixed (optuna, numpy, networkx,
-rich, pyyaml), and the vocabulary plus the file readers is ~400 lines with messages written for the CLI's one
-line on stderr. Pure Python, no torch.
+rich, pyyaml), and the vocabulary plus the file readers is ~400 lines, with messages written for
+the CLI's one line on stderr. Pure Python, no torch.
 """
 
 from __future__ import annotations

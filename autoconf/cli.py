@@ -370,7 +370,7 @@ def main(argv=None) -> int:
     try:
         return fn(args) or 0
     except UserError as e:
-        sys.stderr.write(f"autoconf: error: {e}\n")
+        sys.stderr.write(f"autoconf: error: {' '.join(str(e).split())}\n")  # always one line
         return 2
     except KeyboardInterrupt:
         sys.stderr.write("autoconf: interrupted (finished trials are kept in the study)\n")

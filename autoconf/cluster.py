@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from .catalog import device_type
 from .errors import UserError
-from .units import parse_quantity
+from .schema import Dict, Int, List, Null, Num, Quantity, Str, check_kind
 
 
 @dataclass(frozen=True)
@@ -81,8 +81,12 @@ class ClusterSpec:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ClusterSpec":
-        d = dict(d)
-        d.pop("_graph_cache", None)
+        """From :meth:`to_dict`'s form (SI numbers), checked against ``SI_CLUSTER_SCHEMA``."""
+        try:
+            d = SI_CLUSTER_SCHEMA(d)
+            _check_devices(d["node_groups"])
+        except UserError as e:
+            raise UserError(f"cluster: {e}") from None
         d["node_groups"] = tuple(NodeGroup(**g) for g in d["node_groups"])
         return cls(**d)
 
@@ -119,67 +123,92 @@ def _build_graph(spec: ClusterSpec):
     return g
 
 
-_GROUP_KEYS = {"count", "device", "gpus_per_node", "intra_node_bandwidth", "nics", "memory"}
-_TOP_KEYS = {"name", "node_groups", "inter_group_bandwidth", "latency"}
+# -- the YAML schema (quantities written with units) and the SI one (ClusterSpec.to_dict) -----------
+
+MAX_DEVICES = 1 << 16
+"""Devices in one cluster (the largest training runs published use ~16k-100k; the graph and the
+search over this many stay within seconds and a few GB)."""
+BANDWIDTH = ("bytes_per_s", 1e3, 1e15)     # 1 kB/s .. 1 PB/s, per direction
+LATENCY = ("seconds", 0.0, 1.0)            # 0 .. 1 s
+MEMORY = ("bytes", float(1 << 20), float(1 << 50))  # 1 MiB .. 1 PiB per device
+
+
+def _quantity(kind, lo, hi):
+    """A person writes it with a unit ("300 GB/s")."""
+    return Quantity(kind, lo, hi)
+
+
+def _si(kind, lo, hi):
+    """A machine wrote it in SI (the field name carries the unit: ``*_bytes_per_s``)."""
+    return Num(lo, hi)
+
+
+NIC_SCHEMA = Dict(optional={"count": Int(1, 256), "bandwidth": _quantity(*BANDWIDTH), "kind": Str(max_len=64)},
+                  what="nics, like {count: 8, bandwidth: 200 Gbit/s, kind: infiniband}")
+GROUP_SCHEMA = Dict(
+    required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=64), "gpus_per_node": Int(1, 1024),
+              "intra_node_bandwidth": _quantity(*BANDWIDTH)},
+    optional={"nics": Null(NIC_SCHEMA), "memory": _quantity(*MEMORY)},
+    what="a node group")
+LATENCY_SCHEMA = Dict(optional={"intra_node": _quantity(*LATENCY), "inter_node": _quantity(*LATENCY)},
+                      what="latency, like {intra_node: 2 us, inter_node: 10 us}")
+CLUSTER_SCHEMA = Dict(
+    required={"node_groups": List(GROUP_SCHEMA, min_len=1, max_len=256)},
+    optional={"name": Str(max_len=200), "inter_group_bandwidth": Null(_quantity(*BANDWIDTH)),
+              "latency": Null(LATENCY_SCHEMA)},
+    what="a cluster")
+
+SI_GROUP_SCHEMA = Dict(
+    required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=64), "gpus_per_node": Int(1, 1024),
+              "intra_node_bandwidth_bytes_per_s": _si(*BANDWIDTH)},
+    optional={"nic_count": Int(1, 256), "nic_bandwidth_bytes_per_s": _si(*BANDWIDTH), "nic_kind": Str(max_len=64),
+              "memory_bytes": Null(_si(*MEMORY))},
+    what="a node group")
+SI_CLUSTER_SCHEMA = Dict(
+    required={"name": Str(max_len=200), "node_groups": List(SI_GROUP_SCHEMA, min_len=1, max_len=256)},
+    optional={"intra_node_latency_s": _si(*LATENCY), "inter_node_latency_s": _si(*LATENCY),
+              "inter_group_bandwidth_bytes_per_s": Null(_si(*BANDWIDTH))},
+    what="a cluster")
+
+
+def _check_devices(groups) -> None:
+    for g in groups:
+        device_type(g["device"])  # a UserError naming the valid devices
+    total = sum(g["count"] * g["gpus_per_node"] for g in groups)
+    if total > MAX_DEVICES:
+        raise UserError(f"{total:,} devices in all; at most {MAX_DEVICES:,}")
 
 
 def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
-    """Build a ClusterSpec from the YAML schema (quantities with units)."""
+    """Build a ClusterSpec from the YAML schema (quantities with units), checked strictly."""
     if not isinstance(data, dict):
         raise UserError(f"{where}: expected a mapping with 'node_groups', got {type(data).__name__}")
-    unknown = sorted(set(data) - _TOP_KEYS)
-    if unknown:
-        raise UserError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_TOP_KEYS))}")
-    groups = data.get("node_groups")
-    if not isinstance(groups, list) or not groups:
+    if "node_groups" in data and isinstance(data["node_groups"], list) and not data["node_groups"]:
         raise UserError(f"{where}: 'node_groups' must be a non-empty list")
+    try:
+        d = CLUSTER_SCHEMA(data)
+        _check_devices(d["node_groups"])
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
     out = []
-    for i, g in enumerate(groups):
-        w = f"{where}: node_groups[{i}]"
-        if not isinstance(g, dict):
-            raise UserError(f"{w} must be a mapping")
-        unknown = sorted(set(g) - _GROUP_KEYS)
-        if unknown:
-            raise UserError(f"{w}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_GROUP_KEYS))}")
-        for k in ("count", "device", "gpus_per_node", "intra_node_bandwidth"):
-            if k not in g:
-                raise UserError(f"{w}: missing '{k}'")
-        for k in ("count", "gpus_per_node"):
-            if not isinstance(g[k], int) or isinstance(g[k], bool) or g[k] <= 0:
-                raise UserError(f"{w}: {k}={g[k]!r} must be a positive integer")
-        device_type(str(g["device"]))  # validates the name
-        nics = g.get("nics", {}) or {}
-        if not isinstance(nics, dict):
-            raise UserError(f"{w}: nics must be a mapping like {{count: 8, bandwidth: 200 Gbit/s}}")
-        nic_count = nics.get("count", 1)
-        if not isinstance(nic_count, int) or nic_count <= 0:
-            raise UserError(f"{w}: nics.count={nic_count!r} must be a positive integer")
+    for g in d["node_groups"]:
+        nics = g.get("nics") or {}
         out.append(NodeGroup(
-            count=g["count"], device=str(g["device"]), gpus_per_node=g["gpus_per_node"],
-            intra_node_bandwidth_bytes_per_s=_positive(g["intra_node_bandwidth"], "bytes_per_s", f"{w}.intra_node_bandwidth"),
-            nic_count=nic_count,
-            nic_bandwidth_bytes_per_s=_positive(nics.get("bandwidth", "100 Gbit/s"), "bytes_per_s", f"{w}.nics.bandwidth"),
-            nic_kind=str(nics.get("kind", "infiniband")),
-            memory_bytes=_positive(g["memory"], "bytes", f"{w}.memory") if "memory" in g else None,
+            count=g["count"], device=g["device"], gpus_per_node=g["gpus_per_node"],
+            intra_node_bandwidth_bytes_per_s=g["intra_node_bandwidth"],
+            nic_count=nics.get("count", 1),
+            nic_bandwidth_bytes_per_s=nics.get("bandwidth", 100e9 / 8),
+            nic_kind=nics.get("kind", "infiniband"),
+            memory_bytes=g.get("memory"),
         ))
-    lat = data.get("latency", {}) or {}
-    if not isinstance(lat, dict):
-        raise UserError(f"{where}: latency must be a mapping like {{intra_node: 2 us, inter_node: 10 us}}")
-    cap = data.get("inter_group_bandwidth")
+    lat = d.get("latency") or {}
     return ClusterSpec(
-        name=str(data.get("name", "cluster")),
+        name=d.get("name", "cluster"),
         node_groups=tuple(out),
-        intra_node_latency_s=parse_quantity(lat.get("intra_node", "2 us"), "seconds", f"{where}: latency.intra_node"),
-        inter_node_latency_s=parse_quantity(lat.get("inter_node", "10 us"), "seconds", f"{where}: latency.inter_node"),
-        inter_group_bandwidth_bytes_per_s=_positive(cap, "bytes_per_s", f"{where}: inter_group_bandwidth") if cap is not None else None,
+        intra_node_latency_s=lat.get("intra_node", 2e-6),
+        inter_node_latency_s=lat.get("inter_node", 10e-6),
+        inter_group_bandwidth_bytes_per_s=d.get("inter_group_bandwidth"),
     )
-
-
-def _positive(value, kind, what) -> float:
-    v = parse_quantity(value, kind, what)
-    if v <= 0:
-        raise UserError(f"{what}: {value!r} must be greater than zero")
-    return v
 
 
 def load_cluster(path: str) -> ClusterSpec:
@@ -189,5 +218,6 @@ def load_cluster(path: str) -> ClusterSpec:
 
     if not os.path.exists(path):
         raise UserError(f"cluster file {path!r} does not exist (see examples/clusters/ for the format)")
-    import os.path as osp
-    return cluster_from_mapping(load_yaml(path), where=osp.basename(path))
+    data = load_yaml(path, "cluster file")
+    check_kind(data, path, ("cluster",))
+    return cluster_from_mapping(data, where=os.path.basename(path))

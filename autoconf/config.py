@@ -12,10 +12,20 @@ from dataclasses import dataclass
 
 from .errors import UserError
 from .model import ModelSpec
+from .schema import Bool, Dict, Int, Str
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 RECOMPUTE = ("none", "selective", "full")
 AXES = ("tp", "dp", "pp")
+
+_DEGREE = Int(1, 1 << 16)
+CONFIG_SCHEMA = Dict(
+    required={"dp": _DEGREE, "pp": _DEGREE, "tp": _DEGREE, "micro_batch_size": Int(1, 1 << 20),
+              "num_micro_batches": Int(1, 1 << 20)},
+    optional={"schedule": Str(SCHEDULES), "virtual_stages": Int(1, 1 << 10), "layered_grad_accum": Bool(),
+              "zero_stage": Int(0, 3), "recompute": Str(RECOMPUTE), "sequence_parallel": Bool(),
+              "rank_order": Str(max_len=32)},
+    what="a parallel configuration")
 
 
 @dataclass(frozen=True)
@@ -93,11 +103,11 @@ class ParallelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ParallelConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise UserError(f"config: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
-        return cls(**d)
+        """From :meth:`to_dict`'s form, checked against ``CONFIG_SCHEMA`` (exact types, known keys)."""
+        try:
+            return cls(**CONFIG_SCHEMA(d))
+        except UserError as e:
+            raise UserError(f"config: {e}") from None
 
 
 def layers_per_chunk(num_layers: int, num_chunks: int) -> list[int]:

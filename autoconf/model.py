@@ -14,6 +14,7 @@ from functools import lru_cache
 from importlib import resources
 
 from .errors import UserError
+from .schema import Bool, Dict, Int, Null, Num, Str, check_kind, parse_json, parse_yaml, read_text
 
 ACTIVATIONS = ("gelu", "swiglu")
 DTYPES = ("bf16", "fp16", "fp32")
@@ -22,6 +23,19 @@ POSITION_EMBEDDINGS = ("learned", "rope")
 ATTENTIONS = ("flash", "eager")
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+# Shape limits: generous for any real model (Llama-3-405B: 126 layers, h=16384, V=128256), small
+# enough that no count, table or simulation built from them runs out of memory.
+LIMITS = {"num_layers": (1, 4096), "hidden_size": (1, 1 << 18), "num_attention_heads": (1, 1 << 14),
+          "num_kv_heads": (1, 1 << 14), "ffn_hidden_size": (1, 1 << 20), "vocab_size": (1, 1 << 24),
+          "seq_length": (1, 1 << 22)}
+
+MODEL_SCHEMA = Dict(
+    required={k: Int(lo, hi) for k, (lo, hi) in LIMITS.items()},
+    optional={"activation": Str(ACTIVATIONS), "tied_embeddings": Bool(), "dtype": Str(DTYPES),
+              "norm": Str(NORMS), "position_embedding": Str(POSITION_EMBEDDINGS), "bias": Bool(),
+              "dropout": Num(0.0, 1.0, hi_open=True), "attention": Str(ATTENTIONS), "name": Str(max_len=200)},
+    what="a model")
 
 
 @dataclass(frozen=True)
@@ -67,11 +81,12 @@ class ModelSpec:
 
     # -- validation ---------------------------------------------------------------------------
     def validate(self) -> None:
-        for field in ("num_layers", "hidden_size", "num_attention_heads", "num_kv_heads",
-                      "ffn_hidden_size", "vocab_size", "seq_length"):
+        for field, (lo, hi) in LIMITS.items():
             v = getattr(self, field)
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise UserError(f"model {self.name}: {field}={v!r} must be a positive integer")
+            if not lo <= v <= hi:
+                raise UserError(f"model {self.name}: {field}={v!r} is out of range; expected {lo} to {hi}")
         if self.hidden_size % self.num_attention_heads:
             raise UserError(f"model {self.name}: hidden_size({self.hidden_size}) is not divisible by "
                             f"num_attention_heads({self.num_attention_heads})")
@@ -83,8 +98,12 @@ class ModelSpec:
             if getattr(self, field) not in allowed:
                 raise UserError(f"model {self.name}: {field}={getattr(self, field)!r}; "
                                 f"valid: {', '.join(allowed)}")
-        if not (0.0 <= self.dropout < 1.0):
-            raise UserError(f"model {self.name}: dropout={self.dropout!r} must be in [0, 1)")
+        for field in ("tied_embeddings", "bias"):
+            if not isinstance(getattr(self, field), bool):
+                raise UserError(f"model {self.name}: {field}={getattr(self, field)!r} must be true or false")
+        d = self.dropout
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0.0 <= d < 1.0):
+            raise UserError(f"model {self.name}: dropout={d!r} must be a number in [0, 1)")
 
     # -- derived shapes -----------------------------------------------------------------------
     @property
@@ -153,17 +172,13 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, d: dict, name: str | None = None) -> "ModelSpec":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        label = name or d.get("name", "custom")
-        if unknown:
-            raise UserError(f"model {label}: unknown field(s) {', '.join(unknown)}; "
-                            f"valid: {', '.join(sorted(known))}")
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.name not in d]
-        if missing:
-            raise UserError(f"model {label}: missing field(s) {', '.join(missing)}")
-        kwargs = dict(d)
+        """Build from a mapping checked against :data:`MODEL_SCHEMA` (exact types, ranges, known keys)."""
+        label = name or (d.get("name") if isinstance(d, dict) and isinstance(d.get("name"), str) else "custom")
+        label = label if len(label) <= 60 else label[:57] + "..."
+        try:
+            kwargs = MODEL_SCHEMA(d)
+        except UserError as e:
+            raise UserError(f"model {label}: {e}") from None
         if name is not None:
             kwargs["name"] = name
         return cls(**kwargs)
@@ -189,10 +204,46 @@ def preset(name: str) -> ModelSpec:
 
 _HF_GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu"}
 _HF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+_HF_INT = Null(Int(1, 1 << 24))
+# The keys read from a Hugging Face config, with their exact types. A config.json holds many more
+# (architectures, rope_scaling, token ids...), so other keys pass, except near-misses of these.
+HF_KEYS = {
+    **{k: _HF_INT for k in ("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head",
+                             "num_hidden_layers", "n_layer", "num_layers", "num_key_value_heads", "n_head_kv",
+                             "intermediate_size", "n_inner", "ffn_dim", "vocab_size", "max_position_embeddings",
+                             "n_positions", "n_ctx", "seq_length")},
+    **{k: Null(Str(max_len=100)) for k in ("hidden_act", "activation_function", "activation", "model_type")},
+    "tie_word_embeddings": Null(Bool()), "attention_bias": Null(Bool()),
+    "torch_dtype": Null(Str(_HF_DTYPE)), "dtype": Null(Str(_HF_DTYPE)),
+}
+
+
+def _check_hf(cfg: dict, name: str) -> None:
+    import difflib
+
+    for k, v in cfg.items():
+        if not isinstance(k, str):
+            raise UserError(f"model {name}: config.json key {k!r} is not a string")
+        if k in HF_KEYS:
+            try:
+                HF_KEYS[k](v, k)
+            except UserError as e:
+                raise UserError(f"model {name}: {e}") from None
+            continue
+        close = difflib.get_close_matches(k, list(HF_KEYS), n=1, cutoff=0.88)
+        if close:
+            raise UserError(f"model {name}: unknown key {k!r} in config.json (did you mean {close[0]!r}?)")
 
 
 def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
-    """Read a Hugging Face ``config.json`` (as a dict) without importing transformers."""
+    """Read a Hugging Face ``config.json`` (as a dict) without importing transformers.
+
+    The keys read are type-checked (:data:`HF_KEYS`); near-misses of them are refused.
+    """
+    if not isinstance(cfg, dict):
+        raise UserError(f"model {name}: a config.json must hold a JSON object")
+    _check_hf(cfg, name)
+
     def pick(*keys, default=None):
         for k in keys:
             if k in cfg and cfg[k] is not None:
@@ -201,7 +252,7 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
             raise UserError(f"model {name}: config.json lacks {' / '.join(keys)}")
         return default
 
-    model_type = cfg.get("model_type", "")
+    model_type = cfg.get("model_type") or ""
     hidden = pick("hidden_size", "n_embd", "d_model")
     heads = pick("num_attention_heads", "n_head")
     act = pick("hidden_act", "activation_function", "activation", default="gelu")
@@ -209,6 +260,7 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
     activation = "gelu" if act in _HF_GELU else "swiglu" if act in ("silu", "swiglu") else None
     if activation is None:
         raise UserError(f"model {name}: hidden_act {act!r} is not supported; valid: gelu variants, silu")
+    tied, bias = cfg.get("tie_word_embeddings"), cfg.get("attention_bias")
     return ModelSpec(
         name=name,
         num_layers=pick("num_hidden_layers", "n_layer", "num_layers"),
@@ -219,19 +271,21 @@ def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
         vocab_size=pick("vocab_size"),
         seq_length=pick("max_position_embeddings", "n_positions", "n_ctx", "seq_length"),
         activation=activation,
-        tied_embeddings=bool(cfg.get("tie_word_embeddings", gpt2_like)),
-        dtype=_HF_DTYPE.get(str(cfg.get("torch_dtype", "bfloat16")), "bf16"),
+        tied_embeddings=gpt2_like if tied is None else tied,
+        dtype=_HF_DTYPE[pick("torch_dtype", "dtype", default="bfloat16")],
         norm="layernorm" if gpt2_like else "rmsnorm",
         position_embedding="learned" if model_type in ("gpt2", "opt", "gpt_bigcode") else "rope",
-        bias=bool(cfg.get("attention_bias", gpt2_like)),
+        bias=gpt2_like if bias is None else bias,
     )
 
 
 def load_model(ref: str, seq_length: int | None = None) -> ModelSpec:
     """A preset name, a YAML model file, or a Hugging Face config.json; optional seq override."""
+    if not isinstance(ref, str) or not ref:
+        raise UserError(f"--model {ref!r}: give a preset name or a model file")
     if os.path.exists(ref):
         spec = _load_model_file(ref)
-    elif ref.endswith((".yaml", ".yml", ".json")):
+    elif ref.endswith((".yaml", ".yml", ".json")) or os.sep in ref:
         raise UserError(f"model file {ref!r} does not exist")
     else:
         spec = preset(ref)
@@ -241,38 +295,23 @@ def load_model(ref: str, seq_length: int | None = None) -> ModelSpec:
 
 
 def _load_model_file(path: str) -> ModelSpec:
-    name = os.path.splitext(os.path.basename(path))[0]
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError as e:
-        raise UserError(f"cannot read model file {path!r}: {e.strerror}") from None
+    name = os.path.splitext(os.path.basename(path))[0][:200] or "custom"
+    text = read_text(path, "model file")
     if path.endswith(".json"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise UserError(f"model file {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
+        data = parse_json(text, path, "model file", ("model", "hf"))
         if not isinstance(data, dict):
             raise UserError(f"model file {path!r} must hold a JSON object")
-        if "num_layers" in data:
+        check_kind(data, path, ("model", "hf"))
+        if "num_layers" in data and "hidden_size" in data:
             return ModelSpec.from_dict({"name": name, **data})
         return from_hf_config(data, name=name)
-    data = load_yaml(path)
+    data = parse_yaml(text, path, "model file")
     if not isinstance(data, dict):
         raise UserError(f"model file {path!r} must hold a mapping of field names to values")
+    check_kind(data, path, ("model",))
     return ModelSpec.from_dict({"name": name, **data})
 
 
-def load_yaml(path: str):
-    import yaml
-
-    try:
-        with open(path) as f:
-            return yaml.safe_load(f)
-    except OSError as e:
-        raise UserError(f"cannot read {path!r}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise UserError(f"{path!r} is not valid YAML{where}: {problem}") from None
+def load_yaml(path: str, what: str = "file"):
+    """A YAML file's data: size-bounded, text only, aliases bounded (see :mod:`autoconf.schema`)."""
+    return parse_yaml(read_text(path, what), path, what)

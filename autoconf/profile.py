@@ -29,7 +29,8 @@ import tempfile
 from dataclasses import dataclass, field
 
 from .errors import UserError
-from .model import ModelSpec
+from .model import DTYPES, MODEL_SCHEMA, ModelSpec
+from .schema import Bool, Dict, Int, List, Map, Null, Num, Str, _show, check_kind, parse_json, read_text
 
 PROFILE_VERSION = 1
 LAYER_KINDS = ("embedding", "block", "head")
@@ -333,30 +334,114 @@ def save_profile(profile: Profile, path: str) -> None:
         raise
 
 
+# -- the schema of a profile file --------------------------------------------------------------------
+
+MAX_PROFILE_BYTES = 256 << 20
+_RANKS = 1 << 16
+_SECONDS = Num(0.0, 86400.0)                     # a spread, a latency: 0 .. one day
+_POS_SECONDS = Num(0.0, 86400.0, lo_open=True)   # a measured time: more than 0
+_BANDWIDTH = Num(0.0, 1e16, lo_open=True)
+_BYTES = Num(0.0, float(1 << 60))
+_RANK = Int(0, _RANKS - 1)
+_TP = Int(1, 1 << 14)
+_MBS = Int(1, 1 << 20)
+_REPEATS = Int(1, 1 << 30)
+_KIND = Null(Str(max_len=64))
+_NAME = Str(max_len=256)
+
+
+def _entry(required: dict, optional: dict | None = None, what: str = "an entry") -> Dict:
+    return Dict(required=required, optional=optional, what=what)
+
+
+_INTERFACE = _entry({"name": _NAME}, {"speed_bytes_per_s": Null(Num(0.0, 1e16))}, "a network interface")
+_HOST = _entry({"name": _NAME}, {"interfaces": List(_INTERFACE, max_len=1024), "cpu_count": Int(0, 1 << 20),
+                                 "memory_bytes": _BYTES}, "a host")
+PROFILE_SCHEMA = Dict(
+    required={
+        "version": Int(PROFILE_VERSION, PROFILE_VERSION),
+        "provenance": _entry(
+            {"hosts": List(_HOST, min_len=1, max_len=_RANKS), "device_names": List(_NAME, max_len=1024),
+             "torch_version": _NAME, "backend": _NAME, "date": _NAME, "command": Str(max_len=1 << 16),
+             "world_size": Int(1, _RANKS)},
+            {"autoconf_version": _NAME, "notes": List(Str(max_len=1 << 16), max_len=1024)}, "the provenance"),
+        "model": MODEL_SCHEMA,
+        "ranks": List(_entry({"rank": _RANK, "host": _NAME, "local_rank": _RANK, "device_name": _NAME,
+                              "device_kind": _KIND, "memory_bytes": _BYTES}, what="a rank"),
+                      min_len=1, max_len=_RANKS),
+        "compute_dtype": Str(DTYPES),
+    },
+    optional={
+        "compute": List(_entry({"layer": Str(LAYER_KINDS), "micro_batch_size": _MBS, "tp": _TP,
+                                "recompute": Str(RECOMPUTE_MODES), "forward_s": _POS_SECONDS,
+                                "backward_s": _POS_SECONDS, "forward_spread_s": _SECONDS,
+                                "backward_spread_s": _SECONDS, "repeats": _REPEATS, "device_kind": _KIND,
+                                "rank": _RANK}, what="a layer timing")),
+        "gemm": List(_entry({"m": Int(1, 1 << 30), "n": Int(1, 1 << 30), "k": Int(1, 1 << 30),
+                             "dtype": Str(DTYPES), "time_s": _POS_SECONDS, "flop_per_s": Num(0.0, 1e20, lo_open=True),
+                             "fraction_of_peak": Null(Num(0.0, 1e3)), "device_kind": _KIND}, what="a GEMM entry")),
+        "activations": List(_entry({"layer": Str(LAYER_KINDS), "micro_batch_size": _MBS, "tp": _TP,
+                                    "sequence_parallel": Bool(), "recompute": Str(RECOMPUTE_MODES),
+                                    "bytes": _BYTES}, what="an activation entry")),
+        "parameters": List(_entry({"layer": Str(LAYER_KINDS), "tp": _TP, "bytes": _BYTES,
+                                   "count": Int(0, 1 << 50)}, what="a parameter entry")),
+        "overhead": Null(_entry({"framework_overhead_bytes": _BYTES, "method": Str(max_len=1 << 16)},
+                                {"step_peak_bytes": Map(_BYTES)}, "the memory overhead")),
+        "links": List(_entry({"src": _RANK, "dst": _RANK, "latency_s": _SECONDS, "bandwidth_bytes_per_s": _BANDWIDTH,
+                              "sizes_bytes": List(_BYTES, max_len=1024), "times_s": List(_SECONDS, max_len=1024)},
+                             what="a link")),
+        "collectives": List(_entry({"op": Str(COLLECTIVE_OPS), "ranks": List(_RANK, min_len=1, max_len=_RANKS),
+                                    "bytes": _BYTES, "time_s": _POS_SECONDS, "algbw_bytes_per_s": _BANDWIDTH,
+                                    "busbw_bytes_per_s": _BANDWIDTH}, what="a collective")),
+        "tp_blocks": List(_entry({"micro_batch_size": _MBS, "tp": _TP, "sequence_parallel": Bool(),
+                                  "forward_s": _POS_SECONDS, "backward_s": _POS_SECONDS, "repeats": _REPEATS},
+                                 {"device_kind": _KIND}, "a tensor-parallel block timing")),
+        "optimizer": List(_entry({"tp": _TP, "num_params": Int(1, 1 << 50), "time_s": _POS_SECONDS,
+                                  "repeats": _REPEATS}, {"device_kind": _KIND}, "an optimizer timing")),
+        "pipeline_overhead": List(_entry({"schedule": Str(("gpipe", "1f1b", "interleaved", "breadth_first")),
+                                          "pp": Int(1, _RANKS), "virtual_stages": Int(1, 1 << 10),
+                                          "num_micro_batches": Int(1, 1 << 20), "step_s": _POS_SECONDS,
+                                          "per_action_s": _POS_SECONDS, "repeats": _REPEATS},
+                                         what="a pipeline runtime timing")),
+    },
+    what="a profile")
+
+
+def _check_consistency(d: dict) -> None:
+    """Cross-references: ranks unique, links and collectives between ranks that exist."""
+    ranks = [r["rank"] for r in d["ranks"]]
+    if len(set(ranks)) != len(ranks):
+        raise UserError("ranks: a rank appears twice")
+    known = set(ranks)
+    for i, e in enumerate(d.get("links", ())):
+        if e["src"] not in known or e["dst"] not in known or e["src"] == e["dst"]:
+            raise UserError(f"links[{i}]: {e['src']} -> {e['dst']} is not a link between two of the ranks "
+                            f"{sorted(known)[:8]}")
+        if len(e["sizes_bytes"]) != len(e["times_s"]):
+            raise UserError(f"links[{i}]: {len(e['sizes_bytes'])} sizes but {len(e['times_s'])} times")
+    for i, e in enumerate(d.get("collectives", ())):
+        if not set(e["ranks"]) <= known:
+            raise UserError(f"collectives[{i}]: ranks {sorted(set(e['ranks']) - known)[:8]} are not among the profile's ranks")
+
+
 def load_profile(path: str) -> Profile:
     """Read a profile; a missing, unreadable, malformed or other-version file raises UserError."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        raise UserError(f"profile {path!r} does not exist (create one with `autoconf profile --model M --out {path}`)") from None
-    except OSError as e:
-        raise UserError(f"cannot read profile {path!r}: {e.strerror}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise UserError(f"profile {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
+    if not os.path.exists(path):
+        raise UserError(f"profile {path!r} does not exist (create one with `autoconf profile --model M --out {path}`)")
+    text = read_text(path, "profile", MAX_PROFILE_BYTES)
+    data = parse_json(text, path, "profile", ("profile",))
+    check_kind(data, path, ("profile",))
     if not isinstance(data, dict) or "version" not in data:
         raise UserError(f"profile {path!r} is not an autoconf profile (no 'version' field)")
     if data["version"] != PROFILE_VERSION:
-        raise UserError(f"profile {path!r} has version {data['version']!r}, this autoconf reads version "
+        raise UserError(f"profile {path!r} has version {_show(data['version'])}, this autoconf reads version "
                         f"{PROFILE_VERSION}; measure again with `autoconf profile`")
     try:
-        return Profile.from_dict(data)
+        checked = PROFILE_SCHEMA(data)
+        _check_consistency(checked)
+        return Profile.from_dict(checked)
     except UserError as e:
-        raise UserError(f"profile {path!r}: {e}") from None
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"profile {path!r} is malformed: {type(e).__name__}: {e}") from None
+        raise UserError(f"profile {path!r} is malformed: {e}") from None
 
 
 # -- matching a profile to a model ----------------------------------------------------------------

@@ -68,8 +68,23 @@ class TrialResult:
 
 # -- the config document -----------------------------------------------------------------------
 
+def _plan_schema():
+    from .cluster import SI_CLUSTER_SCHEMA
+    from .config import CONFIG_SCHEMA
+    from .schema import Dict, Int, Null, Opaque, Str
+
+    return Dict(required={"model": Opaque(), "config": CONFIG_SCHEMA},  # model: ModelSpec.from_dict,
+                optional={"version": Int(DOC_VERSION, DOC_VERSION), "created_by": Str(max_len=200),
+                          "cluster": Null(SI_CLUSTER_SCHEMA), "profile": Null(Str()),
+                          "estimate": Null(Opaque()),  # written for people; nothing reads it back
+                          "seed": Int(-(1 << 63), (1 << 64) - 1)},
+                what="a launch plan")
+
+
 def load_document(config_path_or_dict) -> dict:
     """Read and check a trainer config document; UserError names what is wrong."""
+    from .schema import _show, check_kind, parse_json, read_text
+
     if isinstance(config_path_or_dict, dict):
         doc, where = config_path_or_dict, "config document"
     else:
@@ -77,31 +92,31 @@ def load_document(config_path_or_dict) -> dict:
         where = repr(path)
         if not os.path.exists(path):
             raise UserError(f"trial config file {path!r} does not exist")
-        try:
-            with open(path) as f:
-                doc = json.load(f)
-        except json.JSONDecodeError as e:
-            raise UserError(f"trial config file {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
-        except OSError as e:
-            raise UserError(f"cannot read trial config file {path!r}: {e.strerror}") from None
+        doc = parse_json(read_text(path, "trial config file", 64 << 20), path, "trial config file", ("plan",))
+        check_kind(doc, path, ("plan",))
     if not isinstance(doc, dict):
         raise UserError(f"{where} must hold a JSON object with 'model' and 'config'")
     if doc.get("version", DOC_VERSION) != DOC_VERSION:
-        raise UserError(f"{where}: version={doc.get('version')!r}; this autoconf reads version {DOC_VERSION}")
+        raise UserError(f"{where}: version={_show(doc.get('version'))}; this autoconf reads version {DOC_VERSION}")
     for key in ("model", "config"):
         if not isinstance(doc.get(key), dict):
             raise UserError(f"{where}: missing or non-object '{key}'")
-    model = ModelSpec.from_dict(doc["model"])
     try:
-        config = ParallelConfig.from_dict(doc["config"])
-    except TypeError as e:
-        raise UserError(f"{where}: bad 'config': {e}") from None
+        _plan_schema()(doc)
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    model = ModelSpec.from_dict(doc["model"])
+    config = ParallelConfig.from_dict(doc["config"])
     reason = check(config, model)
     if reason:
         raise UserError(f"{where}: invalid configuration ({config.short()}): {reason}")
-    seed = doc.get("seed", 0)
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise UserError(f"{where}: seed={seed!r} must be an integer")
+    if isinstance(doc.get("cluster"), dict):
+        from .cluster import ClusterSpec
+
+        cluster = ClusterSpec.from_dict(doc["cluster"])
+        if cluster.num_devices < config.world_size:
+            raise UserError(f"{where}: the cluster has {cluster.num_devices} devices, the configuration needs "
+                            f"{config.world_size}")
     return doc
 
 

@@ -7,6 +7,7 @@ already in base units.
 
 from __future__ import annotations
 
+import math
 import re
 
 from .errors import UserError
@@ -38,17 +39,26 @@ def _split_unit(unit: str) -> tuple[str, float]:
     raise KeyError(unit)
 
 
-def parse_quantity(value: object, kind: str, what: str = "value") -> float:
-    """Return ``value`` in SI base units of ``kind`` (one of :data:`KINDS`).
+def parse_quantity(value: object, kind: str, what: str = "value", unit_required: bool = False) -> float:
+    """Return ``value`` in SI base units of ``kind`` (one of :data:`KINDS`), finite and >= 0.
 
     ``what`` names the field in error messages, e.g. ``"intra_node_bandwidth"``.
+    ``unit_required``: refuse a bare number (the file schemas: "300" could mean B/s or GB/s).
     """
     if isinstance(value, bool):
         raise UserError(f"{what}: {value!r} is not a quantity; expected a number or e.g. '300 GB/s'")
     if isinstance(value, (int, float)):
-        if value < 0:
+        if unit_required:
+            raise UserError(f"{what}: {value!r} has no unit; write it with one, e.g. '300 GB/s' or '2 us'")
+        try:
+            v = float(value)
+        except OverflowError:
+            v = math.inf
+        if not math.isfinite(v):
+            raise UserError(f"{what}: {value!r} is not a finite quantity")
+        if v < 0:
             raise UserError(f"{what}: {value!r} is negative; expected a non-negative quantity")
-        return float(value)
+        return v
     if not isinstance(value, str):
         raise UserError(f"{what}: {value!r} is not a quantity; expected a number or a string with a unit")
     m = _RE.match(value)
@@ -57,9 +67,13 @@ def parse_quantity(value: object, kind: str, what: str = "value") -> float:
     if not m:
         raise UserError(f"{what}: cannot read {value!r}; expected a number and a unit, e.g. {examples}")
     number, unit, per_s = float(m.group(1)), m.group(2), m.group(3)
+    if not math.isfinite(number):
+        raise UserError(f"{what}: {value!r} is not a finite quantity")
     if not unit:
         if per_s:
             raise UserError(f"{what}: {value!r} has no unit before '/s'; e.g. {examples}")
+        if unit_required:
+            raise UserError(f"{what}: {value!r} has no unit; write it with one, e.g. {examples}")
         return number
     try:
         stem_kind, factor = _split_unit(unit)
@@ -69,7 +83,23 @@ def parse_quantity(value: object, kind: str, what: str = "value") -> float:
         stem_kind = {"bytes": "bytes_per_s", "flop": "flop_per_s"}.get(stem_kind, "invalid")
     if stem_kind != kind:
         raise UserError(f"{what}: {value!r} is not a {kind.replace('_', ' ')} quantity; e.g. {examples}")
-    return number * factor
+    result = number * factor
+    if not math.isfinite(result):
+        raise UserError(f"{what}: {value!r} is not a finite quantity")
+    return result
+
+
+def fmt_quantity(v: float, kind: str) -> str:
+    """A readable SI quantity of ``kind`` (for messages)."""
+    if kind == "bytes":
+        return fmt_bytes(v)
+    if kind == "seconds":
+        return fmt_seconds(v) if v > 0 else "0 s"
+    unit = "B/s" if kind == "bytes_per_s" else "FLOP/s"
+    for p, f in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if v >= f:
+            return f"{v / f:g} {p}{unit}"
+    return f"{v:g} {unit}"
 
 
 def fmt_bytes(n: float) -> str:

@@ -218,23 +218,34 @@ def save_calibration(calibration: Calibration, path: str) -> None:
         json.dump({"version": 1, **calibration.to_dict()}, f, indent=1)
 
 
+MAX_FACTOR = 1000.0
+"""A factor beyond this (or below 1/this, other than 0) means the model or the trials are broken."""
+
+
+def calibration_schema():
+    from ..schema import Dict, Int, Num
+
+    factor = Num(0.0, MAX_FACTOR)
+    return Dict(required={"factors": Dict(optional={k: factor for k in TIME_TERMS + MEMORY_TERMS},
+                                          what="factors, one per cost term")},
+                optional={"version": Int(1, 1), "num_trials": Int(0, 1 << 30)},
+                what="a calibration")
+
+
 def load_calibration(path: str) -> Calibration:
     """Read a calibration JSON written by :func:`save_calibration`; UserError if unreadable."""
-    import json
+    import os
 
     from ..errors import UserError
+    from ..schema import check_kind, parse_json, read_text
 
+    data = parse_json(read_text(path, "calibration file"), path, "calibration file", ("calibration",))
+    check_kind(data, path, ("calibration",))
+    if not isinstance(data, dict) or "factors" not in data:
+        raise UserError(f"calibration file {path!r} must hold an object with 'factors' "
+                        "(written by `autoconf search --verify K --calibrate FILE`)")
     try:
-        with open(path) as f:
-            d = json.load(f)
-    except OSError as e:
-        raise UserError(f"cannot read calibration file {path!r}: {e.strerror}") from None
-    except json.JSONDecodeError as e:
-        raise UserError(f"calibration file {path!r} is not valid JSON: {e.msg} at line {e.lineno}") from None
-    if not isinstance(d, dict) or not isinstance(d.get("factors", {}), dict):
-        raise UserError(f"calibration file {path!r} must hold an object with 'factors'")
-    unknown = sorted(set(d.get("factors", {})) - set(TIME_TERMS + MEMORY_TERMS))
-    if unknown:
-        raise UserError(f"calibration file {path!r}: unknown term(s) {', '.join(unknown)}; "
-                        f"valid: {', '.join(TIME_TERMS + MEMORY_TERMS)}")
+        d = calibration_schema()(data)
+    except UserError as e:
+        raise UserError(f"calibration file {os.path.basename(path)}: {e}") from None
     return Calibration.from_dict(d)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from .errors import UserError
 from .model import ModelSpec
-from .schema import Bool, Dict, Int, Str
+from .schema import Bool, Dict, Int, Null, Str
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 RECOMPUTE = ("none", "selective", "full")
@@ -24,7 +24,8 @@ CONFIG_SCHEMA = Dict(
               "num_micro_batches": Int(1, 1 << 20)},
     optional={"schedule": Str(SCHEDULES), "virtual_stages": Int(1, 1 << 10), "layered_grad_accum": Bool(),
               "zero_stage": Int(0, 3), "recompute": Str(RECOMPUTE), "sequence_parallel": Bool(),
-              "rank_order": Str(max_len=32)},
+              "rank_order": Str(max_len=32), "overlap_grad_reduce": Null(Bool()),
+              "overlap_param_gather": Null(Bool()), "tp_comm_overlap": Null(Bool())},
     what="a parallel configuration")
 
 

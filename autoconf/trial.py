@@ -71,12 +71,14 @@ class TrialResult:
 def _plan_schema():
     from .cluster import SI_CLUSTER_SCHEMA
     from .config import CONFIG_SCHEMA
+    from .frameworks import FRAMEWORK_NAMES
     from .schema import Dict, Int, Null, Opaque, Str
 
     return Dict(required={"model": Opaque(), "config": CONFIG_SCHEMA},  # model: ModelSpec.from_dict,
                 optional={"version": Int(DOC_VERSION, DOC_VERSION), "created_by": Str(max_len=200),
                           "cluster": Null(SI_CLUSTER_SCHEMA), "profile": Null(Str()),
                           "estimate": Null(Opaque()),  # written for people; nothing reads it back
+                          "framework": Str(FRAMEWORK_NAMES),
                           "seed": Int(-(1 << 63), (1 << 64) - 1)},
                 what="a launch plan")
 

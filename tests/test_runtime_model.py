@@ -170,7 +170,10 @@ def test_megatron_memory_terms():
     s_meg, s_ref = meg.memory_by_stage[0], ref.memory_by_stage[0]
     params = s_meg.parameters / 2
     assert s_meg.gradients == pytest.approx(4 * params)
-    assert s_ref.gradients == pytest.approx(2 * params)
+    assert s_ref.gradients == pytest.approx(s_ref.parameters)  # 2 bytes each
+    # Megatron's padded vocabulary (128,256 -> a multiple of 128 x 4) adds embedding parameters
+    pad = (framework("megatron").padded_vocab(m.vocab_size, 4) - m.vocab_size) * m.hidden_size / 4
+    assert s_meg.parameters - s_ref.parameters == pytest.approx(2 * pad)
     assert s_meg.optimizer == pytest.approx(12 * params)
     z1 = estimate(ParallelConfig(dp=2, pp=2, tp=4, micro_batch_size=1, num_micro_batches=8, zero_stage=1),
                   m, cl, framework="megatron").memory_by_stage[0]
@@ -211,3 +214,17 @@ def test_zero3_gathers_hide_behind_compute_only_when_prefetched():
     assert exposed.breakdown_s["dp_comm"] > hidden.breakdown_s["dp_comm"]
     ag = worst(axis_links(sysm, c, "dp"), comm.all_gather_s, m.layer_params() * 2, 1.0, sysm.collective_tuning)
     assert exposed.breakdown_s["dp_comm"] >= 2 * 4 * m.num_layers * ag * 0.99
+
+
+def test_cross_entropy_streams_every_logit_as_megatron_does():
+    """Forward 38 bytes per 16-bit logit (cast, max, subtract, exp, sum, divide), backward 14."""
+    from autoconf.cost.compute import head_times
+    m = preset("gpt2")
+    rf = Roofline.of(A100, "fp16")
+    T, V, h = 4 * m.seq_length, m.vocab_size, m.hidden_size
+    t = head_times(m, 4, 1, rf)
+    bw = A100.memory_bandwidth_bytes_per_s * A100.memory_efficiency
+    fwd_ew = max((2 * T * h * 2 + 38 * T * V) / bw, 4 * T * V / 19.5e12) + 7 * 5e-6
+    assert t.forward_s == pytest.approx(rf.gemm(T, V, h, 2) + fwd_ew)
+    bwd_ew = (2 * T * h * 2 + 14 * T * V) / bw + 3 * 5e-6
+    assert t.backward_s == pytest.approx(rf.gemm(T, h, V, 2) + rf.gemm(V, h, T, 2) + bwd_ew)

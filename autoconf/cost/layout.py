@@ -67,7 +67,7 @@ def layout(system: System, c: ParallelConfig) -> Layout:
 def chunk_params(system: System, c: ParallelConfig, chunk_layers) -> list[float]:
     """Parameters per chunk shard: its blocks, the embedding on the first chunk, the output layer
     on the last (plus a copy of the tied embedding when it sits on another chunk)."""
-    m, n_chunks = system.model, len(chunk_layers)
+    m, n_chunks = system.model_at(c.tp), len(chunk_layers)
     out = []
     for ci, nl in enumerate(chunk_layers):
         p = nl * m.layer_params()

@@ -76,7 +76,7 @@ def _mask_bytes(system: System, lay: Layout) -> int:
 def _chunk_activation_bytes(system: System, c: ParallelConfig, lay: Layout, layer_bytes: float) -> list[float]:
     """Activations each chunk saves per micro-batch: its blocks (``System.layer_activations``),
     plus the embedding's on the first chunk and the output layer's on the last (``activations``)."""
-    m, mask, n_chunks = system.model, _mask_bytes(system, lay), lay.num_chunks
+    m, mask, n_chunks = system.model_at(c.tp), _mask_bytes(system, lay), lay.num_chunks
     per_chunk = []
     for ci in range(n_chunks):
         per_mb = lay.chunk_layers[ci] * layer_bytes
@@ -99,7 +99,7 @@ def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_byte
     flight next to the activations. Gradients coexist with the activations only from each chunk's
     first backward on (so GPipe / layered peak with almost none).
     """
-    m, n_chunks, sched = system.model, lay.num_chunks, lay.schedule
+    m, n_chunks, sched = system.model_at(c.tp), lay.num_chunks, lay.schedule
     m_sim = schedule_time.sim_size(sched, c.pp, c.num_micro_batches)
     grows = sched in ("gpipe", "breadth_first")
     ce_grad = c.micro_batch_size * m.seq_length * (-(-m.vocab_size // c.tp)) * 4.0

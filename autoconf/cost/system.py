@@ -13,6 +13,7 @@ Pure: no torch, no I/O; the only state is a cache of pure results.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..catalog import device_type
@@ -74,6 +75,15 @@ class System:
     def measured_everywhere(self, stage_kinds) -> bool:
         """Whether every pipeline stage runs on the profiled device kind alone."""
         return self.profile is not None and all(k == [self.profile_kind] for k in stage_kinds)
+
+    def model_at(self, tp: int) -> ModelSpec:
+        """The model as the framework builds it at tensor-parallel degree ``tp``: Megatron pads the
+        vocabulary to a multiple of 128 x tp (``Framework.padded_vocab``), which changes the
+        embedding and output layer's parameters, time and memory."""
+        vocab = self.framework.padded_vocab(self.model.vocab_size, tp)
+        if vocab == self.model.vocab_size:
+            return self.model
+        return self.cached(("model_at", tp), lambda: dataclasses.replace(self.model, vocab_size=vocab))
 
     def cached(self, key, fn):
         hit = self._cache.get(key)
@@ -141,7 +151,7 @@ class System:
                 if got:
                     return LayerTimes(got[0], got[1])
             fn = embedding_times if which == "embedding" else head_times
-            return with_host(fn(self.model, b, tp, self.roofline(kind)), which, self.host_cost(kind))
+            return with_host(fn(self.model_at(tp), b, tp, self.roofline(kind)), which, self.host_cost(kind))
         return self.cached((which, kind, b, tp), lambda: _shared(make(), self.cpu_share(kind)))
 
     def layer_activations(self, c, mask: int) -> dict:

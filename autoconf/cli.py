@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 
 from . import __version__
 from .errors import UserError
@@ -348,6 +349,8 @@ COMMANDS = {"models": cmd_models, "devices": cmd_devices, "estimate": cmd_estima
 
 
 def main(argv=None) -> int:
+    from . import procs
+
     parser = build_parser()
     args = parser.parse_args(argv)
     fn = COMMANDS.get(args.command)
@@ -355,14 +358,23 @@ def main(argv=None) -> int:
         fn = {"trial": "autoconf.trial:cmd_trial", "profile": "profiler.cli:cmd_profile"}[args.command]
         mod, name = fn.split(":")
         fn = getattr(__import__(mod, fromlist=[name]), name)
+    if threading.current_thread() is threading.main_thread():
+        procs.install_terminate_handler()  # SIGTERM / SIGHUP clean up like Ctrl-C
     try:
         return fn(args) or 0
     except UserError as e:
         sys.stderr.write(f"autoconf: error: {e}\n")
         return 2
-    except KeyboardInterrupt:
-        sys.stderr.write("autoconf: interrupted (finished trials are kept in the study)\n")
-        return 130
+    except KeyboardInterrupt as e:
+        with procs.deferred_signals():
+            procs.kill_all()
+            kept = getattr(e, "autoconf_kept", None)
+            what = "terminated" if isinstance(e, procs.Terminated) else "interrupted"
+            sys.stderr.write(f"autoconf: {what}" + (f" ({kept})" if kept else "") + "\n")
+        return 128 + e.signum if isinstance(e, procs.Terminated) else 130
+    finally:
+        with procs.deferred_signals():
+            procs.kill_all()
 
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
 
+from autoconf import procs
 from autoconf.errors import UserError
 
 
@@ -92,7 +92,8 @@ def cmd_profile(args) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so `-m profiler` resolves from a checkout
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     before = os.stat(args.out).st_mtime_ns if os.path.exists(args.out) else None
-    rc = subprocess.call(cmd, env=env)
+    with procs.ProcessTree(cmd, env=env) as tree:  # interrupted or crashed: every rank ends with us
+        rc = tree.wait()
     if rc != 0:
         print(f"error: profiler exited with code {rc} (command: {' '.join(shlex.quote(c) for c in cmd)})",
               file=sys.stderr)

@@ -83,9 +83,9 @@ def cmd_profile(args) -> int:
     repeats = args.repeats or (3 if args.quick else 10)
     if args.rounds is not None and not 1 <= args.rounds <= repeats:
         raise UserError(f"--rounds {args.rounds}: expected 1 to the number of repeats ({repeats})")
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        raise UserError(f"--out {args.out!r}: directory {out_dir!r} does not exist")
+    from autoconf.outputs import check_file
+
+    check_file(args.out, "--out")  # before the profile runs, not after
     cmd = launch_command(args)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                AUTOCONF_PROFILE_COMMAND=" ".join(shlex.quote(a) for a in sys.argv) or "autoconf profile")

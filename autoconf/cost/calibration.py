@@ -33,6 +33,9 @@ class Calibration:
     ``Estimate.memory_by_stage``."""
     num_trials: int = 0
     """Trials the fit used."""
+    devices: tuple | None = None
+    """The device kinds the trials ran on (catalog names, e.g. ('cpu',)); a calibration applies to
+    clusters of those devices only. None: unknown (written before it was recorded)."""
 
     def factor(self, term: str) -> float:
         return float(self.factors.get(term, 1.0))
@@ -50,13 +53,18 @@ class Calibration:
         return out
 
     def to_dict(self) -> dict:
-        return {"factors": dict(self.factors), "num_trials": self.num_trials}
+        d = {"factors": dict(self.factors), "num_trials": self.num_trials}
+        if self.devices is not None:
+            d["devices"] = list(self.devices)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
         factors = {k: 1.0 for k in TIME_TERMS + MEMORY_TERMS}
         factors.update({k: float(v) for k, v in d.get("factors", {}).items()})
-        return cls(factors=factors, num_trials=int(d.get("num_trials", 0)))
+        devices = d.get("devices")
+        return cls(factors=factors, num_trials=int(d.get("num_trials", 0)),
+                   devices=tuple(devices) if devices is not None else None)
 
 
 # -- reading the lead's Estimate and the TrialResult by duck typing -----------------------------
@@ -207,10 +215,12 @@ def calibration_report(pairs, calibration: Calibration) -> dict:
 # -- files ----------------------------------------------------------------------------------------
 
 def save_calibration(calibration: Calibration, path: str) -> None:
+    """Write atomically: a failure leaves the previous file (or none) and no temp file."""
     import json
 
-    with open(path, "w") as f:
-        json.dump({"version": 1, **calibration.to_dict()}, f, indent=1)
+    from ..outputs import write_text
+
+    write_text(path, json.dumps({"version": 1, **calibration.to_dict()}, indent=1))
 
 
 def load_calibration(path: str) -> Calibration:
@@ -232,4 +242,7 @@ def load_calibration(path: str) -> Calibration:
     if unknown:
         raise UserError(f"calibration file {path!r}: unknown term(s) {', '.join(unknown)}; "
                         f"valid: {', '.join(TIME_TERMS + MEMORY_TERMS)}")
+    devices = d.get("devices")
+    if devices is not None and not (isinstance(devices, list) and devices and all(isinstance(x, str) for x in devices)):
+        raise UserError(f"calibration file {path!r}: 'devices' must be a non-empty list of device names")
     return Calibration.from_dict(d)

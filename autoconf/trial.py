@@ -308,20 +308,38 @@ def _log_tail(out_dir: str, lines: int = 3) -> str:
 
 
 def verify(candidates, model: ModelSpec, cluster=None, steps: int = 6, warmup: int = 2,
-           timeout_s: float = 300.0, seed: int = 0, progress=None, speed_probe: bool = False) -> list[TrialResult]:
+           timeout_s: float = 300.0, seed: int = 0, progress=None, speed_probe: bool = False,
+           on_result=None) -> list[TrialResult]:
     """Run each ParallelConfig in turn (one torchrun at a time); a failure is a result, not an error.
-    ``speed_probe``: each trial also times the profile's reference block (``speed_vs_profile``)."""
+    ``speed_probe``: each trial also times the profile's reference block (``speed_vs_profile``).
+    ``on_result(i, result)`` is called as each trial finishes (to store it at once)."""
+    check_seconds(timeout_s, "trial timeout")
     results = []
     for i, config in enumerate(candidates):
         if progress is not None:
             progress(i, config)
         reason = check(config, model)
         if reason:
-            results.append(TrialResult(ok=False, reason=f"invalid configuration: {reason}", config=config.to_dict()))
-            continue
-        results.append(run_trial(make_document(config, model, cluster, seed), steps=steps, warmup=warmup,
-                                 timeout_s=timeout_s, speed_probe=speed_probe))
+            result = TrialResult(ok=False, reason=f"invalid configuration: {reason}", config=config.to_dict())
+        else:
+            result = run_trial(make_document(config, model, cluster, seed), steps=steps, warmup=warmup,
+                               timeout_s=timeout_s, speed_probe=speed_probe)
+        results.append(result)
+        if on_result is not None:
+            on_result(i, result)
     return results
+
+
+def local_device_kind() -> str:
+    """'cuda' when this machine has a GPU the trainer would use, else 'cpu' (no torch import:
+    CUDA_VISIBLE_DEVICES, then the NVIDIA driver's list)."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        return "cuda" if [d for d in vis.split(",") if d.strip() and d.strip() != "-1"] else "cpu"
+    try:
+        return "cuda" if os.listdir("/proc/driver/nvidia/gpus") else "cpu"
+    except OSError:
+        return "cpu"
 
 
 # -- CLI ---------------------------------------------------------------------------------------------

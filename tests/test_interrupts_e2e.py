@@ -144,3 +144,41 @@ def test_interrupted_profile_leaves_no_process_and_no_partial_file(tmp_path):
     assert "study" not in err
     cli.assert_nothing_left()
     assert not [p for p in os.listdir(tmp_path) if p.startswith((".profile-", "p.json"))]
+
+
+def _study_trials(url, name):
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    try:
+        return optuna.load_study(study_name=name, storage=url).get_trials(deepcopy=False)
+    except KeyError:  # not created yet
+        return []
+
+
+def test_interrupted_search_verify_keeps_every_finished_trial_and_leaves_nothing(tmp_path):
+    """The first verifying trial runs out its time limit (a finished, failed evaluation); Ctrl-C
+    during the second: the study holds the search's trials and the first, the second's processes
+    are gone."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    cli = Cli(tmp_path, "search", "--model", "tiny", "--cluster", CLUSTER, "--global-batch", "8", "--storage", url,
+              "--study-name", "v", "--verify", "2", "--steps", "100000", "--trial-timeout", "6")
+    verified = lambda: [t for t in _study_trials(url, "v") if t.user_attrs.get("verified")]  # noqa: E731
+    _wait(verified, 90, "the first verifying trial to be stored")
+    _wait(lambda: len(cli.ranks()) == 2, 60, "the second trial's ranks to start")
+    time.sleep(1.0)
+    cli.signal_group(signal.SIGINT)
+    rc, _, err = cli.finish()
+    assert rc == 130, err
+    assert "1 finished verifying trial(s) are kept in study 'v'" in err
+    cli.assert_nothing_left()
+    done = verified()
+    assert len(done) == 1 and "timed out after 6 s" in done[0].user_attrs["trial_reason"]
+    # every point the search evaluated is there, once
+    from autoconf.cluster import load_cluster
+    from autoconf.model import preset
+    from autoconf.search import search
+
+    fresh = search(preset("tiny"), load_cluster(CLUSTER), 8, storage=f"sqlite:///{tmp_path}/fresh.db")
+    searched = [tuple(sorted(t.params.items())) for t in _study_trials(url, "v") if not t.user_attrs.get("verified")]
+    assert len(searched) == len(set(searched)) == fresh.trials_run

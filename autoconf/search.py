@@ -315,6 +315,12 @@ class _Study:
         self.written = 0
         """Trials this run wrote to the storage."""
         self.swept_skipped = 0
+        self.skipped_keys: set = set()
+        """Outer points the sweep decided without storing a trial (dominated or out of memory), in
+        this run and earlier ones: kept as the study's ``swept_skipped`` attribute (indices into the
+        space), so a resumed sweep does not decide them again (exact: the incumbent only improves,
+        and out of memory stays out of memory)."""
+        self._skipped_written = 0
         self.last_flush = time.perf_counter()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.persistent = self._open(storage, name, signature) if storage else None
@@ -370,6 +376,9 @@ class _Study:
             k = tuple(t.params.get(p) for p in PARAMS)
             if k in self.key_of and k not in self.earlier:
                 self.earlier[k] = t
+        index = list(self.key_of)
+        self.skipped_keys = {index[i] for i in study.user_attrs.get("swept_skipped", []) if 0 <= i < len(index)}
+        self._skipped_written = len(self.skipped_keys)
         return study
 
     def record(self, k, best, least, phase: str):
@@ -410,6 +419,11 @@ class _Study:
                                     f"{str(e).splitlines()[0]})") from None
                 self.pending.pop(0)
                 self.written += 1
+        if self.persistent is not None and len(self.skipped_keys) != self._skipped_written:
+            where = {k: i for i, k in enumerate(self.key_of)}
+            with deferred_signals():
+                self.persistent.set_user_attr("swept_skipped", sorted(where[k] for k in self.skipped_keys))
+                self._skipped_written = len(self.skipped_keys)
         self.last_flush = time.perf_counter()
 
     def brute_force(self, todo, progress) -> None:
@@ -477,6 +491,7 @@ class _Study:
             else:
                 self.results[k] = (None, least)
                 self.swept_skipped += 1
+                self.skipped_keys.add(k)
             if progress and i % 50 == 0:
                 progress(done + i + 1, n_total)
             self.flush(every_s=5)
@@ -512,7 +527,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                  "calibration": _digest(calibration.to_dict()) if calibration is not None else None}
     with study_lock(storage, name):
         study = _Study(storage, name, signature, points, evaluate, seed, budget)
-        todo = [k for k in study.key_of if k not in study.earlier]
+        todo = [k for k in study.key_of if k not in study.earlier and k not in study.skipped_keys]
         brute = len(todo) <= budget
         sampler_name = ("brute force" if brute else
                         "TPE, then every point by branch and bound" if exhaustive else "TPE (constrained, multivariate)")

@@ -14,7 +14,7 @@ A :class:`ProcessTree` starts one command (torchrun) and owns everything it star
   ends a stopped process) and waits until no member is alive.
 
 Cleanup runs with SIGINT / SIGTERM / SIGHUP held back (:func:`deferred_signals`): a second Ctrl-C
-during it is delivered afterwards, so it cannot cut the cleanup short and leave orphans.
+during it is acted on afterwards, so it cannot cut the cleanup short and leave orphans.
 :func:`install_terminate_handler` turns SIGTERM and SIGHUP into :class:`Terminated` (a
 KeyboardInterrupt), so ``finally`` blocks run for them as for Ctrl-C.
 
@@ -55,17 +55,31 @@ def install_terminate_handler() -> None:
         signal.signal(s, handler)
 
 
+_deferring = False
+
+
 @contextlib.contextmanager
 def deferred_signals():
-    """Hold SIGINT, SIGTERM and SIGHUP back for the duration (they arrive afterwards)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+    """Hold SIGINT, SIGTERM and SIGHUP back for the duration: they are noted, and raised again
+    once it ends. Python-level (handlers run in the main thread whichever thread the kernel picks),
+    so it also holds when other threads exist; nested uses are one."""
+    global _deferring
+    if _deferring or threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+    got: list = []
+    old = {s: signal.getsignal(s) for s in _HELD}
+    for s in _HELD:
+        signal.signal(s, lambda signum, frame: got.append(signum))
+    _deferring = True
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        _deferring = False
+        for s, handler in old.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        if got:
+            signal.raise_signal(got[0])  # now acted on as usual (KeyboardInterrupt, Terminated)
 
 
 def _load_prctl():
@@ -118,7 +132,6 @@ class ProcessTree:
         prctl, parent = _load_prctl(), os.getpid()
 
         def child_setup():  # runs in the child between fork and exec
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD)  # started while deferred: not inherited
             if prctl is not None:
                 prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
                 if os.getppid() != parent:

@@ -542,6 +542,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                 run = study.sample(min(max(target, 0), len(todo)), _Repair(study.key_of), progress)
                 if exhaustive:
                     run += study.sweep(todo, run, progress)
+            study.flush()
         except BaseException as e:  # interrupted (or failed): every finished evaluation goes to the study
             if study.persistent is not None and not isinstance(e, UserError):
                 with deferred_signals():
@@ -549,7 +550,6 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                 e.autoconf_kept = (f"{study.written} trials of this run and {len(study.earlier)} earlier ones are "
                                    f"kept in study {name!r} in {storage}; rerun the same command to resume")
             raise
-        study.flush()
 
     # rank: this run's results plus the earlier trials' recorded configurations (their stored
     # values are this model's: the signature matched, so only the best few are re-estimated)

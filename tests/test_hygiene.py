@@ -216,3 +216,22 @@ def test_bad_verify_settings_are_one_line_exit_2(tmp_path, args, needle):
                        text=True, env=dict(os.environ, PYTHONPATH=os.getcwd()), cwd=tmp_path)
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_an_interrupt_during_the_last_write_still_keeps_everything(tmp_path, monkeypatch):
+    """Ctrl-C lands while the final batch is being written: the rest is written, nothing twice."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    real, calls = optuna.Study.add_trial, []
+
+    def add_trial(self, trial):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt  # before this one is written
+        return real(self, trial)
+    monkeypatch.setattr(optuna.Study, "add_trial", add_trial)
+    with pytest.raises(KeyboardInterrupt):
+        search(GPT, A100, 64, gpus=8, storage=url, study_name="s", trials=10_000)
+    monkeypatch.setattr(optuna.Study, "add_trial", real)
+    keys = _keys(_trials(url, "s"))
+    fresh = search(GPT, A100, 64, gpus=8, storage=None, trials=10_000)
+    assert len(keys) == len(set(keys)) == fresh.trials_run

@@ -182,3 +182,14 @@ def test_interrupted_search_verify_keeps_every_finished_trial_and_leaves_nothing
     fresh = search(preset("tiny"), load_cluster(CLUSTER), 8, storage=f"sqlite:///{tmp_path}/fresh.db")
     searched = [tuple(sorted(t.params.items())) for t in _study_trials(url, "v") if not t.user_attrs.get("verified")]
     assert len(searched) == len(set(searched)) == fresh.trials_run
+
+
+def test_a_killed_autoconf_takes_its_ranks_with_it(tmp_path, trial_config):
+    """autoconf itself SIGKILLed (no cleanup can run): the parent-death signal ends torchrun, and
+    torchrun's death ends the ranks. Only the temp directory can be left (nothing runs to remove it)."""
+    cli = Cli(tmp_path, "trial", "--config", trial_config, "--steps", "100000")
+    _wait(lambda: len(cli.ranks()) == 2, 60, "both ranks to start")
+    time.sleep(1.0)
+    os.kill(cli.p.pid, signal.SIGKILL)
+    cli.finish()
+    _wait(lambda: not _tagged(cli.tag), 10, "torchrun and both ranks to die with autoconf")

@@ -7,8 +7,10 @@ one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import threading
 
 from . import __version__
 from .errors import UserError
@@ -41,6 +43,31 @@ def _non_negative_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if v < 0:
         raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more")
+    return v
+
+
+def _seconds(text: str) -> float:
+    from .trial import seconds_arg
+    return seconds_arg(text)
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a fraction in [0, 1)")
+    return v
+
+
+def _port(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 1 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a TCP port, 1 to 65535")
     return v
 
 
@@ -103,6 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emit", metavar="DIR", help="write launch files for the best configuration")
     p.add_argument("--verify", type=_non_negative_int, default=0, metavar="K", help="run the top K as short real trials")
     p.add_argument("--steps", type=_positive_int, default=6, help="steps per verifying trial")
+    p.add_argument("--trial-timeout", type=_seconds, default=300.0, metavar="S",
+                   help="wall-clock limit per verifying trial in seconds (default 300); every process of a trial "
+                   "that runs over is killed and the trial recorded as failed")
+    p.add_argument("--verify-on-local", action="store_true",
+                   help="let --verify run on this machine's devices when the cluster file describes other ones "
+                   "(CPU processes for a GPU cluster): the measurements then describe this machine, and a "
+                   "calibration fitted on them records that and applies to this machine's devices only")
+    p.add_argument("--memory-margin", type=_fraction, default=0.0, metavar="F",
+                   help="with --verify: refuse a configuration whose measured peak memory exceeds the device "
+                   "capacity minus this fraction of it (default 0)")
+    p.add_argument("--master-port", type=_port, default=None,
+                   help="rendezvous port written into the --emit launch files (default 29500; one host: torchrun "
+                   "--standalone picks a free one)")
     p.add_argument("--calibrate", metavar="FILE", help="with --verify: fit correction factors, save them to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -129,6 +169,7 @@ def _load_inputs(args):
         calibration = load_calibration(args.calibration)
     if cluster is None and profile is None:
         raise UserError("give --cluster FILE (see examples/clusters/) or --profile FILE")
+    _check_calibration_applies(calibration, cluster, profile, getattr(args, "calibration", None))
     return model, cluster, profile, calibration
 
 
@@ -207,12 +248,69 @@ def cmd_estimate(args) -> int:
     return 0
 
 
+def _target_devices(cluster, profile) -> list[str]:
+    """Catalog names of the devices the search plans for (the cluster's, else the profile's)."""
+    if cluster is not None:
+        return sorted({g.device for g in cluster.node_groups})
+    return sorted({r.device_kind or r.device_name for r in profile.ranks})
+
+
+def _check_calibration_applies(calibration, cluster, profile, path) -> None:
+    if calibration is None or calibration.devices is None:
+        return
+    target = _target_devices(cluster, profile)
+    if sorted(calibration.devices) != target:
+        raise UserError(f"--calibration {path!r} was fitted on {', '.join(calibration.devices)} but the "
+                        f"{'cluster' if cluster is not None else 'profile'} has {', '.join(target)}: it does not "
+                        "apply (fit one on these devices with --verify K --calibrate)")
+
+
+def _preflight(args, storage) -> None:
+    """Every output path is checked before any work: one line now, not after the trials ran."""
+    from .outputs import check_dir, check_file
+    from .search import sqlite_path
+    if args.emit:
+        if args.cluster is None:
+            raise UserError("--emit needs --cluster (the launch files name hosts and devices per host)")
+        check_dir(args.emit, "--emit")
+    if args.calibrate:
+        check_file(args.calibrate, "--calibrate")
+    db = sqlite_path(storage)
+    if db is not None:
+        try:
+            check_file(db, "--storage")
+        except UserError as e:
+            raise UserError(f"{e} (cannot open the study)") from None
+
+
+def _verify_devices(args, cluster) -> list[str] | None:
+    """The devices the verifying trials run on, as the calibration records them; refuses a
+    cluster of other devices unless --verify-on-local."""
+    from .trial import local_device_kind
+    local = local_device_kind()
+    if cluster is None:
+        return None  # a profile: measured on the machines it describes
+    wanted = _target_devices(cluster, None)
+    kind = "cpu" if wanted == ["cpu"] else "cuda"
+    if kind == local:
+        return wanted
+    if not args.verify_on_local:
+        raise UserError(f"--verify runs the trials on this machine ({'CPU processes' if local == 'cpu' else 'its GPUs'}"
+                        f"), but cluster {cluster.name!r} has {', '.join(wanted)}: the measurements would not "
+                        "describe it; pass --verify-on-local to run them here anyway")
+    return [local]
+
+
 def cmd_search(args) -> int:
     from .search import search
     model, cluster, profile, calibration = _load_inputs(args)
     storage = None if args.storage.lower() in ("none", "memory", "") else args.storage
     if args.calibrate and args.verify <= 0:
         raise UserError("--calibrate needs --verify K (K >= 1): it fits factors to the verifying trials")
+    if args.master_port is not None and not args.emit:
+        raise UserError("--master-port is written into the launch files: it needs --emit DIR")
+    _preflight(args, storage)
+    devices = _verify_devices(args, cluster) if args.verify > 0 else None
     progress = None
     bar = None
     if not args.quiet and not args.json and sys.stderr.isatty():
@@ -238,22 +336,34 @@ def cmd_search(args) -> int:
     doc = result.to_dict()
     verified = None
     if args.verify > 0:
-        verified, cal_report = _verify(args, model, cluster, profile, result)
+        done: list = []
+        try:
+            verified, cal_report = _verify(args, model, cluster, profile, result, devices, done)
+        except KeyboardInterrupt as e:
+            if result.storage:
+                e.autoconf_kept = (f"the search's trials and {len(done)} finished verifying trial(s) are kept in "
+                                   f"study {result.study_name!r} in {result.storage}")
+            raise
         doc["verified"] = verified
         if cal_report is not None:
             doc["calibration"] = cal_report
     best = result.top[0]
     if verified:
-        ok = [v for v in verified if v["trial"]["ok"]]
-        if ok:
-            from .config import ParallelConfig
-            chosen = min(ok, key=lambda v: v["trial"]["step_time_s"])
-            best = next(e for e in result.top if e.config == ParallelConfig.from_dict(chosen["config"]))
+        ok = [v for v in verified if v["trial"]["ok"] and not v.get("refused")]
+        if not ok:
+            why = "; ".join(f"{v['config_short']}: {v.get('refused') or v['trial'].get('reason')}" for v in verified)
+            sys.stderr.write(f"autoconf: no verified configuration ran within the devices' memory and time: {why}\n")
+            if args.json:
+                _print_json(doc)
+            return 1
+        from .config import ParallelConfig
+        chosen = min(ok, key=lambda v: v["trial"]["step_time_s"])
+        best = next(e for e in result.top if e.config == ParallelConfig.from_dict(chosen["config"]))
     doc["top"] = doc["top"][:args.top]
     doc["best"] = best.to_dict()
     if args.emit:
-        from .emit import emit
-        doc["emitted"] = emit(best, model, cluster, args.emit, args.profile)
+        from .emit import DEFAULT_PORT, emit
+        doc["emitted"] = emit(best, model, cluster, args.emit, args.profile, master_port=args.master_port or DEFAULT_PORT)
     if args.json:
         _print_json(doc)
         return 0
@@ -279,26 +389,51 @@ def cmd_search(args) -> int:
     return 0
 
 
-def _verify(args, model, cluster, profile, result) -> tuple[list[dict], dict | None]:
-    """Run the top K as real trials; record them in the study; optionally calibrate and report the
-    prediction error before and after."""
+def _capacity_refusal(estimate, trial, margin: float) -> str | None:
+    """Why a trial that ran is refused: its measured peak is above the device capacity minus the
+    margin (the real run would run out of memory). None when it fits."""
+    measured = trial.peak_memory_bytes
+    if not trial.ok or not measured:
+        return None
+    capacity = min(m["capacity"] for m in estimate.memory_by_stage)
+    limit = capacity * (1.0 - margin)
+    if measured <= limit:
+        return None
+    return (f"out of memory: measured peak {measured / 2**20:.1f} MiB > {limit / 2**20:.1f} MiB (device capacity "
+            f"{capacity / 2**20:.1f} MiB" + (f" minus a {margin:.0%} margin)" if margin else ")"))
+
+
+def _verify(args, model, cluster, profile, result, devices=None, out=None) -> tuple[list[dict], dict | None]:
+    """Run the top K as real trials, recording each in the study as soon as it finishes (an
+    interrupt keeps the finished ones); refuse those measured above the device memory; optionally
+    calibrate and report the prediction error before and after."""
     from .trial import speed_vs_profile, verify
     cands = list(result.top[:args.verify])
-    trials = verify([e.config for e in cands], model, cluster, steps=args.steps, speed_probe=profile is not None)
-    out = [{"config": e.config.to_dict(), "predicted_step_time_s": e.step_time_s,
-            "predicted_peak_memory_bytes": e.peak_memory_bytes, "trial": t.to_dict(),
-            "speed_vs_profile": speed_vs_profile(t, profile, model) if t.ok else None}
-           for e, t in zip(cands, trials)]
-    if result.storage:
-        _record_verified(result, out)
+    out = [] if out is None else out
+
+    def finished(i, t):
+        e = cands[i]
+        v = {"config": e.config.to_dict(), "config_short": e.config.short(), "predicted_step_time_s": e.step_time_s,
+             "predicted_peak_memory_bytes": e.peak_memory_bytes, "trial": t.to_dict(),
+             "speed_vs_profile": speed_vs_profile(t, profile, model) if t.ok else None,
+             "refused": _capacity_refusal(e, t, args.memory_margin)}
+        out.append(v)
+        if result.storage:
+            _record_verified(result, [v])
+
+    trials = verify([e.config for e in cands], model, cluster, steps=args.steps, timeout_s=args.trial_timeout,
+                    speed_probe=profile is not None, on_result=finished)
     report = None
     if args.calibrate:
         from .cost.calibration import calibration_report, fit_calibration, save_calibration
         pairs = [(e, t) for e, t in zip(cands, trials) if t.ok]
         if not pairs:
             raise UserError("--calibrate: no verifying trial succeeded, nothing to fit")
-        calibration = fit_calibration(pairs)
-        save_calibration(calibration, args.calibrate)
+        calibration = dataclasses.replace(fit_calibration(pairs), devices=tuple(devices) if devices else None)
+        try:
+            save_calibration(calibration, args.calibrate)
+        except OSError as e:
+            raise UserError(f"--calibrate {args.calibrate!r}: cannot write ({e.strerror})") from None
         report = calibration_report(pairs, calibration)
     return out, report
 
@@ -306,30 +441,38 @@ def _verify(args, model, cluster, profile, result) -> tuple[list[dict], dict | N
 def _record_verified(result, verified: list[dict]) -> None:
     """Add each verifying run to the study as a trial of its own (finished trials cannot change):
     same parameters, the measured step time as its value, ``verified=True`` and the prediction in
-    its user attributes, so optuna-dashboard shows predicted and measured side by side."""
+    its user attributes, so optuna-dashboard shows predicted and measured side by side. A run
+    refused for its measured memory is a failed trial with ``oom=True``."""
     import optuna
 
-    study = optuna.load_study(study_name=result.study_name, storage=result.storage)
-    by_config = {}
-    for t in study.get_trials(deepcopy=False):
-        if not t.user_attrs.get("verified") and "config" in t.user_attrs:
-            by_config.setdefault(json.dumps(t.user_attrs["config"], sort_keys=True), t)
-    new = []
-    for v in verified:
-        src = by_config.get(json.dumps(v["config"], sort_keys=True))
-        tr = v["trial"]
-        if src is None:
-            continue
-        attrs = {"verified": True, "config": v["config"], "predicted_step_time_s": v["predicted_step_time_s"],
-                 "predicted_peak_memory_bytes": v["predicted_peak_memory_bytes"],
-                 "measured_step_time_s": tr.get("step_time_s"), "measured_peak_memory_bytes": tr.get("peak_memory_bytes"),
-                 "trial_ok": tr["ok"], "trial_reason": tr.get("reason"), "speed_vs_profile": v.get("speed_vs_profile")}
-        ok = tr["ok"] and tr.get("step_time_s")
-        new.append(optuna.trial.create_trial(
-            params=src.params, distributions=src.distributions, user_attrs=attrs,
-            value=tr["step_time_s"] if ok else None,
-            state=optuna.trial.TrialState.COMPLETE if ok else optuna.trial.TrialState.FAIL))
-    study.add_trials(new)
+    from .procs import deferred_signals
+    from .search import study_lock
+
+    with study_lock(result.storage, result.study_name):
+        study = optuna.load_study(study_name=result.study_name, storage=result.storage)
+        by_config = {}
+        for t in study.get_trials(deepcopy=False):
+            if not t.user_attrs.get("verified") and "config" in t.user_attrs:
+                by_config.setdefault(json.dumps(t.user_attrs["config"], sort_keys=True), t)
+        for v in verified:
+            src = by_config.get(json.dumps(v["config"], sort_keys=True))
+            tr = v["trial"]
+            if src is None:
+                continue
+            refused = v.get("refused")
+            attrs = {"verified": True, "config": v["config"], "predicted_step_time_s": v["predicted_step_time_s"],
+                     "predicted_peak_memory_bytes": v["predicted_peak_memory_bytes"],
+                     "measured_step_time_s": tr.get("step_time_s"),
+                     "measured_peak_memory_bytes": tr.get("peak_memory_bytes"),
+                     "trial_ok": tr["ok"] and not refused, "trial_reason": refused or tr.get("reason"),
+                     "oom": bool(refused) or "out of memory" in (tr.get("reason") or ""),
+                     "speed_vs_profile": v.get("speed_vs_profile")}
+            ok = tr["ok"] and tr.get("step_time_s") and not refused
+            with deferred_signals():  # whole or not at all
+                study.add_trial(optuna.trial.create_trial(
+                    params=src.params, distributions=src.distributions, user_attrs=attrs,
+                    value=tr["step_time_s"] if ok else None,
+                    state=optuna.trial.TrialState.COMPLETE if ok else optuna.trial.TrialState.FAIL))
 
 
 def _print_verified(con, verified) -> None:
@@ -346,7 +489,7 @@ def _print_verified(con, verified) -> None:
                   f"{meas:.4g} s" if meas else "-", err,
                   f"{v['predicted_peak_memory_bytes'] / 2**20:.1f} / "
                   + (f"{tr['peak_memory_bytes'] / 2**20:.1f} MiB" if tr.get("peak_memory_bytes") else "-"),
-                  "ok" if tr["ok"] else f"failed: {tr.get('reason')}")
+                  f"refused: {v['refused']}" if v.get("refused") else "ok" if tr["ok"] else f"failed: {tr.get('reason')}")
     con.print(t)
     speeds = [v["speed_vs_profile"] for v in verified if v.get("speed_vs_profile")]
     if speeds:
@@ -360,6 +503,8 @@ COMMANDS = {"models": cmd_models, "devices": cmd_devices, "estimate": cmd_estima
 
 
 def main(argv=None) -> int:
+    from . import procs
+
     parser = build_parser()
     args = parser.parse_args(argv)
     fn = COMMANDS.get(args.command)
@@ -367,14 +512,23 @@ def main(argv=None) -> int:
         fn = {"trial": "autoconf.trial:cmd_trial", "profile": "profiler.cli:cmd_profile"}[args.command]
         mod, name = fn.split(":")
         fn = getattr(__import__(mod, fromlist=[name]), name)
+    if threading.current_thread() is threading.main_thread():
+        procs.install_terminate_handler()  # SIGTERM / SIGHUP clean up like Ctrl-C
     try:
         return fn(args) or 0
     except UserError as e:
         sys.stderr.write(f"autoconf: error: {' '.join(str(e).split())}\n")  # always one line
         return 2
-    except KeyboardInterrupt:
-        sys.stderr.write("autoconf: interrupted (finished trials are kept in the study)\n")
-        return 130
+    except KeyboardInterrupt as e:
+        with procs.deferred_signals():
+            procs.kill_all()
+            kept = getattr(e, "autoconf_kept", None)
+            what = "terminated" if isinstance(e, procs.Terminated) else "interrupted"
+            sys.stderr.write(f"autoconf: {what}" + (f" ({kept})" if kept else "") + "\n")
+        return 128 + e.signum if isinstance(e, procs.Terminated) else 130
+    finally:
+        with procs.deferred_signals():
+            procs.kill_all()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ study name resumes: points already in the study are not evaluated again.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +32,7 @@ from .config import ParallelConfig, check, inner_choices, make_config, outer_spa
 from .cost.estimate import Estimate, _estimate
 from .cost.system import System
 from .errors import UserError
+from .procs import deferred_signals
 
 PARAMS = ("tp", "pp", "dp", "micro_batch_size", "pipeline")
 
@@ -246,6 +249,69 @@ def _digest(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def sqlite_path(storage: str | None) -> str | None:
+    """The database file of a ``sqlite:///`` storage URL (None for other storages or in memory)."""
+    if not storage or not storage.startswith("sqlite:///"):
+        return None
+    path = storage[len("sqlite:///"):].split("?", 1)[0]
+    return None if path in ("", ":memory:") else path
+
+
+_held_locks: dict = {}
+
+
+@contextlib.contextmanager
+def study_lock(storage: str | None, name: str):
+    """Hold a study for this process: a second search on the same SQLite study (another process)
+    is refused in one line instead of storing every trial twice. The lock is a byte-range lock on
+    ``<database>.lock`` (released by the kernel when the process ends, however it ends); creating
+    the database's tables is serialised through the same file. Other storages are not locked."""
+    path = sqlite_path(storage)
+    if path is None or (path, name) in _held_locks:
+        yield
+        return
+    import fcntl
+    import hashlib
+
+    try:
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise UserError(f"--storage {storage!r}: cannot open the study (cannot create {path + '.lock'!r}: "
+                        f"{e.strerror})") from None
+    offset = 1 + int(hashlib.sha256(name.encode()).hexdigest()[:12], 16) % (2**40)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
+        except OSError:
+            raise UserError(f"study {name!r} in {storage} is in use by another search; wait for it to finish "
+                            "or pass another --study-name") from None
+        _held_locks[(path, name)] = fd
+        try:
+            yield
+        finally:
+            del _held_locks[(path, name)]
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def _schema_lock(storage: str | None):
+    """Serialise creating a new SQLite database's tables between processes (optuna's table
+    creation races: 'table studies already exists')."""
+    path = sqlite_path(storage)
+    held = next((fd for (p, _), fd in _held_locks.items() if p == path), None)
+    if held is None:
+        yield
+        return
+    import fcntl
+
+    fcntl.lockf(held, fcntl.LOCK_EX, 1, 0)
+    try:
+        yield
+    finally:
+        fcntl.lockf(held, fcntl.LOCK_UN, 1, 0)
+
+
 def default_study_name(model, world: int, global_batch: int, cluster_name: str, framework: str = "reference") -> str:
     name = f"{model.name}-{cluster_name}-{world}gpus-gb{global_batch}"
     return name if framework == "reference" else f"{name}-{framework}"
@@ -277,17 +343,34 @@ class _Study:
         """outer key -> finished trial of an earlier run (resumed)"""
         self.pending: list = []
         self.stored = 0
+        self.written = 0
+        """Trials this run wrote to the storage."""
         self.swept_skipped = 0
+        self.skipped_keys: set = set()
+        """Outer points the sweep decided without storing a trial (dominated or out of memory), in
+        this run and earlier ones: kept as the study's ``swept_skipped`` attribute (indices into the
+        space), so a resumed sweep does not decide them again (exact: the incumbent only improves,
+        and out of memory stays out of memory)."""
+        self._skipped_written = 0
         self.last_flush = time.perf_counter()
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.persistent = self._open(storage, name, signature) if storage else None
         for t in self.earlier.values():  # what earlier runs found bounds this one
             if t.user_attrs.get("fits") and t.value is not None:
                 evaluate.incumbent = min(evaluate.incumbent, t.value)
+        self.seed, self.budget = seed, budget
+        self.memory = None
+        self.earlier_sampled = sum(1 for t in self.earlier.values() if t.user_attrs.get("phase", "sampled") == "sampled")
+        """Sampled trials of earlier runs (trials stored before the phase was recorded count as sampled)."""
+
+    def _memory_study(self):
+        """The in-memory study TPE samples from, seeded with every earlier trial (built only when
+        this run samples)."""
+        optuna = self.optuna
         self.memory = optuna.create_study(
             direction="minimize",
-            sampler=optuna.samplers.TPESampler(seed=seed, multivariate=True,
-                                               n_startup_trials=min(40, max(10, budget // 5))))
+            sampler=optuna.samplers.TPESampler(seed=self.seed, multivariate=True,
+                                               n_startup_trials=min(40, max(10, self.budget // 5))))
         for t in self.earlier.values():
             params = {k: t.params[k] for k in self.sample_dists}
             if t.state == optuna.trial.TrialState.PRUNED:
@@ -304,7 +387,9 @@ class _Study:
         devices and the space's bounds."""
         optuna = self.optuna
         try:
-            study = optuna.create_study(storage=storage, study_name=name, direction="minimize", load_if_exists=True)
+            with _schema_lock(storage):
+                study = optuna.create_study(storage=storage, study_name=name, direction="minimize",
+                                            load_if_exists=True)
         except Exception as e:  # a bad URL or an unwritable file: say so in one line
             raise UserError(f"--storage {storage!r}: cannot open the study "
                             f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
@@ -322,20 +407,25 @@ class _Study:
             k = tuple(t.params.get(p) for p in PARAMS)
             if k in self.key_of and k not in self.earlier:
                 self.earlier[k] = t
+        index = list(self.key_of)
+        self.skipped_keys = {index[i] for i in study.user_attrs.get("swept_skipped", []) if 0 <= i < len(index)}
+        self._skipped_written = len(self.skipped_keys)
         return study
 
-    def record(self, k, best, least):
-        """Keep the outcome of an outer point and queue its trial; None when it was dominated."""
+    def record(self, k, best, least, phase: str):
+        """Keep the outcome of an outer point and queue its trial; None when it was dominated.
+        ``phase`` (sampled, swept, brute force) is stored: a resumed search counts the sampled
+        trials already in the study against its budget."""
         optuna = self.optuna
         self.results[k] = (best, least)
         self.stored += 1
         if best is None and least is None:  # every choice was dominated by the incumbent
             self.pending.append(optuna.trial.create_trial(
                 params=dict(zip(PARAMS, k)), distributions=self.dists, state=optuna.trial.TrialState.PRUNED,
-                user_attrs={"fits": None, "dominated_by_s": self.evaluate.incumbent}))
+                user_attrs={"fits": None, "dominated_by_s": self.evaluate.incumbent, "phase": phase}))
             return None
         e = best or least
-        attrs = {"config": e.config.to_dict(), "fits": bool(best), "step_time_s": e.step_time_s,
+        attrs = {"phase": phase, "config": e.config.to_dict(), "fits": bool(best), "step_time_s": e.step_time_s,
                  "memory_excess_bytes": e.memory_excess_bytes,
                  "peak_memory_gib": round(e.peak_memory_bytes / 2**30, 3), "mfu": round(e.mfu, 4),
                  "breakdown_s": e.breakdown_s}
@@ -349,18 +439,27 @@ class _Study:
         """Write pending trials to the storage (at most every ``every_s`` seconds)."""
         if time.perf_counter() - self.last_flush < every_s:
             return
-        if self.persistent is not None and self.pending:
-            try:
-                self.persistent.add_trials(self.pending)
-            except Exception as e:  # the storage went away or disagrees: one line, trials kept so far
-                raise UserError(f"cannot write trials to the study ({type(e).__name__}: "
-                                f"{str(e).splitlines()[0]})") from None
-        self.pending.clear()
+        if self.persistent is None:
+            self.pending.clear()
+        while self.pending:  # one at a time, each write whole: an interrupt lands between two
+            with deferred_signals():
+                try:
+                    self.persistent.add_trial(self.pending[0])
+                except Exception as e:  # the storage went away or disagrees: one line, trials kept so far
+                    raise UserError(f"cannot write trials to the study ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0]})") from None
+                self.pending.pop(0)
+                self.written += 1
+        if self.persistent is not None and len(self.skipped_keys) != self._skipped_written:
+            where = {k: i for i, k in enumerate(self.key_of)}
+            with deferred_signals():
+                self.persistent.set_user_attr("swept_skipped", sorted(where[k] for k in self.skipped_keys))
+                self._skipped_written = len(self.skipped_keys)
         self.last_flush = time.perf_counter()
 
     def brute_force(self, todo, progress) -> None:
         for i, k in enumerate(todo, 1):
-            self.record(k, *self.evaluate(self.key_of[k]))
+            self.record(k, *self.evaluate(self.key_of[k]), "brute force")
             if progress:
                 progress(i, len(todo))
             self.flush(every_s=5)
@@ -390,13 +489,15 @@ class _Study:
         """Constrained TPE over (tp, pp, micro-batch size, pipeline), each sample repaired to a
         valid point; returns the number of new points evaluated."""
         run = asks = 0
+        if target > 0 and self.memory is None:
+            self._memory_study()
         while run < target and asks < 5 * target:
             asks += 1
             trial = self.memory.ask(self.sample_dists)
             k = repair(trial.params)
             if self._tell_known(trial, k):
                 continue
-            ft = self.record(k, *self.evaluate(self.key_of[k]))
+            ft = self.record(k, *self.evaluate(self.key_of[k]), "sampled")
             if ft is None:
                 self.memory.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
             else:
@@ -417,10 +518,11 @@ class _Study:
         for i, k in enumerate(rest):
             best, least = self.evaluate(self.key_of[k])
             if best is not None:
-                self.record(k, best, least)
+                self.record(k, best, least, "swept")
             else:
                 self.results[k] = (None, least)
                 self.swept_skipped += 1
+                self.skipped_keys.add(k)
             if progress and i % 50 == 0:
                 progress(done + i + 1, n_total)
             self.flush(every_s=5)
@@ -459,28 +561,42 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                  "cluster": _digest(cluster.to_dict()) if cluster is not None else None,
                  "profile": _digest(profile.to_dict()) if profile is not None else None,
                  "calibration": _digest(calibration.to_dict()) if calibration is not None else None}
-    study = _Study(storage, name, signature, points, evaluate, seed, budget)
+    with study_lock(storage, name):
+        study = _Study(storage, name, signature, points, evaluate, seed, budget)
+        todo = [k for k in study.key_of if k not in study.earlier and k not in study.skipped_keys]
+        brute = len(todo) <= budget
+        sampler_name = ("brute force" if brute else
+                        "TPE, then every point by branch and bound" if exhaustive else "TPE (constrained, multivariate)")
+        try:
+            if brute:
+                study.brute_force(todo, progress)
+                run = len(todo)
+            else:
+                # exhaustive: the sweep decides the answer, so sampled trials already in the study
+                # count against the budget (a resumed search finishes the same search)
+                target = budget - study.earlier_sampled if exhaustive else budget
+                run = study.sample(min(max(target, 0), len(todo)), _Repair(study.key_of), progress)
+                if exhaustive:
+                    run += study.sweep(todo, run, progress)
+            study.flush()
+        except BaseException as e:  # interrupted (or failed): every finished evaluation goes to the study
+            if study.persistent is not None and not isinstance(e, UserError):
+                with deferred_signals():
+                    study.flush()
+                e.autoconf_kept = (f"{study.written} trials of this run and {len(study.earlier)} earlier ones are "
+                                   f"kept in study {name!r} in {storage}; rerun the same command to resume")
+            raise
 
-    todo = [k for k in study.key_of if k not in study.earlier]
-    brute = len(todo) <= budget
-    sampler_name = ("brute force" if brute else
-                    "TPE, then every point by branch and bound" if exhaustive else "TPE (constrained, multivariate)")
-    if brute:
-        study.brute_force(todo, progress)
-        run = len(todo)
-    else:
-        run = study.sample(min(budget, len(todo)), _Repair(study.key_of), progress)
-        if exhaustive:
-            run += study.sweep(todo, run, progress)
-    study.flush()
-
-    # rank: this run's results plus the earlier trials' recorded configurations
+    # rank: this run's results plus the earlier trials' recorded configurations (their stored
+    # values are this model's: the signature matched, so only the best few are re-estimated)
     fitting = [b for b, _ in study.results.values() if b is not None]
-    for t in study.earlier.values():
-        if t.user_attrs.get("fits") and "config" in t.user_attrs:
-            e = _estimate(ParallelConfig.from_dict(t.user_attrs["config"]), ctx)
-            if e.fits:
-                fitting.append(e)
+    earlier_fit = sorted((t for t in study.earlier.values()
+                          if t.user_attrs.get("fits") and "config" in t.user_attrs and t.value is not None),
+                         key=lambda t: t.value)
+    for t in earlier_fit[:top]:
+        e = _estimate(ParallelConfig.from_dict(t.user_attrs["config"]), ctx)
+        if e.fits:
+            fitting.append(e)
     fitting.sort(key=lambda e: e.step_time_s)
     rejected = dict(rejected)
     for k2, v2 in evaluate.rejected.items():

@@ -16,7 +16,9 @@ No torch here: this module runs in the planner's process.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -25,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from . import procs
 from .config import ParallelConfig, check
 from .errors import UserError
 from .model import ModelSpec
@@ -129,6 +132,27 @@ def make_document(config: ParallelConfig, model: ModelSpec, cluster=None, seed: 
     return doc
 
 
+def check_seconds(value, what: str) -> float:
+    """A time limit must be a finite number of seconds above zero; UserError otherwise."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{what} {value!r}: expected a number of seconds") from None
+    if not math.isfinite(v) or v <= 0:
+        raise UserError(f"{what} {value!r}: expected a finite number of seconds above 0")
+    return v
+
+
+def seconds_arg(text: str) -> float:
+    """argparse type for time limits (--timeout, --trial-timeout): one-line error, exit 2."""
+    import argparse
+
+    try:
+        return check_seconds(text, "")
+    except UserError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number of seconds above 0") from None
+
+
 # -- running -------------------------------------------------------------------------------------
 
 def run_trial(config_path_or_dict, steps: int = 6, warmup: int = 2, timeout_s: float = 300.0,
@@ -143,6 +167,9 @@ def run_trial(config_path_or_dict, steps: int = 6, warmup: int = 2, timeout_s: f
     """
     doc = load_document(config_path_or_dict)
     config = ParallelConfig.from_dict(doc["config"])
+    check_seconds(timeout_s, "timeout")
+    if step_timeout_s is not None:
+        check_seconds(step_timeout_s, "step timeout")
     nproc = nproc or config.world_size
     step_timeout_s = step_timeout_s or timeout_s
     tmp = None
@@ -153,8 +180,9 @@ def run_trial(config_path_or_dict, steps: int = 6, warmup: int = 2, timeout_s: f
     try:
         return _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s, speed_probe)
     finally:
-        if tmp is not None and not keep:
-            tmp.cleanup()
+        with procs.deferred_signals():  # a second Ctrl-C cannot leave the directory behind
+            if tmp is not None and not keep:
+                tmp.cleanup()
 
 
 def _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s,
@@ -169,30 +197,17 @@ def _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, st
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                 "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)})
     env.update(env_extra or {})
+    oom_before = procs.oom_kills()
     t0 = time.perf_counter()
     with open(os.path.join(out_dir, "torchrun.log"), "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
+        with procs.ProcessTree(cmd, env=env, stdout=log, stderr=subprocess.STDOUT) as tree:
+            returncode = tree.wait(timeout=timeout_s)
+            timed_out = returncode is None
+            # on a timeout, an interrupt or an error: the whole tree, stopped ranks included (__exit__)
     wall = time.perf_counter() - t0
-    return collect(out_dir, nproc, proc.returncode, timed_out, timeout_s, wall, config)
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    oom_after = procs.oom_kills()
+    kernel_oom = oom_before is not None and oom_after is not None and oom_after > oom_before
+    return collect(out_dir, nproc, returncode, timed_out, timeout_s, wall, config, kernel_oom=kernel_oom)
 
 
 _PEER_GONE = ("read error", "connection closed", "connection reset", "broken pipe", "connection refused",
@@ -207,9 +222,37 @@ def _symptom(reason: str) -> bool:
     return any(s in low for s in _PEER_GONE)
 
 
+_EXIT_RE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+_OOM_MARKS = ("memoryerror", "out of memory", "outofmemoryerror", "oom-kill", "cannot allocate memory")
+
+
+def rank_exits(log_text: str) -> dict:
+    """rank -> exit code of each failed rank in torchrun's failure report (negative: the signal
+    that killed it)."""
+    return {int(r): int(c) for r, c in _EXIT_RE.findall(log_text)}
+
+
+def _describe_exit(rank: int, code: int, oom: bool) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        what = f"rank {rank}: killed by {name}"
+        if oom and -code == signal.SIGKILL:
+            what = f"rank {rank}: out of memory (killed by SIGKILL)"
+        return what
+    return f"rank {rank}: exited with code {code} without writing a result"
+
+
 def collect(out_dir: str, nproc: int, returncode, timed_out: bool, timeout_s: float, wall_s: float,
-            config: ParallelConfig) -> TrialResult:
-    """Turn the trainer's per-rank files (and the launcher's exit) into one TrialResult."""
+            config: ParallelConfig, kernel_oom: bool = False) -> TrialResult:
+    """Turn the trainer's per-rank files (and the launcher's exit) into one TrialResult.
+
+    The reason names the root cause: a rank's own failure (out of memory, an exception), else the
+    timeout, else the rank that died without a result and how (signal or exit code, from
+    torchrun's failure report; SIGKILL with the kernel's OOM kill count rising or an out-of-memory
+    mark in the log is labelled out of memory), and only then a rank that merely saw its peer go."""
     per_rank = []
     for r in range(nproc):
         path = os.path.join(out_dir, f"rank_{r}.json")
@@ -219,15 +262,29 @@ def collect(out_dir: str, nproc: int, returncode, timed_out: bool, timeout_s: fl
         except (OSError, json.JSONDecodeError):
             pass
     base = {"per_rank": per_rank, "wall_s": wall_s, "config": config.to_dict()}
-    failed = [r for r in per_rank if not r.get("ok")]
-    if failed:
-        first = min(failed, key=lambda r: (_symptom(r.get("reason", "")), r.get("rank", 0)))
-        return TrialResult(ok=False, reason=f"rank {first.get('rank')}: {first.get('reason', 'failed')}", **base)
+    failed = sorted((r for r in per_rank if not r.get("ok")), key=lambda r: r.get("rank", 0))
+    roots = [r for r in failed if not _symptom(r.get("reason", ""))]
+    if roots:
+        return TrialResult(ok=False, reason=f"rank {roots[0].get('rank')}: {roots[0].get('reason', 'failed')}", **base)
     if timed_out:
-        return TrialResult(ok=False, reason=f"timed out after {timeout_s:g} s (process group killed)", **base)
+        return TrialResult(ok=False, reason=f"timed out after {timeout_s:g} s (every process killed)", **base)
+    log = _read_log(out_dir)
+    wrote = {r.get("rank") for r in per_rank}
+    echoed = {r.get("rank") for r in failed}  # these wrote why they failed: their peer went away
+    dead = {k: c for k, c in rank_exits(log).items() if c != 0 and k not in echoed}
+    if dead:
+        oom = kernel_oom or any(m in log.lower() for m in _OOM_MARKS)
+        root = rank_exits(log.rpartition("Root Cause")[2]) if "Root Cause" in log else {}
+        # torchrun's first observed failure, then killed by a signal (its own closing SIGTERM last)
+        rank, code = min(dead.items(), key=lambda kc: (kc[0] not in root, kc[1] >= 0,
+                                                       kc[1] == -signal.SIGTERM, kc[0]))
+        return TrialResult(ok=False, reason=_describe_exit(rank, code, oom), **base)
+    if failed:
+        return TrialResult(ok=False, reason=f"rank {failed[0].get('rank')}: {failed[0].get('reason', 'failed')}", **base)
     if len(per_rank) < nproc or returncode != 0:
-        return TrialResult(ok=False, reason=f"torchrun exited with code {returncode} and {len(per_rank)}/{nproc} "
-                           f"rank results: {_log_tail(out_dir)}", **base)
+        missing = sorted(set(range(nproc)) - wrote)
+        return TrialResult(ok=False, reason=f"torchrun exited with code {returncode}; no result from rank(s) "
+                           f"{', '.join(map(str, missing)) or '-'}: {_log_tail(out_dir)}", **base)
     times = [r["step_time_s"] for r in per_rank if r.get("step_time_s") is not None]
     peaks = [r["peak_memory_bytes"] for r in per_rank if r.get("peak_memory_bytes") is not None]
     losses = next((r["losses"] for r in per_rank if r.get("rank") == 0), [])
@@ -251,31 +308,55 @@ def speed_vs_profile(result: TrialResult, profile, model: ModelSpec) -> float | 
     return result.speed_probe_s / (got[0] + got[1]) if got and got[0] + got[1] > 0 else None
 
 
-def _log_tail(out_dir: str, lines: int = 3) -> str:
+def _read_log(out_dir: str) -> str:
     try:
-        with open(os.path.join(out_dir, "torchrun.log")) as f:
-            text = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+        with open(os.path.join(out_dir, "torchrun.log"), errors="replace") as f:
+            return f.read()
     except OSError:
+        return ""
+
+
+def _log_tail(out_dir: str, lines: int = 3) -> str:
+    text = [ln.strip() for ln in _read_log(out_dir).splitlines() if ln.strip()]
+    if not text:
         return "(no log)"
     errors = [ln for ln in text if "Error" in ln or "error" in ln]
     return " | ".join((errors or text)[-lines:])[-500:]
 
 
 def verify(candidates, model: ModelSpec, cluster=None, steps: int = 6, warmup: int = 2,
-           timeout_s: float = 300.0, seed: int = 0, progress=None, speed_probe: bool = False) -> list[TrialResult]:
+           timeout_s: float = 300.0, seed: int = 0, progress=None, speed_probe: bool = False,
+           on_result=None) -> list[TrialResult]:
     """Run each ParallelConfig in turn (one torchrun at a time); a failure is a result, not an error.
-    ``speed_probe``: each trial also times the profile's reference block (``speed_vs_profile``)."""
+    ``speed_probe``: each trial also times the profile's reference block (``speed_vs_profile``).
+    ``on_result(i, result)`` is called as each trial finishes (to store it at once)."""
+    check_seconds(timeout_s, "trial timeout")
     results = []
     for i, config in enumerate(candidates):
         if progress is not None:
             progress(i, config)
         reason = check(config, model)
         if reason:
-            results.append(TrialResult(ok=False, reason=f"invalid configuration: {reason}", config=config.to_dict()))
-            continue
-        results.append(run_trial(make_document(config, model, cluster, seed), steps=steps, warmup=warmup,
-                                 timeout_s=timeout_s, speed_probe=speed_probe))
+            result = TrialResult(ok=False, reason=f"invalid configuration: {reason}", config=config.to_dict())
+        else:
+            result = run_trial(make_document(config, model, cluster, seed), steps=steps, warmup=warmup,
+                               timeout_s=timeout_s, speed_probe=speed_probe)
+        results.append(result)
+        if on_result is not None:
+            on_result(i, result)
     return results
+
+
+def local_device_kind() -> str:
+    """'cuda' when this machine has a GPU the trainer would use, else 'cpu' (no torch import:
+    CUDA_VISIBLE_DEVICES, then the NVIDIA driver's list)."""
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if vis is not None:
+        return "cuda" if [d for d in vis.split(",") if d.strip() and d.strip() != "-1"] else "cpu"
+    try:
+        return "cuda" if os.listdir("/proc/driver/nvidia/gpus") else "cpu"
+    except OSError:
+        return "cpu"
 
 
 # -- CLI ---------------------------------------------------------------------------------------------
@@ -285,7 +366,7 @@ def add_trial_parser(subparsers):
     p.add_argument("--config", required=True, help="trainer config JSON (written by `autoconf search --emit`)")
     p.add_argument("--steps", type=int, default=6, help="steps to run, warm-up included (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
-    p.add_argument("--timeout", type=float, default=300.0, help="wall-clock limit in seconds (default 300)")
+    p.add_argument("--timeout", type=seconds_arg, default=300.0, help="wall-clock limit in seconds (default 300)")
     p.add_argument("--cluster", help="cluster YAML for the prediction (default: the one in the config file)")
     p.add_argument("--profile", help="profile JSON for the prediction (`autoconf profile`); the trial then also times "
                    "the profile's reference block after every step and reports how fast the machine ran compared "

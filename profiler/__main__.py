@@ -2,6 +2,10 @@
 
 import sys
 
-from .run import main
+from autoconf.procs import die_with_parent_if_launched
+
+die_with_parent_if_launched()  # launched by `autoconf profile`: die with torchrun, never outlive it
+
+from .run import main  # noqa: E402
 
 sys.exit(main())

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import subprocess
 import sys
 
+from autoconf import procs
 from autoconf.errors import UserError
 
 
@@ -83,16 +83,17 @@ def cmd_profile(args) -> int:
     repeats = args.repeats or (3 if args.quick else 10)
     if args.rounds is not None and not 1 <= args.rounds <= repeats:
         raise UserError(f"--rounds {args.rounds}: expected 1 to the number of repeats ({repeats})")
-    out_dir = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(out_dir):
-        raise UserError(f"--out {args.out!r}: directory {out_dir!r} does not exist")
+    from autoconf.outputs import check_file
+
+    check_file(args.out, "--out")  # before the profile runs, not after
     cmd = launch_command(args)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                AUTOCONF_PROFILE_COMMAND=" ".join(shlex.quote(a) for a in sys.argv) or "autoconf profile")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so `-m profiler` resolves from a checkout
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     before = os.stat(args.out).st_mtime_ns if os.path.exists(args.out) else None
-    rc = subprocess.call(cmd, env=env)
+    with procs.ProcessTree(cmd, env=env) as tree:  # interrupted or crashed: every rank ends with us
+        rc = tree.wait()
     if rc != 0:
         print(f"error: profiler exited with code {rc} (command: {' '.join(shlex.quote(c) for c in cmd)})",
               file=sys.stderr)

@@ -165,3 +165,51 @@ def test_failed_trial_reports_the_root_cause_not_the_peers_echo(tmp_path):
     result = collect(str(tmp_path), nproc=2, returncode=1, timed_out=False, timeout_s=10.0, wall_s=1.0,
                      config=ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1))
     assert not result.ok and result.reason.startswith("rank 1:") and "step timeout" in result.reason
+
+
+_REPORT = """autoconf.trainer FAILED
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 11)
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : {code} (pid: 12)
+"""
+
+
+@pytest.mark.parametrize("code,extra,kernel_oom,reason", [
+    (-9, "", False, "rank 1: killed by SIGKILL"),
+    (-9, "", True, "rank 1: out of memory (killed by SIGKILL)"),
+    (-9, "MemoryError\n", False, "rank 1: out of memory (killed by SIGKILL)"),
+    (-11, "", False, "rank 1: killed by SIGSEGV"),
+    (3, "", False, "rank 1: exited with code 3 without writing a result"),
+])
+def test_a_dead_rank_is_named_with_its_signal_not_the_peers_echo(tmp_path, code, extra, kernel_oom, reason):
+    """rank 1 died without a result; rank 0 only saw its connection close, and torchrun then sent
+    it SIGTERM: the reason names rank 1 and how it died."""
+    (tmp_path / "rank_0.json").write_text(json.dumps(_rank(0, ok=False, reason="RuntimeError: Connection closed by peer")))
+    (tmp_path / "torchrun.log").write_text(extra + _REPORT.format(code=code))
+    res = collect(str(tmp_path), 2, 1, False, 10, 1.0, DP2, kernel_oom=kernel_oom)
+    assert not res.ok and res.reason == reason
+
+
+def test_bad_time_limits_are_user_errors():
+    from autoconf.trial import check_seconds, run_trial
+
+    for bad in (0, -5, float("nan"), float("inf"), "x"):
+        with pytest.raises(UserError):
+            check_seconds(bad, "timeout")
+    with pytest.raises(UserError, match="timeout"):
+        run_trial(make_document(DP2, TINY), timeout_s=0)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "soon"])
+def test_cli_rejects_bad_timeouts_in_one_line(tmp_path, value):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(make_document(DP2, TINY)))
+    p = subprocess.run([sys.executable, "-m", "autoconf", "trial", "--config", str(path), "--timeout", value],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "--timeout" in p.stderr
+    assert "Traceback" not in p.stderr

@@ -34,6 +34,9 @@ class Calibration:
     ``Estimate.memory_by_stage``."""
     num_trials: int = 0
     """Trials the fit used."""
+    devices: tuple | None = None
+    """The device kinds the trials ran on (catalog names, e.g. ('cpu',)); a calibration applies to
+    clusters of those devices only. None: unknown (written before it was recorded)."""
 
     def factor(self, term: str) -> float:
         return float(self.factors.get(term, 1.0))
@@ -54,13 +57,18 @@ class Calibration:
         return out
 
     def to_dict(self) -> dict:
-        return {"factors": dict(self.factors), "num_trials": self.num_trials}
+        d = {"factors": dict(self.factors), "num_trials": self.num_trials}
+        if self.devices is not None:
+            d["devices"] = list(self.devices)
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "Calibration":
         factors = {k: 1.0 for k in TIME_TERMS + MEMORY_TERMS}
         factors.update({k: float(v) for k, v in d.get("factors", {}).items()})
-        return cls(factors=factors, num_trials=int(d.get("num_trials", 0)))
+        devices = d.get("devices")
+        return cls(factors=factors, num_trials=int(d.get("num_trials", 0)),
+                   devices=tuple(devices) if devices is not None else None)
 
 
 # -- reading the lead's Estimate and the TrialResult by duck typing -----------------------------
@@ -212,10 +220,12 @@ def calibration_report(pairs, calibration: Calibration) -> dict:
 # -- files ----------------------------------------------------------------------------------------
 
 def save_calibration(calibration: Calibration, path: str) -> None:
+    """Write atomically: a failure leaves the previous file (or none) and no temp file."""
     import json
 
-    with open(path, "w") as f:
-        json.dump({"version": 1, **calibration.to_dict()}, f, indent=1)
+    from ..outputs import write_text
+
+    write_text(path, json.dumps({"version": 1, **calibration.to_dict()}, indent=1))
 
 
 MAX_FACTOR = 1000.0
@@ -223,12 +233,13 @@ MAX_FACTOR = 1000.0
 
 
 def calibration_schema():
-    from ..schema import Dict, Int, Num
+    from ..schema import Dict, Int, List, Num, Str
 
     factor = Num(0.0, MAX_FACTOR)
     return Dict(required={"factors": Dict(optional={k: factor for k in TIME_TERMS + MEMORY_TERMS},
                                           what="factors, one per cost term")},
-                optional={"version": Int(1, 1), "num_trials": Int(0, 1 << 30)},
+                optional={"version": Int(1, 1), "num_trials": Int(0, 1 << 30),
+                          "devices": List(Str(max_len=64), min_len=1, max_len=64)},
                 what="a calibration")
 
 

@@ -48,7 +48,7 @@ def _write(out_dir: str, rank: int, result: dict) -> None:
 
 def _failure_reason(e: BaseException) -> str:
     text = f"{type(e).__name__}: {e}".splitlines()[0][:400]
-    if isinstance(e, MemoryError) or "out of memory" in text.lower():
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError" or "out of memory" in text.lower():
         return f"out of memory ({text})"
     return text
 

@@ -395,7 +395,7 @@ def _capacity_refusal(estimate, trial, margin: float) -> str | None:
     measured = trial.peak_memory_bytes
     if not trial.ok or not measured:
         return None
-    capacity = min(m["capacity"] for m in estimate.memory_by_stage)
+    capacity = min(m.capacity for m in estimate.memory_by_stage)
     limit = capacity * (1.0 - margin)
     if measured <= limit:
         return None

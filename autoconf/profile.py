@@ -25,7 +25,6 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 
 from .errors import UserError
@@ -309,29 +308,11 @@ def _jsonable(x):
 # -- files ------------------------------------------------------------------------------------
 
 def save_profile(profile: Profile, path: str) -> None:
-    """Write the profile as JSON atomically: a temp file in the same directory, then os.replace.
-
-    A failure at any point leaves the previous file (or none) in place and no partial file.
-    """
-    text = json.dumps(profile.to_dict(), indent=1, sort_keys=False, allow_nan=False)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".profile-", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; a profile is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    """Write the profile as JSON atomically (``outputs.write_text``: a temp file in the same
+    directory, then os.replace). A failure at any point leaves the previous file (or none) in place
+    and no partial file."""
+    from .outputs import write_text
+    write_text(path, json.dumps(profile.to_dict(), indent=1, sort_keys=False, allow_nan=False) + "\n")
 
 
 # -- the schema of a profile file --------------------------------------------------------------------

@@ -41,6 +41,7 @@ from autoconf.cluster import load_cluster  # noqa: E402
 from autoconf.config import enumerate_space  # noqa: E402
 from autoconf.model import ModelSpec  # noqa: E402
 from autoconf.trial import make_document, run_trial, speed_vs_profile  # noqa: E402
+from stats import spearman  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -74,24 +75,6 @@ def spread(configs: list, n: int) -> list:
             break
         i += 1
     return out
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        for k, i in enumerate(order):
-            r[i] = float(k)
-        return r
-    rx, ry = ranks(xs), ranks(ys)
-    n = len(xs)
-    if n < 2:
-        return float("nan")
-    mx, my = sum(rx) / n, sum(ry) / n
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    vx = sum((a - mx) ** 2 for a in rx) ** 0.5
-    vy = sum((b - my) ** 2 for b in ry) ** 0.5
-    return cov / (vx * vy) if vx and vy else float("nan")
 
 
 def summarise(rows: list[dict], key: str) -> dict:

@@ -34,6 +34,7 @@ from autoconf.cluster import cluster_from_mapping  # noqa: E402
 from autoconf.config import ParallelConfig  # noqa: E402
 from autoconf.cost.estimate import estimate  # noqa: E402
 from autoconf.model import ModelSpec  # noqa: E402
+from stats import spearman  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "vtrain-a100")
 
@@ -63,30 +64,6 @@ def load_rows() -> list[dict]:
         d["measured_s"] = float(r["iteration_time_ms"]) / 1e3
         out.append(d)
     return out
-
-
-def spearman(xs: list[float], ys: list[float]) -> float:
-    def ranks(v):
-        order = sorted(range(len(v)), key=lambda i: v[i])
-        r = [0.0] * len(v)
-        i = 0
-        while i < len(order):
-            j = i
-            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
-                j += 1
-            for k in range(i, j + 1):
-                r[order[k]] = (i + j) / 2
-            i = j + 1
-        return r
-    rx, ry = ranks(xs), ranks(ys)
-    n = len(xs)
-    if n < 2:
-        return float("nan")
-    mx, my = sum(rx) / n, sum(ry) / n
-    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
-    vx = math.sqrt(sum((a - mx) ** 2 for a in rx))
-    vy = math.sqrt(sum((b - my) ** 2 for b in ry))
-    return cov / (vx * vy) if vx and vy else float("nan")
 
 
 def predict(rows: list[dict], recompute: str, framework: str) -> None:

@@ -139,3 +139,15 @@ def test_bad_recompute():
 def test_no_torch_import():
     code = "import sys, autoconf.cost.activations; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_block_backward_temporaries_closed_form():
+    from autoconf.cost.activations import block_backward_temporary_bytes
+
+    m = preset("tiny")
+    e, s, h, f = m.dtype_bytes, m.seq_length, m.hidden_size, m.ffn_hidden_size
+    # GeLU MLP: two f-wide gradients of the hidden and the up projection's h x f weight gradient
+    assert block_backward_temporary_bytes(m, 2) == e * s * 2 * 2 * f + e * h * f
+    # SwiGLU: the fused gate_up is 2f wide; tensor parallelism shards all of it
+    sw = dataclasses.replace(m, activation="swiglu")
+    assert block_backward_temporary_bytes(sw, 2, tp=2) == (e * s * 2 * 3 * f + e * h * 2 * f) / 2

@@ -142,3 +142,49 @@ def test_extrapolation_exact_with_unequal_stages(schedule, v, layered):
                        virtual_stages=v, layered_grad_accum=layered)
     e = estimate(c, m, A100)
     assert e.step_time_s == pytest.approx(_fully_simulated(c, m).step_time_s, rel=2e-3)
+
+
+CPU = load_cluster("examples/clusters/localhost-cpu.yaml")
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+@pytest.mark.parametrize("m,b", [(2, 1), (4, 2), (8, 4), (8, 1), (16, 2)])
+def test_layered_full_recompute_peak_matches_closed_form(m, b, dp):
+    """pp = 1 layered accumulation with full recompute, units embedding, L blocks, head (fp32 on
+    CPU: masks and norm statistics at 4 bytes). Candidate peaks:
+    - the head's first backward: every unit's activations for every micro-batch, the loss gradient
+      of one micro-batch's logits, the head's gradient;
+    - block l's first backward: the checkpoints of blocks 0..l and the embedding's indices for every
+      micro-batch, every micro-batch's gradient at the boundary above, one block's recompute working
+      set and backward temporaries, the gradients of the head and blocks l..L-1, and with dp > 1 the
+      reduction's copy of the unit above;
+    - the embedding's backward: its indices, the boundary gradients, every gradient.
+    """
+    from autoconf.cost.activations import (block_backward_temporary_bytes, embedding_activation_bytes,
+                                           head_activation_bytes, layer_activation_bytes)
+    from autoconf.cost.memory import BUCKET_BYTES
+    from autoconf.model import load_model
+
+    model = load_model("examples/models/bench-h256.yaml")
+    c = ParallelConfig(dp=dp, pp=1, tp=1, micro_batch_size=b, num_micro_batches=m, layered_grad_accum=True,
+                       recompute="full")
+    st = estimate(c, model, CPU).memory_by_stage[0]
+    s, h, L = model.seq_length, model.hidden_size, model.num_layers
+    E = embedding_activation_bytes(model, b, mask_bytes=4)
+    H = head_activation_bytes(model, b, mask_bytes=4)
+    layer = layer_activation_bytes(model, b, recompute="full", mask_bytes=4)
+    ckpt, W = layer["total"], layer["recompute_working_bytes"]
+    T = block_backward_temporary_bytes(model, b)
+    d = 4 * s * b * h  # one micro-batch's gradient at a unit boundary
+    ce = 4 * s * b * model.vocab_size
+    g_e, g_b, g_h = 4 * model.embedding_params(), 4 * model.layer_params(), 4 * model.output_params()
+    copy = (lambda g: min(BUCKET_BYTES, g)) if dp > 1 else (lambda g: 0.0)
+    assert ckpt == d
+    candidates = [m * (E + L * ckpt + H) + ce + g_h]
+    for l in range(L):
+        above = g_h if l == L - 1 else g_b
+        candidates.append(m * E + m * (l + 1) * ckpt + m * d + W + T + copy(above) + g_h + (L - l) * g_b)
+    candidates.append(m * E + m * d + copy(g_b) + g_h + L * g_b + g_e)
+    # m = 16: 8 micro-batches simulated, activations and held gradients scaled by 2: the same peak
+    assert st.activations + st.gradients == pytest.approx(max(candidates), rel=1e-12)
+

@@ -303,3 +303,16 @@ def test_large_shape_is_fast():
     t0 = time.perf_counter()
     simulate("1f1b", 32, 512, 1, [1.0] * 32, [2.5] * 32, [0.01] * 31)
     assert time.perf_counter() - t0 < 0.5
+
+
+def test_peak_memory_holds_input_gradients_between_units_on_one_device():
+    # pp = 1, three single-unit chunks, m = 2 (layered order): after both backwards of chunk 2 its
+    # input gradient is held for both micro-batches (2 x 5) next to chunks 0-1's activations (4)
+    got = peak_memory("breadth_first", 1, 2, 3, [1.0, 1.0, 1.0], [0.0] * 3, 1.0, None, [5.0, 5.0, 5.0])
+    assert got == ((14.0, 0.0),)
+    # the input gradient of chunk 0 (token ids) does not exist; act_scale scales the held gradients too
+    assert peak_memory("breadth_first", 1, 2, 3, [1.0] * 3, [0.0] * 3, 2.0, None, [9.0, 5.0, 5.0]) == ((28.0, 0.0),)
+    # pp > 1: chunk c-1 is on another device, the gradient is sent and freed at once
+    w = [1.0, 1.0, 1.0, 1.0]
+    assert (peak_memory("breadth_first", 2, 4, 2, w, [0.0] * 4, 1.0, None, [5.0] * 4)
+            == peak_memory("breadth_first", 2, 4, 2, w, [0.0] * 4))

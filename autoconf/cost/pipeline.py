@@ -366,8 +366,8 @@ def peak_activation(schedule: str, pp: int, num_micro_batches: int, virtual_stag
 
 def peak_memory(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
                 per_chunk: Sequence[float], grads_per_chunk: Sequence[float],
-                act_scale: float = 1.0, backward_transient: Sequence[float] | None = None
-                ) -> tuple[tuple[float, float], ...]:
+                act_scale: float = 1.0, backward_transient: Sequence[float] | None = None,
+                input_grads: Sequence[float] | None = None) -> tuple[tuple[float, float], ...]:
     """Per device: (activations, gradients) alive at the moment their sum peaks.
 
     Gradients are freed after every optimizer step (``zero_grad(set_to_none=True)``), so a chunk's
@@ -377,17 +377,36 @@ def peak_memory(schedule: str, pp: int, num_micro_batches: int, virtual_stages: 
     ``backward_transient[c]``: working memory chunk c's backward needs on top (e.g. the loss
     gradient of the logits), counted with the activations at that moment. So GPipe / breadth-first / layered accumulation peak at the end of the forwards with (almost) no
     gradient, and 1F1B with every gradient plus its in-flight micro-batches.
+    ``input_grads[c]``: bytes of the gradient w.r.t. chunk c's input, per micro-batch (see
+    ``_held_input_grad``), counted with the activations while it is held.
     """
     _check_shape(schedule, pp, num_micro_batches, virtual_stages)
     nc = pp * virtual_stages
     bt = _floats("backward_transient", backward_transient, nc) if backward_transient is not None else (0.0,) * nc
+    ig = _floats("input_grads", input_grads, nc) if input_grads is not None else (0.0,) * nc
     return _peak_memory(schedule, pp, num_micro_batches, virtual_stages, _floats("per_chunk", per_chunk, nc),
-                        _floats("grads_per_chunk", grads_per_chunk, nc), float(act_scale), bt)
+                        _floats("grads_per_chunk", grads_per_chunk, nc), float(act_scale), bt,
+                        tuple(_held_input_grad(pp, c, ig[c]) for c in range(nc)))
+
+
+def _held_input_grad(pp: int, c: int, nbytes: float) -> float:
+    """Bytes of chunk c's input gradient its device holds after B(mb, c), per micro-batch.
+
+    ``B(mb, c)`` ends with the gradient w.r.t. the chunk's input; ``B(mb, c-1)`` consumes it. When
+    chunk c-1 runs on another device (pp > 1) the gradient is sent and freed at once (the
+    receiver's buffer is the pipeline runtime's, counted apart). When it runs on the same device
+    (pp = 1: layered accumulation's unit-by-unit order) it stays until ``B(mb, c-1)`` ends, and
+    between two units that order runs every micro-batch: all m gradients at that boundary are
+    alive at once (Lamy-Poirier, arXiv 2106.02679, sec. 3 -- what layered accumulation trades for
+    its single pass over each unit's weights). Chunk 0's input is the token ids: no gradient.
+    """
+    return nbytes if (c > 0 and (c - 1) % pp == c % pp) else 0.0
 
 
 @lru_cache(maxsize=4096)
 def _peak_memory(schedule: str, pp: int, m: int, v: int, w: tuple[float, ...], g: tuple[float, ...],
-                 scale: float, bt: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
+                 scale: float, bt: tuple[float, ...], ig: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
+    nc = len(w)
     out = []
     for r in range(pp):
         acts = grads = 0.0
@@ -400,7 +419,9 @@ def _peak_memory(schedule: str, pp: int, m: int, v: int, w: tuple[float, ...], g
                     grads += g[c]
                 if acts + bt[c] + grads > sum(best):
                     best = (acts + bt[c], grads)
-                acts -= w[c] * scale
+                # the activations go; this chunk's input gradient stays (ig), the gradient it
+                # received from chunk c+1 (held here when c+1 is local) is consumed
+                acts += (ig[c] - w[c] - (ig[c + 1] if c + 1 < nc else 0.0)) * scale
             else:
                 acts += w[c] * scale
                 if acts + grads > sum(best):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ..catalog import device_type
 from ..config import ParallelConfig
-from .activations import embedding_activation_bytes, head_activation_bytes
+from .activations import block_backward_temporary_bytes, embedding_activation_bytes, head_activation_bytes
 from .layout import Layout
 from .memory import BUCKET_BYTES, state_bytes_per_param, zero3_working_bytes
 from . import schedule_time
@@ -52,12 +52,16 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
     st = state_bytes_per_param(m.dtype, c.zero_stage, c.dp,
                                fp32_grads=system.framework.fp32_grad_buffer_bf16 and m.dtype == "bf16")
     act_layer = system.layer_activations(c, _mask_bytes(system, lay))
-    peaks = _activation_peaks(system, c, lay, act_layer["total"], st.gradients)
+    layered_pp1 = c.pp == 1 and c.layered_grad_accum
+    if layered_pp1:
+        peaks = _layered_peak(system, c, lay, act_layer, st.gradients)
+    else:
+        peaks = _activation_peaks(system, c, lay, act_layer["total"], st.gradients)
     out = []
     for s in range(c.pp):
         params = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, s))
         acts, grads = peaks[s]
-        if c.recompute == "full":
+        if c.recompute == "full" and not layered_pp1:  # layered: inside _layered_peak
             acts += act_layer.get("recompute_working_bytes", 0.0)
         other = _other_bytes(system, c, lay, s, acts)
         out.append(StageMemory(parameters=params * st.parameters, gradients=grads,
@@ -111,6 +115,74 @@ def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_byte
                        tuple(p * grad_bytes for p in lay.chunk_params),
                        c.num_micro_batches / m_sim if grows else 1.0,
                        tuple(in_flight + (ce_grad if ci == n_chunks - 1 else 0.0) for ci in range(n_chunks)))
+
+
+def boundary_grad_bytes(system: System, c: ParallelConfig) -> float:
+    """Bytes of the gradient w.r.t. one block's input (or the head's), per micro-batch and TP rank.
+
+    The tensor crossing a layer boundary is [b, s, h] at the activation precision (its sequence
+    shard [b, s/t, h] under sequence parallelism); its gradient has the same shape and dtype (the
+    block input Korthikanti et al. count as 2sbh in 16 bit, arXiv 2205.05198 sec. 4).
+    """
+    m = system.model
+    tokens = c.micro_batch_size * m.seq_length / (c.tp if c.sequence_parallel and c.tp > 1 else 1)
+    return tokens * m.hidden_size * m.dtype_bytes
+
+
+def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: dict, grad_bytes: float):
+    """Per unit of layered accumulation (pp = 1): (saved activations per micro-batch, gradient
+    bytes, backward transient, input gradient per micro-batch), units in model order.
+
+    The units are the ones the order runs over (arXiv 2106.02679, sec. 3; autoconf.trainer.
+    accumulation.layered_step): the embedding, each block, the head. The head is its own unit:
+    its activations (the fp32 softmax over the vocabulary, for every micro-batch) are gone once
+    its backward is through, before any block is recomputed. A block's backward transient is the
+    activations its recompute materialises again for one micro-batch (``recompute_working_bytes``,
+    one block at a time) plus the gradients its backward holds between nodes
+    (``activations.block_backward_temporary_bytes``); the head's is the loss gradient of one
+    micro-batch's logits (fp32).
+    Block and head inputs have a gradient (``boundary_grad_bytes``), the token ids do not.
+    """
+    m, mask = system.model, _mask_bytes(system, lay)
+    b, t, sp = c.micro_batch_size, c.tp, c.sequence_parallel
+    ce_grad = b * m.seq_length * (-(-m.vocab_size // t)) * 4.0
+    dx = boundary_grad_bytes(system, c)
+    units = [(embedding_activation_bytes(m, b, t, sp, mask), m.embedding_params() / t * grad_bytes, 0.0, 0.0)]
+    block_transient = act_layer.get("recompute_working_bytes", 0.0) + block_backward_temporary_bytes(m, b, t)
+    units += [(act_layer["total"], m.layer_params() / t * grad_bytes, block_transient, dx) for _ in range(m.num_layers)]
+    units.append((head_activation_bytes(m, b, t, sp, mask), m.output_params() / t * grad_bytes, ce_grad, dx))
+    return _with_reduction_in_flight(system, c, units)
+
+
+def _with_reduction_in_flight(system: System, c: ParallelConfig, units: list) -> list:
+    """Layered accumulation reduces a unit's gradients as soon as they are final (after its last
+    micro-batch), overlapping the backward of the unit below: the gradient reduction's copy of
+    unit k+1 (one bucket, at most 25 MiB as DDP; the whole unit, unsharded, under ZeRO-1/2) is in
+    flight during unit k's backward, next to its activations -- not after them, as with standard
+    accumulation (``_other_bytes``). ZeRO-3 (FSDP) reduce-scatters into its own shards."""
+    if c.dp == 1 or c.zero_stage == 3:
+        return units
+    m = system.model
+    params = [m.embedding_params()] + [m.layer_params()] * m.num_layers + [m.output_params()]
+    copy = [min(BUCKET_BYTES, p / c.tp * bytes_per_param(m.dtype)[1]) for p in params]
+    return [(a, g, bt + (copy[i + 1] if i + 1 < len(units) else 0.0), ig)
+            for i, (a, g, bt, ig) in enumerate(units)]
+
+
+def _layered_peak(system: System, c: ParallelConfig, lay: Layout, act_layer: dict, grad_bytes: float):
+    """(activations, gradients) at the peak of layered accumulation with pp = 1.
+
+    ``pipeline.peak_memory`` over the units of ``_layered_units`` in breadth-first order (every
+    micro-batch through a unit, unit by unit): all micro-batches' saved activations at the end of
+    the forwards; during the backward of a block, the checkpoints of the blocks below for every
+    micro-batch, the recompute working set of one micro-batch, every micro-batch's gradient at the
+    unit boundary (``pipeline._held_input_grad``) and the parameter gradients of the units done.
+    """
+    units = _layered_units(system, c, lay, act_layer, grad_bytes)
+    m_sim = schedule_time.sim_size("breadth_first", 1, c.num_micro_batches)
+    acts, grads, transient, input_grads = zip(*units)
+    return peak_memory("breadth_first", 1, m_sim, len(units), acts, grads, c.num_micro_batches / m_sim,
+                       transient, input_grads)
 
 
 def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: float) -> tuple:

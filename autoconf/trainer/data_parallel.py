@@ -69,6 +69,10 @@ class GradSync:
         with_grad = [p for p in params if p.grad is not None]
         if not with_grad:
             return
+        # at most one launch in flight (as the per-backward path): the previous one lands first and
+        # its flat copy goes, instead of every unit's copy of its gradients living to the end of
+        # the step (layered accumulation launches once per unit)
+        self._land_pending()
         if self.zero_stage < 2:
             flat = _flatten_dense_tensors([p.grad for p in with_grad])
             work = dist.all_reduce(flat, group=self.group, async_op=True)
@@ -165,13 +169,18 @@ class GradSync:
     def finish(self) -> None:
         """Wait for every launched bucket and write the averaged gradients back (ZeRO-2: only on
         the owner, whose accumulators become ``p.grad``; other ranks drop theirs)."""
-        from torch._utils import _unflatten_dense_tensors
-
         self._drain()
         for bucket in self.buckets:
             for p in bucket:
                 acc = self.acc.pop(id(p), None)
                 p.grad = None if acc is None else acc.div_(self.size * self.grad_scale)
+        self._land_pending()
+
+    def _land_pending(self) -> None:
+        """Wait for the launched reductions and write the averaged gradients back (ZeRO-2: only
+        on the owner; other ranks drop theirs)."""
+        from torch._utils import _unflatten_dense_tensors
+
         for work, flat, params, owner in self.pending:
             work.wait()
             if owner is not None and owner != self.me:

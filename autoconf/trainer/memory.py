@@ -7,6 +7,16 @@
   Tensors created before the step other than model and optimizer state (e.g. pipeline receive
   buffers from the first step) are not counted. The tracked step runs slower and is excluded from
   the timing.
+
+  MemTracker's module tracker (ModTracker) registers a multi-grad hook (mode "all") on every
+  module call's inputs that require grad. In torch 2.13 that hook's closure holds the inputs'
+  grad_fns, and for a leaf input the grad_fn is its AccumulateGrad node, which owns the leaf: a
+  reference cycle through C++ that Python's gc cannot see, so every leaf input (and its .grad)
+  stays alive for the rest of the process. The trainer feeds leaves to modules wherever it cuts the
+  graph -- every unit of layered gradient accumulation, every pipeline stage -- so the tracked step
+  kept all of them alive and measured memory no untracked run ever holds (with layered accumulation:
+  every unit's input and input gradient for every micro-batch, to the end of the step). The hooks
+  are therefore removed once they have fired (``_release_after_firing``), which breaks the cycle.
 """
 
 from __future__ import annotations
@@ -47,17 +57,55 @@ def measure(step_fn, device, modules, optimizers):
     return result, peak, breakdown, CPU_METHOD
 
 
+def _release_after_firing(register):
+    """Wrap ``register_multi_grad_hook`` so that each hook removes itself (at the end of the
+    backward call that fired it: a hook must not change the hook dict it is called from). Without
+    this, mode "all" on a leaf tensor is a reference cycle that keeps the leaf alive (see above)."""
+    import torch
+
+    def register_multi_grad_hook(tensors, fn, *, mode="all"):
+        box = []
+
+        def once(*args):
+            fn(*args)
+            if box:
+                torch.autograd.Variable._execution_engine.queue_callback(box.pop().remove)
+
+        handle = register(tensors, once, mode=mode)
+        box.append(handle)
+        return handle
+
+    return register_multi_grad_hook
+
+
 def _tracker_class():
+    from torch.distributed._tools import mod_tracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
     class StepTracker(MemTracker):
         """MemTracker that allows one module to run forward several times in the tracked region
-        (micro-batches). Only the per-module statistics of repeated calls are skipped; the
-        global peak and its breakdown are unaffected."""
+        (micro-batches), and whose module hooks release what they hold once fired (see the module
+        docstring). Only the per-module statistics of repeated calls are skipped; the global peak
+        and its breakdown are unaffected."""
 
         def _pre_fw_hook(self, module, inputs):
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
                 return
             super()._pre_fw_hook(module, inputs)
+
+        def __enter__(self):
+            self._register = mod_tracker.register_multi_grad_hook
+            mod_tracker.register_multi_grad_hook = _release_after_firing(self._register)
+            try:
+                return super().__enter__()
+            except BaseException:
+                mod_tracker.register_multi_grad_hook = self._register
+                raise
+
+        def __exit__(self, *exc):
+            try:
+                return super().__exit__(*exc)
+            finally:
+                mod_tracker.register_multi_grad_hook = self._register
 
     return StepTracker

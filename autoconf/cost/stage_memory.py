@@ -143,7 +143,7 @@ def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: di
     micro-batch's logits (fp32).
     Block and head inputs have a gradient (``boundary_grad_bytes``), the token ids do not.
     """
-    m, mask = system.model, _mask_bytes(system, lay)
+    m, mask = system.model_at(c.tp), _mask_bytes(system, lay)
     b, t, sp = c.micro_batch_size, c.tp, c.sequence_parallel
     ce_grad = b * m.seq_length * (-(-m.vocab_size // t)) * 4.0
     dx = boundary_grad_bytes(system, c)
@@ -162,9 +162,9 @@ def _with_reduction_in_flight(system: System, c: ParallelConfig, units: list) ->
     accumulation (``_other_bytes``). ZeRO-3 (FSDP) reduce-scatters into its own shards."""
     if c.dp == 1 or c.zero_stage == 3:
         return units
-    m = system.model
+    m = system.model_at(c.tp)
     params = [m.embedding_params()] + [m.layer_params()] * m.num_layers + [m.output_params()]
-    copy = [min(BUCKET_BYTES, p / c.tp * bytes_per_param(m.dtype)[1]) for p in params]
+    copy = [min(BUCKET_BYTES, p / c.tp * system.grad_bytes) for p in params]
     return [(a, g, bt + (copy[i + 1] if i + 1 < len(units) else 0.0), ig)
             for i, (a, g, bt, ig) in enumerate(units)]
 

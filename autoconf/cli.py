@@ -305,6 +305,9 @@ def cmd_search(args) -> int:
     from .search import search
     model, cluster, profile, calibration = _load_inputs(args)
     storage = None if args.storage.lower() in ("none", "memory", "") else args.storage
+    if args.verify > 0 and args.framework != "reference":
+        raise UserError(f"--verify runs autoconf's reference trainer, not {args.framework}: its measurements "
+                        f"would not check a {args.framework} prediction; use --framework reference with --verify")
     if args.calibrate and args.verify <= 0:
         raise UserError("--calibrate needs --verify K (K >= 1): it fits factors to the verifying trials")
     if args.master_port is not None and not args.emit:
@@ -520,14 +523,14 @@ def main(argv=None) -> int:
         sys.stderr.write(f"autoconf: error: {' '.join(str(e).split())}\n")  # always one line
         return 2
     except KeyboardInterrupt as e:
-        with procs.deferred_signals():
+        with procs.deferred_signals(reraise=False):
             procs.kill_all()
             kept = getattr(e, "autoconf_kept", None)
             what = "terminated" if isinstance(e, procs.Terminated) else "interrupted"
             sys.stderr.write(f"autoconf: {what}" + (f" ({kept})" if kept else "") + "\n")
         return 128 + e.signum if isinstance(e, procs.Terminated) else 130
     finally:
-        with procs.deferred_signals():
+        with procs.deferred_signals(reraise=False):
             procs.kill_all()
 
 

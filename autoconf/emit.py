@@ -91,6 +91,10 @@ def _write_all(estimate, model, cluster, out_dir, profile_path, master_port) -> 
                       f"Predicted step time {estimate.step_time_s:.4g} s, peak memory "
                       f"{estimate.peak_memory_bytes / 2**30:.2f} GiB per device.\n\n"
                       + ("Set MASTER_ADDR to node 0's address on every host, then run:\n\n" if nnodes > 1 else "Run:\n\n")
-                      + "\n".join(lines) + "\n\nEach writes per-rank results under `results/`.\n")
+                      + "\n".join(lines) + "\n\nEach writes per-rank results under `results/`.\n"
+                      + ("" if estimate.framework == "reference" else
+                         f"\nThe plan was modelled for {estimate.framework}; these commands run autoconf's "
+                         f"reference trainer, which differs from {estimate.framework} in memory and speed. "
+                         f"Set the configuration above in {estimate.framework}'s own launcher.\n"))
     written.append(md)
     return written

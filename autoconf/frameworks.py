@@ -18,8 +18,8 @@ stacks. What differs, and is modelled here from each framework's own code and do
   1F1B; torchtitan: GPipe, 1F1B, Interleaved1F1B, LoopedBFS; the reference trainer: all, plus
   layered gradient accumulation);
 - **overlap**: whether the data-parallel reduction overlaps the backward
-  (``overlap_grad_reduce``; Megatron's flag is off by default, DDP / FSDP2 / DeepSpeed buckets
-  overlap), whether ZeRO's parameter gathers are prefetched (``overlap_param_gather``) and whether
+  (``overlap_grad_reduce``; off by default in Megatron and in DeepSpeed (``overlap_comm``), on
+  in DDP / FSDP2), whether ZeRO's parameter gathers are prefetched (``overlap_param_gather``) and whether
   tensor-parallel communication overlaps the GEMMs (``tp_comm_overlap``; Megatron with Transformer
   Engine userbuffers, torchtitan's asynchronous TP);
 - **host cost**: eager PyTorch issues every operation from Python (about 5-20 us each on a server
@@ -31,7 +31,6 @@ A knob set to None in a :class:`~autoconf.config.ParallelConfig` takes the frame
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from .cost.compute import HostCost
@@ -93,17 +92,18 @@ class Framework:
                 return f"framework {self.name} cannot switch {k} (always {self.defaults[k]})"
         return None
 
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 # Host cost per eager operation. Measured where it shows: on the GPU development set (Megatron-
 # DeepSpeed, 8 x A100, bench/gpu_devset.py) every layer pass at micro-batch 1 takes the same
 # 3.3-3.6 ms whatever its hidden size (1024 or 2048) or tp (1-4): the host's time to issue it.
-# Divided by the block's counted operations that is ~20 us per Python-issued op and ~10 us per
-# autograd node (Megatron's model-parallel RNG tracker, DeepSpeed's checkpointing wrappers and
-# fp16 loss scaling add Python work per op). torch eager without those wrappers (torchtitan, the
-# reference trainer) is taken at the commonly measured ~10 us per op and ~5 us per node.
+# Divided by the block's counted operations (``compute.block_op_counts``, which counts one op per
+# layer-level operation, not every view and bookkeeping call around it) that is 45 us per
+# Python-issued counted op and 20 us per autograd node: Megatron's model-parallel RNG tracker,
+# DeepSpeed's checkpointing wrappers and fp16 loss scaling add Python work around each. This is
+# the one figure of the model set from the development set, and the only place it shows. torch
+# eager without those wrappers (torchtitan, the reference trainer) is taken at the commonly
+# measured ~10 us per op and ~5 us per node.
 _EAGER = HostCost(forward_op_s=10e-6, backward_op_s=5e-6)
 _MEGATRON_HOST = HostCost(forward_op_s=45e-6, backward_op_s=20e-6)
 

@@ -59,10 +59,11 @@ _deferring = False
 
 
 @contextlib.contextmanager
-def deferred_signals():
+def deferred_signals(reraise: bool = True):
     """Hold SIGINT, SIGTERM and SIGHUP back for the duration: they are noted, and raised again
-    once it ends. Python-level (handlers run in the main thread whichever thread the kernel picks),
-    so it also holds when other threads exist; nested uses are one."""
+    once it ends (``reraise=False``: dropped, for the exit path that is already handling one).
+    Python-level (handlers run in the main thread whichever thread the kernel picks), so it also
+    holds when other threads exist; nested uses are one."""
     global _deferring
     if _deferring or threading.current_thread() is not threading.main_thread():
         yield
@@ -78,7 +79,7 @@ def deferred_signals():
         _deferring = False
         for s, handler in old.items():
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-        if got:
+        if got and reraise:
             signal.raise_signal(got[0])  # now acted on as usual (KeyboardInterrupt, Terminated)
 
 

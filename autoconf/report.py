@@ -8,12 +8,12 @@ from .units import fmt_bytes, fmt_seconds
 
 # where each number comes from: one hop from the table to the formula
 TERM_SOURCES = {
-    "compute": "cost/compute.py: roofline per op (or the profile's measured layer times)",
+    "compute": "cost/compute.py: roofline per op, or the host's issue time where longer (cost/chunk_time.py); or the profile's measured layer times",
     "recompute": "cost/compute.py: forward recomputed in backward (full / selective)",
     "tp_comm": "cost/comm.py: Megatron all-reduces (SP: all-gather + reduce-scatter) per layer",
     "bubble": "cost/pipeline.py: simulated schedule, idle time without transfers",
     "pp_comm": "cost/pipeline.py: simulated schedule, extra time from stage-to-stage transfers; the pipeline runtime per action (measured)",
-    "dp_comm": "cost/estimate.py: gradient reduction not hidden behind backward; ZeRO gathers",
+    "dp_comm": "cost/data_parallel.py: gradient reduction not hidden behind backward; ZeRO gathers",
     "optimizer": "cost/compute.py: AdamW, memory-bound",
 }
 

@@ -24,6 +24,7 @@ study name resumes: points already in the study are not evaluated again.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -102,8 +103,11 @@ class _Evaluator:
         choice can beat it. Least work: no recomputation, ZeRO-1 (ZeRO-0's compute and traffic
         during the pipeline, with the optimizer step sharded), either sequence-parallel setting."""
         dp, pp, tp, mbs, sched, v, layered = point
+        fw = self.ctx.framework
         for sp in ((False, True) if tp > 1 else (False,)):
             c = make_config(dp, pp, tp, mbs, sched, v, layered, 1 if dp > 1 else 0, "none", sp, self.global_batch)
+            # the switchable knobs at their cheapest (overlap on), so the bound stays a lower bound
+            c = dataclasses.replace(c, **{k: (sp if k == "tp_comm_overlap" else True) for k in fw.knobs})
             if check(c, self.ctx.model) is None and _estimate(c, self.ctx, bound=self.incumbent) is not None:
                 return False
         return True
@@ -180,7 +184,6 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch):
     has, every recompute mode, sequence parallelism, and both values of each knob it lets a user
     switch where the knob matters (overlap_grad_reduce with dp > 1, overlap_param_gather with
     ZeRO, tp_comm_overlap with sequence parallelism); other knobs stay at the framework's default."""
-    import dataclasses
     for zero, rc, sp in inner_choices(dp, tp):
         c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch)
         if fw.check(c):

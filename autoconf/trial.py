@@ -394,7 +394,7 @@ def _predict(doc: dict, cluster_path: str | None, profile=None):
         return None, f"cost model not available ({e}): no prediction"
     model = ModelSpec.from_dict(doc["model"])
     config = ParallelConfig.from_dict(doc["config"])
-    return estimate(config, model, cluster, profile), ""
+    return estimate(config, model, cluster, profile, framework=doc.get("framework")), ""
 
 
 def cmd_trial(args) -> int:

@@ -228,3 +228,27 @@ def test_cross_entropy_streams_every_logit_as_megatron_does():
     assert t.forward_s == pytest.approx(rf.gemm(T, V, h, 2) + fwd_ew)
     bwd_ew = (2 * T * h * 2 + 14 * T * V) / bw + 3 * 5e-6
     assert t.backward_s == pytest.approx(rf.gemm(T, h, V, 2) + rf.gemm(V, h, T, 2) + bwd_ew)
+
+
+def test_layered_pp1_keeps_one_tied_matrix():
+    """pp = 1 layered accumulation is simulated as one chunk per layer on one device: a tied output
+    layer shares the embedding's matrix there (a copy exists only on another pipeline stage)."""
+    import dataclasses
+
+    from autoconf.cost.estimate import estimate
+    m = dataclasses.replace(preset("gpt2"), tied_embeddings=True)
+    cl = _a100_node()
+    std = estimate(ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4), m, cl)
+    lay = estimate(ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4,
+                                  layered_grad_accum=True), m, cl)
+    assert lay.memory_by_stage[0].parameters == pytest.approx(std.memory_by_stage[0].parameters)
+
+
+def test_verify_refuses_a_framework_it_does_not_run():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "autoconf", "search", "--model", "tiny", "--cluster",
+                        "examples/clusters/localhost-cpu.yaml", "--global-batch", "8", "--storage", "none",
+                        "--framework", "megatron", "--verify", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "reference trainer" in r.stderr

@@ -74,6 +74,8 @@ def chunk_params(system: System, c: ParallelConfig, chunk_layers) -> list[float]
         if ci == 0:
             p += m.embedding_params()
         if ci == n_chunks - 1:
-            p += m.output_params() + (m.vocab_size * m.hidden_size if m.tied_embeddings and n_chunks > 1 else 0)
+            # a tied output layer on another stage keeps its own copy (pp > 1; the chunks of
+            # layered accumulation at pp = 1 share one device and one matrix)
+            p += m.output_params() + (m.vocab_size * m.hidden_size if m.tied_embeddings and c.pp > 1 else 0)
         out.append(p / c.tp)
     return out

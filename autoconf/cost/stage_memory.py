@@ -50,7 +50,7 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
     """Memory of every pipeline stage for configuration ``c``."""
     m = system.model
     st = state_bytes_per_param(m.dtype, c.zero_stage, c.dp,
-                               fp32_grads=system.framework.fp32_grad_buffer_bf16 and m.dtype == "bf16")
+                               fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32")
     act_layer = system.layer_activations(c, _mask_bytes(system, lay))
     layered_pp1 = c.pp == 1 and c.layered_grad_accum
     if layered_pp1:
@@ -157,14 +157,14 @@ def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: di
 def _with_reduction_in_flight(system: System, c: ParallelConfig, units: list) -> list:
     """Layered accumulation reduces a unit's gradients as soon as they are final (after its last
     micro-batch), overlapping the backward of the unit below: the gradient reduction's copy of
-    unit k+1 (one bucket, at most 25 MiB as DDP; the whole unit, unsharded, under ZeRO-1/2) is in
-    flight during unit k's backward, next to its activations -- not after them, as with standard
+    unit k+1 (the whole unit, flattened by the reference trainer's GradSync) is in flight during
+    unit k's backward, next to its activations -- not after them, as with standard
     accumulation (``_other_bytes``). ZeRO-3 (FSDP) reduce-scatters into its own shards."""
     if c.dp == 1 or c.zero_stage == 3:
         return units
     m = system.model_at(c.tp)
     params = [m.embedding_params()] + [m.layer_params()] * m.num_layers + [m.output_params()]
-    copy = [min(BUCKET_BYTES, p / c.tp * system.grad_bytes) for p in params]
+    copy = [p / c.tp * system.grad_bytes for p in params]
     return [(a, g, bt + (copy[i + 1] if i + 1 < len(units) else 0.0), ig)
             for i, (a, g, bt, ig) in enumerate(units)]
 
@@ -208,7 +208,8 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
         act = tokens * m.hidden_size * m.dtype_bytes / (c.tp if c.sequence_parallel else 1)
         buffers = sum((ci > 0) + (ci < lay.num_chunks - 1) for ci in chunks)
         parts.append(("pipeline receive buffers", buffers * c.num_micro_batches * act))
-    if c.dp > 1:
+    layered_pp1 = c.pp == 1 and c.layered_grad_accum  # its units carry their copies already
+    if c.dp > 1 and c.zero_stage < 3 and not layered_pp1:
         bucket = min(BUCKET_BYTES, max(lay.chunk_params[ci] for ci in chunks) * system.grad_bytes)
         parts.append(("gradient bucket copy", max(0.0, bucket - acts)))
     return tuple((k, v) for k, v in parts if v > 0)

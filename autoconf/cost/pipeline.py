@@ -1,7 +1,7 @@
 """Event simulation of pipeline schedules, with activation liveness.
 
-The step of a pipeline-parallel run is simulated as the schedule really runs it (DESIGN.md, "The cost
-model", "Pipeline"): every device executes its forward (F) and backward (B) ops in exactly the order
+The step of a pipeline-parallel run is simulated as the schedule really runs it, not by a closed-form
+bubble formula: every device executes its forward (F) and backward (B) ops in exactly the order
 its schedule prescribes, and an op starts when the device is free and its inputs have arrived:
 
 - ``F(mb, c)`` needs ``F(mb, c-1)`` finished plus the transfer ``p2p_s[c-1]``;

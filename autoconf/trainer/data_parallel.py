@@ -1,7 +1,8 @@
 """Data parallelism with ZeRO stages 0-3.
 
 - ZeRO-0/1/2 are hand-written over the data-parallel process group (DDP cannot be combined with
-  ``torch.distributed.pipelining`` on gloo, see TESTBED.md):
+  ``torch.distributed.pipelining`` on gloo: the reducer asserts, and with ``static_graph=True`` the
+  gradients come out wrong):
   * :class:`GradSync` averages gradients bucket by bucket (one bucket per unit: embedding, block,
     head), each launched asynchronously. ZeRO-0/1 all-reduce each bucket once its gradients are
     final (after the last micro-batch). ZeRO-2 reduces each parameter's gradient to the rank that

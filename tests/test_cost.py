@@ -4,7 +4,7 @@ import pytest
 
 from autoconf.cluster import load_cluster
 from autoconf.config import ParallelConfig
-from autoconf.cost.estimate import CostContext, TIME_TERMS, estimate
+from autoconf.cost.estimate import TIME_TERMS, System, estimate
 from autoconf.cost.memory import state_bytes_per_param
 from autoconf.errors import UserError
 from autoconf.model import preset
@@ -89,7 +89,7 @@ def _fully_simulated(c, m):
     saved = est.sim_size
     est.sim_size = lambda schedule, pp, mm: mm
     try:
-        return estimate(c, m, A100, ctx=CostContext(m, A100))
+        return estimate(c, m, A100, ctx=System(m, A100))
     finally:
         est.sim_size = saved
 

@@ -329,16 +329,16 @@ def _tp_profile():
 def test_oversubscribed_cpu_host_computes_at_its_share():
     """4 single-threaded ranks on a 2-core host: each computes at half speed (time-sharing)."""
     from autoconf.config import ParallelConfig
-    from autoconf.cost.system import System as CostContext
+    from autoconf.cost.system import System
 
     prof = make_profile()
     two_cores = dataclasses.replace(prof, provenance=dataclasses.replace(
         prof.provenance, hosts=tuple(dataclasses.replace(h, cpu_count=2) for h in prof.provenance.hosts)))
     cl = ClusterSpec(name="cpu", node_groups=(NodeGroup(count=1, device="cpu", gpus_per_node=4,
                                                                  intra_node_bandwidth_bytes_per_s=4e9),))
-    base = CostContext(TINY, cl, prof)  # no core count recorded: no sharing assumed
-    shared = CostContext(TINY, cl, two_cores)
-    own = CostContext(TINY, dataclasses.replace(cl, node_groups=(dataclasses.replace(cl.node_groups[0], gpus_per_node=2),)),
+    base = System(TINY, cl, prof)  # no core count recorded: no sharing assumed
+    shared = System(TINY, cl, two_cores)
+    own = System(TINY, dataclasses.replace(cl, node_groups=(dataclasses.replace(cl.node_groups[0], gpus_per_node=2),)),
                       two_cores)
     assert (base.cpu_share("cpu"), shared.cpu_share("cpu"), own.cpu_share("cpu")) == (1.0, 2.0, 1.0)
     assert shared.cpu_share("h100-sxm") == 1.0
@@ -347,7 +347,7 @@ def test_oversubscribed_cpu_host_computes_at_its_share():
     c = ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4)
     from autoconf.cost.estimate import estimate
     a = estimate(c, TINY, ctx=own)
-    b = estimate(c, TINY, ctx=CostContext(TINY, cl, two_cores))
+    b = estimate(c, TINY, ctx=System(TINY, cl, two_cores))
     assert b.breakdown_s["compute"] == pytest.approx(2 * a.breakdown_s["compute"])
     assert b.breakdown_s["optimizer"] == pytest.approx(2 * a.breakdown_s["optimizer"])
 

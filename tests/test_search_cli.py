@@ -7,7 +7,7 @@ import pytest
 
 from autoconf.cluster import load_cluster
 from autoconf.config import enumerate_space
-from autoconf.cost.estimate import CostContext, _estimate
+from autoconf.cost.estimate import System, _estimate
 from autoconf.model import preset
 from autoconf.search import search
 
@@ -24,7 +24,7 @@ def test_brute_force_search_finds_the_exhaustive_best():
     m = preset("gpt3-1.3b")
     r = search(m, A100, 64, gpus=8, storage=None, trials=10_000)
     assert r.sampler == "brute force"
-    ctx = CostContext(m, A100)
+    ctx = System(m, A100)
     best = min((e for e in (_estimate(c, ctx) for c, why in enumerate_space(m, 8, 64) if why is None) if e.fits),
                key=lambda e: e.step_time_s)
     assert r.top[0].step_time_s == pytest.approx(best.step_time_s)

@@ -30,10 +30,10 @@ from .data_parallel import post_all_gather_s, reduction_tail_s
 from .layout import Layout, layout
 from .schedule_time import chunk_p2p_times, pipeline_floor, simulate_step
 from .stage_memory import StageMemory, stage_memory
-from .system import CostContext, System
+from .system import System
 from .tensor_parallel import tp_times
 
-__all__ = ["Estimate", "StageMemory", "System", "CostContext", "TIME_TERMS", "MEMORY_TERMS", "estimate"]
+__all__ = ["Estimate", "StageMemory", "System", "TIME_TERMS", "MEMORY_TERMS", "estimate"]
 
 TIME_TERMS = ("compute", "recompute", "tp_comm", "bubble", "pp_comm", "dp_comm", "optimizer")
 MEMORY_TERMS = ("parameters", "gradients", "optimizer", "activations", "other")

@@ -107,14 +107,25 @@ def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:
     return [lat + nbytes * inv_bw for inv_bw, lat in links]
 
 
+def boundary_bytes(system: System, c: ParallelConfig) -> float:
+    """Bytes of the tensor crossing a layer boundary, per micro-batch and TP rank: the activation a
+    pipeline stage sends on, and the gradient w.r.t. a block's (or the head's) input.
+
+    The tensor crossing a layer boundary is [b, s, h] at the activation precision (its sequence
+    shard [b, s/t, h] under sequence parallelism); its gradient has the same shape and dtype (the
+    block input Korthikanti et al. count as 2sbh in 16 bit, arXiv 2205.05198 sec. 4).
+    """
+    m = system.model
+    tokens = c.micro_batch_size * m.seq_length / (c.tp if c.sequence_parallel else 1)
+    return tokens * m.hidden_size * m.dtype_bytes
+
+
 def chunk_p2p_times(system: System, c: ParallelConfig, n_chunks: int) -> tuple:
     """Transfer time after each chunk but the last: one micro-batch's activation (sharded along
     the sequence with sequence parallelism) over the link to the next stage."""
-    m = system.model
-    nbytes = c.micro_batch_size * m.seq_length * m.hidden_size * m.dtype_bytes / (c.tp if c.sequence_parallel else 1)
     if c.pp == 1:
         return tuple(0.0 for _ in range(n_chunks - 1))
-    per_stage = p2p_times(system, c, nbytes)
+    per_stage = p2p_times(system, c, boundary_bytes(system, c))
     return tuple(per_stage[ci % c.pp] for ci in range(n_chunks - 1))
 
 

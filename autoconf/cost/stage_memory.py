@@ -106,7 +106,7 @@ def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_byte
     m, n_chunks, sched = system.model_at(c.tp), lay.num_chunks, lay.schedule
     m_sim = schedule_time.sim_size(sched, c.pp, c.num_micro_batches)
     grows = sched in ("gpipe", "breadth_first")
-    ce_grad = c.micro_batch_size * m.seq_length * (-(-m.vocab_size // c.tp)) * 4.0
+    ce_grad = loss_grad_bytes(system, c)
     in_flight = 0.0
     if c.dp > 1 and c.zero_stage >= 2 and not c.layered_grad_accum:
         in_flight = min(BUCKET_BYTES, m.layer_params() / c.tp * system.grad_bytes)
@@ -117,16 +117,10 @@ def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_byte
                        tuple(in_flight + (ce_grad if ci == n_chunks - 1 else 0.0) for ci in range(n_chunks)))
 
 
-def boundary_grad_bytes(system: System, c: ParallelConfig) -> float:
-    """Bytes of the gradient w.r.t. one block's input (or the head's), per micro-batch and TP rank.
-
-    The tensor crossing a layer boundary is [b, s, h] at the activation precision (its sequence
-    shard [b, s/t, h] under sequence parallelism); its gradient has the same shape and dtype (the
-    block input Korthikanti et al. count as 2sbh in 16 bit, arXiv 2205.05198 sec. 4).
-    """
-    m = system.model
-    tokens = c.micro_batch_size * m.seq_length / (c.tp if c.sequence_parallel and c.tp > 1 else 1)
-    return tokens * m.hidden_size * m.dtype_bytes
+def loss_grad_bytes(system: System, c: ParallelConfig) -> float:
+    """The loss gradient of one micro-batch's logits: fp32, vocabulary-parallel (padded vocabulary)."""
+    m = system.model_at(c.tp)
+    return c.micro_batch_size * m.seq_length * (-(-m.vocab_size // c.tp)) * 4.0
 
 
 def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: dict, grad_bytes: float):
@@ -141,12 +135,12 @@ def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: di
     one block at a time) plus the gradients its backward holds between nodes
     (``activations.block_backward_temporary_bytes``); the head's is the loss gradient of one
     micro-batch's logits (fp32).
-    Block and head inputs have a gradient (``boundary_grad_bytes``), the token ids do not.
+    Block and head inputs have a gradient (``schedule_time.boundary_bytes``), the token ids do not.
     """
     m, mask = system.model_at(c.tp), _mask_bytes(system, lay)
     b, t, sp = c.micro_batch_size, c.tp, c.sequence_parallel
-    ce_grad = b * m.seq_length * (-(-m.vocab_size // t)) * 4.0
-    dx = boundary_grad_bytes(system, c)
+    ce_grad = loss_grad_bytes(system, c)
+    dx = schedule_time.boundary_bytes(system, c)
     units = [(embedding_activation_bytes(m, b, t, sp, mask), m.embedding_params() / t * grad_bytes, 0.0, 0.0)]
     block_transient = act_layer.get("recompute_working_bytes", 0.0) + block_backward_temporary_bytes(m, b, t)
     units += [(act_layer["total"], m.layer_params() / t * grad_bytes, block_transient, dx) for _ in range(m.num_layers)]
@@ -204,8 +198,7 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
     if c.zero_stage == 3 and c.dp > 1:
         parts.append(("zero-3 gathered layers", zero3_working_bytes(m, c.tp)))
     if c.pp > 1 and system.framework.per_micro_batch_pipeline_buffers:
-        tokens = c.micro_batch_size * m.seq_length
-        act = tokens * m.hidden_size * m.dtype_bytes / (c.tp if c.sequence_parallel else 1)
+        act = schedule_time.boundary_bytes(system, c)  # an activation and its gradient have one shape
         buffers = sum((ci > 0) + (ci < lay.num_chunks - 1) for ci in chunks)
         parts.append(("pipeline receive buffers", buffers * c.num_micro_batches * act))
     layered_pp1 = c.pp == 1 and c.layered_grad_accum  # its units carry their copies already

@@ -271,8 +271,6 @@ class System:
                            lambda: sum(device_type(topo.kind_of[d]).peak(self.model.dtype) for d in range(world_size)))
 
 
-CostContext = System
-"""The former name of :class:`System`."""
 
 
 def _shared(t: LayerTimes, k: float) -> LayerTimes:

@@ -225,7 +225,8 @@ class System:
             tunes = [device_type(k).collective_tuning() for k in set(self.topology.kind_of)]
             return comm.CollectiveTuning(base_latency_s=max(t.base_latency_s for t in tunes),
                                          intra_efficiency=min(t.intra_efficiency for t in tunes),
-                                         inter_efficiency=min(t.inter_efficiency for t in tunes))
+                                         inter_efficiency=min(t.inter_efficiency for t in tunes),
+                                         short_ring_loss=max(t.short_ring_loss for t in tunes))
         return self.cached(("tune",), make)
 
     @property

@@ -72,7 +72,7 @@ def test_block_times_carry_the_hosts_issue_time():
 
 def test_host_bound_passes_take_the_hosts_time():
     """A small layer at tp 4 on an A100 under Megatron is host-bound: each pass takes the host's
-    issue time, and the tp collectives come on top."""
+    issue time, and the tp collectives run inside it (queued on the stream like the rest)."""
     from autoconf.cluster import cluster_from_mapping
     from autoconf.cost.estimate import estimate
     m = preset("gpt2")
@@ -83,9 +83,9 @@ def test_host_bound_passes_take_the_hosts_time():
     ops_f, ops_b = block_op_counts(m, 4, False)
     fw = framework("megatron").host
     per_layer = ops_f * fw.forward_op_s + ops_b * fw.backward_op_s
-    blocks = e.breakdown_s["compute"] + e.breakdown_s["recompute"]
-    assert blocks >= m.num_layers * per_layer  # at least the host's time for the blocks
-    assert blocks < m.num_layers * per_layer * 1.5  # and not much more: host-bound
+    passes = e.breakdown_s["compute"] + e.breakdown_s["recompute"] + e.breakdown_s["tp_comm"]
+    assert passes >= m.num_layers * per_layer  # at least the host's time for the blocks
+    assert passes < m.num_layers * per_layer * 1.2  # and not much more: host-bound, collectives inside
     assert e.breakdown_s["tp_comm"] > 0
 
 

@@ -154,7 +154,8 @@ def run(args) -> int:
     my_gemms = gemms[mine[0]::mine[1]] if mine else []
     p2p_sizes = links.P2P_SIZES_QUICK if quick else links.P2P_SIZES
     coll_sizes = links.COLLECTIVE_SIZES_QUICK if quick else links.COLLECTIVE_SIZES
-    n_rounds = 0 if args.skip_links or world < 2 else links.link_rounds(world, args.serial_links)
+    hosts = [r["host"] for r in ranks]  # ranks is sorted by rank
+    n_rounds = 0 if args.skip_links or world < 2 else links.link_rounds(world, args.serial_links, hosts)
     n_coll = 0 if args.skip_links or world < 2 else links.collective_steps(world, coll_sizes)
 
     phases: dict = {}  # phase -> seconds since the start when it ended
@@ -212,7 +213,7 @@ def run(args) -> int:
 
         t_links = bars.task("links (tournament rounds)", n_rounds)
         my_links = links.measure_p2p(device, p2p_sizes, repeats, quick, args.serial_links,
-                                     advance=lambda n: bars.advance(t_links, n)) if n_rounds else []
+                                     advance=lambda n: bars.advance(t_links, n), hosts=hosts) if n_rounds else []
         phases["links"] = time.perf_counter() - t_start
         t_coll = bars.task("collectives", n_coll)
         my_coll = links.measure_collectives(device, coll_sizes, repeats,

@@ -57,7 +57,7 @@ def _local_gpus() -> int:
 
 _PASS = ("model", "seq_length", "micro_batch_sizes", "tp", "recompute", "repeats", "warmup", "rounds",
          "compute_split", "timeout_min")
-_FLAGS = ("quick", "serial_links", "skip_links", "skip_compute")
+_FLAGS = ("quick", "serial_links", "skip_links", "skip_compute", "links_only")
 
 
 # flag -> (environment variable, type, default): `autoconf testbed` sets the variables in each node
@@ -118,6 +118,8 @@ def cmd_profile(args) -> int:
         raise UserError(f"--rounds {args.rounds}: expected 1 to the number of repeats ({repeats})")
     from autoconf.outputs import check_file
 
+    if getattr(args, "links_only", False) and args.skip_links:
+        raise UserError("--links-only and --skip-links leave nothing to measure")
     check_file(args.out, "--out")  # before the profile runs, not after
     cmd = launch_command(args)
     env = dict(os.environ, OMP_NUM_THREADS="1",

@@ -10,6 +10,10 @@ hosts (``("host", n)``) and whose edges carry ``bandwidth_bytes_per_s`` and ``la
 - ("group", g) -- ("group", g'): the optional inter-group cap.
 
 A profile replaces device--device edges with measured ones (``kind="measured"``).
+
+A node group may name its hosts (``hosts: [gpu-a1, gpu-a2]``, one per node, in rank order); the
+others are ``node-K`` (K the host's index in the cluster). The launch files (``autoconf.emit``)
+write the names into each host's script; a name may not appear twice.
 """
 
 from __future__ import annotations

@@ -322,7 +322,8 @@ def unavailable_reason(probe: bool = False) -> str | None:
     steps = [[paths["ip"], "netns", "add", ns],
              [paths["ip"], "-n", ns, "link", "add", "probe0", "type", "veth", "peer", "name", "probe1"],
              [paths["tc"], "-n", ns, "qdisc", "add", "dev", "probe0", "root", "tbf", "rate", "100mbit",
-              "burst", "65536", "limit", "100000"]]
+              "burst", "65536", "limit", "100000"],
+             [paths["ip"], "netns", "exec", ns, paths["unshare"], "--uts", "--", "hostname", "probe"]]
     try:
         for cmd in steps:
             p = subprocess.run(cmd, capture_output=True, text=True)
@@ -372,8 +373,6 @@ def cleanup_stale() -> list[str]:
         subprocess.run([paths["ip"], "netns", "delete", ns], capture_output=True)
         shutil.rmtree(os.path.join(NETNS_ETC, ns), ignore_errors=True)
         removed.append(ns)
-    with contextlib.suppress(OSError):
-        os.rmdir(NETNS_ETC)  # only if empty
     return removed
 
 
@@ -404,6 +403,7 @@ class Testbed:
         self.master_port = master_port
         self._made: list[str] = []    # namespaces created, in order
         self._etc: list[str] = []     # /etc/netns/<ns> directories created
+        self._etc_root_made = False   # /etc/netns itself did not exist before
         self._trees: list = []
         self._old_handlers: dict = {}
         self._lock = threading.Lock()
@@ -440,10 +440,11 @@ class Testbed:
             for cmd in setup_commands(self.nodes, self.prefix):
                 with deferred_signals():  # a namespace created is recorded before a signal acts
                     self._run_setup(cmd)
+            self._etc_root_made = not os.path.isdir(NETNS_ETC)
             for n in self.nodes:
                 d = os.path.join(NETNS_ETC, n.namespace)
+                self._etc.append(d)  # recorded first: removed even if writing it is cut short
                 os.makedirs(d, exist_ok=True)
-                self._etc.append(d)
                 with open(os.path.join(d, "hosts"), "w") as f:
                     f.write(hosts_file(self.nodes))
         except BaseException:
@@ -475,9 +476,9 @@ class Testbed:
             self._made.clear()
             for d in self._etc:
                 shutil.rmtree(d, ignore_errors=True)
-            if self._etc:
+            if self._etc and self._etc_root_made:
                 with contextlib.suppress(OSError):
-                    os.rmdir(NETNS_ETC)  # only if no other testbed uses it
+                    os.rmdir(NETNS_ETC)  # ours, and only once no other testbed uses it
             self._etc.clear()
             _open.discard(self)
             self._restore_terminate()

@@ -146,7 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", metavar="FILE", help="with --verify: fit correction factors, save them to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    for mod, fn in (("autoconf.trial", "add_trial_parser"), ("profiler.cli", "add_profile_parser")):
+    for mod, fn in (("autoconf.trial", "add_trial_parser"), ("profiler.cli", "add_profile_parser"),
+                    ("autoconf.testbed", "add_testbed_parser")):
         try:
             getattr(__import__(mod, fromlist=[fn]), fn)(sub)
         except (ImportError, AttributeError):
@@ -518,7 +519,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     fn = COMMANDS.get(args.command)
     if fn is None:
-        fn = {"trial": "autoconf.trial:cmd_trial", "profile": "profiler.cli:cmd_profile"}[args.command]
+        fn = {"trial": "autoconf.trial:cmd_trial", "profile": "profiler.cli:cmd_profile",
+              "testbed": "autoconf.testbed:cmd_testbed"}[args.command]
         mod, name = fn.split(":")
         fn = getattr(__import__(mod, fromlist=[name]), name)
     if threading.current_thread() is threading.main_thread():

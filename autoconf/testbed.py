@@ -63,6 +63,7 @@ import subprocess
 import sys
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 
 from .errors import UserError
@@ -599,6 +600,45 @@ def _pump(stream, prefix: str, out) -> None:
             out.flush()
 
 
+# -- a driver inside the testbed ---------------------------------------------------------------------
+
+ATTACH_ENV = "AUTOCONF_TESTBED"
+"""Set by ``autoconf testbed --driver`` for the one command it runs: the testbed's nodes, as JSON,
+so that what that command launches (``autoconf search --verify``'s trials) runs across them."""
+
+
+def describe(nodes: list[Node], master_port: int, nproc_per_node: int) -> str:
+    import json
+    return json.dumps({"nodes": [dataclasses.asdict(n) for n in nodes], "master_port": master_port,
+                       "nproc_per_node": nproc_per_node})
+
+
+def attached() -> dict | None:
+    """The testbed this process runs under as a driver (``--driver``), or None."""
+    import json
+    text = os.environ.get(ATTACH_ENV)
+    if not text:
+        return None
+    try:
+        d = json.loads(text)
+        return {"nodes": [Node(**n) for n in d["nodes"]], "master_port": int(d["master_port"]),
+                "nproc_per_node": int(d["nproc_per_node"])}
+    except (ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{ATTACH_ENV} is not a testbed description ({e}); unset it, or run under "
+                        "`autoconf testbed --driver`") from None
+
+
+def node_commands(tb: dict, nproc_total: int, script: list[str], base_env: dict) -> list[tuple[list, dict]]:
+    """(argv, env) per node to run ``script`` (``["-m", "mod", ...]``) under torchrun across the
+    attached testbed ``tb`` with ``nproc_total`` processes in all, the same number per node."""
+    nodes = tb["nodes"]
+    if nproc_total % len(nodes):
+        raise UserError(f"{nproc_total} processes cannot be spread evenly over the testbed's {len(nodes)} nodes")
+    per = nproc_total // len(nodes)
+    return [(exec_argv(n, torchrun_argv(nodes, n.index, per, tb["master_port"], script)),
+             node_env(nodes, n.index, tb["master_port"], per, base_env)) for n in nodes]
+
+
 # -- command line -----------------------------------------------------------------------------------
 
 def add_testbed_parser(subparsers) -> argparse.ArgumentParser:
@@ -617,6 +657,9 @@ def add_testbed_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--cluster-out", metavar="FILE", help="write a cluster file describing the testbed")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="kill every node's command after S s")
     p.add_argument("--print-commands", action="store_true", help="print the ip / tc commands and exit")
+    p.add_argument("--driver", action="store_true",
+                   help="run COMMAND once, here, instead of in every node; what it launches across nodes (the "
+                   "trials of `autoconf search --verify`) runs in the testbed's nodes")
     p.add_argument("--cleanup", action="store_true",
                    help="remove testbeds left behind by a killed owner (those whose process is gone) and exit")
     p.add_argument("node_command", nargs=argparse.REMAINDER, metavar="COMMAND",
@@ -676,12 +719,21 @@ def cmd_testbed(args) -> int:
         if args.cluster_out:
             return 0
         raise UserError("give the command to run in every node after --, or --cluster-out FILE")
+    if args.driver and command[:1] == ["autoconf"]:
+        command = [sys.executable, "-m", "autoconf", *command[1:]]
     with Testbed(rates, nproc_per_node=nproc or 2, master_port=args.master_port, subnet=args.subnet,
                  prefix=prefix) as tb:
         for n in tb.nodes:
             sys.stderr.write(f"testbed: {n.host} = namespace {n.namespace}, {n.address} on {IFACE}, "
                              f"{fmt_rate(n.rate_bit_s)}\n")
-        codes = tb.launch(command, timeout=args.timeout, output=sys.stdout)
+        if args.driver:
+            env = dict(os.environ, **{ATTACH_ENV: describe(tb.nodes, tb.master_port, tb.nproc_per_node)})
+            try:
+                codes = [subprocess.run(command, env=env, timeout=args.timeout).returncode]
+            except subprocess.TimeoutExpired:
+                codes = [124]
+        else:
+            codes = tb.launch(command, timeout=args.timeout, output=sys.stdout)
     bad = [(k, c) for k, c in enumerate(codes) if c != 0]
     if bad:
         sys.stderr.write("testbed: " + ", ".join(f"node-{k} exited with {c}" for k, c in bad) + "\n")

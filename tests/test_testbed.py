@@ -123,6 +123,23 @@ def test_commands_in_a_node():
                    "--master-addr=10.200.0.1", "--master-port=29555", "-m", "autoconf.trainer"]
 
 
+def test_a_driver_launches_one_torchrun_per_node(monkeypatch):
+    nodes = tbm.plan_nodes(["1gbit", "200mbit"], "actb7x0abc")
+    monkeypatch.setenv(tbm.ATTACH_ENV, tbm.describe(nodes, 29555, 2))
+    tb = tbm.attached()
+    assert tb["nodes"] == nodes and tb["master_port"] == 29555
+    cmds = tbm.node_commands(tb, 4, ["-m", "autoconf.trainer"], {"A": "1"})
+    assert [c[0][3] for c in cmds] == ["actb7x0abcn0", "actb7x0abcn1"]  # ip netns exec <namespace>
+    assert [a for a in cmds[1][0] if a.startswith("--node-rank") or a.startswith("--nproc")] == \
+        ["--nproc-per-node=2", "--node-rank=1"]
+    assert cmds[1][1]["A"] == "1" and cmds[1][1]["GLOO_SOCKET_IFNAME"] == "tb0"
+    with pytest.raises(UserError, match="3 processes cannot be spread evenly"):
+        tbm.node_commands(tb, 3, ["-m", "x"], {})
+    monkeypatch.setenv(tbm.ATTACH_ENV, "{not json")
+    with pytest.raises(UserError, match="not a testbed description"):
+        tbm.attached()
+
+
 def test_cluster_file_of_the_testbed_loads_with_hosts_and_rates():
     from autoconf.cluster import cluster_from_mapping
     from autoconf.schema import parse_yaml
@@ -463,7 +480,8 @@ def test_profile_across_the_testbed_measures_the_shaped_links(tmp_path):
     for x in cross:
         assert x.sizes_bytes[-1] / x.times_s[-1] == pytest.approx(rate, rel=0.15), x
     fitted = sorted(x.bandwidth_bytes_per_s for x in cross)
-    assert (fitted[3] + fitted[4]) / 2 == pytest.approx(rate, rel=0.15), fitted
+    for bw in fitted:  # every fitted link: the profile's link matrix reflects the shaping
+        assert bw == pytest.approx(rate, rel=0.15), fitted
     assert min(x.bandwidth_bytes_per_s for x in inside) > 10 * max(fitted), (inside, fitted)
 
 
@@ -506,3 +524,22 @@ def test_emitted_node_scripts_keep_the_plan_across_the_testbed(tmp_path):
             c = rank_coords(r["rank"], 1, 2, 2, config.rank_order)
             assert r["ok"] and r["coords"]["pp"] == c["pp"] == k and r["coords"]["tp"] == c["tp"]
             assert r["layers"] == [stage_layers[c["pp"]]]
+
+
+@needs_testbed
+@pytest.mark.e2e
+def test_search_verifies_across_the_testbed_as_a_driver(tmp_path):
+    """`autoconf testbed --driver -- autoconf search --verify 1`: the search runs once, and its
+    trial runs one torchrun per emulated node, ranks 0-1 on node-0 and 2-3 on node-1."""
+    nodes = tbm.plan_nodes(["1gbit", "200mbit"], "actb0x0000")
+    (tmp_path / "tb.yaml").write_text(tbm.cluster_yaml(nodes, 2))
+    p = _cli("testbed", "--rates", "1gbit,200mbit", "--nproc-per-node", "2", "--master-port", "29563", "--driver",
+             "--", "autoconf", "search", "--model", "tiny", "--cluster", str(tmp_path / "tb.yaml"),
+             "--global-batch", "8", "--verify", "1", "--steps", "3", "--storage", "none", "--json", timeout=240,
+             cwd=tmp_path)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    doc = json.loads(p.stdout)
+    trial = doc["verified"][0]["trial"]
+    assert trial["ok"], trial["reason"]
+    assert [(r["rank"], r["host"]) for r in sorted(trial["per_rank"], key=lambda r: r["rank"])] == \
+        [(0, "node-0"), (1, "node-0"), (2, "node-1"), (3, "node-1")]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import statistics
 import time
 
@@ -125,7 +126,8 @@ def train(args, rank: int, watchdog) -> dict:
         watchdog.stop()
 
     return {
-        "rank": rank, "ok": True, "reason": "", "coords": groups.coords, "chunks": runner.chunk_ids,
+        "rank": rank, "ok": True, "reason": "", "host": socket.gethostname(), "coords": groups.coords,
+        "chunks": runner.chunk_ids,
         "layers": [layers[c] for c in runner.chunk_ids], "backend": backend, "device": str(device),
         "torch_version": torch.__version__, "config": config.to_dict(), "model": model.to_dict(),
         "step_times_s": step_times, "timed": timed, "step_time_s": median_after_warmup(step_times, timed),

@@ -93,12 +93,13 @@ def hierarchical_all_reduce_s(nbytes: float, g: GroupLinks, tune: CollectiveTuni
     return tune.base_latency_s + 2 * local + across
 
 
-def all_reduce_s(nbytes: float, g: GroupLinks, tune: CollectiveTuning = NEUTRAL) -> float:
-    """The fastest of ring, tree and hierarchical for this group."""
+def all_reduce_s(nbytes: float, g: GroupLinks, tune: CollectiveTuning = NEUTRAL,
+                 algorithms=("ring", "tree", "hierarchical")) -> float:
+    """The fastest of the named algorithms (ring, tree, hierarchical) for this group."""
     if g.size <= 1 or nbytes <= 0:
         return 0.0
-    return min(ring_all_reduce_s(nbytes, g, tune), tree_all_reduce_s(nbytes, g, tune),
-               hierarchical_all_reduce_s(nbytes, g, tune))
+    fns = {"ring": ring_all_reduce_s, "tree": tree_all_reduce_s, "hierarchical": hierarchical_all_reduce_s}
+    return min(fns[a](nbytes, g, tune) for a in algorithms)
 
 
 def all_gather_s(nbytes: float, g: GroupLinks, tune: CollectiveTuning = NEUTRAL) -> float:

@@ -77,6 +77,16 @@ def main() -> None:
                 check_sum(ar, inter, rank, size, torch.float32, 50 + n * 10 + i, asynchronous=bool(i % 2))
         checked.append(f"recursive doubling over {n}")
 
+    # the intra-host rings with 3 and 4 ranks on one host (no inter-host phase), sizes not divisible
+    for k in (3, 4):
+        layout = collectives.HostLayout((tuple(range(k)),))
+        intra = dist.new_group(list(range(k)), timeout=timeout)
+        if rank < k:
+            ar = collectives.HierarchicalAllReduce(layout, 0, rank, intra, solo[rank])
+            for i, size in enumerate((1, 2, 5, 4099)):
+                check_sum(ar, intra, rank, size, torch.float32, 90 + k * 10 + i, asynchronous=bool(i % 2))
+        checked.append(f"ring of {k} in a host")
+
     with open(os.path.join(out, f"rank_{rank}.json"), "w") as f:
         json.dump({"rank": rank, "checked": checked}, f)
     dist.barrier()

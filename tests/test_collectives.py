@@ -252,4 +252,4 @@ def test_hierarchical_equals_flat_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in range(4):
         doc = json.loads((tmp_path / f"rank_{rank}.json").read_text())
-        assert len(doc["checked"]) == 7, doc
+        assert len(doc["checked"]) == 9, doc

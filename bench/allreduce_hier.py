@@ -10,7 +10,8 @@ gloo's flat ``all_reduce`` (a ring) and the trainer's hierarchical all-reduce
 (``autoconf/trainer/collectives.py``: intra-host reduce-scatter, inter-host all-reduce, intra-host
 all-gather), with the inter-host phase by recursive doubling, by gloo's all-reduce, and as the
 trainer picks it (``SMALL_BYTES``). A repeat's time is the slowest rank's (a collective ends when
-its last member does); the table shows the median over ``--repeats`` after one warm-up.
+its last member does); the variants take turns within each repeat, and the table shows the median
+over ``--repeats`` after one warm-up round.
 
 The prediction is the cost model's for the same group: ``comm.all_reduce_s`` with the algorithms
 the reference trainer runs for ``dp_all_reduce`` flat (ring) and hierarchical, on the links of
@@ -92,14 +93,12 @@ def worker(args) -> None:
         if ar is not None:
             variants[name] = ar
     results = {"note": note, "hosts": host_of, "sizes": []}
+    names = ["flat"] + [v for v in VARIANTS if v in variants]
     for nbytes in args.sizes:
         x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-        row = {"bytes": nbytes}
-        for name in VARIANTS:
-            if name != "flat" and name not in variants:
-                continue
-            times = []
-            for i in range(args.repeats + 1):
+        times: dict = {name: [] for name in names}
+        for i in range(args.repeats + 1):  # the variants take turns, so drifting load hits them alike
+            for name in names:
                 dist.barrier()
                 t0 = time.perf_counter()
                 if name == "flat":
@@ -109,13 +108,10 @@ def worker(args) -> None:
                 dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(dt, op=dist.ReduceOp.MAX)  # the slowest rank's time
                 if i:
-                    times.append(float(dt))
+                    times[name].append(float(dt))
                 x.fill_(1.0)
-            row[name] = statistics.median(times)
+        row = {"bytes": nbytes, **{name: statistics.median(ts) for name, ts in times.items()}}
         results["sizes"].append(row)
-        if rank == 0:
-            print(f"  {show(nbytes):>9}: " + "  ".join(f"{k} {v * 1e3:.3f} ms" for k, v in row.items() if k != "bytes"),
-                  file=sys.stderr, flush=True)
     if rank == 0:
         with open(args.worker, "w") as f:
             json.dump(results, f)

@@ -26,20 +26,26 @@ TINY = preset("tiny")
 
 # -- pure parts -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("numel,k,expected", [(0, 2, (0, 0)), (1, 2, (1, 2)), (4, 2, (2, 4)), (5, 2, (3, 6)),
-                                              (1, 4, (1, 4)), (7, 3, (3, 9)), (9, 3, (3, 9)), (10, 1, (10, 10))])
-def test_shard_sizes(numel, k, expected):
-    assert C.shard_sizes(numel, k) == expected
+@pytest.mark.parametrize("numel,k,expected", [
+    (0, 2, [(0, 0), (0, 0)]), (1, 2, [(0, 1), (1, 1)]), (4, 2, [(0, 2), (2, 4)]), (5, 2, [(0, 3), (3, 5)]),
+    (1, 4, [(0, 1), (1, 1), (1, 1), (1, 1)]), (7, 3, [(0, 3), (3, 6), (6, 7)]), (10, 1, [(0, 10)]),
+    (5, 4, [(0, 2), (2, 4), (4, 5), (5, 5)])])
+def test_shard_bounds(numel, k, expected):
+    assert C.shard_bounds(numel, k) == expected
 
 
-def test_shard_sizes_cover_the_buffer():
+def test_shard_bounds_tile_the_buffer_as_padding_would():
     for numel in range(0, 40):
         for k in range(1, 6):
-            shard, padded = C.shard_sizes(numel, k)
-            assert padded == shard * k and padded >= numel and padded - numel < max(k, 1)
-            assert shard == 0 or (shard - 1) * k < numel  # no shard is all padding but the last few
+            bounds = C.shard_bounds(numel, k)
+            assert len(bounds) == k and bounds[0][0] == 0 and bounds[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous, in order
+            c = -(-numel // k)  # the buffer padded to k * c, cut in k equal shards: the same real elements
+            padded = list(range(numel)) + [None] * (k * c - numel)
+            parts = [[x for x in padded[j * c:(j + 1) * c] if x is not None] for j in range(k)]
+            assert parts == [list(range(a, b)) for a, b in bounds]
     with pytest.raises(ValueError):
-        C.shard_sizes(4, 0)
+        C.shard_bounds(4, 0)
 
 
 def test_host_layout():

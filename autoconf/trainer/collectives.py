@@ -3,9 +3,10 @@
 A group whose ranks sit on H hosts with k ranks on each (the same k everywhere) is reduced in three
 phases (the two-level scheme of Horovod's hierarchical mode and of NVRAR):
 
-1. **intra-host reduce-scatter**: the k ranks of a host split the buffer into k shards (the buffer
-   is padded with zeros to a multiple of k); local rank j ends with the host's sum of shard j
-   (a ring of k - 1 point-to-point steps);
+1. **intra-host reduce-scatter**: the k ranks of a host split the buffer into k shards of
+   ceil(n / k) elements, the last ones shorter (or empty) when k does not divide n -- the same
+   split as padding the buffer to a multiple of k, without the padded copy; local rank j ends with
+   the host's sum of shard j (a ring of k - 1 point-to-point steps, empty shards skipped);
 2. **inter-host all-reduce** of shard j among the H ranks with local index j (one rank per host,
    k such groups at once, each carrying 1/k of the bytes): recursive doubling when the shard is
    small (at most ``small_bytes``: ceil(log2 H) exchange rounds, plus two when H is not a power of
@@ -30,7 +31,7 @@ Every rank of the job must create the subgroups, in the same order (``torch.dist
 is collective over the default group): :func:`build` walks every group of the axis, whether this
 rank is in it or not.
 
-Pure helpers (no torch): :func:`shard_sizes`, :func:`host_layout`, :func:`recursive_doubling_schedule`,
+Pure helpers (no torch): :func:`shard_bounds`, :func:`host_layout`, :func:`recursive_doubling_schedule`,
 :func:`inter_host_steps`. torch is imported inside the functions that run collectives.
 """
 
@@ -53,15 +54,14 @@ HOSTS_ENV = "AUTOCONF_RANK_HOSTS"
 
 # -- pure parts ----------------------------------------------------------------------------------
 
-def shard_sizes(numel: int, k: int) -> tuple[int, int]:
-    """(elements per shard, padded length) for a buffer of ``numel`` elements split over ``k``
-    ranks: shards of ceil(numel / k) elements, the buffer padded to k of them (0, 0 when empty)."""
+def shard_bounds(numel: int, k: int) -> list[tuple[int, int]]:
+    """[start, end) of each of the ``k`` shards of a buffer of ``numel`` elements: ceil(numel / k)
+    elements each, in order, the last ones shorter or empty (what padding the buffer with zeros to
+    a multiple of k would give, without the copy)."""
     if k < 1:
         raise ValueError(f"k={k} must be at least 1")
-    if numel <= 0:
-        return 0, 0
-    shard = -(-numel // k)
-    return shard, shard * k
+    c = -(-max(numel, 0) // k)
+    return [(min(j * c, numel), min((j + 1) * c, numel)) for j in range(k)] if numel > 0 else [(0, 0)] * k
 
 
 @dataclass(frozen=True)
@@ -278,68 +278,67 @@ class HierarchicalAllReduce:
         return f"hierarchical ({self.layout.num_hosts} hosts x {self.k})"
 
     def buffers(self, t):
-        """The temporaries one reduction of ``t`` needs: (zero-padded copy or None, receive buffer
-        of one shard). Allocated by the caller's thread (memory tracking sees them)."""
+        """The receive buffer one reduction of ``t`` needs (one shard), or None for an empty ``t``.
+        Allocated by the caller's thread (memory tracking sees it)."""
         import torch
 
-        shard, padded = shard_sizes(t.numel(), self.k)
-        if shard == 0:
-            return None, None
-        pad = torch.zeros(padded, dtype=t.dtype, device=t.device) if padded != t.numel() else None
-        return pad, torch.empty(shard, dtype=t.dtype, device=t.device)
+        (start, end), *_ = shard_bounds(t.numel(), self.k)
+        return torch.empty(end - start, dtype=t.dtype, device=t.device) if end > start else None
 
-    def __call__(self, t, bufs=None) -> None:
+    def __call__(self, t, recv=None) -> None:
         """Sum ``t`` (contiguous) over the group, in place, now."""
         import torch.distributed as dist
 
         if not t.is_contiguous():
             raise ValueError("the hierarchical all-reduce needs a contiguous tensor")
-        pad, recv = bufs if bufs is not None else self.buffers(t)
-        if recv is None:
+        if t.numel() == 0:
             return
-        flat = t.view(-1)
-        full = flat
-        if pad is not None:
-            pad[: flat.numel()].copy_(flat)
-            full = pad
-        c = recv.numel()
-        self._ring_reduce_scatter(full, recv, c)
-        shard = full[self.local * c: (self.local + 1) * c]
-        algo, _ = inter_host_steps(self.layout.num_hosts, c * t.element_size(), self.small_bytes)
-        if algo == "recursive_doubling":
-            self._recursive_doubling(shard, recv)
+        recv = self.buffers(t) if recv is None else recv
+        full = t.view(-1)
+        shards = [full[a:b] for a, b in shard_bounds(full.numel(), self.k)]
+        self._ring_reduce_scatter(shards, recv)
+        shard = shards[self.local]
+        algo, _ = inter_host_steps(self.layout.num_hosts, shard.numel() * t.element_size(), self.small_bytes)
+        if shard.numel() == 0:  # every rank with this local index has the same empty shard
+            pass
+        elif algo == "recursive_doubling":
+            self._recursive_doubling(shard, recv[: shard.numel()])
         elif algo == "ring":
             dist.all_reduce(shard, group=self.inter)
-        self._ring_all_gather(full, c)
-        if pad is not None:
-            flat.copy_(pad[: flat.numel()])
+        self._ring_all_gather(shards)
 
     def _exchange(self, send, recv, dst: int, src: int, group) -> None:
+        """Send ``send`` to ``dst`` while receiving ``recv`` from ``src``; an empty side is skipped
+        (its peer's matching side is empty too)."""
         import torch.distributed as dist
 
-        reqs = [dist.isend(send, group=group, group_dst=dst), dist.irecv(recv, group=group, group_src=src)]
+        reqs = []
+        if send.numel():
+            reqs.append(dist.isend(send, group=group, group_dst=dst))
+        if recv.numel():
+            reqs.append(dist.irecv(recv, group=group, group_src=src))
         for req in reqs:
             req.wait()
 
-    def _ring_reduce_scatter(self, full, recv, c: int) -> None:
+    def _ring_reduce_scatter(self, shards, recv) -> None:
         """Ring reduce-scatter inside the host, in place: after k - 1 steps local rank j holds the
-        host's sum of shard j in ``full``. Point-to-point messages, not gloo's ``reduce_scatter``,
-        which takes longer than its all-reduce of the whole buffer (16 MiB between 2 processes on
-        loopback: 30 ms against 17 ms; this ring: 9 ms)."""
+        host's sum of shard j. Point-to-point messages, not gloo's ``reduce_scatter``, which takes
+        longer than its all-reduce of the whole buffer (16 MiB between 2 processes on loopback:
+        30 ms against 17 ms; this ring: 9 ms)."""
         k, j = self.k, self.local
         nxt, prv = (j + 1) % k, (j - 1) % k
         for s in range(k - 1):
-            out, into = (j - s - 1) % k, (j - s - 2) % k
-            self._exchange(full[out * c: (out + 1) * c], recv, nxt, prv, self.intra)
-            full[into * c: (into + 1) * c].add_(recv)
+            out, into = shards[(j - s - 1) % k], shards[(j - s - 2) % k]
+            got = recv[: into.numel()]
+            self._exchange(out, got, nxt, prv, self.intra)
+            into.add_(got)
 
-    def _ring_all_gather(self, full, c: int) -> None:
+    def _ring_all_gather(self, shards) -> None:
         """Ring all-gather inside the host, in place: every local rank ends with every shard."""
         k, j = self.k, self.local
         nxt, prv = (j + 1) % k, (j - 1) % k
         for s in range(k - 1):
-            out, into = (j - s) % k, (j - s - 1) % k
-            self._exchange(full[out * c: (out + 1) * c], full[into * c: (into + 1) * c], nxt, prv, self.intra)
+            self._exchange(shards[(j - s) % k], shards[(j - s - 1) % k], nxt, prv, self.intra)
 
     def _recursive_doubling(self, data, recv) -> None:
         import torch.distributed as dist
@@ -359,10 +358,12 @@ class HierarchicalAllReduce:
 
     def start(self, t) -> _Handle:
         """Sum ``t`` over the group on a worker thread (as ``async_op=True``): returns a handle
-        whose ``wait()`` lands it. The temporaries are allocated here, in the caller's thread; the
+        whose ``wait()`` lands it. The receive buffer is allocated here, in the caller's thread; the
         previous reduction lands first, so the subgroups see the same order on every rank."""
         if self._last is not None:
             self._last.wait()
-        bufs = self.buffers(t)
-        self._last = _Handle(lambda: self(t, bufs))
+        if not t.is_contiguous():
+            raise ValueError("the hierarchical all-reduce needs a contiguous tensor")
+        recv = self.buffers(t)
+        self._last = _Handle(lambda: self(t, recv))
         return self._last

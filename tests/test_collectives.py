@@ -4,6 +4,7 @@ crediting only the algorithms each runtime runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -216,6 +217,12 @@ def test_dp_cost_follows_the_runtime():
     e_hier = estimate(h, model, cluster)
     assert e_hier.breakdown_s["dp_comm"] < e_flat.breakdown_s["dp_comm"]
     assert e_hier.config.dp_all_reduce == "hierarchical"
+    assert not any("dp_all_reduce" in n for n in e_hier.notes)
+    # dp=8 on one host of 8: the trainer keeps the flat all-reduce, the estimate says so and costs it flat
+    one = ParallelConfig(dp=8, pp=1, tp=1, micro_batch_size=1, num_micro_batches=2, dp_all_reduce="hierarchical")
+    e_one = estimate(one, model, cluster)
+    assert any("lies on one host" in n for n in e_one.notes), e_one.notes
+    assert e_one.step_time_s == estimate(dataclasses.replace(one, dp_all_reduce="flat"), model, cluster).step_time_s
 
 
 def test_search_tries_hierarchical_where_it_can_matter():

@@ -9,8 +9,8 @@ phases (the two-level scheme of Horovod's hierarchical mode and of NVRAR):
    the host's sum of shard j (a ring of k - 1 point-to-point steps, empty shards skipped);
 2. **inter-host all-reduce** of shard j among the H ranks with local index j (one rank per host,
    k such groups at once, each carrying 1/k of the bytes): recursive doubling when the shard is
-   small (at most ``small_bytes``: ceil(log2 H) exchange rounds, plus two when H is not a power of
-   two, instead of a ring's 2(H-1) steps), the process group's own all-reduce otherwise;
+   small (at most ``small_bytes``: log2 H exchange rounds when H is a power of two, floor(log2 H)
+   + 2 otherwise, instead of a ring's 2(H-1) steps), the process group's own all-reduce otherwise;
 3. **intra-host all-gather**: every rank of the host receives every reduced shard (a ring of k - 1
    steps).
 
@@ -44,10 +44,10 @@ from dataclasses import dataclass
 SMALL_BYTES = 256 << 10
 """Default largest inter-host shard (bytes) that goes by recursive doubling; larger shards use the
 process group's all-reduce (gloo: a ring). Measured with bench/allreduce_hier.py, 2 hosts x 2 over a
-1 gbit link (gloo over TCP, 4 processes on 2 cores): recursive doubling is ahead at small shards
-(32 KiB: 1.6-2.6 against 6-7.5 ms), the two are level around 512 KiB, and the ring is ahead from
-1 MiB (2 MiB message: 21.7 against 29.6 ms); in between the run-to-run noise is as large as the
-difference."""
+1 gbit link (gloo over TCP, 4 processes on 2 cores, medians of 9-15): recursive doubling is ahead
+for small shards (64 KiB message: 1.6-5.6 ms against 6.2-7.5 ms), the two are within the
+run-to-run noise at 256-512 KiB shards, and the ring is ahead from 1 MiB shards (2 MiB message:
+21.7 against 29.6 ms; 16 MiB: 166-178 against 276-285 ms)."""
 
 HOSTS_ENV = "AUTOCONF_RANK_HOSTS"
 
@@ -267,15 +267,11 @@ class HierarchicalAllReduce:
         self.layout, self.host, self.local = layout, host, local
         self.intra, self.inter = intra, inter
         self.small_bytes = small_bytes
-        self.inter_ranks = layout.inter(local)
         self._last: _Handle | None = None
 
     @property
     def k(self) -> int:
         return self.layout.local_size
-
-    def describe(self) -> str:
-        return f"hierarchical ({self.layout.num_hosts} hosts x {self.k})"
 
     def buffers(self, t):
         """The receive buffer one reduction of ``t`` needs (one shard), or None for an empty ``t``.

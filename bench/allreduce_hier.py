@@ -21,7 +21,11 @@ measured loopback send/recv rate, 4.5 GB/s, and 80 us per message).
 On localhost every "host" shares the same cores and the loopback device: with more processes than
 cores the times measure contention (collectives slow down 2-3x with 4 processes on 2 cores), not
 a network. Across the namespace test bed, swap :func:`launch_node` for a launch inside host K's
-namespace (and pass ``--master-addr`` and the shaped cluster's YAML).
+namespace and pass that bed's master address and cluster file, e.g. with a ``Testbed`` ``tb``
+whose ``popen(k, argv, env=..., **kw)`` starts a command in node k::
+
+    bench.launch_node = lambda k, cmd, env, log: tb.popen(k, cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    bench.main(["--master-addr", tb.master_addr, "--cluster", "testbed.yaml"])
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import sys
 import threading
 
 from . import __version__
+from .config import DP_ALL_REDUCE
 from .errors import UserError
 from .frameworks import FRAMEWORK_NAMES
 
@@ -114,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                        ("tp-comm-overlap", "overlap tensor-parallel communication with the GEMMs (needs SP)")):
         p.add_argument(f"--{knob}", action=argparse.BooleanOptionalAction, default=None,
                        help=f"{what} (default: the framework's)")
+    p.add_argument("--dp-all-reduce", default="flat", choices=DP_ALL_REDUCE,
+                   help="ZeRO-0/1's gradient all-reduce: flat (the collective library's) or hierarchical "
+                        "(reduce-scatter inside hosts, all-reduce across, all-gather inside; reference trainer "
+                        "only) (default: flat)")
 
     p = sub.add_parser("search", help="search the space for the fastest configuration that fits")
     _add_target(p)
@@ -232,7 +237,8 @@ def cmd_estimate(args) -> int:
                             zero_stage=args.zero, recompute=args.recompute,
                             sequence_parallel=args.sequence_parallel, rank_order=args.rank_order,
                             overlap_grad_reduce=args.overlap_grad_reduce,
-                            overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap)
+                            overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
+                            dp_all_reduce=args.dp_all_reduce)
     e = estimate(config, model, cluster, profile, calibration, framework=args.framework)
     if args.json:
         _print_json(e.to_dict())

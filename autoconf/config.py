@@ -16,6 +16,7 @@ from .schema import Bool, Dict, Int, Null, Str
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 RECOMPUTE = ("none", "selective", "full")
+DP_ALL_REDUCE = ("flat", "hierarchical")
 AXES = ("tp", "dp", "pp")
 
 _DEGREE = Int(1, 1 << 16)
@@ -25,7 +26,8 @@ CONFIG_SCHEMA = Dict(
     optional={"schedule": Str(SCHEDULES), "virtual_stages": Int(1, 1 << 10), "layered_grad_accum": Bool(),
               "zero_stage": Int(0, 3), "recompute": Str(RECOMPUTE), "sequence_parallel": Bool(),
               "rank_order": Str(max_len=32), "overlap_grad_reduce": Null(Bool()),
-              "overlap_param_gather": Null(Bool()), "tp_comm_overlap": Null(Bool())},
+              "overlap_param_gather": Null(Bool()), "tp_comm_overlap": Null(Bool()),
+              "dp_all_reduce": Str(DP_ALL_REDUCE)},
     what="a parallel configuration")
 
 
@@ -67,6 +69,11 @@ class ParallelConfig:
     tp_comm_overlap: bool | None = None
     """Overlap tensor-parallel communication with the GEMMs (Megatron ``--tp-comm-overlap`` with
     sequence parallelism, torchtitan's asynchronous TP). None: the framework's default."""
+    dp_all_reduce: str = "flat"
+    """ZeRO-0/1's gradient all-reduce: "flat" (the collective library's own: gloo's ring in the
+    reference trainer, NCCL's ring or tree elsewhere) or "hierarchical" (reduce-scatter inside each
+    host, all-reduce across hosts, all-gather inside each host; the reference trainer only,
+    ``trainer/collectives.py``)."""
 
     @property
     def world_size(self) -> int:
@@ -93,6 +100,8 @@ class ParallelConfig:
             s += f" rc-{self.recompute}"
         if self.sequence_parallel:
             s += " sp"
+        if self.dp_all_reduce != "flat":
+            s += " hier-ar"
         for knob, tag in (("overlap_grad_reduce", "ogr"), ("overlap_param_gather", "opg"), ("tp_comm_overlap", "tpo")):
             v = getattr(self, knob)
             if v is not None:
@@ -165,6 +174,13 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         v = getattr(c, knob)
         if v is not None and not isinstance(v, bool):
             return f"{knob}={v!r} must be true, false or absent (the framework's default)"
+    if c.dp_all_reduce not in DP_ALL_REDUCE:
+        return f"dp_all_reduce={c.dp_all_reduce!r}; valid: {', '.join(DP_ALL_REDUCE)}"
+    if c.dp_all_reduce == "hierarchical" and c.dp == 1:
+        return "dp_all_reduce=hierarchical with dp=1 reduces nothing"
+    if c.dp_all_reduce == "hierarchical" and c.zero_stage >= 2:
+        return (f"dp_all_reduce=hierarchical is ZeRO-0/1's all-reduce; zero_stage={c.zero_stage} has none "
+                "(it reduces each gradient to its owner's shard): use flat")
     if c.tp_comm_overlap and not c.sequence_parallel:
         return "tp_comm_overlap needs sequence_parallel (it overlaps the all-gather / reduce-scatter pairs)"
     return None
@@ -178,6 +194,7 @@ def reason_key(reason: str) -> str:
                         ("sequence_parallel", "sequence parallel indivisible"),
                         ("exceeds num_layers", "more chunks than layers"),
                         ("with dp=1 shards nothing", "zero with dp=1"),
+                        ("dp_all_reduce=", "hierarchical all-reduce inapplicable"),
                         ("one micro-batch", "layered with one micro-batch")):
         if needle in reason:
             return key

@@ -24,14 +24,19 @@ stacks. What differs, and is modelled here from each framework's own code and do
   Engine userbuffers, torchtitan's asynchronous TP);
 - **host cost**: eager PyTorch issues every operation from Python (about 5-20 us each on a server
   CPU) and every backward node from the autograd engine; small layers are host-bound;
-- **vocabulary padding**: Megatron pads the vocabulary to a multiple of 128 x tp.
+- **vocabulary padding**: Megatron pads the vocabulary to a multiple of 128 x tp;
+- **all-reduce algorithms**: which algorithms the runtime's all-reduce really runs, so the cost
+  model credits no other (``Framework.all_reduce_algorithms``): NCCL (Megatron-LM, torchtitan,
+  DeepSpeed) picks ring or tree per call and has no hierarchical mode those frameworks use; the
+  reference trainer's gloo ``all_reduce`` is a ring, and its own two-level all-reduce
+  (``trainer/collectives.py``) runs where a configuration sets ``dp_all_reduce="hierarchical"``.
 
 A knob set to None in a :class:`~autoconf.config.ParallelConfig` takes the framework's default.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cost.compute import HostCost
 from .errors import UserError
@@ -66,6 +71,23 @@ class Framework:
     """The vocabulary is padded to a multiple of this times tp."""
     memory_fragmentation: float = 0.05
     """Fraction of device memory the caching allocator loses to fragmentation (memory margin)."""
+    all_reduce_algorithms: dict = field(default_factory=lambda: {"flat": ("ring", "tree")})
+    """For each ``dp_all_reduce`` mode it offers, the all-reduce algorithms (``cost.comm``: ring,
+    tree, hierarchical) that mode really runs; the cost model takes the fastest of those only."""
+
+    def dp_all_reduce_algorithms(self, config, g) -> tuple:
+        """The algorithms the data-parallel all-reduce of ``config`` runs over a group with links
+        ``g`` (a ``topology.GroupLinks``): a hierarchical one falls back to flat where the group's
+        hosts do not split evenly (:func:`hierarchical_runs`), as the trainer does."""
+        mode = getattr(config, "dp_all_reduce", "flat")
+        if mode != "flat" and not hierarchical_runs(g):
+            mode = "flat"
+        return self.all_reduce_algorithms[mode]
+
+    def flat_all_reduce_algorithms(self) -> tuple:
+        """The algorithms of the collective library's own all-reduce (tensor parallelism, and the
+        data-parallel one unless the configuration asks for another)."""
+        return self.all_reduce_algorithms["flat"]
 
     def knob(self, config, name: str) -> bool:
         """The knob's value for a configuration: its own if set, else this framework's default."""
@@ -90,7 +112,19 @@ class Framework:
         for k in KNOBS:
             if getattr(c, k, None) is not None and k not in self.knobs and bool(getattr(c, k)) != self.defaults[k]:
                 return f"framework {self.name} cannot switch {k} (always {self.defaults[k]})"
+        mode = getattr(c, "dp_all_reduce", "flat")
+        if mode not in self.all_reduce_algorithms:
+            return (f"framework {self.name} has no dp_all_reduce={mode}; valid: "
+                    f"{', '.join(self.all_reduce_algorithms)}")
         return None
+
+
+def hierarchical_runs(g) -> bool:
+    """Whether a hierarchical all-reduce runs over a group with links ``g`` (a
+    ``topology.GroupLinks``): at least two hosts, at least two members on each, the same number on
+    every host. Elsewhere the reference trainer keeps the flat one (the same rule as
+    ``trainer.collectives.host_layout``)."""
+    return g.num_hosts >= 2 and g.local_size >= 2 and g.size == g.num_hosts * g.local_size
 
 
 
@@ -108,31 +142,35 @@ class Framework:
 _EAGER = HostCost(forward_op_s=10e-6, backward_op_s=5e-6)
 _MEGATRON_HOST = HostCost(forward_op_s=50e-6, backward_op_s=20e-6)
 
+# NCCL chooses ring or tree per call (NCCL_ALGO unset); gloo's all-reduce is a ring.
+_NCCL_ALL_REDUCE = {"flat": ("ring", "tree")}
+
 FRAMEWORKS = {
     "reference": Framework(
         name="reference", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1, 2, 3), layered_grad_accum=True,
         per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_EAGER,
         defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False},
-        knobs=()),
+        knobs=(), all_reduce_algorithms={"flat": ("ring",), "hierarchical": ("hierarchical",)}),
     "megatron": Framework(
         name="megatron", schedules=("1f1b", "interleaved"),
         zero_stages=(0, 1), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
         per_micro_batch_pipeline_buffers=False, fp32_grad_buffer_bf16=True, host=_MEGATRON_HOST,
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False},
-        knobs=("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"), vocab_multiple=128),
+        knobs=("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"), vocab_multiple=128,
+        all_reduce_algorithms=_NCCL_ALL_REDUCE),
     "torchtitan": Framework(
         name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 2, 3), zero_stages_with_pp=(0, 2, 3), layered_grad_accum=False,
         per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_EAGER,
         defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False},
-        knobs=("tp_comm_overlap",)),
+        knobs=("tp_comm_overlap",), all_reduce_algorithms=_NCCL_ALL_REDUCE),
     "deepspeed": Framework(
         name="deepspeed", schedules=("1f1b",),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
         per_micro_batch_pipeline_buffers=False, fp32_grad_buffer_bf16=False, host=_MEGATRON_HOST,
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": True, "tp_comm_overlap": False},
-        knobs=("overlap_grad_reduce",)),
+        knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE),
 }
 
 

@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 
 from .config import ParallelConfig, check, inner_choices, make_config, outer_space
+from .cost import comm
+from .cost.data_parallel import reduction_collective
 from .cost.estimate import Estimate, _estimate
 from .cost.system import System
 from .errors import UserError
@@ -119,7 +121,8 @@ class _Evaluator:
         if self.incumbent < float("inf") and self._dominated(point):
             self.dominated += self.valid_per_point.get(point, 0)
             return None, None
-        for c in framework_inner(self.ctx.framework, dp, pp, tp, mbs, sched, v, layered, self.global_batch):
+        for c in framework_inner(self.ctx.framework, dp, pp, tp, mbs, sched, v, layered, self.global_batch,
+                                 dp_hierarchical(self.ctx, dp, pp, tp)):
             if check(c, self.ctx.model):
                 continue
             # memory first (no simulation when it cannot fit); skip the schedule simulation when
@@ -179,11 +182,28 @@ class _Repair:
         return out
 
 
-def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch):
+def dp_hierarchical(system: System, dp: int, pp: int, tp: int) -> bool:
+    """Whether ``dp_all_reduce="hierarchical"`` can change anything for (dp, pp, tp) in the
+    default rank order: the framework runs one, and some data-parallel group spans several hosts
+    with the same number of its ranks on each (elsewhere the trainer falls back to flat)."""
+    from .cost.tensor_parallel import axis_links
+    from .frameworks import hierarchical_runs
+
+    if dp == 1 or "hierarchical" not in system.framework.all_reduce_algorithms:
+        return False
+    c = ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1)
+    return any(hierarchical_runs(g) for g in axis_links(system, c, "dp"))
+
+
+def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hier: bool = False):
     """The inner configurations of an outer point that framework ``fw`` can run: ZeRO stages it
     has, every recompute mode, sequence parallelism, and both values of each knob it lets a user
     switch where the knob matters (overlap_grad_reduce with dp > 1, overlap_param_gather with
-    ZeRO, tp_comm_overlap with sequence parallelism); other knobs stay at the framework's default."""
+    ZeRO, tp_comm_overlap with sequence parallelism); other knobs stay at the framework's default.
+    ``dp_hier`` (:func:`dp_hierarchical`): the data-parallel all-reduce is tried flat and
+    hierarchical too, for the ZeRO stages whose modelled reduction is an all-reduce
+    (``data_parallel.reduction_collective``: ZeRO-0; the trainer's ZeRO-1 all-reduce is modelled
+    as a reduce-scatter, which the choice does not change)."""
     for zero, rc, sp in inner_choices(dp, tp):
         c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch)
         if fw.check(c):
@@ -194,16 +214,20 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch):
         for knob in fw.knobs:
             if matters[knob]:
                 variants = [{**v_, knob: val} for v_ in variants for val in (False, True)]
+        if dp_hier and reduction_collective(zero) is comm.all_reduce_s:
+            variants = [{**v_, "dp_all_reduce": mode} for v_ in variants for mode in ("flat", "hierarchical")]
         for kw in variants:
             yield dataclasses.replace(c, **kw) if kw else c
 
 
-def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=None):
+def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=None, dp_hier=None):
     """(outer points, total configs, valid configs, rejected reason counts).
 
     ZeRO, recomputation and sequence parallelism only add reasons to an outer point's own, so an
     outer point that fails with the plainest inner choice fails with all of them. With a framework
     ``fw``, the schedules and layered accumulation it cannot run are rejected with that reason.
+    ``dp_hier(dp, pp, tp)``: whether the hierarchical data-parallel all-reduce is tried there
+    (:func:`dp_hierarchical`; never when None).
     """
     from .config import reason_key
     from .frameworks import framework as framework_model
@@ -228,7 +252,8 @@ def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=N
     valid_per_point: dict = {}
     for point in points:
         dp, pp, tp, mbs, sched, v, layered = point
-        inner = list(framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch))
+        inner = list(framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch,
+                                     bool(dp_hier and dp_hier(dp, pp, tp))))
         total += len(inner)
         base = check(make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, global_batch), model)
         if base:
@@ -549,8 +574,9 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         raise UserError(f"--gpus {world}: the cluster has only {ctx.num_devices} devices")
     if global_batch <= 0:
         raise UserError(f"--global-batch {global_batch}: must be a positive number of sequences")
-    points, total, valid, rejected, valid_per_point = count_space(model, world, global_batch, max_micro_batch,
-                                                                  ctx.framework)
+    points, total, valid, rejected, valid_per_point = count_space(
+        model, world, global_batch, max_micro_batch, ctx.framework,
+        lambda dp, pp, tp: dp_hierarchical(ctx, dp, pp, tp))
     if not points or not valid:
         raise UserError(f"no valid configuration: global batch {global_batch} on {world} devices; "
                         f"rejected: {', '.join(f'{k} ({v})' for k, v in rejected.items())}")

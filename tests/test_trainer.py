@@ -204,3 +204,81 @@ def test_zero2_gradients_match_zero1(world):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_grads_worker, args=(world, port, cases), nprocs=world)
+
+
+# The hierarchical data-parallel all-reduce (dp_all_reduce="hierarchical"): 4 processes declared as
+# 2 hosts x 2 (interleaved: ranks 0 and 2 on one host), so dp=4 runs the two-level algorithm.
+HOSTS_2X2 = "a,b,a,b"
+
+
+@pytest.mark.e2e
+def test_hierarchical_all_reduce_trains_like_flat(tmp_path):
+    config = cfg(dp=4, mbs=1, dp_all_reduce="hierarchical")
+    assert check(config, TINY) is None
+    if TINY.name not in _REFERENCE:
+        _REFERENCE[TINY.name] = reference_losses(TINY)
+    result = run_trial(make_document(config, TINY, seed=SEED), steps=STEPS, warmup=1, timeout_s=180,
+                       out_dir=str(tmp_path), env_extra={"AUTOCONF_RANK_HOSTS": HOSTS_2X2})
+    assert result.ok, result.reason
+    assert {r["dp_all_reduce"] for r in result.per_rank} == {"hierarchical (2 hosts x 2)"}
+    assert result.losses == pytest.approx(_REFERENCE[TINY.name], rel=1e-5, abs=1e-5)
+
+
+HIER_GRAD_CASES = [
+    ("dp4-zero0-tied", TINY_TIED, cfg(dp=4, mbs=1)),
+    ("dp4-layered-zero1", TINY, cfg(dp=4, mbs=1, layered_grad_accum=True, zero_stage=1)),
+]
+
+
+def _hier_grads_worker(rank: int, world: int, port: int, cases: list) -> None:
+    """One rank: one step with the flat and one with the hierarchical all-reduce on the same batch;
+    the gradients agree, and every dp rank holds the same hierarchical gradients bit for bit."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    from autoconf.trainer import data
+    from autoconf.trainer.parallel_dims import ParallelDims, build_groups
+    from autoconf.trainer.run import add_hierarchical, chunk_layers
+    from autoconf.trainer.single import SingleStage
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=120)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    for model, config in cases:
+        flat = build_groups(ParallelDims(config.dp, config.pp, config.tp, config.rank_order), rank, timeout)
+        hier = dataclasses.replace(flat)
+        add_hierarchical(hier, rank, timeout, host_mapping=HOSTS_2X2)
+        assert hier.dp_all_reduce is not None, hier.dp_all_reduce_note
+        common = dict(tp_size=1, tp_group=None, sequence_parallel=False, recompute="none",
+                      dtype=torch.float32, seed=SEED, device=torch.device("cpu"))
+        x, y = data.replica_batch(0, GLOBAL_BATCH, model.seq_length, model.vocab_size, SEED,
+                                  flat.dp_rank, config.dp)
+        grads = {}
+        for mode, groups in (("flat", flat), ("hierarchical", hier)):
+            c = dataclasses.replace(config, dp_all_reduce=mode)
+            runner = SingleStage(model, c, groups, torch.device("cpu"), chunk_layers(model, c), common)
+            runner.step(x, y)
+            grads[mode] = {n: p.grad for n, p in runner.stage.named_parameters()}
+        assert grads["flat"].keys() == grads["hierarchical"].keys()
+        for n, g in grads["flat"].items():
+            torch.testing.assert_close(grads["hierarchical"][n], g, rtol=1e-5, atol=1e-7, msg=f"{config.short()} {n}")
+            everyone = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(everyone, grads["hierarchical"][n])
+            assert all(torch.equal(everyone[0], e) for e in everyone), f"{config.short()} {n}: replicas differ"
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.e2e
+def test_hierarchical_gradients_match_flat():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_hier_grads_worker, args=(4, port, [(m, c) for _, m, c in HIER_GRAD_CASES]), nprocs=4)

@@ -9,6 +9,8 @@
   pass over a chunk (FSDP's prefetching hides all but the first layer's gather):
   :func:`per_micro_batch_s`.
 - Every bucket is copied through memory (:func:`bucket_traffic`).
+- An all-reduce is credited only with the algorithms the framework's runtime runs
+  (:func:`all_reduce_algorithms`).
 """
 
 from __future__ import annotations
@@ -36,10 +38,29 @@ def bucket_traffic(c: ParallelConfig) -> float:
     return 2.0 + (3.0 if c.zero_stage == 2 else 2.0) / c.dp
 
 
+def reduction_collective(zero_stage: int):
+    """The collective that reduces the step's gradients in this model: an all-reduce for ZeRO-0,
+    a reduce-scatter for ZeRO-1/2/3 (the ZeRO paper's volume). The reference trainer's ZeRO-1
+    all-reduces instead (and then broadcasts from the owners): the model does not follow it there."""
+    return comm.all_reduce_s if zero_stage == 0 else comm.reduce_scatter_s
+
+
+def all_reduce_algorithms(system: System, c: ParallelConfig, fn):
+    """For an all-reduce ``fn``, a function of a dp group's links giving the algorithms the
+    framework's runtime really runs there (``Framework.dp_all_reduce_algorithms``: the reference
+    trainer's gloo ring, its hierarchical all-reduce where ``dp_all_reduce`` asks and the hosts
+    split evenly, NCCL's ring or tree); None for the other collectives."""
+    if fn is not comm.all_reduce_s:
+        return None
+    fw = system.framework
+    return lambda g: fw.dp_all_reduce_algorithms(c, g)
+
+
 def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds) -> float:
     """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic."""
     g_bytes = system.grad_bytes
-    return (collective_s(system, axis_links(system, c, "dp"), fn, c.dp, lay.chunk_params[ci] * g_bytes)
+    return (collective_s(system, axis_links(system, c, "dp"), fn, c.dp, lay.chunk_params[ci] * g_bytes,
+                         all_reduce_algorithms(system, c, fn))
             + system.copy_time(kinds, bucket_traffic(c) * lay.chunk_params[ci] * g_bytes))
 
 
@@ -109,7 +130,7 @@ def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makesp
     if c.dp == 1:
         return 0.0
     m = system.model
-    red = comm.all_reduce_s if c.zero_stage == 0 else comm.reduce_scatter_s
+    red = reduction_collective(c.zero_stage)
     links = axis_links(system, c, "dp")
     last_bucket = min(BUCKET_BYTES, m.layer_params() / c.tp * system.grad_bytes)
     end_all = makespan
@@ -120,7 +141,8 @@ def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makesp
             t = _reduction(system, c, lay, red, ci, lay.stage_kinds[dev])
             if lay.overlap_grad_reduce:
                 start = max(t_free, ends[ci] - bwd[ci] * (1 - 1 / max(lay.chunk_layers[ci], 1)))
-                t_free = max(start + t, ends[ci] + collective_s(system, links, red, c.dp, last_bucket))
+                t_free = max(start + t, ends[ci] + collective_s(system, links, red, c.dp, last_bucket,
+                                                                all_reduce_algorithms(system, c, red)))
             else:
                 t_free = max(t_free, makespan) + t
         end_all = max(end_all, t_free)

@@ -160,6 +160,16 @@ def _finish(c: ParallelConfig, ctx: System, breakdown: dict, memory: list, step:
     notes = []
     if c.world_size < ctx.num_devices:
         notes.append(f"uses the first {c.world_size} of {ctx.num_devices} devices")
+    if c.dp_all_reduce == "hierarchical":
+        from ..frameworks import hierarchical_runs
+        from .tensor_parallel import axis_links
+        flat = [g for g in axis_links(ctx, c, "dp") if not hierarchical_runs(g)]
+        if flat:
+            notes.append("dp_all_reduce=hierarchical: a data-parallel group "
+                         + ("lies on one host" if flat[0].num_hosts == 1 else
+                            "has one rank per host" if flat[0].local_size == 1 else
+                            "spans hosts holding different numbers of its ranks")
+                         + "; the trainer runs the flat all-reduce there, and so does this estimate")
     return Estimate(config=c, step_time_s=step, breakdown_s=breakdown, memory_by_stage=tuple(memory),
                     peak_memory_bytes=max(mm.total for mm in memory), fits=not reasons,
                     tokens_per_s=tokens / step,

@@ -37,20 +37,24 @@ def axis_links(system: System, c: ParallelConfig, axis: str):
     return system.cached(("axis", c.dp, c.pp, c.tp, c.rank_order, axis), make)
 
 
-def worst(links, fn, nbytes: float, efficiency: float = 1.0, tune: comm.CollectiveTuning = comm.NEUTRAL) -> float:
+def worst(links, fn, nbytes: float, efficiency: float = 1.0, tune: comm.CollectiveTuning = comm.NEUTRAL,
+          algorithms=None) -> float:
     """The slowest group's time: all groups of an axis run the collective together.
 
     ``efficiency`` (the profile's measured bus bandwidth over what the links predict) stretches
     the bandwidth term only: steps x alpha + bytes / (beta x efficiency). ``tune``: the collective
-    library's fixed cost and bus efficiency per tier (``comm.CollectiveTuning``).
+    library's fixed cost and bus efficiency per tier (``comm.CollectiveTuning``). ``algorithms``
+    (all-reduce only): a function of a group's links giving the algorithms the runtime runs on it.
     """
-    return max(fn(nbytes / efficiency, g, tune) for g in links)
+    if algorithms is None:
+        return max(fn(nbytes / efficiency, g, tune) for g in links)
+    return max(fn(nbytes / efficiency, g, tune, algorithms=algorithms(g)) for g in links)
 
 
-def collective_s(system: System, links, fn, n: int, nbytes: float) -> float:
+def collective_s(system: System, links, fn, n: int, nbytes: float, algorithms=None) -> float:
     """Collective ``fn`` of ``nbytes`` on every group of ``links`` (n ranks each), at the measured
-    efficiency: the slowest group's time."""
-    return worst(links, fn, nbytes, system.collective_efficiency(fn, n), system.collective_tuning)
+    efficiency: the slowest group's time. ``algorithms``: as :func:`worst`."""
+    return worst(links, fn, nbytes, system.collective_efficiency(fn, n), system.collective_tuning, algorithms)
 
 
 def stage_devices(c: ParallelConfig) -> list[list[int]]:
@@ -85,7 +89,8 @@ def tp_times(system: System, c: ParallelConfig, stage_kinds) -> TpTimes:
         one = (collective_s(system, links, comm.all_gather_s, tp, nbytes)
                + collective_s(system, links, comm.reduce_scatter_s, tp, nbytes))
     else:
-        one = collective_s(system, links, comm.all_reduce_s, tp, nbytes)
+        flat = system.framework.flat_all_reduce_algorithms()  # tp's all-reduce is always the library's
+        one = collective_s(system, links, comm.all_reduce_s, tp, nbytes, lambda g: flat)
     fwd = bwd = 2 * one
     measured = system.measured_tp_comm(c, stage_kinds)
     if measured is not None:  # the profile timed the block with its real collectives

@@ -17,6 +17,12 @@
   * :class:`ShardedAdamW` (ZeRO-1/2) keeps AdamW state only for the parameters a rank owns
     (greedy partition by size, as ``ZeroRedundancyOptimizer``) and broadcasts updated parameters
     from their owners.
+  * the all-reduce of ZeRO-0/1 is the process group's flat ``all_reduce`` (gloo: a ring), or with
+    ``dp_all_reduce="hierarchical"`` the two-level one of :mod:`.collectives` (reduce-scatter inside
+    each host, all-reduce across hosts, all-gather inside each host), which runs on a worker thread
+    from the launch to the point where the flat one's work would be waited on, so it overlaps the
+    rest of the backward as the flat one does on gloo's own threads. ZeRO-2's reduce to the owners
+    stays a flat ``reduce``.
 - ZeRO-3 is FSDP2 (:func:`apply_fsdp`): ``fully_shard`` on every unit (embedding, block, head)
   and on the stage container, over a 1-D mesh made from the data-parallel group.
 """
@@ -38,8 +44,11 @@ def partition(sizes: list[int], n: int) -> list[int]:
 class GradSync:
     """Averages gradients over the data-parallel group, one asynchronous bucket at a time."""
 
-    def __init__(self, params, zero_stage: int, group, group_ranks: list[int], my_index: int):
+    def __init__(self, params, zero_stage: int, group, group_ranks: list[int], my_index: int, all_reduce=None):
         self.zero_stage = zero_stage
+        self.all_reduce = all_reduce
+        """ZeRO-0/1's all-reduce: a ``collectives.HierarchicalAllReduce`` (config ``dp_all_reduce``
+        hierarchical), or None for the process group's flat ``all_reduce``."""
         self.group = group
         self.ranks = group_ranks
         self.me = my_index
@@ -76,7 +85,10 @@ class GradSync:
         self._land_pending()
         if self.zero_stage < 2:
             flat = _flatten_dense_tensors([p.grad for p in with_grad])
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            if self.all_reduce is not None:  # on a worker thread, as the flat one runs on gloo's
+                work = self.all_reduce.start(flat)
+            else:
+                work = dist.all_reduce(flat, group=self.group, async_op=True)
             self.pending.append((work, flat, with_grad, None))
             return
         self.pending += self._reduce_to_owners(with_grad, drop=False)

@@ -82,6 +82,11 @@ class Groups:
     embedding: object = None
     """Group of the first and last pipeline rank (tied embeddings, pp > 1); None elsewhere."""
     embedding_ranks: list | None = None
+    dp_all_reduce: object = None
+    """ZeRO-0/1's gradient all-reduce over this rank's dp group: a
+    ``collectives.HierarchicalAllReduce``, or None for the flat one."""
+    dp_all_reduce_note: str = "flat"
+    """What runs: "flat", "hierarchical (H hosts x k)", or why a hierarchical one asked for stays flat."""
 
     @property
     def tp_rank(self) -> int:

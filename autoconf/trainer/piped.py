@@ -40,7 +40,8 @@ class Piped:
                 data_parallel.apply_fsdp(_units(mod), mod, groups.dp, device.type)
         else:
             self.grad_sync = data_parallel.GradSync(self.parameters(), config.zero_stage, groups.dp,
-                                                    groups.dp_ranks, groups.dp_rank)
+                                                    groups.dp_ranks, groups.dp_rank,
+                                                    all_reduce=groups.dp_all_reduce)
             if not config.layered_grad_accum:
                 buckets = [[p for p in u.parameters() if id(p) not in self.tied_ids]
                            for c in self.chunk_ids for u in _units(self.chunks[c])]

@@ -54,7 +54,28 @@ def setup(config: ParallelConfig, timeout_s: float):
         dims.validate(world)
     except ValueError as e:
         raise TrainerError(str(e)) from None
-    return device, backend, build_groups(dims, rank, timeout)
+    groups = build_groups(dims, rank, timeout)
+    if config.dp_all_reduce == "hierarchical" and config.dp > 1:
+        add_hierarchical(groups, rank, timeout)
+    return device, backend, groups
+
+
+def add_hierarchical(groups, rank: int, timeout, host_mapping=None) -> None:
+    """Build the hierarchical data-parallel all-reduce (every rank, every dp group's subgroups in
+    the same order) from where each rank runs (``collectives.rank_hosts``); a group that cannot run
+    it stays flat and the rank says so on stderr."""
+    import sys
+
+    from . import collectives
+
+    try:
+        host_of = collectives.rank_hosts(host_mapping)
+    except ValueError as e:
+        raise TrainerError(str(e)) from None
+    groups.dp_all_reduce, groups.dp_all_reduce_note = collectives.build(groups.dims.groups("dp"), host_of, rank,
+                                                                        timeout)
+    if groups.dp_all_reduce is None:
+        print(f"rank {rank}: dp_all_reduce: {groups.dp_all_reduce_note}", file=sys.stderr, flush=True)
 
 
 def chunk_layers(model: ModelSpec, config: ParallelConfig) -> list[list[int]]:
@@ -132,7 +153,7 @@ def train(args, rank: int, watchdog) -> dict:
         "torch_version": torch.__version__, "config": config.to_dict(), "model": model.to_dict(),
         "step_times_s": step_times, "timed": timed, "step_time_s": median_after_warmup(step_times, timed),
         "peak_memory_bytes": peak, "memory_breakdown": breakdown, "memory_method": method,
-        "memory_step": mem_step, "losses": losses,
+        "memory_step": mem_step, "losses": losses, "dp_all_reduce": groups.dp_all_reduce_note,
         "speed_probe_s": statistics.median(probes) if probes else None,
         "local_parameters": sum(_numel_local(p) for m in runner.modules() for p in m.parameters()),
     }

@@ -40,7 +40,8 @@ class SingleStage:
                 data_parallel.apply_fsdp([u for _, u in self.units], s, groups.dp, device.type)
         else:
             self.grad_sync = data_parallel.GradSync(self.parameters(), config.zero_stage, groups.dp,
-                                                    groups.dp_ranks, groups.dp_rank)
+                                                    groups.dp_ranks, groups.dp_rank,
+                                                    all_reduce=groups.dp_all_reduce)
             if not config.layered_grad_accum:
                 self.partitioned = self.grad_sync.reduce_every_backward([list(u.parameters()) for _, u in self.units])
 

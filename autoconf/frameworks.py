@@ -27,8 +27,9 @@ stacks. What differs, and is modelled here from each framework's own code and do
 - **vocabulary padding**: Megatron pads the vocabulary to a multiple of 128 x tp;
 - **all-reduce algorithms**: which algorithms the runtime's all-reduce really runs, so the cost
   model credits no other (``Framework.all_reduce_algorithms``): NCCL (Megatron-LM, torchtitan,
-  DeepSpeed) picks ring or tree per call and has no hierarchical mode those frameworks use; the
-  reference trainer's gloo ``all_reduce`` is a ring, and its own two-level all-reduce
+  DeepSpeed, and the reference trainer on GPUs) picks ring or tree per call and has no
+  hierarchical mode those frameworks use; gloo's ``all_reduce`` (CPU processes) is a ring; the
+  reference trainer's own two-level all-reduce
   (``trainer/collectives.py``) runs where a configuration sets ``dp_all_reduce="hierarchical"``.
 
 A knob set to None in a :class:`~autoconf.config.ParallelConfig` takes the framework's default.
@@ -75,19 +76,21 @@ class Framework:
     """For each ``dp_all_reduce`` mode it offers, the all-reduce algorithms (``cost.comm``: ring,
     tree, hierarchical) that mode really runs; the cost model takes the fastest of those only."""
 
-    def dp_all_reduce_algorithms(self, config, g) -> tuple:
+    def dp_all_reduce_algorithms(self, config, g, gloo: bool = False) -> tuple:
         """The algorithms the data-parallel all-reduce of ``config`` runs over a group with links
         ``g`` (a ``topology.GroupLinks``): a hierarchical one falls back to flat where the group's
-        hosts do not split evenly (:func:`hierarchical_runs`), as the trainer does."""
+        hosts do not split evenly (:func:`hierarchical_runs`), as the trainer does. ``gloo``: CPU
+        processes, whose flat all-reduce is gloo's ring (NCCL on GPUs picks ring or tree)."""
         mode = getattr(config, "dp_all_reduce", "flat")
         if mode != "flat" and not hierarchical_runs(g):
             mode = "flat"
-        return self.all_reduce_algorithms[mode]
+        return self.flat_all_reduce_algorithms(gloo) if mode == "flat" else self.all_reduce_algorithms[mode]
 
-    def flat_all_reduce_algorithms(self) -> tuple:
+    def flat_all_reduce_algorithms(self, gloo: bool = False) -> tuple:
         """The algorithms of the collective library's own all-reduce (tensor parallelism, and the
-        data-parallel one unless the configuration asks for another)."""
-        return self.all_reduce_algorithms["flat"]
+        data-parallel one unless the configuration asks for another): gloo's ring on CPU
+        processes, else the framework's (NCCL's ring or tree)."""
+        return GLOO_ALL_REDUCE if gloo else self.all_reduce_algorithms["flat"]
 
     def knob(self, config, name: str) -> bool:
         """The knob's value for a configuration: its own if set, else this framework's default."""
@@ -144,6 +147,7 @@ _MEGATRON_HOST = HostCost(forward_op_s=50e-6, backward_op_s=20e-6)
 
 # NCCL chooses ring or tree per call (NCCL_ALGO unset); gloo's all-reduce is a ring.
 _NCCL_ALL_REDUCE = {"flat": ("ring", "tree")}
+GLOO_ALL_REDUCE = ("ring",)
 
 FRAMEWORKS = {
     "reference": Framework(
@@ -151,7 +155,7 @@ FRAMEWORKS = {
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1, 2, 3), layered_grad_accum=True,
         per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_EAGER,
         defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False},
-        knobs=(), all_reduce_algorithms={"flat": ("ring",), "hierarchical": ("hierarchical",)}),
+        knobs=(), all_reduce_algorithms={"flat": ("ring", "tree"), "hierarchical": ("hierarchical",)}),
     "megatron": Framework(
         name="megatron", schedules=("1f1b", "interleaved"),
         zero_stages=(0, 1), zero_stages_with_pp=(0, 1), layered_grad_accum=False,

@@ -162,9 +162,10 @@ def test_algorithms_each_runtime_runs():
     hier = ParallelConfig(dp=8, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1, dp_all_reduce="hierarchical")
     even, uneven = _links(2, 4), _links(2, 5, size=8)
     ref = FRAMEWORKS["reference"]
-    assert ref.dp_all_reduce_algorithms(flat, even) == ("ring",)
+    assert ref.dp_all_reduce_algorithms(flat, even, gloo=True) == ("ring",)  # gloo's ring on CPU processes
+    assert ref.dp_all_reduce_algorithms(flat, even) == ("ring", "tree")  # NCCL on GPUs
     assert ref.dp_all_reduce_algorithms(hier, even) == ("hierarchical",)
-    assert ref.dp_all_reduce_algorithms(hier, uneven) == ("ring",)  # the trainer falls back to flat
+    assert ref.dp_all_reduce_algorithms(hier, uneven, gloo=True) == ("ring",)  # the trainer falls back to flat
     for name in ("megatron", "torchtitan", "deepspeed"):
         assert FRAMEWORKS[name].dp_all_reduce_algorithms(flat, even) == ("ring", "tree")
     s = 64 << 20

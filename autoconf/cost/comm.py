@@ -9,10 +9,11 @@ algorithm's step count and volume:
 - hierarchical all-reduce (reduce-scatter inside hosts, all-reduce across hosts on S/k by k
   parallel flows, all-gather inside hosts; the two-level scheme of NVRAR / Horovod's hierarchical
   mode);
-- all-gather / reduce-scatter: ring, (n-1)/n * S / B + (n-1) * a, or its hierarchical form;
+- all-gather / reduce-scatter: ring, (n-1)/n * S / B + (n-1) * a;
 - point-to-point: a + S / B.
 
-A collective library picks the fastest algorithm for the group; so does :func:`all_reduce_s`.
+A collective library picks the fastest algorithm it has for the group; :func:`all_reduce_s` takes
+the fastest of the algorithms the runtime really runs (``frameworks.Framework``).
 
 Real collectives reach neither the links' datasheet bandwidth nor their bare latency. A
 :class:`CollectiveTuning` (catalog data per device, or a profile's measurement) adds the fixed cost
@@ -109,28 +110,24 @@ ALL_REDUCE = {"ring": ring_all_reduce_s, "tree": tree_all_reduce_s, "hierarchica
 
 
 def all_reduce_s(nbytes: float, g: GroupLinks, tune: CollectiveTuning = NEUTRAL,
-                 algorithms: tuple = ("ring", "tree", "hierarchical")) -> float:
+                 algorithms: tuple = ("ring", "tree")) -> float:
     """The fastest of ``algorithms`` for this group: a runtime picks among those it can run
-    (NCCL among ring and tree; a flat gloo call runs a ring)."""
+    (NCCL among ring and tree, the default; a flat gloo call runs a ring; the hierarchical one
+    only where a runtime implements it, ``frameworks.Framework.all_reduce_algorithms``)."""
     if g.size <= 1 or nbytes <= 0:
         return 0.0
     return min(ALL_REDUCE[a](nbytes, g, tune) for a in algorithms)
 
 
 def all_gather_s(nbytes: float, g: GroupLinks, tune: CollectiveTuning = NEUTRAL) -> float:
-    """All-gather of an ``nbytes`` output (each member contributes nbytes / n); same as reduce-scatter."""
+    """All-gather of an ``nbytes`` output (each member contributes nbytes / n); same as
+    reduce-scatter. A ring: NCCL's all-gather and reduce-scatter and gloo's are rings (no
+    hierarchical form runs in the frameworks modelled, so none is credited)."""
     n = g.size
     if n <= 1 or nbytes <= 0:
         return 0.0
     bw, lat = _ring_link(g, tune)
-    ring = (n - 1) / n * nbytes / bw + (n - 1) * lat
-    k, hosts = g.local_size, g.num_hosts
-    if hosts <= 1 or k <= 1:
-        return tune.base_latency_s + ring
-    local = (k - 1) / k * nbytes / _intra(g, tune) + (k - 1) * g.intra_latency_s
-    across = ((hosts - 1) / hosts * (nbytes / k) / (g.inter_bandwidth_bytes_per_s * tune.inter_efficiency)
-              + (hosts - 1) * g.inter_latency_s)
-    return tune.base_latency_s + min(ring, local + across)
+    return tune.base_latency_s + (n - 1) / n * nbytes / bw + (n - 1) * lat
 
 
 reduce_scatter_s = all_gather_s

@@ -52,8 +52,8 @@ def all_reduce_algorithms(system: System, c: ParallelConfig, fn):
     split evenly, NCCL's ring or tree); None for the other collectives."""
     if fn is not comm.all_reduce_s:
         return None
-    fw = system.framework
-    return lambda g: fw.dp_all_reduce_algorithms(c, g)
+    fw, gloo = system.framework, system.gloo
+    return lambda g: fw.dp_all_reduce_algorithms(c, g, gloo)
 
 
 def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds) -> float:

@@ -219,6 +219,11 @@ class System:
         return self.cached(("eff", _OPS[fn], n), make)
 
     @property
+    def gloo(self) -> bool:
+        """Whether the ranks are CPU processes, whose collectives are gloo's (else NCCL's)."""
+        return all(k == "cpu" for k in self.topology.kind_of)
+
+    @property
     def collective_tuning(self) -> comm.CollectiveTuning:
         """What the collective library adds to the links (``comm.CollectiveTuning``): the device
         catalog's figures, the worst over the cluster's device kinds; neutral with a profile, whose

@@ -89,7 +89,7 @@ def tp_times(system: System, c: ParallelConfig, stage_kinds) -> TpTimes:
         one = (collective_s(system, links, comm.all_gather_s, tp, nbytes)
                + collective_s(system, links, comm.reduce_scatter_s, tp, nbytes))
     else:
-        flat = system.framework.flat_all_reduce_algorithms()  # tp's all-reduce is always the library's
+        flat = system.framework.flat_all_reduce_algorithms(system.gloo)  # tp's all-reduce is always the library's
         one = collective_s(system, links, comm.all_reduce_s, tp, nbytes, lambda g: flat)
     fwd = bwd = 2 * one
     measured = system.measured_tp_comm(c, stage_kinds)

@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # the rank order lives in ``placement`` (one implementation for the cost model and the trainer)
-from .placement import axis_groups, rank_coords  # noqa: F401  (re-exported)
+from .placement import axis_groups, rank_coords
+
+__all__ = ["GroupLinks", "Topology", "axis_groups", "rank_coords"]
 
 
 @dataclass(frozen=True)

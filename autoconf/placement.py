@@ -137,9 +137,14 @@ class Placement:
 
     def stage_ranks(self) -> list[list[int]]:
         """The ranks of each pipeline stage, in rank order."""
+        stride = 1
+        for a in self.rank_order.split("-"):
+            if a == "pp":
+                break
+            stride *= self.size(a)
         out = [[] for _ in range(self.pp)]
         for r in range(self.world_size):
-            out[self.coords(r)["pp"]].append(r)
+            out[(r // stride) % self.pp].append(r)
         return out
 
     # -- devices --------------------------------------------------------------------------------

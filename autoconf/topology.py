@@ -55,8 +55,13 @@ class Topology:
         self.host_nic_bw = {}
         self.host_nic_total = {}
         self.host_intra_bw = {}
+        self.host_nic_kind = {}
+        self.host_name = {}
+        """A host's name: the graph's ``hostname`` or ``name`` (a profile's host), else node-K."""
         for h in hosts:
             a = attrs.get(("host", h), {})
+            self.host_nic_kind[h] = str(a.get("nic_kind", ""))
+            self.host_name[h] = str(a.get("hostname") or a.get("name") or f"node-{h}")
             self.host_nic_bw[h] = float(a.get("nic_bandwidth_bytes_per_s", float("inf")))
             self.host_nic_total[h] = self.host_nic_bw[h] * a.get("nic_count", 1)
             self.host_intra_bw[h] = float(a.get("intra_node_bandwidth_bytes_per_s", float("inf")))

@@ -64,6 +64,8 @@ class SearchResult:
     """With placement search: one dict per entry of ``top`` (``place.Placer.outcome``): the step
     time in the default order with the even split, after the heuristic and after the local search,
     and each stage's hosts, devices and layers."""
+    placement_s: float = 0.0
+    """Seconds of ``elapsed_s`` the placement's local search took."""
 
     def to_dict(self) -> dict:
         return {"top": [e.to_dict() for e in self.top], "rejected": dict(self.rejected),
@@ -72,7 +74,7 @@ class SearchResult:
                 "estimates": self.estimates, "sampler": self.sampler, "study_name": self.study_name,
                 "storage": self.storage, "elapsed_s": self.elapsed_s,
                 "smallest_memory": self.smallest_memory.to_dict() if self.smallest_memory else None,
-                "notes": list(self.notes), "placement": list(self.placement)}
+                "notes": list(self.notes), "placement": list(self.placement), "placement_s": self.placement_s}
 
 
 def _pipeline_label(sched: str, v: int, layered: bool) -> str:
@@ -626,9 +628,10 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         if e.fits:
             fitting.append(e)
     fitting.sort(key=lambda e: e.step_time_s)
-    placement = ()
+    placement, t_place = (), time.perf_counter()
     if placer is not None and fitting:
         fitting, placement = _improve_placements(placer, fitting[:top])
+    t_place = time.perf_counter() - t_place
     rejected = dict(rejected)
     for k2, v2 in evaluate.rejected.items():
         rejected[k2] = rejected.get(k2, 0) + v2
@@ -648,7 +651,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                         sampler=sampler_name, study_name=name, storage=storage,
                         elapsed_s=time.perf_counter() - t0,
                         smallest_memory=evaluate.smallest if not fitting else None, notes=tuple(notes),
-                        placement=placement)
+                        placement=placement, placement_s=t_place if placement else 0.0)
 
 
 def _improve_placements(placer, top: list, max_evaluations: int = 200, budget_s: float = 20.0):

@@ -34,7 +34,7 @@ improve the best few. Two steps, both priced by the cost model (``cost.estimate`
 
    - swap the devices of two pipeline stages (stages at the ends of runs of equally built
      stages), and swap one tensor-parallel group's devices between two differently built stages
-     (each with the layer split re-derived for the new stages);
+     (each with the current layer split, and with the split re-derived for the new stages);
    - shift one layer between adjacent chunks (runtimes that can run uneven stages: the
      reference trainer).
 
@@ -208,7 +208,7 @@ class Placer:
     # -- the local search ---------------------------------------------------------------------
 
     def improve(self, c: ParallelConfig, max_evaluations: int = 200, deadline: float | None = None):
-        """Hill-climb from ``c`` (its placement, else the heuristic's) on the cost model's step time.
+        """Hill-climb from ``c``'s placement on the cost model's step time.
         Returns (best estimate, estimates evaluated)."""
         from .cost.estimate import _estimate
 
@@ -229,6 +229,20 @@ class Placer:
 
         while not out_of_budget():
             moved = False
+            # devices: the best swap of stages, or of tensor-parallel groups between stages, with
+            # the current layer split and with the heuristic's split for the new stages
+            found, found_seq = None, None
+            for new_seq in self._device_moves(best.config, seq):
+                order = self.device_order(best.config, new_seq)
+                splits = dict.fromkeys([best.config.stage_layers, self.stage_layers(best.config, order)])
+                for split in splits:
+                    if out_of_budget():
+                        break
+                    e = trial(dataclasses.replace(best.config, device_order=order, stage_layers=split))
+                    if e is not None and e.step_time_s < (found or best).step_time_s:
+                        found, found_seq = e, new_seq
+            if found is not None:
+                best, best_t, seq, moved = found, found.step_time_s, found_seq, True
             # layers: the best single shift between adjacent chunks, repeated
             while self.layers and best.config.pp > 1 and not out_of_budget():
                 cur = best.config
@@ -247,19 +261,6 @@ class Placer:
                 if found is None:
                     break
                 best, best_t, moved = found, found.step_time_s, True
-            # devices: the best swap of stages or of tensor-parallel groups between stages
-            found, found_seq = None, None
-            for new_seq in self._device_moves(best.config, seq):
-                if out_of_budget():
-                    break
-                order = self.device_order(best.config, new_seq)
-                cand = dataclasses.replace(best.config, device_order=order,
-                                           stage_layers=self.stage_layers(best.config, order))
-                e = trial(cand)
-                if e is not None and e.step_time_s < (found or best).step_time_s:
-                    found, found_seq = e, new_seq
-            if found is not None:
-                best, best_t, seq, moved = found, found.step_time_s, found_seq, True
             if not moved:
                 break
         return best, evals

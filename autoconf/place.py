@@ -314,16 +314,18 @@ class Placer:
     # -- a report -----------------------------------------------------------------------------
 
     def outcome(self, placed, heuristic_s: float, evaluations: int) -> dict:
-        """What placement did for one configuration: the same configuration in the default order
-        with the even split, after the heuristic, after the local search; and where its stages run."""
+        """What placement did for one configuration: its step time in the default order with the
+        even split (``default_fits``: whether that fits in memory; ``gain``: how many times slower
+        it is, None when it does not fit), after the heuristic and after the local search; and
+        where its stages run."""
         from .cost.estimate import _estimate
 
         c = placed.config
         default = _estimate(dataclasses.replace(c, device_order=None, stage_layers=None), self.system)
-        d = default.step_time_s if default.fits else float("inf")
-        return {"default_step_time_s": d, "default_fits": default.fits, "heuristic_step_time_s": heuristic_s,
-                "placed_step_time_s": placed.step_time_s, "evaluations": evaluations,
-                "gain": (d / placed.step_time_s) if d < float("inf") else None,
+        return {"default_step_time_s": default.step_time_s, "default_fits": default.fits,
+                "heuristic_step_time_s": heuristic_s, "placed_step_time_s": placed.step_time_s,
+                "evaluations": evaluations,
+                "gain": default.step_time_s / placed.step_time_s if default.fits else None,
                 "stages": [s.to_dict() for s in describe(self.system, c)]}
 
 

@@ -343,3 +343,39 @@ def test_uneven_stage_gradients_match_single_process():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_grads_worker, args=(2, port, [(1, 3), (3, 1), (2, 2)]), nprocs=2)
+
+
+def _setup_worker(process_rank: int, world: int, port: int, order: tuple) -> None:
+    """A plain env:// launch (no torchrun agent): the process of device RANK starts the default
+    group at the rank the order gives it; RANK 0 hosts the store whatever rank it plays."""
+    import torch.distributed as dist
+
+    from autoconf.trainer.run import setup
+
+    for k in ("TORCHELASTIC_USE_AGENT_STORE", "LOCAL_RANK"):
+        os.environ.pop(k, None)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(process_rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    c = ParallelConfig(dp=2, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4, device_order=order)
+    _, _, groups = setup(c, 60)
+    place = Placement.of(c, 4)
+    assert dist.get_rank() == groups.rank == place.rank_on(process_rank)
+    assert groups.coords == place.coords(groups.rank)
+    assert groups.pp_ranks == list(next(g for g in place.groups("pp") if groups.rank in g))
+    got = [None] * world
+    dist.all_gather_object(got, process_rank)
+    assert got == [place.device(r) for r in range(world)]  # rank r is the process of device order[r]
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.e2e
+def test_plain_env_launch_starts_each_process_at_its_placed_rank():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_setup_worker, args=(4, port, (2, 0, 3, 1)), nprocs=4)

@@ -31,7 +31,7 @@ class DeviceType:
     collective: dict = None
     """What the collective library reaches on this device's links: ``base_latency_s`` per call,
     ``intra_efficiency`` and ``inter_efficiency`` of the intra-node fabric's and the NICs'
-    bandwidth (see ``cost.comm.CollectiveTuning``). None: the bare alpha-beta model."""
+    bandwidth, ``short_ring_loss`` of short rings inside a host (see ``cost.comm.CollectiveTuning``). None: the bare alpha-beta model."""
 
     attention_efficiency: dict = None
     """Fraction of peak the fused (flash) attention kernel reaches, ``forward`` and ``backward``

@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibrate", metavar="FILE", help="with --verify: fit correction factors, save them to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
-    for mod, fn in (("autoconf.trial", "add_trial_parser"), ("profiler.cli", "add_profile_parser")):
+    for mod, fn in (("autoconf.trial", "add_trial_parser"), ("profiler.cli", "add_profile_parser"),
+                    ("autoconf.testbed", "add_testbed_parser")):
         try:
             getattr(__import__(mod, fromlist=[fn]), fn)(sub)
         except (ImportError, AttributeError):
@@ -352,6 +353,12 @@ def cmd_search(args) -> int:
         need = f"; the least memory-hungry configuration ({e.config.short()}) needs {e.peak_memory_bytes / 2**30:.2f} GiB per device" if e else ""
         raise UserError(f"no configuration of {model.name} fits in the devices' memory{need}")
     doc = result.to_dict()
+    if cluster is not None and profile is not None:
+        from .cost.measured import overlay_measured_links
+        pairs = overlay_measured_links(cluster.graph(), profile)[1]
+        doc["measured_link_pairs"] = pairs
+        result.notes.append(f"links: {pairs} device pair(s) measured by the profile replace the cluster file's "
+                            "declared figures; the rest are as declared")
     verified = None
     if args.verify > 0:
         done: list = []
@@ -530,7 +537,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     fn = COMMANDS.get(args.command)
     if fn is None:
-        fn = {"trial": "autoconf.trial:cmd_trial", "profile": "profiler.cli:cmd_profile"}[args.command]
+        fn = {"trial": "autoconf.trial:cmd_trial", "profile": "profiler.cli:cmd_profile",
+              "testbed": "autoconf.testbed:cmd_testbed"}[args.command]
         mod, name = fn.split(":")
         fn = getattr(__import__(mod, fromlist=[name]), name)
     if threading.current_thread() is threading.main_thread():

@@ -10,11 +10,16 @@ hosts (``("host", n)``) and whose edges carry ``bandwidth_bytes_per_s`` and ``la
 - ("group", g) -- ("group", g'): the optional inter-group cap.
 
 A profile replaces device--device edges with measured ones (``kind="measured"``).
+
+A node group may name its hosts (``hosts: [gpu-a1, gpu-a2]``, one per node, in rank order); the
+others are ``node-K`` (K the host's index in the cluster). The launch files (``autoconf.emit``)
+write the names into each host's script; a name may not appear twice.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 from .catalog import device_type
@@ -37,6 +42,8 @@ class NodeGroup:
     nic_kind: str = "infiniband"
     memory_bytes: float | None = None
     """Overrides the catalog's device memory (e.g. a share of host RAM for CPU processes)."""
+    hosts: tuple | None = None
+    """Host names of the group's nodes, in rank order (``count`` of them); None: ``node-K``."""
 
     @property
     def device_memory_bytes(self) -> float:
@@ -68,6 +75,15 @@ class ClusterSpec:
         """(group index, group) for each host, in rank order."""
         return [(gi, g) for gi, g in enumerate(self.node_groups) for _ in range(g.count)]
 
+    def host_names(self) -> list[str]:
+        """Each host's name in rank order: the group's ``hosts`` where given, else ``node-K``
+        (K the host's index in the cluster)."""
+        out = []
+        for grp in self.node_groups:
+            k = len(out)
+            out += list(grp.hosts) if grp.hosts else [f"node-{k + i}" for i in range(grp.count)]
+        return out
+
     def graph(self):
         """The cluster as a networkx graph (built once per spec)."""
         if "g" not in self._graph_cache:
@@ -77,6 +93,11 @@ class ClusterSpec:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d.pop("_graph_cache")
+        for g in d["node_groups"]:  # written only where given (files without hosts stay as they were)
+            if g["hosts"] is None:
+                g.pop("hosts")
+            else:
+                g["hosts"] = list(g["hosts"])
         return d
 
     @classmethod
@@ -85,9 +106,11 @@ class ClusterSpec:
         try:
             d = SI_CLUSTER_SCHEMA(d)
             _check_devices(d["node_groups"])
+            _check_hosts(d["node_groups"])
         except UserError as e:
             raise UserError(f"cluster: {e}") from None
-        d["node_groups"] = tuple(NodeGroup(**g) for g in d["node_groups"])
+        d["node_groups"] = tuple(NodeGroup(**{**g, "hosts": tuple(g["hosts"]) if g.get("hosts") else None})
+                                 for g in d["node_groups"])
         return cls(**d)
 
 
@@ -145,10 +168,12 @@ def _si(kind, lo, hi):
 
 NIC_SCHEMA = Dict(optional={"count": Int(1, 256), "bandwidth": _quantity(*BANDWIDTH), "kind": Str(max_len=64)},
                   what="nics, like {count: 8, bandwidth: 200 Gbit/s, kind: infiniband}")
+HOSTS_SCHEMA = List(Str(max_len=253, nonempty=True), min_len=1, max_len=MAX_DEVICES)
+"""Host names of a group's nodes (one per node, in rank order), e.g. [gpu-a1, gpu-a2]."""
 GROUP_SCHEMA = Dict(
     required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=64), "gpus_per_node": Int(1, 1024),
               "intra_node_bandwidth": _quantity(*BANDWIDTH)},
-    optional={"nics": Null(NIC_SCHEMA), "memory": _quantity(*MEMORY)},
+    optional={"nics": Null(NIC_SCHEMA), "memory": _quantity(*MEMORY), "hosts": Null(HOSTS_SCHEMA)},
     what="a node group")
 LATENCY_SCHEMA = Dict(optional={"intra_node": _quantity(*LATENCY), "inter_node": _quantity(*LATENCY)},
                       what="latency, like {intra_node: 2 us, inter_node: 10 us}")
@@ -162,7 +187,7 @@ SI_GROUP_SCHEMA = Dict(
     required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=64), "gpus_per_node": Int(1, 1024),
               "intra_node_bandwidth_bytes_per_s": _si(*BANDWIDTH)},
     optional={"nic_count": Int(1, 256), "nic_bandwidth_bytes_per_s": _si(*BANDWIDTH), "nic_kind": Str(max_len=64),
-              "memory_bytes": Null(_si(*MEMORY))},
+              "memory_bytes": Null(_si(*MEMORY)), "hosts": Null(HOSTS_SCHEMA)},
     what="a node group")
 SI_CLUSTER_SCHEMA = Dict(
     required={"name": Str(max_len=200), "node_groups": List(SI_GROUP_SCHEMA, min_len=1, max_len=256)},
@@ -179,6 +204,31 @@ def _check_devices(groups) -> None:
         raise UserError(f"{total:,} devices in all; at most {MAX_DEVICES:,}")
 
 
+_HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+
+
+def _check_hosts(groups) -> None:
+    """Each group's ``hosts``: one name per node, a host name or address (letters, digits, '.',
+    '-', '_', ':'; they go into shell scripts), no name twice in the cluster (defaults included)."""
+    seen: dict = {}
+    k = 0
+    for gi, g in enumerate(groups):
+        hosts = g.get("hosts")
+        if hosts is not None and len(hosts) != g["count"]:
+            raise UserError(f"node_groups[{gi}].hosts: {len(hosts)} name(s) for count {g['count']}; "
+                            "give one host name per node")
+        for i in range(g["count"]):
+            name = hosts[i] if hosts else f"node-{k + i}"
+            if hosts and not _HOST_RE.match(name):
+                raise UserError(f"node_groups[{gi}].hosts[{i}]={name!r} is not a host name or address; use "
+                                "letters, digits, '.', '-', '_' and ':' (starting with a letter or digit)")
+            if name in seen:
+                raise UserError(f"node_groups[{gi}].hosts: host {name!r} appears twice (also {seen[name]}); "
+                                "each node needs its own name")
+            seen[name] = f"node_groups[{gi}]" + (f".hosts[{i}]" if hosts else f", default name of node {k + i}")
+        k += g["count"]
+
+
 def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
     """Build a ClusterSpec from the YAML schema (quantities with units), checked strictly."""
     if not isinstance(data, dict):
@@ -188,6 +238,7 @@ def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
     try:
         d = CLUSTER_SCHEMA(data)
         _check_devices(d["node_groups"])
+        _check_hosts(d["node_groups"])
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
     out = []
@@ -200,6 +251,7 @@ def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
             nic_bandwidth_bytes_per_s=nics.get("bandwidth", 100e9 / 8),
             nic_kind=nics.get("kind", "infiniband"),
             memory_bytes=g.get("memory"),
+            hosts=tuple(g["hosts"]) if g.get("hosts") else None,
         ))
     lat = d.get("latency") or {}
     return ClusterSpec(

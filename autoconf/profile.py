@@ -492,19 +492,25 @@ def catalog_kind(device_name: str, memory_bytes: float = 0.0) -> str | None:
 
 
 def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
-    """Fit t = a + s / b to (size, time) points, minimising relative error.
+    """Fit t = a + s / b to (size, time) points: b from the large messages, a from the small ones.
 
-    Weights 1/t^2 make small messages (which fix a) and large ones (which fix b) count alike.
-    Returns (a, b); a >= 0, b > 0. With one point: a = 0, b = s / t.
+    The bandwidth is the slope over the larger half of the sizes (at least two; least squares with
+    weights 1/t^2), the latency the smallest excess t - s / b over the smaller half (>= 0). A single
+    fit over every size would let small messages steer the bandwidth: a shaped link lets a message
+    that fits in its token bucket through at line rate, and a descheduled rank adds milliseconds
+    to a tiny message, both off the affine curve. Returns (a, b); a >= 0, b > 0. With one size:
+    a = 0, b = s / t.
     """
-    pts = [(float(s), float(t)) for s, t in zip(sizes_bytes, times_s) if t > 0]
+    pts = sorted((float(s), float(t)) for s, t in zip(sizes_bytes, times_s) if t > 0)
     if not pts:
         raise ValueError("fit_alpha_beta needs at least one positive time")
-    if len(pts) == 1 or len({s for s, _ in pts}) == 1:
+    sizes = sorted({s for s, _ in pts})
+    if len(sizes) == 1:
         s, t = max(pts)
         return 0.0, s / t if s > 0 else float("inf")
+    large = [p for p in pts if p[0] >= sizes[len(sizes) // 2]] if len(sizes) >= 3 else pts
     sw = sx = sy = sxx = sxy = 0.0
-    for s, t in pts:
+    for s, t in large:
         w = 1.0 / (t * t)
         sw += w
         sx += w * s
@@ -513,13 +519,11 @@ def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
         sxy += w * s * t
     det = sw * sxx - sx * sx
     slope = (sw * sxy - sx * sy) / det if det else 0.0
-    a = (sy - slope * sx) / sw
     if slope <= 0:  # flat or noisy: bandwidth from the largest message, latency from the smallest
         s_max, t_max = max(pts)
         return min(t for _, t in pts), s_max / t_max
-    if a < 0:  # refit through the origin
-        a = 0.0
-        slope = sum(s * t / (t * t) for s, t in pts) / sum(s * s / (t * t) for s, t in pts)
+    small = [p for p in pts if p[0] < sizes[len(sizes) // 2]] or pts
+    a = max(0.0, min(t - s * slope for s, t in small))
     return a, 1.0 / slope
 
 

@@ -190,24 +190,52 @@ def _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, st
     cfg_path = os.path.join(out_dir, "config.json")
     with open(cfg_path, "w") as f:
         json.dump(doc, f, indent=1)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "autoconf.trainer", "--config", cfg_path, "--out", out_dir, "--steps", str(steps),
-           "--warmup", str(warmup), "--step-timeout", str(step_timeout_s)] + (["--speed-probe"] if speed_probe else [])
+    script = (["-m", "autoconf.trainer", "--config", cfg_path, "--out", out_dir, "--steps", str(steps),
+               "--warmup", str(warmup), "--step-timeout", str(step_timeout_s)]
+              + (["--speed-probe"] if speed_probe else []))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                 "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)})
     env.update(env_extra or {})
     oom_before = procs.oom_kills()
     t0 = time.perf_counter()
+    from .testbed import attached
+    tb = attached()
     with open(os.path.join(out_dir, "torchrun.log"), "w") as log:
-        with procs.ProcessTree(cmd, env=env, stdout=log, stderr=subprocess.STDOUT) as tree:
-            returncode = tree.wait(timeout=timeout_s)
-            timed_out = returncode is None
-            # on a timeout, an interrupt or an error: the whole tree, stopped ranks included (__exit__)
+        if tb is not None:  # under `autoconf testbed --driver`: one torchrun per emulated node
+            from .testbed import node_commands
+            returncode, timed_out = _launch_nodes(node_commands(tb, nproc, script, env),
+                                                  log, timeout_s)
+        else:
+            with procs.ProcessTree(cmd, env=env, stdout=log, stderr=subprocess.STDOUT) as tree:
+                returncode = tree.wait(timeout=timeout_s)
+                timed_out = returncode is None
+                # on a timeout, an interrupt or an error: the whole tree, stopped ranks included (__exit__)
     wall = time.perf_counter() - t0
     oom_after = procs.oom_kills()
     kernel_oom = oom_before is not None and oom_after is not None and oom_after > oom_before
     return collect(out_dir, nproc, returncode, timed_out, timeout_s, wall, config, kernel_oom=kernel_oom)
+
+
+def _launch_nodes(commands, log, timeout_s: float) -> tuple[int | None, bool]:
+    """Start one process tree per node, wait for all (a failed node ends the others, as a
+    single torchrun would); (exit code: the first failure's or 0, timed out)."""
+    import contextlib
+    deadline = time.monotonic() + timeout_s
+    with contextlib.ExitStack() as stack:
+        trees = [stack.enter_context(procs.ProcessTree(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+                 for argv, env in commands]
+        while True:
+            codes = [t.proc.poll() for t in trees]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                return failed[0], False
+            if all(c == 0 for c in codes):
+                return 0, False
+            if time.monotonic() > deadline:
+                return None, True
+            time.sleep(0.05)
 
 
 _PEER_GONE = ("read error", "connection closed", "connection reset", "broken pipe", "connection refused",

@@ -4,7 +4,9 @@
     autoconf profile --model gpt2 --nnodes 2 --node-rank 0 --master-addr head --nproc-per-node 8 --out p.json
 
 One node: ``torch.distributed.run --standalone``. Several nodes: run the same command on every
-node with its ``--node-rank`` (static rendezvous at --master-addr:--master-port). Each process gets
+node with its ``--node-rank`` (static rendezvous at --master-addr:--master-port; node K's ranks
+follow those of nodes 0..K-1). Under ``autoconf testbed`` these flags default to the node's
+``AUTOCONF_*`` variables, so ``autoconf testbed ... -- autoconf profile --model M`` needs none. Each process gets
 OMP_NUM_THREADS=1 (CPU ranks share the cores; one thread per process keeps timings honest).
 """
 
@@ -28,11 +30,16 @@ def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     add_measure_args(p)
     p.add_argument("--out", default="profile.json", help="where to write the profile JSON (default profile.json)")
     p.add_argument("--nproc-per-node", type=int, default=None,
-                   help="ranks on this host (default: the GPUs here, or 2 CPU processes without a GPU)")
-    p.add_argument("--nnodes", type=int, default=1, help="hosts taking part (run this command on each)")
-    p.add_argument("--node-rank", type=int, default=0, help="this host's index among --nnodes")
-    p.add_argument("--master-addr", default="127.0.0.1", help="rank 0's host (several nodes)")
-    p.add_argument("--master-port", type=int, default=29533, help="rendezvous port (several nodes)")
+                   help="ranks on this host (default: AUTOCONF_NPROC_PER_NODE, else the GPUs here, or 2 CPU "
+                   "processes without a GPU)")
+    p.add_argument("--nnodes", type=int, default=None,
+                   help="hosts taking part (run this command on each; default: AUTOCONF_NNODES, else 1)")
+    p.add_argument("--node-rank", type=int, default=None,
+                   help="this host's index among --nnodes (default: AUTOCONF_NODE_RANK, else 0)")
+    p.add_argument("--master-addr", default=None,
+                   help="rank 0's host (several nodes; default: AUTOCONF_MASTER_ADDR, else 127.0.0.1)")
+    p.add_argument("--master-port", type=int, default=None,
+                   help="rendezvous port (several nodes; default: AUTOCONF_MASTER_PORT, else 29533)")
     p.set_defaults(func=cmd_profile)
     return p
 
@@ -50,11 +57,37 @@ def _local_gpus() -> int:
 
 _PASS = ("model", "seq_length", "micro_batch_sizes", "tp", "recompute", "repeats", "warmup", "rounds",
          "compute_split", "timeout_min")
-_FLAGS = ("quick", "serial_links", "skip_links", "skip_compute")
+_FLAGS = ("quick", "serial_links", "skip_links", "skip_compute", "links_only")
+
+
+# flag -> (environment variable, type, default): `autoconf testbed` sets the variables in each node
+_NODE_DEFAULTS = {"nnodes": ("AUTOCONF_NNODES", int, 1), "node_rank": ("AUTOCONF_NODE_RANK", int, 0),
+                  "master_addr": ("AUTOCONF_MASTER_ADDR", str, "127.0.0.1"),
+                  "master_port": ("AUTOCONF_MASTER_PORT", int, 29533),
+                  "nproc_per_node": ("AUTOCONF_NPROC_PER_NODE", int, None)}
+
+
+def node_defaults(args, environ=None) -> None:
+    """Fill the multi-node flags not given from the AUTOCONF_* variables (set by `autoconf
+    testbed` in each emulated node), else the single-host defaults. Idempotent."""
+    environ = os.environ if environ is None else environ
+    for flag, (var, cast, default) in _NODE_DEFAULTS.items():
+        if getattr(args, flag, None) is not None:
+            continue
+        text = environ.get(var, "").strip()
+        if not text:
+            setattr(args, flag, default)
+            continue
+        try:
+            setattr(args, flag, cast(text))
+        except ValueError:
+            raise UserError(f"{var}={text!r} (the default of --{flag.replace('_', '-')}): expected an integer") from None
 
 
 def launch_command(args) -> list[str]:
-    """The torchrun command line that runs the profiler with these arguments."""
+    """The torchrun command line that runs the profiler with these arguments (several nodes: the
+    static rendezvous, so this host's ranks follow those of the hosts with a lower --node-rank)."""
+    node_defaults(args)
     nproc = args.nproc_per_node or _local_gpus() or 2
     if nproc < 1 or args.nnodes < 1:
         raise UserError(f"--nproc-per-node={nproc} and --nnodes={args.nnodes} must be positive")
@@ -85,6 +118,8 @@ def cmd_profile(args) -> int:
         raise UserError(f"--rounds {args.rounds}: expected 1 to the number of repeats ({repeats})")
     from autoconf.outputs import check_file
 
+    if getattr(args, "links_only", False) and args.skip_links:
+        raise UserError("--links-only and --skip-links leave nothing to measure")
     check_file(args.out, "--out")  # before the profile runs, not after
     cmd = launch_command(args)
     env = dict(os.environ, OMP_NUM_THREADS="1",

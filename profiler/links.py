@@ -2,7 +2,10 @@
 
 Point-to-point pairs are scheduled as a round-robin tournament (the circle method): in each round
 every rank is in at most one pair, so pairs measured together never share a rank (they may still
-share a NIC or, on CPU, the cores; ``--serial-links`` measures one pair at a time instead). In a
+share a NIC or, on CPU, the cores; ``--serial-links`` measures one pair at a time instead). With
+ranks on several hosts, a round is split further so that each host's NIC carries at most one
+measured pair at a time (:func:`split_by_host`): two pairs crossing the same NIC at once would each
+see about half of it. In a
 pair (a, b) the direction a -> b is timed as a message of ``size`` bytes from a followed by a
 4-byte acknowledgement from b, repeated; then b -> a the same way. Per size the median of the
 repeats is kept, and t(size) = alpha' + size / beta is fit over the sizes
@@ -46,6 +49,39 @@ def tournament_rounds(n: int) -> list[list[tuple[int, int]]]:
     return rounds
 
 
+def split_by_host(pairs: list[tuple[int, int]], hosts: list[str]) -> list[list[tuple[int, int]]]:
+    """One round's pairs as sub-rounds in which each host is in at most one cross-host pair (a
+    pair inside a host stays in the first sub-round). Pairs keep their order; one host: unchanged."""
+    subs: list[list[tuple[int, int]]] = [[]]
+    busy: list[set] = [set()]
+    for a, b in pairs:
+        ha, hb = hosts[a], hosts[b]
+        if ha == hb:
+            subs[0].append((a, b))
+            continue
+        for i, used in enumerate(busy):
+            if ha not in used and hb not in used:
+                break
+        else:
+            subs.append([])
+            busy.append(set())
+            i = len(subs) - 1
+        subs[i].append((a, b))
+        busy[i] |= {ha, hb}
+    return [s for s in subs if s]
+
+
+def measure_rounds(world: int, serial: bool = False, hosts: list[str] | None = None) -> list[list[tuple[int, int]]]:
+    """The rounds of pairs measured together: the tournament, one pair at a time with ``serial``,
+    and with ``hosts`` (host of each rank) no NIC shared by two pairs of a round."""
+    rounds = tournament_rounds(world)
+    if serial:
+        return [[p] for r in rounds for p in r]
+    if hosts is not None and len(set(hosts)) > 1:
+        rounds = [sub for r in rounds for sub in split_by_host(r, hosts)]
+    return rounds
+
+
 def _inner_iters(size: int, quick: bool) -> int:
     """Transfers per timed sample: many for tiny messages (timer and loop overhead), few for big."""
     if size <= 16 << 10:
@@ -69,15 +105,15 @@ def _pong(peer: int, buf, ack, inner: int, sync) -> None:
     sync()
 
 
-def measure_p2p(device, sizes, repeats: int, quick: bool, serial: bool = False, advance=None) -> list[dict]:
-    """Run the tournament; returns this rank's measured links (it is the sender of each)."""
+def measure_p2p(device, sizes, repeats: int, quick: bool, serial: bool = False, advance=None,
+                hosts: list[str] | None = None) -> list[dict]:
+    """Run the tournament; returns this rank's measured links (it is the sender of each).
+    ``hosts``: the host of each rank (see :func:`measure_rounds`)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     ack = torch.zeros(4, dtype=torch.uint8, device=device)
     bufs = {s: torch.zeros(s, dtype=torch.uint8, device=device) for s in sizes}
-    rounds = tournament_rounds(world)
-    if serial:
-        rounds = [[p] for r in rounds for p in r]
+    rounds = measure_rounds(world, serial, hosts)
     out = []
     for pairs in rounds:
         for a, b in pairs:
@@ -104,9 +140,8 @@ def measure_p2p(device, sizes, repeats: int, quick: bool, serial: bool = False, 
     return out
 
 
-def link_rounds(world: int, serial: bool = False) -> int:
-    rounds = tournament_rounds(world)
-    return sum(len(r) for r in rounds) if serial else len(rounds)
+def link_rounds(world: int, serial: bool = False, hosts: list[str] | None = None) -> int:
+    return len(measure_rounds(world, serial, hosts))
 
 
 def collective_groups(world: int) -> list[list[int]]:

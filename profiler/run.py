@@ -60,6 +60,9 @@ def add_measure_args(p: argparse.ArgumentParser) -> None:
                    help="measure one pair of ranks at a time instead of disjoint pairs in parallel")
     p.add_argument("--skip-links", action="store_true", help="no point-to-point or collective measurements")
     p.add_argument("--skip-compute", action="store_true", help="no layer, GEMM or memory measurements")
+    p.add_argument("--links-only", action="store_true",
+                   help="only the point-to-point links (implies --skip-compute; no collectives, no pipeline "
+                   "runtime): a quick look at a network, e.g. an emulated one from `autoconf testbed`")
     p.add_argument("--timeout-min", type=float, default=60.0, help="process-group timeout (ranks wait at barriers "
                    "while others measure)")
 
@@ -144,6 +147,11 @@ def run(args) -> int:
                             f"num_kv_heads({model.num_kv_heads}) and ffn_hidden_size({model.ffn_hidden_size})")
     split = args.compute_split if args.compute_split != "auto" else ("split" if cuda else "serial")
 
+    links_only = getattr(args, "links_only", False)
+    if links_only:
+        if args.skip_links:
+            raise UserError("--links-only and --skip-links leave nothing to measure")
+        args.skip_compute = True
     items = [] if args.skip_compute else compute.layer_items(mbs_list, tps, rc_modes)
     act_items = [] if args.skip_compute else compute.activation_items(mbs_list, tps, rc_modes)
     gemms = [] if args.skip_compute else compute.gemm_shapes(model, mbs_list, tps, quick, cuda)
@@ -154,8 +162,9 @@ def run(args) -> int:
     my_gemms = gemms[mine[0]::mine[1]] if mine else []
     p2p_sizes = links.P2P_SIZES_QUICK if quick else links.P2P_SIZES
     coll_sizes = links.COLLECTIVE_SIZES_QUICK if quick else links.COLLECTIVE_SIZES
-    n_rounds = 0 if args.skip_links or world < 2 else links.link_rounds(world, args.serial_links)
-    n_coll = 0 if args.skip_links or world < 2 else links.collective_steps(world, coll_sizes)
+    hosts = [r["host"] for r in ranks]  # ranks is sorted by rank
+    n_rounds = 0 if args.skip_links or world < 2 else links.link_rounds(world, args.serial_links, hosts)
+    n_coll = 0 if args.skip_links or links_only or world < 2 else links.collective_steps(world, coll_sizes)
 
     phases: dict = {}  # phase -> seconds since the start when it ended
     bars = report.Bars(enabled=rank == 0)
@@ -212,7 +221,7 @@ def run(args) -> int:
 
         t_links = bars.task("links (tournament rounds)", n_rounds)
         my_links = links.measure_p2p(device, p2p_sizes, repeats, quick, args.serial_links,
-                                     advance=lambda n: bars.advance(t_links, n)) if n_rounds else []
+                                     advance=lambda n: bars.advance(t_links, n), hosts=hosts) if n_rounds else []
         phases["links"] = time.perf_counter() - t_start
         t_coll = bars.task("collectives", n_coll)
         my_coll = links.measure_collectives(device, coll_sizes, repeats,
@@ -220,7 +229,7 @@ def run(args) -> int:
 
         phases["collectives"] = time.perf_counter() - t_start
         pipe_rows = []
-        if not args.skip_links and world >= 2:
+        if not args.skip_links and not links_only and world >= 2:
             from . import pipeline_runtime
 
             t_pipe = bars.task("pipeline runtime (trivial stages)", len(pipeline_runtime.SCHEDULES))

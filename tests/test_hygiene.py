@@ -198,7 +198,7 @@ def test_emitted_launch_files_take_the_master_port(tmp_path):
     from autoconf.emit import torchrun_command
 
     multi = torchrun_command(0, 2, 8, master_port=29611)
-    assert "--rdzv-endpoint=$MASTER_ADDR:29611" in multi
+    assert "--master-port=29611" in multi and '--master-addr="$MASTER_ADDR"' in multi
     single = torchrun_command(0, 1, 2, master_port=29611)
     assert "--rdzv-endpoint=localhost:29611" in single and "--standalone" not in single
     assert "--standalone" in torchrun_command(0, 1, 2)

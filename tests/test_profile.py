@@ -135,6 +135,15 @@ def test_fit_alpha_beta_recovers_parameters():
     assert a == 0.0 and b == pytest.approx((1 << 20) / 1e-3)
 
 
+def test_fit_alpha_beta_takes_bandwidth_from_large_messages():
+    # a 25 MB/s shaped link whose token bucket lets small messages through at line rate
+    sizes = [4, 64, 1 << 10, 1 << 14, 1 << 18, 1 << 20, 1 << 22, 1 << 24]
+    times = [1e-4 + (s / 1e9 if s <= 1 << 14 else s / 25e6) for s in sizes]
+    a, b = fit_alpha_beta(sizes, times)
+    assert b == pytest.approx(25e6, rel=1e-6)
+    assert 0.0 <= a <= 1e-4
+
+
 @pytest.mark.parametrize("name, mem, kind", [
     ("cpu", 0, "cpu"), ("NVIDIA H100 80GB HBM3", 80e9, "h100-sxm"), ("NVIDIA H100 PCIe", 80e9, "h100-pcie"),
     ("NVIDIA H200", 141e9, "h200"), ("NVIDIA A100-SXM4-40GB", 40e9, "a100-40gb"),

@@ -18,9 +18,11 @@ Real collectives reach neither the links' datasheet bandwidth nor their bare lat
 :class:`CollectiveTuning` (catalog data per device, or a profile's measurement) adds the fixed cost
 of one collective call (kernel launch, channel set-up, the peers' handshake: tens of microseconds
 with NCCL) and scales each link tier's bandwidth by the bus efficiency the library really reaches
-on it. nccl-tests on an 8 x A100 NVSwitch node show both: a 1 MiB all-reduce takes 44-93 us
-(2-8 GPUs), a tenth of its bandwidth-only time's rate, and a 1 GiB one reaches 190-230 GB/s of
-bus bandwidth on 300 GB/s links.
+on it (inside a host, less for short rings). nccl-tests on an 8 x A100 NVSwitch node show all
+three: a 1 MiB all-reduce takes 44-93 us (2-8 GPUs), a tenth of its bandwidth-only time's rate,
+and a 1 GiB one reaches 197 GB/s of bus bandwidth on 2 GPUs and 229 GB/s on 8, of 300 GB/s links.
+Not modelled: NCCL's protocol and channel-count switches between 1 and 16 MiB, where measured
+times step by up to 20% off this smooth curve.
 ``S`` is the full buffer (all-reduce: the reduced tensor; all-gather: the gathered output;
 reduce-scatter: the input), ``B`` the slowest link the algorithm crosses.
 """
@@ -44,6 +46,15 @@ class CollectiveTuning:
     """Bus bandwidth reached over the intra-node fabric, as a fraction of its link bandwidth."""
     inter_efficiency: float = 1.0
     """Bus bandwidth reached across hosts (NICs), as a fraction of their bandwidth."""
+    short_ring_loss: float = 0.0
+    """How much of ``intra_efficiency`` a short ring inside a host gives up: a ring of k members
+    there reaches ``intra_efficiency - short_ring_loss / k`` of the fabric. On an NVSwitch node a
+    2-GPU ring's large all-reduce reaches 0.67 of NVLink's rate and an 8-GPU ring 0.76 (nccl-tests,
+    8 x A100): fewer peers leave more of the switch's ports idle."""
+
+    def intra(self, local_members: int) -> float:
+        """Fraction of the intra-node fabric a collective with ``local_members`` per host reaches."""
+        return self.intra_efficiency - self.short_ring_loss / max(local_members, 1)
 
 
 NEUTRAL = CollectiveTuning()
@@ -51,12 +62,12 @@ NEUTRAL = CollectiveTuning()
 
 def p2p_s(nbytes: float, bandwidth: float, latency: float, tune: CollectiveTuning = NEUTRAL,
           inter: bool = False) -> float:
-    eff = tune.inter_efficiency if inter else tune.intra_efficiency
+    eff = tune.inter_efficiency if inter else tune.intra(2)
     return tune.base_latency_s + latency + nbytes / (bandwidth * eff)
 
 
 def _intra(g: GroupLinks, tune: CollectiveTuning) -> float:
-    return g.intra_bandwidth_bytes_per_s * tune.intra_efficiency
+    return g.intra_bandwidth_bytes_per_s * tune.intra(g.local_size)
 
 
 def _ring_link(g: GroupLinks, tune: CollectiveTuning) -> tuple[float, float]:
@@ -93,12 +104,17 @@ def hierarchical_all_reduce_s(nbytes: float, g: GroupLinks, tune: CollectiveTuni
     return tune.base_latency_s + 2 * local + across
 
 
-def all_reduce_s(nbytes: float, g: GroupLinks, tune: CollectiveTuning = NEUTRAL) -> float:
-    """The fastest of ring, tree and hierarchical for this group."""
+ALL_REDUCE = {"ring": ring_all_reduce_s, "tree": tree_all_reduce_s, "hierarchical": hierarchical_all_reduce_s}
+"""The all-reduce algorithms the model knows, by name."""
+
+
+def all_reduce_s(nbytes: float, g: GroupLinks, tune: CollectiveTuning = NEUTRAL,
+                 algorithms: tuple = ("ring", "tree", "hierarchical")) -> float:
+    """The fastest of ``algorithms`` for this group: a runtime picks among those it can run
+    (NCCL among ring and tree; a flat gloo call runs a ring)."""
     if g.size <= 1 or nbytes <= 0:
         return 0.0
-    return min(ring_all_reduce_s(nbytes, g, tune), tree_all_reduce_s(nbytes, g, tune),
-               hierarchical_all_reduce_s(nbytes, g, tune))
+    return min(ALL_REDUCE[a](nbytes, g, tune) for a in algorithms)
 
 
 def all_gather_s(nbytes: float, g: GroupLinks, tune: CollectiveTuning = NEUTRAL) -> float:

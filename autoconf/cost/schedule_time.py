@@ -101,7 +101,7 @@ def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:
                 for t in range(c.tp):
                     a, b = by_stage[(s, d, t)], by_stage[(nxt, d, t)]
                     bw, lat = topo.p2p(a, b)
-                    eff = tune.inter_efficiency if topo.host_of[a] != topo.host_of[b] else tune.intra_efficiency
+                    eff = tune.inter_efficiency if topo.host_of[a] != topo.host_of[b] else tune.intra(2)
                     worst = max(worst, (1.0 / (bw * eff), lat + tune.base_latency_s))
             links.append(worst)
         return links

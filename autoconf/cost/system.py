@@ -49,7 +49,11 @@ class System:
         if self.framework is None or isinstance(self.framework, str):
             self.framework = framework_model(self.framework)
         if self.topology is None:
-            if self.cluster is not None:
+            if self.cluster is not None and self.profile is not None:
+                # the cluster file declares hosts and devices; what the profile measured overrides
+                from .measured import overlay_measured_links
+                self.topology = Topology(overlay_measured_links(self.cluster.graph(), self.profile)[0])
+            elif self.cluster is not None:
                 self.topology = Topology(self.cluster.graph())
             elif self.profile is not None:
                 from .measured import topology_graph
@@ -225,7 +229,8 @@ class System:
             tunes = [device_type(k).collective_tuning() for k in set(self.topology.kind_of)]
             return comm.CollectiveTuning(base_latency_s=max(t.base_latency_s for t in tunes),
                                          intra_efficiency=min(t.intra_efficiency for t in tunes),
-                                         inter_efficiency=min(t.inter_efficiency for t in tunes))
+                                         inter_efficiency=min(t.inter_efficiency for t in tunes),
+                                         short_ring_loss=max(t.short_ring_loss for t in tunes))
         return self.cached(("tune",), make)
 
     @property

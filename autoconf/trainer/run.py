@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import statistics
 import time
 
@@ -150,7 +151,8 @@ def train(args, rank: int, watchdog) -> dict:
         watchdog.stop()
 
     return {
-        "rank": rank, "ok": True, "reason": "", "placement_rank": groups.rank, "coords": groups.coords,
+        "rank": rank, "ok": True, "reason": "", "host": socket.gethostname(), "placement_rank": groups.rank,
+        "coords": groups.coords,
         "chunks": runner.chunk_ids,
         "layers": [layers[c] for c in runner.chunk_ids], "backend": backend, "device": str(device),
         "torch_version": torch.__version__, "config": config.to_dict(), "model": model.to_dict(),

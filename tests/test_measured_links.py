@@ -1,0 +1,49 @@
+"""A profile's measured links override a cluster file's declared ones (pairs it did not measure
+keep the declared figures)."""
+
+from autoconf.cluster import cluster_from_mapping
+from autoconf.config import ParallelConfig
+from autoconf.cost.estimate import estimate
+from autoconf.cost.measured import overlay_measured_links
+from autoconf.model import load_model
+from autoconf.profile import load_profile
+from autoconf.topology import Topology
+
+PROFILE = "examples/profiles/bench-h256-cpu2.json"
+
+
+def two_hosts():
+    return cluster_from_mapping({"name": "two", "node_groups": [{
+        "count": 2, "device": "cpu", "gpus_per_node": 2, "intra_node_bandwidth": "9 GB/s", "memory": "4 GiB",
+        "nics": {"count": 1, "bandwidth": "1 Gbit/s", "kind": "ethernet"}}],
+        "latency": {"intra_node": "80 us", "inter_node": "200 us"}})
+
+
+def test_measured_pairs_replace_declared_ones_and_only_those():
+    profile = load_profile(PROFILE)
+    measured = min(l.bandwidth_bytes_per_s for l in profile.links)
+    g, n = overlay_measured_links(two_hosts().graph(), profile)
+    topo = Topology(g)
+    assert n == 1
+    assert topo.p2p(0, 1)[0] == measured  # the profiled host's pair: measured (slower direction)
+    assert topo.p2p(2, 3)[0] == 9e9  # the other host was not profiled: as declared
+    assert topo.p2p(1, 2)[0] == 1e9 / 8  # between hosts: as declared
+    assert Topology(two_hosts().graph()).p2p(0, 1)[0] == 9e9  # the cluster's own graph is untouched
+
+
+def one_host(intra: str):
+    return cluster_from_mapping({"name": "one", "node_groups": [{
+        "count": 1, "device": "cpu", "gpus_per_node": 2, "intra_node_bandwidth": intra, "memory": "4 GiB",
+        "nics": {"count": 1, "bandwidth": "1 Gbit/s", "kind": "loopback"}}],
+        "latency": {"intra_node": "80 us", "inter_node": "200 us"}})
+
+
+def test_estimate_with_cluster_and_profile_uses_the_measured_links():
+    profile = load_profile(PROFILE)
+    model = load_model("examples/models/bench-h256.yaml")
+    c = ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4)
+    fast, slow = one_host("4.5 GB/s"), one_host("45 MB/s")
+    # declared alone, a 100x slower link shows in the data-parallel time
+    assert estimate(c, model, slow).breakdown_s["dp_comm"] > 10 * estimate(c, model, fast).breakdown_s["dp_comm"]
+    # with the profile, the measured pair replaces whatever the file declares
+    assert estimate(c, model, slow, profile).step_time_s == estimate(c, model, fast, profile).step_time_s

@@ -379,3 +379,54 @@ def test_plain_env_launch_starts_each_process_at_its_placed_rank():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_setup_worker, args=(4, port, (2, 0, 3, 1)), nprocs=4)
+
+
+# -- a placed plan on two emulated nodes (root, ip, tc: autoconf.testbed) -----------------------
+
+def _testbed_reason():
+    from autoconf import testbed
+
+    return testbed.unavailable_reason(probe=True) if sys.platform.startswith("linux") else "needs Linux"
+
+
+@pytest.mark.e2e
+def test_placed_plan_runs_its_stages_on_the_hosts_it_names(tmp_path):
+    """Stage 0 (3 layers) on the second host, stage 1 (1 layer) on the first: the emitted node
+    scripts start the processes of each host's devices, and each plays the rank the order gives it."""
+    reason = _testbed_reason()
+    if reason is not None:
+        pytest.skip(f"no testbed here: {reason}")
+    import glob
+
+    from autoconf import testbed
+    from autoconf.emit import emit
+
+    (tmp_path / "tb.yaml").write_text(testbed.cluster_yaml(testbed.plan_nodes(["1gbit", "200mbit"], "acpl0x0000"), 2))
+    cluster = load_cluster(str(tmp_path / "tb.yaml"))
+    c = ParallelConfig(dp=1, pp=2, tp=2, micro_batch_size=1, num_micro_batches=2, stage_layers=(3, 1),
+                       device_order=(2, 3, 0, 1))
+    emit(estimate(c, TINY, cluster), TINY, cluster, str(tmp_path / "plan"), master_port=29563)
+    for k in (0, 1):
+        subprocess.run(["cp", "-r", str(tmp_path / "plan"), str(tmp_path / f"host-{k}")], check=True)
+    env = dict(os.environ, PYTHONPATH=os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    p = subprocess.run([sys.executable, "-m", "autoconf", "testbed", "--rates", "1gbit,200mbit", "--nproc-per-node",
+                        "2", "--master-port", "29563", "--", "env", "-u", "MASTER_ADDR", "bash",
+                        str(tmp_path / "host-{node_rank}" / "node-{node_rank}.sh")],
+                       capture_output=True, text=True, env=env, timeout=170)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    place = Placement.of(c, TINY.num_layers)
+    layers = place.chunk_layers()
+    names = cluster.host_names()
+    stages = {}
+    for k in (0, 1):
+        for f in sorted(glob.glob(str(tmp_path / f"host-{k}" / "results" / "rank_*.json"))):
+            r = json.loads(open(f).read())
+            assert r["ok"], r.get("reason")
+            device = r["rank"]  # torchrun's rank: the devices of host k are 2k, 2k + 1
+            assert device // 2 == k and r["host"] == names[k]
+            rank = place.rank_on(device)
+            assert r["placement_rank"] == rank and r["coords"] == place.coords(rank)
+            assert r["layers"] == [layers[r["coords"]["pp"]]]
+            stages.setdefault(r["coords"]["pp"], set()).add(r["host"])
+    assert stages == {0: {names[1]}, 1: {names[0]}}

@@ -62,6 +62,13 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _int_list(text: str) -> tuple:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be integers separated by commas, like 1,3") from None
+
+
 def _port(text: str) -> int:
     try:
         v = int(text)
@@ -110,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recompute", default="none", help="none, selective, full")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--rank-order", default="tp-dp-pp")
+    p.add_argument("--stage-layers", type=_int_list, metavar="N,N,...",
+                   help="transformer blocks of each pipeline chunk (pp x virtual stages numbers; default: even)")
+    p.add_argument("--device-order", type=_int_list, metavar="D,D,...",
+                   help="the device each rank runs on (a permutation of 0..world-1; default: rank r on device r)")
     for knob, what in (("overlap-grad-reduce", "overlap the data-parallel gradient reduction with the backward"),
                        ("overlap-param-gather", "prefetch ZeRO's parameter gathers behind compute"),
                        ("tp-comm-overlap", "overlap tensor-parallel communication with the GEMMs (needs SP)")):
@@ -132,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Optuna storage URL (default: sqlite:///autoconf-study.db); 'none' keeps it in memory")
     p.add_argument("--study-name", help="resume or share a study by name")
     p.add_argument("--max-micro-batch", type=_positive_int, default=64)
+    p.add_argument("--no-place", action="store_true",
+                   help="no placement search: rank r on device r and layers split evenly (the default searches "
+                   "which devices run each stage and group, and the layers per stage)")
     p.add_argument("--emit", metavar="DIR", help="write launch files for the best configuration")
     p.add_argument("--verify", type=_non_negative_int, default=0, metavar="K", help="run the top K as short real trials")
     p.add_argument("--steps", type=_positive_int, default=6, help="steps per verifying trial")
@@ -238,7 +252,8 @@ def cmd_estimate(args) -> int:
                             sequence_parallel=args.sequence_parallel, rank_order=args.rank_order,
                             overlap_grad_reduce=args.overlap_grad_reduce,
                             overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
-                            dp_all_reduce=args.dp_all_reduce)
+                            dp_all_reduce=args.dp_all_reduce, device_order=args.device_order,
+                            stage_layers=args.stage_layers)
     e = estimate(config, model, cluster, profile, calibration, framework=args.framework)
     if args.json:
         _print_json(e.to_dict())
@@ -335,7 +350,7 @@ def cmd_search(args) -> int:
         result = search(model, cluster, args.global_batch, gpus=args.gpus, top=max(args.top, args.verify),
                         trials=args.trials, exhaustive=not args.sample_only, storage=storage, study_name=args.study_name, profile=profile,
                         calibration=calibration, max_micro_batch=args.max_micro_batch, progress=progress,
-                        framework=args.framework)
+                        framework=args.framework, place=not args.no_place)
     finally:
         if bar is not None:
             bar.stop()
@@ -388,6 +403,9 @@ def cmd_search(args) -> int:
     con = Console()
     for t in search_tables(result):
         con.print(t)
+    if result.placement:
+        from .report import placement_table
+        con.print(placement_table(result.placement[next(i for i, e in enumerate(result.top) if e is best)], best))
     for n in result.notes:
         con.print(f"note: {n}")
     if verified:

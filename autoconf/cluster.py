@@ -126,9 +126,10 @@ def _build_graph(spec: ClusterSpec):
         for b in range(a + 1, len(spec.node_groups)):
             cap = spec.inter_group_bandwidth_bytes_per_s or float("inf")
             g.add_edge(("group", a), ("group", b), bandwidth_bytes_per_s=cap, latency_s=0.0, kind="inter_group")
+    names = spec.host_names()
     for n, (gi, grp) in enumerate(spec.nodes()):
         host = ("host", n)
-        g.add_node(host, group=gi, nic_count=grp.nic_count, nic_bandwidth_bytes_per_s=grp.nic_bandwidth_bytes_per_s,
+        g.add_node(host, group=gi, name=names[n], nic_count=grp.nic_count, nic_bandwidth_bytes_per_s=grp.nic_bandwidth_bytes_per_s,
                    nic_kind=grp.nic_kind, intra_node_bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s)
         g.add_edge(host, ("group", gi), bandwidth_bytes_per_s=grp.nic_count * grp.nic_bandwidth_bytes_per_s,
                    latency_s=spec.inter_node_latency_s / 2, kind="uplink")

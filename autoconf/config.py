@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from .errors import UserError
 from .model import ModelSpec
-from .schema import Bool, Dict, Int, Null, Str
+from .placement import check_placement, even_layers
+from .schema import Bool, Dict, Int, List, Null, Str
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 RECOMPUTE = ("none", "selective", "full")
@@ -27,8 +28,13 @@ CONFIG_SCHEMA = Dict(
               "zero_stage": Int(0, 3), "recompute": Str(RECOMPUTE), "sequence_parallel": Bool(),
               "rank_order": Str(max_len=32), "overlap_grad_reduce": Null(Bool()),
               "overlap_param_gather": Null(Bool()), "tp_comm_overlap": Null(Bool()),
-              "dp_all_reduce": Str(DP_ALL_REDUCE)},
+              "dp_all_reduce": Str(DP_ALL_REDUCE),
+              "device_order": Null(List(Int(0, (1 << 16) - 1), min_len=1, max_len=1 << 16)),
+              "stage_layers": Null(List(Int(1, 1 << 20), min_len=1, max_len=1 << 16))},
     what="a parallel configuration")
+PLACEMENT_FIELDS = ("device_order", "stage_layers")
+"""Written by :meth:`ParallelConfig.to_dict` only when set, so documents without a placement read
+as before."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,12 @@ class ParallelConfig:
     reference trainer, NCCL's ring or tree elsewhere) or "hierarchical" (reduce-scatter inside each
     host, all-reduce across hosts, all-gather inside each host; the reference trainer only,
     ``trainer/collectives.py``)."""
+    device_order: tuple | None = None
+    """The device each rank runs on (rank r on device ``device_order[r]``; a permutation of
+    0..world-1 in the cluster's device numbering). None: rank r on device r. See ``placement``."""
+    stage_layers: tuple | None = None
+    """Transformer blocks of each pipeline chunk (pp x virtual_stages entries, each >= 1, summing
+    to the model's layers). None: as even as possible. See ``placement``."""
 
     @property
     def world_size(self) -> int:
@@ -106,24 +118,36 @@ class ParallelConfig:
             v = getattr(self, knob)
             if v is not None:
                 s += f" {tag}" if v else f" no-{tag}"
+        if self.stage_layers is not None:
+            s += " layers " + ("/".join(map(str, self.stage_layers)) if len(self.stage_layers) <= 16 else "uneven")
+        if self.device_order is not None:
+            s += " placed"
         return s
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        for k in PLACEMENT_FIELDS:
+            if d[k] is None:
+                del d[k]
+            else:
+                d[k] = list(d[k])
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "ParallelConfig":
         """From :meth:`to_dict`'s form, checked against ``CONFIG_SCHEMA`` (exact types, known keys)."""
         try:
-            return cls(**CONFIG_SCHEMA(d))
+            d = CONFIG_SCHEMA(d)
         except UserError as e:
             raise UserError(f"config: {e}") from None
+        for k in PLACEMENT_FIELDS:
+            if d.get(k) is not None:
+                d[k] = tuple(d[k])
+        return cls(**d)
 
 
-def layers_per_chunk(num_layers: int, num_chunks: int) -> list[int]:
-    """Split layers as evenly as possible over chunks; earlier chunks take the remainder."""
-    base, extra = divmod(num_layers, num_chunks)
-    return [base + (1 if i < extra else 0) for i in range(num_chunks)]
+layers_per_chunk = even_layers
+"""Split layers as evenly as possible over chunks (``placement.even_layers``)."""
 
 
 def check(config: ParallelConfig, model: ModelSpec) -> str | None:
@@ -183,6 +207,8 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
                 "(it reduces each gradient to its owner's shard): use flat")
     if c.tp_comm_overlap and not c.sequence_parallel:
         return "tp_comm_overlap needs sequence_parallel (it overlaps the all-gather / reduce-scatter pairs)"
+    if c.device_order is not None or c.stage_layers is not None:
+        return check_placement(c.device_order, c.stage_layers, c.world_size, c.num_chunks, model.num_layers)
     return None
 
 

@@ -62,3 +62,23 @@ def search_tables(r) -> list[Table]:
     for k, v in sorted(r.rejected.items(), key=lambda kv: -kv[1]):
         rej.add_row(k, f"{v:,}")
     return [t, rej]
+
+
+def placement_table(outcome: dict, e) -> Table:
+    """Where the chosen configuration's stages run (``place.Placer.outcome``), and what placement
+    gained over the default order (rank r on device r, layers split evenly)."""
+    d, h, p = outcome["default_step_time_s"], outcome["heuristic_step_time_s"], outcome["placed_step_time_s"]
+    gain = (f"{d / p:.2f}x faster than the default order ({fmt_seconds(d)})" if outcome["default_fits"]
+            else "the default order does not fit in memory")
+    t = Table(title="placement of the best configuration")
+    for col in ("stage", "hosts", "GPUs", "layers"):
+        t.add_column(col, justify="right" if col in ("stage", "layers") else "left")
+    for st in outcome["stages"]:
+        hosts = st["hosts"]
+        shown = ", ".join(hosts) if len(hosts) <= 6 else f"{', '.join(hosts[:3])}, ... {hosts[-1]} ({len(hosts)} hosts)"
+        gpus = ", ".join(f"{n} x {k}" for k, n in st["kinds"].items())
+        layers = str(st["layers"]) + (f" ({' + '.join(map(str, st['chunk_layers']))})" if len(st["chunk_layers"]) > 1 else "")
+        t.add_row(str(st["stage"]), shown, gpus, layers)
+    t.caption = (f"{e.config.short()}: {fmt_seconds(p)} per step, {gain}; graph heuristics "
+                 f"{fmt_seconds(h)}, then local search ({outcome['evaluations']} estimates)")
+    return t

@@ -62,6 +62,12 @@ class SearchResult:
     smallest_memory: Estimate | None = None
     """When nothing fits: the configuration needing the least memory."""
     notes: tuple = field(default_factory=tuple)
+    placement: tuple = ()
+    """With placement search: one dict per entry of ``top`` (``place.Placer.outcome``): the step
+    time in the default order with the even split, after the heuristic and after the local search,
+    and each stage's hosts, devices and layers."""
+    placement_s: float = 0.0
+    """Seconds of ``elapsed_s`` the placement's local search took."""
 
     def to_dict(self) -> dict:
         return {"top": [e.to_dict() for e in self.top], "rejected": dict(self.rejected),
@@ -70,7 +76,7 @@ class SearchResult:
                 "estimates": self.estimates, "sampler": self.sampler, "study_name": self.study_name,
                 "storage": self.storage, "elapsed_s": self.elapsed_s,
                 "smallest_memory": self.smallest_memory.to_dict() if self.smallest_memory else None,
-                "notes": list(self.notes)}
+                "notes": list(self.notes), "placement": list(self.placement), "placement_s": self.placement_s}
 
 
 def _pipeline_label(sched: str, v: int, layered: bool) -> str:
@@ -88,8 +94,10 @@ def _parse_pipeline(label: str) -> tuple[str, int, bool]:
 class _Evaluator:
     """Evaluates outer points: the fastest fitting inner choice, counting rejections."""
 
-    def __init__(self, ctx: System, global_batch: int, valid_per_point: dict):
+    def __init__(self, ctx: System, global_batch: int, valid_per_point: dict, placer=None):
         self.ctx = ctx
+        self.placer = placer
+        """``place.Placer``: every configuration is estimated with its heuristic placement."""
         self.valid_per_point = valid_per_point
         self.global_batch = global_batch
         self.rejected: dict = {}
@@ -110,7 +118,7 @@ class _Evaluator:
             c = make_config(dp, pp, tp, mbs, sched, v, layered, 1 if dp > 1 else 0, "none", sp, self.global_batch)
             # the switchable knobs at their cheapest (overlap on), so the bound stays a lower bound
             c = dataclasses.replace(c, **{k: (sp if k == "tp_comm_overlap" else True) for k in fw.knobs})
-            if check(c, self.ctx.model) is None and _estimate(c, self.ctx, bound=self.incumbent) is not None:
+            if check(c, self.ctx.model) is None and _estimate(self._placed(c), self.ctx, bound=self.incumbent) is not None:
                 return False
         return True
 
@@ -128,7 +136,12 @@ class _Evaluator:
             # memory first (no simulation when it cannot fit); skip the schedule simulation when
             # the busiest device's work alone is slower than the best found (branch and bound)
             bound = min(best.step_time_s if best else float("inf"), self.incumbent)
-            e = _estimate(c, self.ctx, bound=bound if bound < float("inf") else None, time_if_oom=False)
+            placed = self._placed(c)
+            e = _estimate(placed, self.ctx, bound=bound if bound < float("inf") else None, time_if_oom=False)
+            if e is not None and not e.fits and placed.stage_layers is not None:
+                # more layers on the faster stages can overflow their memory: the even split may fit
+                e = _estimate(dataclasses.replace(placed, stage_layers=None), self.ctx,
+                              bound=bound if bound < float("inf") else None, time_if_oom=False)
             if e is None:
                 self.pruned += 1
                 continue
@@ -144,6 +157,9 @@ class _Evaluator:
         if least is not None and (self.smallest is None or least.memory_excess_bytes < self.smallest.memory_excess_bytes):
             self.smallest = least
         return best, least
+
+    def _placed(self, c: ParallelConfig) -> ParallelConfig:
+        return self.placer(c) if self.placer is not None else c
 
 
 class _Repair:
@@ -562,11 +578,15 @@ class _Study:
 def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = None, top: int = 5,
            trials: int | None = None, storage: str | None = "sqlite:///autoconf-study.db",
            study_name: str | None = None, profile=None, calibration=None, max_micro_batch: int = 64,
-           seed: int = 0, exhaustive: bool = True, progress=None, framework=None) -> SearchResult:
+           seed: int = 0, exhaustive: bool = True, progress=None, framework=None,
+           place: bool = False) -> SearchResult:
     """Search the space for the fastest configuration that fits. ``progress(done, total)`` is
     called as trials finish. ``framework``: the runtime that will run the plan (a name from
     ``frameworks.FRAMEWORK_NAMES``; default the reference trainer): only what it can run is
-    offered, its switchable knobs are searched, and its behaviour is modelled."""
+    offered, its switchable knobs are searched, and its behaviour is modelled. ``place``: search
+    the placement too (``place``): every configuration is estimated with the graph heuristics'
+    placement, and the ``top`` best are improved by a local search and ranked again; otherwise
+    rank r runs on device r with the layers split evenly."""
     t0 = time.perf_counter()
     ctx = System(model, cluster, profile, calibration, framework=framework)
     world = gpus or ctx.num_devices
@@ -580,7 +600,12 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     if not points or not valid:
         raise UserError(f"no valid configuration: global batch {global_batch} on {world} devices; "
                         f"rejected: {', '.join(f'{k} ({v})' for k, v in rejected.items())}")
-    evaluate = _Evaluator(ctx, global_batch, valid_per_point)
+    placer = None
+    if place:
+        from .place import Placer
+        # uneven stages where the runtime runs them (the reference trainer builds any split)
+        placer = Placer(ctx, world, layers=ctx.framework.name == "reference")
+    evaluate = _Evaluator(ctx, global_batch, valid_per_point, placer)
     name = study_name or default_study_name(model, world, global_batch, cluster.name if cluster is not None else "profile",
                                             ctx.framework.name)
     budget = trials if trials is not None else 400
@@ -590,6 +615,8 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                  "cluster": _digest(cluster.to_dict()) if cluster is not None else None,
                  "profile": _digest(profile.to_dict()) if profile is not None else None,
                  "calibration": _digest(calibration.to_dict()) if calibration is not None else None}
+    if place:  # the stored step times are those of the placed configurations
+        signature["placement"] = "searched"
     with study_lock(storage, name):
         study = _Study(storage, name, signature, points, evaluate, seed, budget)
         todo = [k for k in study.key_of if k not in study.earlier and k not in study.skipped_keys]
@@ -627,6 +654,10 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         if e.fits:
             fitting.append(e)
     fitting.sort(key=lambda e: e.step_time_s)
+    placement, t_place = (), time.perf_counter()
+    if placer is not None and fitting:
+        fitting, placement = _improve_placements(placer, fitting[:top])
+    t_place = time.perf_counter() - t_place
     rejected = dict(rejected)
     for k2, v2 in evaluate.rejected.items():
         rejected[k2] = rejected.get(k2, 0) + v2
@@ -645,4 +676,20 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                         trials_total=len(study.earlier) + study.stored, estimates=evaluate.estimates,
                         sampler=sampler_name, study_name=name, storage=storage,
                         elapsed_s=time.perf_counter() - t0,
-                        smallest_memory=evaluate.smallest if not fitting else None, notes=tuple(notes))
+                        smallest_memory=evaluate.smallest if not fitting else None, notes=tuple(notes),
+                        placement=placement, placement_s=t_place if placement else 0.0)
+
+
+def _improve_placements(placer, top: list, max_evaluations: int = 200, budget_s: float = 20.0):
+    """The local search (``place.Placer.improve``) on each of the best configurations, ranked
+    again; with what placement gained for each. ``budget_s`` bounds the whole (each configuration
+    gets an equal share of what is left)."""
+    t0 = time.perf_counter()
+    out = []
+    for i, e in enumerate(top):
+        share = (budget_s - (time.perf_counter() - t0)) / (len(top) - i)
+        better, evals = placer.improve(e.config, max_evaluations=max_evaluations,
+                                       deadline=time.perf_counter() + max(share, 0.0))
+        out.append((better, placer.outcome(better, e.step_time_s, evals)))
+    out.sort(key=lambda pair: pair[0].step_time_s)
+    return [e for e, _ in out], tuple(o for _, o in out)

@@ -11,6 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# the rank order lives in ``placement`` (one implementation for the cost model and the trainer)
+from .placement import axis_groups, rank_coords
+
+__all__ = ["GroupLinks", "Topology", "axis_groups", "rank_coords"]
+
 
 @dataclass(frozen=True)
 class GroupLinks:  # hashable: equal links dedupe
@@ -50,8 +55,13 @@ class Topology:
         self.host_nic_bw = {}
         self.host_nic_total = {}
         self.host_intra_bw = {}
+        self.host_nic_kind = {}
+        self.host_name = {}
+        """A host's name: the graph's ``hostname`` or ``name`` (a profile's host), else node-K."""
         for h in hosts:
             a = attrs.get(("host", h), {})
+            self.host_nic_kind[h] = str(a.get("nic_kind", ""))
+            self.host_name[h] = str(a.get("hostname") or a.get("name") or f"node-{h}")
             self.host_nic_bw[h] = float(a.get("nic_bandwidth_bytes_per_s", float("inf")))
             self.host_nic_total[h] = self.host_nic_bw[h] * a.get("nic_count", 1)
             self.host_intra_bw[h] = float(a.get("intra_node_bandwidth_bytes_per_s", float("inf")))
@@ -126,31 +136,3 @@ class Topology:
         if len(self._group_cache) < 200_000:
             self._group_cache[key] = out
         return out
-
-
-def rank_coords(rank: int, dp: int, pp: int, tp: int, order: str) -> dict:
-    """Coordinates of a rank; ``order`` lists axes from innermost to outermost (e.g. 'tp-dp-pp')."""
-    sizes = {"dp": dp, "pp": pp, "tp": tp}
-    out = {}
-    for axis in order.split("-"):
-        out[axis] = rank % sizes[axis]
-        rank //= sizes[axis]
-    return out
-
-
-def axis_groups(dp: int, pp: int, tp: int, order: str, axis: str) -> list[tuple]:
-    """Ranks of every group along ``axis`` (each group ordered by its coordinate on the axis)."""
-    sizes = {"dp": dp, "pp": pp, "tp": tp}
-    axes = order.split("-")
-    stride = 1
-    for a in axes:
-        if a == axis:
-            break
-        stride *= sizes[a]
-    world = dp * pp * tp
-    n = sizes[axis]
-    groups = []
-    for r in range(world):
-        if (r // stride) % n == 0:
-            groups.append(tuple(r + i * stride for i in range(n)))
-    return groups

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ParallelConfig, layers_per_chunk
+from ..config import ParallelConfig
+from ..placement import Placement
 from .system import System
 from .tensor_parallel import stage_devices
 
@@ -17,7 +18,7 @@ from .tensor_parallel import stage_devices
 @dataclass(frozen=True)
 class Layout:
     stage_devices: tuple
-    """Ranks of each pipeline stage."""
+    """Devices of each pipeline stage (``placement``: rank r on ``device_order[r]``)."""
     stage_kinds: tuple
     """Sorted device kinds of each stage (lists)."""
     schedule: str
@@ -47,12 +48,13 @@ class Layout:
 
 def layout(system: System, c: ParallelConfig) -> Layout:
     m, topo = system.model, system.topology
-    stage_devs = system.cached(("stages", c.dp, c.pp, c.tp, c.rank_order), lambda: stage_devices(c))
+    stage_devs = system.cached(("stages", c.dp, c.pp, c.tp, c.rank_order, c.device_order), lambda: stage_devices(c))
     stage_kinds = [sorted({topo.kind_of[d] for d in devs}) for devs in stage_devs]
     layered_pp1 = c.pp == 1 and c.layered_grad_accum
     v_sim = m.num_layers if layered_pp1 else c.virtual_stages
     n_chunks = c.pp * v_sim
-    chunk_layers = layers_per_chunk(m.num_layers, n_chunks)
+    # the placement's blocks per chunk (pp=1 layered accumulation: one block per simulated chunk)
+    chunk_layers = [1] * n_chunks if layered_pp1 else Placement.of(c, m.num_layers).chunk_layer_counts()
     # Communication overlaps computation only where a copy engine / NIC does the work; CPU
     # processes run their collectives on the same cores as their compute, so nothing is hidden.
     overlaps = not any("cpu" in k for k in stage_kinds)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ParallelConfig
-from ..topology import rank_coords
+from ..placement import Placement
 from .pipeline import simulate
 from .system import System
 
@@ -80,17 +80,19 @@ def pipeline_floor(c: ParallelConfig, fwd, bwd, n_chunks: int) -> float:
 
 
 def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:
-    """Transfer time between consecutive pipeline stages (slowest replica pair), per stage pair,
+    """Transfer time between consecutive pipeline stages (slowest replica pair, on the devices the
+    placement gives them), per stage pair,
     with the collective library's fixed cost per call and its bus efficiency on the tier crossed
     (``System.collective_tuning``)."""
     tune = system.collective_tuning
 
     def make():
         topo = system.topology
+        place = Placement.of(c, 0)
         by_stage: dict = {}
         for r in range(c.world_size):
-            co = rank_coords(r, c.dp, c.pp, c.tp, c.rank_order)
-            by_stage[(co["pp"], co["dp"], co["tp"])] = r
+            co = place.coords(r)
+            by_stage[(co["pp"], co["dp"], co["tp"])] = place.device(r)
         links = []
         for s in range(c.pp):
             nxt = (s + 1) % c.pp
@@ -103,7 +105,7 @@ def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:
                     worst = max(worst, (1.0 / (bw * eff), lat + tune.base_latency_s))
             links.append(worst)
         return links
-    links = system.cached(("p2p", c.dp, c.pp, c.tp, c.rank_order), make)
+    links = system.cached(("p2p", c.dp, c.pp, c.tp, c.rank_order, c.device_order), make)
     return [lat + nbytes * inv_bw for inv_bw, lat in links]
 
 

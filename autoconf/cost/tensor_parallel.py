@@ -12,16 +12,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ParallelConfig
-from ..topology import axis_groups, rank_coords
+from ..placement import Placement
 from . import comm
 from .system import System
 
 
 def axis_links(system: System, c: ParallelConfig, axis: str):
-    """GroupLinks of every group along an axis, with NIC sharing among groups running together."""
+    """GroupLinks of every group along an axis (on the devices the placement gives its ranks), with
+    NIC sharing among groups running together."""
     def make():
         topo = system.topology
-        groups = axis_groups(c.dp, c.pp, c.tp, c.rank_order, axis)
+        groups = Placement.of(c, 0).device_groups(axis)
         active: dict = {}
         for grp in groups:
             hosts = {topo.host_of[d] for d in grp}
@@ -34,7 +35,7 @@ def axis_links(system: System, c: ParallelConfig, axis: str):
             g = topo.group_links(grp, {h: active[h] for h in {topo.host_of[d] for d in grp} if h in active} or None)
             distinct[g] = g
         return list(distinct)
-    return system.cached(("axis", c.dp, c.pp, c.tp, c.rank_order, axis), make)
+    return system.cached(("axis", c.dp, c.pp, c.tp, c.rank_order, c.device_order, axis), make)
 
 
 def worst(links, fn, nbytes: float, efficiency: float = 1.0, tune: comm.CollectiveTuning = comm.NEUTRAL,
@@ -58,11 +59,8 @@ def collective_s(system: System, links, fn, n: int, nbytes: float, algorithms=No
 
 
 def stage_devices(c: ParallelConfig) -> list[list[int]]:
-    """The ranks of each pipeline stage."""
-    out = [[] for _ in range(c.pp)]
-    for r in range(c.world_size):
-        out[rank_coords(r, c.dp, c.pp, c.tp, c.rank_order)["pp"]].append(r)
-    return out
+    """The devices of each pipeline stage (``placement``)."""
+    return Placement.of(c, 0).stage_devices()
 
 
 @dataclass(frozen=True)

@@ -2,14 +2,16 @@
 
 ``rank_order`` lists the axes from innermost (consecutive ranks) to outermost, as Megatron's
 ``RankGenerator(order=...)``: with "tp-dp-pp", ranks 0..tp-1 form the first tensor-parallel group.
+The arithmetic is ``autoconf.placement``'s, the same the cost model prices. The ranks here are
+ranks of the rank order: ``run.setup`` starts the default process group with each process at the
+rank its device plays (``Placement.rank_on``), so every group below is in those ranks.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
-AXES = ("tp", "dp", "pp")
+from ..placement import AXES, axis_groups, rank_coords, rank_of
 
 
 @dataclass(frozen=True)
@@ -40,26 +42,14 @@ class ParallelDims:
 
     def coords(self, rank: int) -> dict[str, int]:
         """{axis: index} of a global rank."""
-        out = {}
-        for axis in self.order:
-            rank, out[axis] = divmod(rank, self.size(axis))
-        return out
+        return rank_coords(rank, self.dp, self.pp, self.tp, self.rank_order)
 
     def rank_of(self, coords: dict[str, int]) -> int:
-        rank, stride = 0, 1
-        for axis in self.order:
-            rank += coords[axis] * stride
-            stride *= self.size(axis)
-        return rank
+        return rank_of(coords, self.dp, self.pp, self.tp, self.rank_order)
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group along ``axis``: ranks that differ only in that coordinate, in a fixed order."""
-        others = [a for a in AXES if a != axis]
-        out = []
-        for idx in itertools.product(*(range(self.size(a)) for a in others)):
-            fixed = dict(zip(others, idx))
-            out.append([self.rank_of({**fixed, axis: i}) for i in range(self.size(axis))])
-        return out
+        return [list(g) for g in axis_groups(self.dp, self.pp, self.tp, self.rank_order, axis)]
 
     def embedding_groups(self) -> list[list[int]]:
         """First and last pipeline rank of each pipeline (for tied embeddings); pp > 1 only."""

@@ -13,8 +13,9 @@ import socket
 import statistics
 import time
 
-from ..config import ParallelConfig, check, layers_per_chunk
+from ..config import ParallelConfig, check
 from ..model import ModelSpec
+from ..placement import Placement
 from .main import ADAMW, median_after_warmup
 
 
@@ -34,7 +35,13 @@ def load(path: str):
 
 
 def setup(config: ParallelConfig, timeout_s: float):
-    """Init the default process group (gloo on CPU, nccl on CUDA) and this rank's groups."""
+    """Init the default process group (gloo on CPU, nccl on CUDA) and this rank's groups.
+
+    The launch starts the process of device d with torchrun's ``RANK`` = d (and ``LOCAL_RANK``
+    its GPU on the host). With a device order it plays rank ``Placement.rank_on(d)`` of the rank
+    order: the default group is started at that rank, so every group, stage and shard below
+    follows the placement (on CPU processes this only permutes which process plays which
+    coordinate)."""
     import torch
     import torch.distributed as dist
 
@@ -47,13 +54,21 @@ def setup(config: ParallelConfig, timeout_s: float):
         device, backend = torch.device("cuda", local), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dist.init_process_group(backend, timeout=timeout)
-    world, rank = dist.get_world_size(), dist.get_rank()
     dims = ParallelDims(config.dp, config.pp, config.tp, config.rank_order)
+    if config.device_order is None:
+        dist.init_process_group(backend, timeout=timeout)
+        world, rank = dist.get_world_size(), dist.get_rank()
+    else:  # rank remapped: check the world first (a device beyond the order has no rank to play)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = None
     try:
         dims.validate(world)
     except ValueError as e:
         raise TrainerError(str(e)) from None
+    if rank is None:
+        rank = Placement.of(config, 0).rank_on(int(os.environ["RANK"]))
+        dist.init_process_group(backend, timeout=timeout, store=_store(world, timeout), rank=rank,
+                                world_size=world)
     groups = build_groups(dims, rank, timeout)
     if config.dp_all_reduce == "hierarchical" and config.dp > 1:
         add_hierarchical(groups, rank, timeout)
@@ -78,13 +93,23 @@ def add_hierarchical(groups, rank: int, timeout, host_mapping=None) -> None:
         print(f"rank {rank}: dp_all_reduce: {groups.dp_all_reduce_note}", file=sys.stderr, flush=True)
 
 
+def _store(world: int, timeout):
+    """The rendezvous store the default group would get from ``env://`` (torchrun's agent store,
+    else a TCPStore hosted by the process with RANK 0 at MASTER_ADDR), for starting the group at a
+    rank other than the launcher's ``RANK``."""
+    import torch.distributed as dist
+
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(addr, port, world, is_master=not agent and int(os.environ["RANK"]) == 0,
+                          timeout=timeout)
+    return dist.PrefixStore("default_pg", store)
+
+
 def chunk_layers(model: ModelSpec, config: ParallelConfig) -> list[list[int]]:
-    """Global layer indices of each pipeline chunk (uneven splits as config.layers_per_chunk)."""
-    out, start = [], 0
-    for n in layers_per_chunk(model.num_layers, config.num_chunks):
-        out.append(list(range(start, start + n)))
-        start += n
-    return out
+    """Global layer indices of each pipeline chunk: the placement's ``stage_layers``, else as even
+    as possible (``placement.Placement.chunk_layers``)."""
+    return Placement.of(config, model.num_layers).chunk_layers()
 
 
 def train(args, rank: int, watchdog) -> dict:
@@ -147,7 +172,8 @@ def train(args, rank: int, watchdog) -> dict:
         watchdog.stop()
 
     return {
-        "rank": rank, "ok": True, "reason": "", "host": socket.gethostname(), "coords": groups.coords,
+        "rank": rank, "ok": True, "reason": "", "host": socket.gethostname(), "placement_rank": groups.rank,
+        "coords": groups.coords,
         "chunks": runner.chunk_ids,
         "layers": [layers[c] for c in runner.chunk_ids], "backend": backend, "device": str(device),
         "torch_version": torch.__version__, "config": config.to_dict(), "model": model.to_dict(),

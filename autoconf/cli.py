@@ -292,8 +292,8 @@ def _preflight(args, storage) -> None:
     from .outputs import check_dir, check_file
     from .search import sqlite_path
     if args.emit:
-        if args.cluster is None:
-            raise UserError("--emit needs --cluster (the launch files name hosts and devices per host)")
+        if args.cluster is None and not getattr(args, "profile", None):
+            raise UserError("--emit needs --cluster or --profile (the launch files name hosts and devices per host)")
         check_dir(args.emit, "--emit")
     if args.calibrate:
         check_file(args.calibrate, "--calibrate")
@@ -394,7 +394,13 @@ def cmd_search(args) -> int:
     doc["best"] = best.to_dict()
     if args.emit:
         from .emit import DEFAULT_PORT, emit
-        doc["emitted"] = emit(best, model, cluster, args.emit, args.profile, master_port=args.master_port or DEFAULT_PORT)
+        if cluster is None:  # the hosts and devices the profile measured
+            from .cluster import cluster_from_profile
+            launch_cluster = cluster_from_profile(profile)
+        else:
+            launch_cluster = cluster
+        doc["emitted"] = emit(best, model, launch_cluster, args.emit, args.profile,
+                              master_port=args.master_port or DEFAULT_PORT)
     if args.json:
         _print_json(doc)
         return 0

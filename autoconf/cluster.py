@@ -274,3 +274,53 @@ def load_cluster(path: str) -> ClusterSpec:
     data = load_yaml(path, "cluster file")
     check_kind(data, path, ("cluster",))
     return cluster_from_mapping(data, where=os.path.basename(path))
+
+
+def cluster_from_profile(profile) -> ClusterSpec:
+    """The cluster a profile measured, as a ClusterSpec: its hosts in rank order (named as the
+    profile recorded them), each host's ranks as its devices, consecutive hosts of the same device
+    kind and size in one node group, and the measured links' figures (median intra-node bandwidth,
+    each host's fastest link off it as its NIC). What the launch files need; the cost model reads
+    the profile's own graph."""
+    import statistics
+
+    from .cost.measured import topology_graph
+
+    g = topology_graph(profile)
+    hosts = []
+    for r in sorted(profile.ranks, key=lambda r: r.rank):
+        if r.host not in hosts:
+            hosts.append(r.host)
+    groups: list[dict] = []
+    for i, h in enumerate(hosts):
+        ranks = sorted((r for r in profile.ranks if r.host == h), key=lambda r: r.local_rank)
+        kind = ranks[0].device_kind
+        if kind is None or any(r.device_kind != kind for r in ranks):
+            raise UserError(f"profile host {h!r} has devices outside the catalog or of several kinds "
+                            f"({', '.join(sorted({str(r.device_kind or r.device_name) for r in ranks}))}): "
+                            "give --cluster FILE to describe it")
+        if not _HOST_RE.match(h):
+            raise UserError(f"profile host name {h!r} cannot go into a launch script (letters, digits, '.', "
+                            "'-' and ':' only): give --cluster FILE with its hosts named")
+        a = g.nodes[("host", i)]
+        intra = a["intra_node_bandwidth_bytes_per_s"]
+        nic = a["nic_bandwidth_bytes_per_s"]
+        key = (kind, len(ranks))
+        if groups and groups[-1]["key"] == key:
+            groups[-1]["hosts"].append(h)
+            groups[-1]["intra"].append(intra)
+            groups[-1]["nic"].append(nic)
+            continue
+        groups.append({"key": key, "hosts": [h], "intra": [intra], "nic": [nic],
+                       "memory": min(r.memory_bytes for r in ranks)})
+    finite = lambda xs, default: statistics.median(x for x in xs if x != float("inf")) \
+        if any(x != float("inf") for x in xs) else default  # noqa: E731
+    node_groups = tuple(NodeGroup(
+        count=len(gr["hosts"]), device=gr["key"][0], gpus_per_node=gr["key"][1],
+        intra_node_bandwidth_bytes_per_s=finite(gr["intra"], 1e12), nic_count=1,
+        nic_bandwidth_bytes_per_s=finite(gr["nic"], 12.5e9), nic_kind="measured",
+        memory_bytes=gr["memory"] or None, hosts=tuple(gr["hosts"])) for gr in groups)
+    return ClusterSpec(name=f"profiled-{len(hosts)}-hosts", node_groups=node_groups,
+                       intra_node_latency_s=g.graph["intra_node_latency_s"],
+                       inter_node_latency_s=g.graph["inter_node_latency_s"])
+

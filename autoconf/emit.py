@@ -2,7 +2,8 @@
 
 ``config.json`` holds the configuration, the model and the cluster (the reference trainer and
 ``autoconf trial`` read it); ``node-K.sh`` is the torchrun command for host K; ``launch.md`` says
-which script runs on which host and which global ranks it holds.
+which script runs on which host, which global ranks (processes) it holds and what they play in the
+plan (placed ranks, pipeline stages, blocks).
 
 Several hosts: each script uses torchrun's static rendezvous (``--rdzv-backend=static --nnodes N
 --node-rank K --master-addr A --master-port P``). torchrun honours ``--node-rank`` only there (under
@@ -118,6 +119,24 @@ def emit(estimate, model, cluster, out_dir: str, profile_path: str | None = None
         raise UserError(f"--emit {out_dir!r}: cannot write the launch files ({e.strerror})") from None
 
 
+def host_roles(config, num_layers: int, first: int, n: int) -> str:
+    """What the processes ``first..first+n-1`` (torchrun's global ranks = devices) play in the
+    plan: the ranks of its order (``placement``), their pipeline stages and transformer blocks."""
+    from .placement import Placement
+    pl = Placement.of(config, num_layers)
+    ranks = [pl.rank_on(d) for d in range(first, first + n)]
+    stages = sorted({pl.coords(r)["pp"] for r in ranks})
+    chunks = pl.chunk_layers()
+    blocks = []
+    for st in stages:
+        for ci in pl.chunks_of_stage(st):
+            if chunks[ci]:
+                blocks.append(f"{chunks[ci][0]}-{chunks[ci][-1]}")
+    moved = "" if ranks == list(range(first, first + n)) else f", playing plan ranks {','.join(map(str, ranks))}"
+    return (f"{moved}; pipeline stage{'s' if len(stages) > 1 else ''} {','.join(map(str, stages))}, "
+            f"blocks {','.join(blocks)}")
+
+
 def _write_all(estimate, model, cluster, out_dir, profile_path, master_port, plan, visible) -> list[str]:
     written = []
     path = os.path.join(out_dir, "config.json")
@@ -129,7 +148,8 @@ def _write_all(estimate, model, cluster, out_dir, profile_path, master_port, pla
     lines = []
     for rank, (p, vis) in enumerate(zip(plan, visible)):
         cmd = torchrun_command(rank, nnodes, p["nproc"], master_port=master_port)
-        ranks = f"global ranks {p['first_rank']}..{p['first_rank'] + p['nproc'] - 1}"
+        ranks = (f"processes {p['first_rank']}..{p['first_rank'] + p['nproc'] - 1}"
+                 f"{host_roles(estimate.config, model.num_layers, p['first_rank'], p['nproc'])}")
         path = os.path.join(out_dir, f"node-{rank}.sh")
         env = ""
         if nnodes > 1:

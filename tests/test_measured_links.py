@@ -47,3 +47,17 @@ def test_estimate_with_cluster_and_profile_uses_the_measured_links():
     assert estimate(c, model, slow).breakdown_s["dp_comm"] > 10 * estimate(c, model, fast).breakdown_s["dp_comm"]
     # with the profile, the measured pair replaces whatever the file declares
     assert estimate(c, model, slow, profile).step_time_s == estimate(c, model, fast, profile).step_time_s
+
+
+def test_emit_from_a_profile_names_the_hosts_it_measured(tmp_path):
+    import subprocess
+    import sys
+    out = tmp_path / "plan"
+    p = subprocess.run([sys.executable, "-m", "autoconf", "search", "--model", "examples/models/bench-h256.yaml",
+                        "--profile", PROFILE, "--global-batch", "8", "--storage", "none", "--emit", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    script = (out / "node-0.sh").read_text()
+    host = load_profile(PROFILE).ranks[0].host
+    assert f"run on host {host}" in script and "torchrun" in script
+    assert (out / "config.json").exists()

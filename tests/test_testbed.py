@@ -316,10 +316,10 @@ def test_emitted_scripts_fix_each_hosts_ranks_for_torchrun(tmp_path):
     files = emit(e, model, cluster, str(tmp_path), master_port=29611, local_devices=[3, 2, 1, 0, 0, 1, 2, 3])
     assert [os.path.basename(f) for f in files] == ["config.json", "node-0.sh", "node-1.sh", "launch.md"]
     md = (tmp_path / "launch.md").read_text()
-    assert "host `gpu-a1` (global ranks 0..3, GPUs 3,2,1,0)" in md and "host `gpu-a2` (global ranks 4..7" in md
+    assert "host `gpu-a1` (processes 0..3; pipeline stage" in md and "GPUs 3,2,1,0)" in md and "host `gpu-a2` (processes 4..7" in md
     for k in (0, 1):
         sh = (tmp_path / f"node-{k}.sh").read_text()
-        assert f"run on host gpu-a{k + 1}; global ranks {4 * k}..{4 * k + 3}" in sh
+        assert f"run on host gpu-a{k + 1}; processes {4 * k}..{4 * k + 3}" in sh
         assert 'MASTER_ADDR="${MASTER_ADDR:-gpu-a1}"' in sh
         assert f"export CUDA_VISIBLE_DEVICES={'3,2,1,0' if k == 0 else '0,1,2,3'} " in sh
         line = next(ln for ln in sh.splitlines() if ln.startswith("exec torchrun"))
@@ -348,7 +348,7 @@ def test_emit_without_hosts_still_needs_master_addr(tmp_path):
     emit(e, model, cluster, str(tmp_path))
     sh = (tmp_path / "node-1.sh").read_text()
     assert ': "${MASTER_ADDR:?set MASTER_ADDR' in sh and "CUDA_VISIBLE_DEVICES" not in sh
-    assert "run on host node-1; global ranks 1..1" in sh
+    assert "run on host node-1; processes 1..1" in sh
 
 
 # -- end to end on the testbed (root, ip, tc, unshare) ----------------------------------------------
@@ -395,8 +395,8 @@ def test_testbed_nodes_have_their_names_addresses_and_clean_up():
     assert ns not in tbm._namespaces()
 
 
-def Testbed_(rates):
-    return tbm.Testbed(rates, nproc_per_node=2)
+def Testbed_(rates, **kw):
+    return tbm.Testbed(rates, **{"nproc_per_node": 2, **kw})
 
 
 @needs_testbed
@@ -543,3 +543,44 @@ def test_search_verifies_across_the_testbed_as_a_driver(tmp_path):
     assert trial["ok"], trial["reason"]
     assert [(r["rank"], r["host"]) for r in sorted(trial["per_rank"], key=lambda r: r["rank"])] == \
         [(0, "node-0"), (1, "node-0"), (2, "node-1"), (3, "node-1")]
+
+
+@needs_testbed
+@pytest.mark.e2e
+def test_the_search_keeps_tp_inside_nodes_and_its_pick_beats_the_megatron_default(tmp_path, monkeypatch):
+    """2 nodes x 2 processes, 20 mbit between the nodes: the search (placement on) keeps every
+    tensor-parallel group inside a node, and its pick, measured across the nodes, beats what a
+    Megatron-style default runs there (tp inside a node, data parallelism across, naive order)."""
+    from autoconf.cluster import load_cluster
+    from autoconf.config import ParallelConfig
+    from autoconf.model import preset
+    from autoconf.placement import Placement
+    from autoconf.search import search
+    from autoconf.topology import Topology
+    from autoconf.trial import make_document, run_trial
+
+    model = preset("tiny")
+    with Testbed_(["20mbit", "20mbit"], master_port=29565) as tb:
+        (tmp_path / "tb.yaml").write_text(tbm.cluster_yaml(tb.nodes, 2))
+        cluster = load_cluster(str(tmp_path / "tb.yaml"))
+        host_of = Topology(cluster.graph()).host_of
+        best = search(model, cluster, 8, gpus=4, storage=None, place=True, trials=60).top[0].config
+        placed = Placement.of(best, model.num_layers)
+        for g in placed.device_groups("tp"):
+            assert len({host_of[d] for d in g}) == 1, (best.short(), g)
+        monkeypatch.setenv(tbm.ATTACH_ENV, tbm.describe(tb.nodes, tb.master_port, 2))
+        default = ParallelConfig(dp=2, pp=1, tp=2, micro_batch_size=1, num_micro_batches=4)
+        runs = {}
+        for name, c in (("pick", best), ("default", default), ("pick again", best)):
+            r = run_trial(make_document(c, model, cluster), steps=4, warmup=1, timeout_s=180)
+            assert r.ok, (name, c.short(), r.reason)
+            runs.setdefault(name.split()[0], []).append(r)
+    pick = min(r.step_time_s for r in runs["pick"])
+    assert pick < runs["default"][0].step_time_s, (best.short(), pick, runs["default"][0].step_time_s)
+    # and the processes that formed each tensor-parallel group ran on one node
+    for r in runs["pick"]:
+        groups: dict = {}
+        for doc in r.per_rank:
+            key = (doc["coords"]["dp"], doc["coords"]["pp"])
+            groups.setdefault(key, set()).add(doc["host"])
+        assert all(len(h) == 1 for h in groups.values()), groups

@@ -358,13 +358,13 @@ def cmd_search(args) -> int:
         e = result.smallest_memory
         need = f"; the least memory-hungry configuration ({e.config.short()}) needs {e.peak_memory_bytes / 2**30:.2f} GiB per device" if e else ""
         raise UserError(f"no configuration of {model.name} fits in the devices' memory{need}")
-    doc = result.to_dict()
     if cluster is not None and profile is not None:
         from .cost.measured import overlay_measured_links
         pairs = overlay_measured_links(cluster.graph(), profile)[1]
-        doc["measured_link_pairs"] = pairs
-        result.notes.append(f"links: {pairs} device pair(s) measured by the profile replace the cluster file's "
-                            "declared figures; the rest are as declared")
+        result = dataclasses.replace(result, notes=result.notes + (
+            f"links: {pairs} device pair(s) measured by the profile replace the cluster file's declared "
+            "figures; the rest are as declared",))
+    doc = result.to_dict()
     verified = None
     if args.verify > 0:
         done: list = []

@@ -61,3 +61,15 @@ def test_emit_from_a_profile_names_the_hosts_it_measured(tmp_path):
     host = load_profile(PROFILE).ranks[0].host
     assert f"run on host {host}" in script and "torchrun" in script
     assert (out / "config.json").exists()
+
+
+def test_search_with_cluster_and_profile_says_what_the_profile_replaced(tmp_path):
+    import json
+    import subprocess
+    import sys
+    p = subprocess.run([sys.executable, "-m", "autoconf", "search", "--model", "examples/models/bench-h256.yaml",
+                        "--cluster", "examples/clusters/localhost-cpu.yaml", "--profile", PROFILE, "--global-batch", "8",
+                        "--storage", "none", "--json"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    doc = json.loads(p.stdout)
+    assert any(n.startswith("links: 1 device pair(s) measured by the profile") for n in doc["notes"]), doc["notes"]

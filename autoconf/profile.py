@@ -55,6 +55,9 @@ class HostInfo:
     cpu_count: int = 0
     memory_bytes: float = 0.0
     """Host RAM (MemTotal)."""
+    machine: str = ""
+    """The kernel's boot id: hosts with the same one are one machine whose cores their ranks share
+    (the emulated nodes of ``autoconf testbed``, containers); '' when unknown."""
 
 
 @dataclass(frozen=True)
@@ -337,7 +340,7 @@ def _entry(required: dict, optional: dict | None = None, what: str = "an entry")
 
 _INTERFACE = _entry({"name": _NAME}, {"speed_bytes_per_s": Null(Num(0.0, 1e16))}, "a network interface")
 _HOST = _entry({"name": _NAME}, {"interfaces": List(_INTERFACE, max_len=1024), "cpu_count": Int(0, 1 << 20),
-                                 "memory_bytes": _BYTES}, "a host")
+                                 "memory_bytes": _BYTES, "machine": Str(max_len=64)}, "a host")
 PROFILE_SCHEMA = Dict(
     required={
         "version": Int(PROFILE_VERSION, PROFILE_VERSION),

@@ -38,7 +38,7 @@ def assemble(args, model, everyone: list[dict], gathered: list[dict], backend: s
         if h["name"] not in seen:
             seen.add(h["name"])
             hosts.append(HostInfo(name=h["name"], interfaces=tuple(h["interfaces"]), cpu_count=h["cpu_count"],
-                                  memory_bytes=h["memory_bytes"]))
+                                  memory_bytes=h["memory_bytes"], machine=h.get("machine", "")))
     compute, gemm, acts, params, step_peaks = [], [], {}, {}, {}
     for r, g in enumerate(gathered):
         kind = g["kind"]

@@ -60,9 +60,19 @@ def private_memory_bytes() -> float:
     return 0.0
 
 
+def machine_id() -> str:
+    """The running kernel's boot id: the same for every process of one machine, whatever host name
+    or network namespace it has (emulated nodes, containers); '' where the kernel does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def host_info() -> dict:
     return {"name": socket.gethostname(), "interfaces": interfaces(), "cpu_count": os.cpu_count() or 0,
-            "memory_bytes": host_memory_bytes()}
+            "memory_bytes": host_memory_bytes(), "machine": machine_id()}
 
 
 def rank_info(rank: int, local_rank: int, local_world_size: int) -> dict:

@@ -393,20 +393,32 @@ def _nic_bandwidth(profile, rank, pair, iface_speed) -> float:
     return iface_speed if iface_speed > 0 else float("inf")
 
 
-def collective_efficiency(profile: Profile, op: str, nranks: int) -> float | None:
+def collective_efficiency(profile: Profile, op: str, nranks: int, cross_host: bool | None = None) -> float | None:
     """Measured bus bandwidth of ``op`` over groups of ``nranks`` / what the p2p links predict.
 
     The prediction is a ring over the group in rank order: its bus bandwidth is the slowest
     link's beta on the ring (either direction). Taken at the largest measured size of each group,
-    median over the groups of that size. The cost model's ring formula
+    median over the groups of that size (``cross_host``: of those that span hosts, or lie in
+    one; where that tier was measured with other sizes only, the nearest size on it: the library's
+    overhead weighs differently on a fast intra-host link and a slow NIC). The cost model's ring formula
     ``steps x alpha + bytes_term / beta_min`` becomes ``steps x alpha + bytes_term / (beta_min x eff)``.
     None when no group of that size was measured or a ring link is missing.
     """
     if op not in ("all_reduce", "all_gather", "reduce_scatter"):
         raise UserError(f"collective op {op!r}; valid: all_reduce, all_gather, reduce_scatter")
     largest: dict[tuple, object] = {}
+    spans = {e.ranks: len({profile.rank(r).host for r in e.ranks}) > 1 for e in profile.collectives if e.op == op}
+    same_size = {g for g in spans if len(g) == nranks}
+    keep = same_size
+    if cross_host is not None:
+        tier = {g for g, s in spans.items() if s == cross_host}
+        if tier & same_size:
+            keep = tier & same_size
+        elif tier:  # that tier was measured with other group sizes only: the nearest size
+            near = min(abs(len(g) - nranks) for g in tier)
+            keep = {g for g in tier if abs(len(g) - nranks) == near}
     for e in profile.collectives:
-        if e.op == op and len(e.ranks) == nranks:
+        if e.op == op and e.ranks in keep:
             if e.ranks not in largest or e.bytes > largest[e.ranks].bytes:
                 largest[e.ranks] = e
     effs = []

@@ -114,11 +114,21 @@ class System:
             return 1.0
 
         def make():
-            cores = [h.cpu_count for h in self.profile.provenance.hosts if h.cpu_count]
+            hosts = self.profile.provenance.hosts
+            cores = [h.cpu_count for h in hosts if h.cpu_count]
             if not cores:
                 return 1.0
             per_host = max(self.topology.host_of.count(h) for h in set(self.topology.host_of))
-            return max(1.0, per_host / min(cores))
+            # hosts of one machine (emulated nodes, containers: the same boot id) share its cores
+            machines: dict = {}
+            for h in hosts:
+                if h.machine:
+                    machines.setdefault(h.machine, []).append(h.name)
+            ranks_of = {}
+            for r in self.profile.ranks:
+                ranks_of[r.host] = ranks_of.get(r.host, 0) + 1
+            per_machine = max((sum(ranks_of.get(n, 0) for n in names) for names in machines.values()), default=0)
+            return max(1.0, max(per_host, per_machine) / min(cores))
         return self.cached(("cpushare",), make)
 
     def mask_bytes(self, kind: str) -> int:
@@ -206,17 +216,19 @@ class System:
 
     # -- communication and runtime measurements -----------------------------------------------
 
-    def collective_efficiency(self, fn, n: int) -> float:
+    def collective_efficiency(self, fn, n: int, cross_host: bool | None = None) -> float:
         """Measured bus-bandwidth efficiency of collective ``fn`` (a ``comm`` function) for groups
-        of n ranks, at most 1.0; 1.0 without a profile measurement."""
+        of n ranks, at most 1.0; 1.0 without a profile measurement. ``cross_host``: from groups
+        that span hosts (True) or lie in one (False) where the profile measured such groups (the
+        library's overhead weighs differently on a fast intra-host link and a slow NIC)."""
         if not self.measured_for() or n < 2:
             return 1.0
         from .measured import collective_efficiency
 
         def make():
-            eff = collective_efficiency(self.profile, _OPS[fn], n)
+            eff = collective_efficiency(self.profile, _OPS[fn], n, cross_host)
             return min(1.0, eff) if eff and eff > 0 else 1.0
-        return self.cached(("eff", _OPS[fn], n), make)
+        return self.cached(("eff", _OPS[fn], n, cross_host), make)
 
     @property
     def gloo(self) -> bool:

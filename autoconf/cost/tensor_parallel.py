@@ -38,24 +38,28 @@ def axis_links(system: System, c: ParallelConfig, axis: str):
     return system.cached(("axis", c.dp, c.pp, c.tp, c.rank_order, c.device_order, axis), make)
 
 
-def worst(links, fn, nbytes: float, efficiency: float = 1.0, tune: comm.CollectiveTuning = comm.NEUTRAL,
+def worst(links, fn, nbytes: float, efficiency=1.0, tune: comm.CollectiveTuning = comm.NEUTRAL,
           algorithms=None) -> float:
     """The slowest group's time: all groups of an axis run the collective together.
 
-    ``efficiency`` (the profile's measured bus bandwidth over what the links predict) stretches
-    the bandwidth term only: steps x alpha + bytes / (beta x efficiency). ``tune``: the collective
-    library's fixed cost and bus efficiency per tier (``comm.CollectiveTuning``). ``algorithms``
-    (all-reduce only): a function of a group's links giving the algorithms the runtime runs on it.
+    ``efficiency`` (the profile's measured bus bandwidth over what the links predict; a number, or
+    a function of a group's links) stretches the bandwidth term only: steps x alpha + bytes /
+    (beta x efficiency). ``tune``: the collective library's fixed cost and bus efficiency per tier
+    (``comm.CollectiveTuning``). ``algorithms`` (all-reduce only): a function of a group's links
+    giving the algorithms the runtime runs on it.
     """
+    eff = efficiency if callable(efficiency) else (lambda g: efficiency)
     if algorithms is None:
-        return max(fn(nbytes / efficiency, g, tune) for g in links)
-    return max(fn(nbytes / efficiency, g, tune, algorithms=algorithms(g)) for g in links)
+        return max(fn(nbytes / eff(g), g, tune) for g in links)
+    return max(fn(nbytes / eff(g), g, tune, algorithms=algorithms(g)) for g in links)
 
 
 def collective_s(system: System, links, fn, n: int, nbytes: float, algorithms=None) -> float:
-    """Collective ``fn`` of ``nbytes`` on every group of ``links`` (n ranks each), at the measured
-    efficiency: the slowest group's time. ``algorithms``: as :func:`worst`."""
-    return worst(links, fn, nbytes, system.collective_efficiency(fn, n), system.collective_tuning, algorithms)
+    """Collective ``fn`` of ``nbytes`` on every group of ``links`` (n ranks each), at the efficiency
+    measured on groups of that size over the same tier (inside a host or across hosts): the
+    slowest group's time. ``algorithms``: as :func:`worst`."""
+    return worst(links, fn, nbytes, lambda g: system.collective_efficiency(fn, n, g.num_hosts > 1),
+                 system.collective_tuning, algorithms)
 
 
 def stage_devices(c: ParallelConfig) -> list[list[int]]:

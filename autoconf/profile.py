@@ -495,13 +495,14 @@ def catalog_kind(device_name: str, memory_bytes: float = 0.0) -> str | None:
 
 
 def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
-    """Fit t = a + s / b to (size, time) points: b from the large messages, a from the small ones.
+    """Fit t = a + s / b to (size, time) points: a from the quickest message, b from the large ones.
 
-    The bandwidth is the slope over the larger half of the sizes (at least two; least squares with
-    weights 1/t^2), the latency the smallest excess t - s / b over the smaller half (>= 0). A single
-    fit over every size would let small messages steer the bandwidth: a shaped link lets a message
-    that fits in its token bucket through at line rate, and a descheduled rank adds milliseconds
-    to a tiny message, both off the affine curve. Returns (a, b); a >= 0, b > 0. With one size:
+    The latency a is the quickest message's time less its own transfer time (a tiny message's
+    time is its latency); the bandwidth b is the bytes of the larger half of the sizes (at least
+    two) over their time beyond that latency, sum(s) / sum(t - a). A single fit over every size would let
+    small messages steer the bandwidth (a shaped link lets a message that fits in its token bucket
+    through at line rate; a descheduled rank adds milliseconds to a tiny message), and a slope
+    between two large sizes amplifies their noise. Returns (a, b); a >= 0, b > 0. With one size:
     a = 0, b = s / t.
     """
     pts = sorted((float(s), float(t)) for s, t in zip(sizes_bytes, times_s) if t > 0)
@@ -511,23 +512,20 @@ def fit_alpha_beta(sizes_bytes, times_s) -> tuple[float, float]:
     if len(sizes) == 1:
         s, t = max(pts)
         return 0.0, s / t if s > 0 else float("inf")
-    large = [p for p in pts if p[0] >= sizes[len(sizes) // 2]] if len(sizes) >= 3 else pts
-    sw = sx = sy = sxx = sxy = 0.0
-    for s, t in large:
-        w = 1.0 / (t * t)
-        sw += w
-        sx += w * s
-        sy += w * t
-        sxx += w * s * s
-        sxy += w * s * t
-    det = sw * sxx - sx * sx
-    slope = (sw * sxy - sx * sy) / det if det else 0.0
-    if slope <= 0:  # flat or noisy: bandwidth from the largest message, latency from the smallest
-        s_max, t_max = max(pts)
-        return min(t for _, t in pts), s_max / t_max
-    small = [p for p in pts if p[0] < sizes[len(sizes) // 2]] or pts
-    a = max(0.0, min(t - s * slope for s, t in small))
-    return a, 1.0 / slope
+    cut = sizes[len(sizes) // 2] if len(sizes) >= 3 else sizes[-1]
+    large = [p for p in pts if p[0] >= cut]
+    # the quickest message fixes the latency (no message takes less; on a noisy machine that need
+    # not be the smallest one)
+    s0, t0 = min(pts, key=lambda p: (p[1], p[0]))
+    a, b = t0, float("inf")
+    for _ in range(3):  # take that message's own transfer time out of the latency
+        beyond = sum(t - a for _, t in large)
+        if beyond <= 0:  # the large messages took no longer than the latency: no bandwidth to see
+            s_max, t_max = max(pts)
+            return min(t for _, t in pts), s_max / t_max
+        b = sum(s for s, _ in large) / beyond
+        a = max(0.0, t0 - s0 / b)
+    return a, b
 
 
 def busbw_factor(op: str, n: int) -> float:

@@ -2,6 +2,7 @@
 
     python bench/allreduce_hier.py [--nproc 4] [--hosts 2] [--sizes 4K,16K,...,64M] [--repeats 15]
                                    [--cluster CLUSTER.yaml] [--json OUT.json]
+    python bench/allreduce_hier.py --testbed 1gbit     # across emulated nodes (root; autoconf testbed)
 
 ``--nproc`` processes are declared as ``--hosts`` hosts of nproc / hosts processes each: one
 torchrun agent per host (static rendezvous, ``--node-rank`` K), so each rank learns its host from
@@ -20,12 +21,9 @@ measured loopback send/recv rate, 4.5 GB/s, and 80 us per message).
 
 On localhost every "host" shares the same cores and the loopback device: with more processes than
 cores the times measure contention (collectives slow down 2-3x with 4 processes on 2 cores), not
-a network. Across the namespace test bed, swap :func:`launch_node` for a launch inside host K's
-namespace and pass that bed's master address and cluster file, e.g. with a ``Testbed`` ``tb``
-whose ``popen(k, argv, env=..., **kw)`` starts a command in node k::
-
-    bench.launch_node = lambda k, cmd, env, log: tb.popen(k, cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
-    bench.main(["--master-addr", tb.master_addr, "--cluster", "testbed.yaml"])
+a network. ``--testbed RATE`` runs it across ``--hosts`` emulated nodes instead (``autoconf.testbed``:
+a network namespace per host, its NIC shaped to RATE), with the testbed's own cluster file for the
+prediction: each host's agent starts inside its namespace (:func:`launch_node` is the seam).
 """
 
 from __future__ import annotations
@@ -210,6 +208,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cluster", help="cluster YAML the prediction uses (default: loopback, see the module doc)")
     ap.add_argument("--master-addr", default="127.0.0.1")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole measurement")
+    ap.add_argument("--testbed", metavar="RATE", help="run across --hosts emulated nodes whose NICs run at RATE "
+                    "(e.g. 1gbit; root, ip and tc needed)")
     ap.add_argument("--json", help="also write the table as JSON here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -219,6 +219,8 @@ def main(argv=None) -> int:
         return 0
     if args.hosts < 1 or args.nproc % args.hosts:
         ap.error(f"--nproc {args.nproc} must be a multiple of --hosts {args.hosts}")
+    if args.testbed:
+        return _on_testbed(args, argv)
     pred = predictions(args, args.sizes)
     print(f"{args.nproc} processes as {args.hosts} hosts x {args.nproc // args.hosts}, {os.cpu_count()} cores; "
           f"prediction on {pred['cluster']}", file=sys.stderr, flush=True)
@@ -248,6 +250,33 @@ def main(argv=None) -> int:
         write_text(args.json, json.dumps({"nproc": args.nproc, "hosts": args.hosts, "note": got["note"],
                                           "cluster": pred["cluster"], "rows": rows}, indent=1))
     return 0
+
+
+def _on_testbed(args, argv) -> int:
+    """The same bench with each host's agent inside an emulated node of a fresh testbed."""
+    global launch_node
+    from autoconf import testbed as tbm
+
+    reason = tbm.unavailable_reason()
+    if reason:
+        print(f"bench/allreduce_hier.py: no testbed here: {reason}", file=sys.stderr)
+        return 2
+    with tbm.Testbed([args.testbed] * args.hosts, nproc_per_node=args.nproc // args.hosts) as tb, \
+            tempfile.TemporaryDirectory(prefix="allreduce-hier-tb-") as tmp:
+        cluster = os.path.join(tmp, "testbed.yaml")
+        with open(cluster, "w") as f:
+            f.write(tbm.cluster_yaml(tb.nodes, args.nproc // args.hosts))
+        launch_node = lambda k, cmd, env, log: tb.popen(k, cmd, env=env, stdout=log,  # noqa: E731
+                                                        stderr=subprocess.STDOUT)
+        rest, skip = [], False
+        for a in argv if argv is not None else sys.argv[1:]:
+            if skip:
+                skip = False
+            elif a == "--testbed":
+                skip = True
+            elif not a.startswith("--testbed="):
+                rest.append(a)
+        return main(rest + ["--master-addr", tb.master_addr, "--cluster", cluster])
 
 
 if __name__ == "__main__":

@@ -333,15 +333,18 @@ def _grads_worker(rank: int, world: int, port: int, splits: list) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.e2e
-def test_uneven_stage_gradients_match_single_process():
+def _free_port() -> int:
     import socket
-
-    import torch.multiprocessing as mp
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+@pytest.mark.e2e
+def test_uneven_stage_gradients_match_single_process():
+    import torch.multiprocessing as mp
+
+    port = _free_port()
     mp.spawn(_grads_worker, args=(2, port, [(1, 3), (3, 1), (2, 2)]), nprocs=2)
 
 
@@ -371,13 +374,9 @@ def _setup_worker(process_rank: int, world: int, port: int, order: tuple) -> Non
 
 @pytest.mark.e2e
 def test_plain_env_launch_starts_each_process_at_its_placed_rank():
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     mp.spawn(_setup_worker, args=(4, port, (2, 0, 3, 1)), nprocs=4)
 
 

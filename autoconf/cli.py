@@ -295,6 +295,10 @@ def _preflight(args, storage) -> None:
         if args.cluster is None and not getattr(args, "profile", None):
             raise UserError("--emit needs --cluster or --profile (the launch files name hosts and devices per host)")
         check_dir(args.emit, "--emit")
+        if args.cluster is None:  # the profile's hosts must make a launch cluster: say so before searching
+            from .cluster import cluster_from_profile
+            from .profile import load_profile
+            cluster_from_profile(load_profile(args.profile))
     if args.calibrate:
         check_file(args.calibrate, "--calibrate")
     db = sqlite_path(storage)

@@ -300,7 +300,7 @@ def cluster_from_profile(profile) -> ClusterSpec:
                             f"({', '.join(sorted({str(r.device_kind or r.device_name) for r in ranks}))}): "
                             "give --cluster FILE to describe it")
         if not _HOST_RE.match(h):
-            raise UserError(f"profile host name {h!r} cannot go into a launch script (letters, digits, '.', "
+            raise UserError(f"profile host name {h!r} cannot go into a launch script (letters, digits, '.', '_', "
                             "'-' and ':' only): give --cluster FILE with its hosts named")
         a = g.nodes[("host", i)]
         intra = a["intra_node_bandwidth_bytes_per_s"]
@@ -308,6 +308,7 @@ def cluster_from_profile(profile) -> ClusterSpec:
         key = (kind, len(ranks))
         if groups and groups[-1]["key"] == key:
             groups[-1]["hosts"].append(h)
+            groups[-1]["memory"] = min(groups[-1]["memory"], min(r.memory_bytes for r in ranks))
             groups[-1]["intra"].append(intra)
             groups[-1]["nic"].append(nic)
             continue

@@ -143,7 +143,7 @@ def _write_all(estimate, model, cluster, out_dir, profile_path, master_port, pla
     write_text(path, json.dumps(config_document(estimate, model, cluster, profile_path), indent=2) + "\n")
     written.append(path)
     nnodes = len(plan)
-    named = any(g.hosts for g in cluster.node_groups)
+    named = bool(cluster.node_groups[0].hosts)  # host 0 has a real name to rendezvous at
     master = plan[0]["host"]
     lines = []
     for rank, (p, vis) in enumerate(zip(plan, visible)):

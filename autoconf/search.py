@@ -601,10 +601,11 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         raise UserError(f"no valid configuration: global batch {global_batch} on {world} devices; "
                         f"rejected: {', '.join(f'{k} ({v})' for k, v in rejected.items())}")
     placer = None
-    if place:
+    if place and ctx.framework.name == "reference":
+        # only the reference trainer plays any rank on any device and builds any layer split; the
+        # other frameworks take rank = launch order, which the emitted files do not reorder yet
         from .place import Placer
-        # uneven stages where the runtime runs them (the reference trainer builds any split)
-        placer = Placer(ctx, world, layers=ctx.framework.name == "reference")
+        placer = Placer(ctx, world)
     evaluate = _Evaluator(ctx, global_batch, valid_per_point, placer)
     name = study_name or default_study_name(model, world, global_batch, cluster.name if cluster is not None else "profile",
                                             ctx.framework.name)
@@ -671,6 +672,10 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     if study.swept_skipped:
         notes.append(f"{study.swept_skipped} outer points were dominated by the best found or did not fit "
                      "(not stored in the study)")
+    if place and placer is None:
+        notes.append(f"placement not searched: {ctx.framework.name} runs rank r on the r-th launched process, "
+                     "and the launch files keep that order (autoconf's reference trainer places any rank on any "
+                     "device)")
     return SearchResult(top=tuple(fitting[:top]), rejected=rejected, space_size=total, valid=valid,
                         outer_points=len(points), trials_run=study.stored,
                         trials_total=len(study.earlier) + study.stored, estimates=evaluate.estimates,

@@ -377,6 +377,15 @@ def cleanup_stale() -> list[str]:
     return removed
 
 
+def _kill_namespace_pids(ip: str, ns: str) -> None:
+    """SIGKILL every process still in network namespace ``ns`` (``ip netns pids``)."""
+    got = subprocess.run([ip, "netns", "pids", ns], capture_output=True, text=True)
+    for tok in got.stdout.split():
+        if tok.isdigit():
+            with contextlib.suppress(OSError):
+                os.kill(int(tok), signal.SIGKILL)
+
+
 _open: set = set()
 _atexit_registered = False
 
@@ -472,6 +481,8 @@ class Testbed:
                 tree.kill(grace_s=1.0)
             self._trees.clear()
             ip = self.paths.get("ip", "ip")
+            for ns in self._made:  # what others started there (a --driver command's trials): killed too
+                _kill_namespace_pids(ip, ns)
             for ns in reversed(self._made):  # nodes first (their veths go with them), the bridge last
                 subprocess.run([ip, "netns", "delete", ns], capture_output=True)
             self._made.clear()
@@ -628,15 +639,22 @@ def attached() -> dict | None:
                         "`autoconf testbed --driver`") from None
 
 
-def node_commands(tb: dict, nproc_total: int, script: list[str], base_env: dict) -> list[tuple[list, dict]]:
+def node_commands(tb: dict, counts: list[int], script: list[str], base_env: dict) -> list[tuple[list, dict]]:
     """(argv, env) per node to run ``script`` (``["-m", "mod", ...]``) under torchrun across the
-    attached testbed ``tb`` with ``nproc_total`` processes in all, the same number per node."""
+    attached testbed ``tb``: ``counts[k]`` processes in node k (the plan's hosts in order: the
+    testbed's cluster file lists its nodes so), each node's ranks after those of the nodes before."""
     nodes = tb["nodes"]
-    if nproc_total % len(nodes):
-        raise UserError(f"{nproc_total} processes cannot be spread evenly over the testbed's {len(nodes)} nodes")
-    per = nproc_total // len(nodes)
-    return [(exec_argv(n, torchrun_argv(nodes, n.index, per, tb["master_port"], script)),
-             node_env(nodes, n.index, tb["master_port"], per, base_env)) for n in nodes]
+    if len(counts) > len(nodes) or any(not 1 <= n <= tb["nproc_per_node"] for n in counts):
+        raise UserError(f"the plan puts {'+'.join(map(str, counts))} processes on {len(counts)} host(s); the testbed "
+                        f"has {len(nodes)} node(s) of {tb['nproc_per_node']}: search with its cluster file "
+                        "(autoconf testbed --cluster-out)")
+    used = nodes[:len(counts)]
+    ip = check_host()["ip"]
+    out = []
+    for n, k in zip(used, counts):
+        argv = exec_argv(n, [*torchrun_argv(used, n.index, k, tb["master_port"], script)])
+        out.append(([ip, *argv[1:]], node_env(used, n.index, tb["master_port"], k, base_env)))
+    return out
 
 
 # -- command line -----------------------------------------------------------------------------------
@@ -736,6 +754,7 @@ def cmd_testbed(args) -> int:
             codes = tb.launch(command, timeout=args.timeout, output=sys.stdout)
     bad = [(k, c) for k, c in enumerate(codes) if c != 0]
     if bad:
-        sys.stderr.write("testbed: " + ", ".join(f"node-{k} exited with {c}" for k, c in bad) + "\n")
+        sys.stderr.write("testbed: " + ", ".join(("the command" if args.driver else f"node-{k}") + f" exited with {c}"
+                                                 for k, c in bad) + "\n")
         return 124 if all(c == 124 for _, c in bad) else next((c for _, c in bad if c > 0), 1)
     return 0

@@ -205,7 +205,7 @@ def _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, st
     with open(os.path.join(out_dir, "torchrun.log"), "w") as log:
         if tb is not None:  # under `autoconf testbed --driver`: one torchrun per emulated node
             from .testbed import node_commands
-            returncode, timed_out = _launch_nodes(node_commands(tb, nproc, script, env),
+            returncode, timed_out = _launch_nodes(node_commands(tb, _host_counts(doc, nproc, tb), script, env),
                                                   log, timeout_s)
         else:
             with procs.ProcessTree(cmd, env=env, stdout=log, stderr=subprocess.STDOUT) as tree:
@@ -216,6 +216,19 @@ def _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, st
     oom_after = procs.oom_kills()
     kernel_oom = oom_before is not None and oom_after is not None and oom_after > oom_before
     return collect(out_dir, nproc, returncode, timed_out, timeout_s, wall, config, kernel_oom=kernel_oom)
+
+
+def _host_counts(doc: dict, nproc: int, tb: dict) -> list[int]:
+    """Processes per host as the plan was priced: the first ``nproc`` devices of the document's
+    cluster, host by host; without a cluster, spread evenly over the testbed's nodes."""
+    if doc.get("cluster"):
+        from .cluster import ClusterSpec
+        from .emit import node_plan
+        return [p["nproc"] for p in node_plan(ClusterSpec.from_dict(doc["cluster"]), nproc)]
+    n = len(tb["nodes"])
+    if nproc % n:
+        raise UserError(f"{nproc} processes cannot be spread evenly over the testbed's {n} nodes")
+    return [nproc // n] * n
 
 
 def _launch_nodes(commands, log, timeout_s: float) -> tuple[int | None, bool]:

@@ -267,3 +267,15 @@ def test_hierarchical_equals_flat_under_torchrun(tmp_path):
     for rank in range(4):
         doc = json.loads((tmp_path / f"rank_{rank}.json").read_text())
         assert len(doc["checked"]) == 9, doc
+
+
+def test_model_prices_the_inter_host_phase_as_the_trainer_runs_it():
+    """4 hosts x 2: a 64 KiB all-reduce's 32 KiB shards cross hosts by recursive doubling (2
+    rounds of the whole shard); a 64 MiB one's by a ring (2(H-1) steps of S/(kH))."""
+    g = _links(4, 2)
+    inter, lat = 10e9, 10e-6
+    local = lambda s: (1 / 2) * s / 100e9 + 1 * 2e-6  # noqa: E731
+    s = 64 << 10
+    assert comm.hierarchical_all_reduce_s(s, g) == pytest.approx(2 * local(s) + 2 * (s / 2 / inter + lat))
+    s = 64 << 20
+    assert comm.hierarchical_all_reduce_s(s, g) == pytest.approx(2 * local(s) + 2 * 3 / 4 * s / 2 / inter + 6 * lat)

@@ -123,18 +123,23 @@ def test_commands_in_a_node():
                    "--master-addr=10.200.0.1", "--master-port=29555", "-m", "autoconf.trainer"]
 
 
+@pytest.mark.skipif(tbm.unavailable_reason() is not None, reason="needs root, ip, tc and unshare")
 def test_a_driver_launches_one_torchrun_per_node(monkeypatch):
     nodes = tbm.plan_nodes(["1gbit", "200mbit"], "actb7x0abc")
     monkeypatch.setenv(tbm.ATTACH_ENV, tbm.describe(nodes, 29555, 2))
     tb = tbm.attached()
     assert tb["nodes"] == nodes and tb["master_port"] == 29555
-    cmds = tbm.node_commands(tb, 4, ["-m", "autoconf.trainer"], {"A": "1"})
+    cmds = tbm.node_commands(tb, [2, 2], ["-m", "autoconf.trainer"], {"A": "1"})
     assert [c[0][3] for c in cmds] == ["actb7x0abcn0", "actb7x0abcn1"]  # ip netns exec <namespace>
+    assert os.path.isabs(cmds[0][0][0])  # ip by its resolved path, whatever PATH says
     assert [a for a in cmds[1][0] if a.startswith("--node-rank") or a.startswith("--nproc")] == \
         ["--nproc-per-node=2", "--node-rank=1"]
     assert cmds[1][1]["A"] == "1" and cmds[1][1]["GLOO_SOCKET_IFNAME"] == "tb0"
-    with pytest.raises(UserError, match="3 processes cannot be spread evenly"):
-        tbm.node_commands(tb, 3, ["-m", "x"], {})
+    # a plan that priced 2 ranks on one host runs them on node 0 only
+    one = tbm.node_commands(tb, [2], ["-m", "x"], {})
+    assert len(one) == 1 and "--nnodes=1" in one[0][0]
+    with pytest.raises(UserError, match="the testbed has 2 node"):
+        tbm.node_commands(tb, [4], ["-m", "x"], {})
     monkeypatch.setenv(tbm.ATTACH_ENV, "{not json")
     with pytest.raises(UserError, match="not a testbed description"):
         tbm.attached()

@@ -8,7 +8,8 @@ algorithm's step count and volume:
   2 * S / B + 2 * (ceil(log2 hosts) + k - 1) * a, with k members per host;
 - hierarchical all-reduce (reduce-scatter inside hosts, all-reduce across hosts on S/k by k
   parallel flows, all-gather inside hosts; the two-level scheme of NVRAR / Horovod's hierarchical
-  mode);
+  mode), its inter-host phase as the reference trainer runs it: recursive doubling for small
+  shards (log2 H rounds of the whole shard), a ring above (``trainer/collectives.py``);
 - all-gather / reduce-scatter: ring, (n-1)/n * S / B + (n-1) * a;
 - point-to-point: a + S / B.
 
@@ -99,9 +100,14 @@ def hierarchical_all_reduce_s(nbytes: float, g: GroupLinks, tune: CollectiveTuni
     k, hosts = g.local_size, g.num_hosts
     if hosts <= 1 or k <= 1:
         return ring_all_reduce_s(nbytes, g, tune)
+    from ..trainer.collectives import inter_host_steps  # torch-free: the runtime's own choice
     intra, inter = _intra(g, tune), g.inter_bandwidth_bytes_per_s * tune.inter_efficiency
     local = (k - 1) / k * nbytes / intra + (k - 1) * g.intra_latency_s
-    across = 2 * (hosts - 1) / hosts * (nbytes / k) / inter + 2 * (hosts - 1) * g.inter_latency_s
+    how, steps = inter_host_steps(hosts, nbytes / k)
+    if how == "recursive_doubling":  # every round exchanges the whole shard
+        across = steps * ((nbytes / k) / inter + g.inter_latency_s)
+    else:
+        across = 2 * (hosts - 1) / hosts * (nbytes / k) / inter + steps * g.inter_latency_s
     return tune.base_latency_s + 2 * local + across
 
 

@@ -160,6 +160,9 @@ def _finish(c: ParallelConfig, ctx: System, breakdown: dict, memory: list, step:
     notes = []
     if c.world_size < ctx.num_devices:
         notes.append(f"uses the first {c.world_size} of {ctx.num_devices} devices")
+    if c.dp_all_reduce == "hierarchical" and c.zero_stage >= 1:
+        notes.append("dp_all_reduce=hierarchical with ZeRO-1: the reference trainer all-reduces hierarchically, but "
+                     "this estimate prices ZeRO-1's reduction as a reduce-scatter, as for flat")
     if c.dp_all_reduce == "hierarchical":
         from ..frameworks import hierarchical_runs
         from .tensor_parallel import axis_links

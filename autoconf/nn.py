@@ -322,7 +322,7 @@ class Block(nn.Module):
         self.model, self.tp, self.group, self.recompute = model, tp_size, tp_group, recompute
         self.sp = bool(sequence_parallel) and tp_size > 1
         self.p = model.dropout
-        h, d, kv, f = model.hidden_size, model.head_dim, model.kv_size, model.ffn_hidden_size
+        h, kv, f = model.hidden_size, model.kv_size, model.ffn_hidden_size
         self.n_heads, self.n_kv = model.num_attention_heads // tp_size, model.num_kv_heads // tp_size
         key = f"blocks.{layer_index}"
         out_std = INIT_STD / math.sqrt(2 * model.num_layers)

@@ -1,6 +1,5 @@
 """autoconf.nn: measured saved activations against the formula, TP shards, parameter counts, TP runs."""
 
-import dataclasses
 import os
 import socket
 

@@ -157,7 +157,6 @@ def _grads_worker(rank: int, world: int, port: int, cases: list) -> None:
 
     import torch.distributed as dist
 
-    from autoconf import nn as gpt
     from autoconf.trainer import data
     from autoconf.trainer.parallel_dims import ParallelDims, build_groups
     from autoconf.trainer.run import chunk_layers

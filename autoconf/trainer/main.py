@@ -18,7 +18,6 @@ import os
 import statistics
 import sys
 import threading
-import time
 import traceback
 
 ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}

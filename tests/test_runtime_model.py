@@ -270,3 +270,23 @@ def test_verify_refuses_a_framework_it_does_not_run():
                         "--framework", "megatron", "--verify", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "reference trainer" in r.stderr
+
+
+def test_pipeline_transfers_of_the_replicas_share_the_nic():
+    """dp2 pp2 on 2 hosts x 2 with one NIC each: both replicas' stage boundaries cross the same
+    NIC at once, so each transfer gets half of it; at dp1 the one transfer has it whole."""
+    from autoconf.cluster import cluster_from_mapping
+    from autoconf.cost.schedule_time import p2p_times
+    from autoconf.cost.system import System
+    def hosts(per_host):
+        return cluster_from_mapping({"name": "n", "node_groups": [{
+            "count": 2, "device": "cpu", "gpus_per_node": per_host, "intra_node_bandwidth": "4 GB/s", "memory": "4 GiB",
+            "nics": {"count": 1, "bandwidth": "80 Mbit/s", "kind": "ethernet"}}],
+            "latency": {"intra_node": "80 us", "inter_node": "200 us"}})
+    nbytes = 1e6
+    two = ParallelConfig(dp=2, pp=2, tp=1, micro_batch_size=1, num_micro_batches=2, rank_order="dp-pp-tp")
+    one = ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=2)
+    assert p2p_times(System(model=preset("tiny"), cluster=hosts(1)), one, nbytes)[0] == pytest.approx(
+        200e-6 + nbytes / 10e6)
+    assert p2p_times(System(model=preset("tiny"), cluster=hosts(2)), two, nbytes)[0] == pytest.approx(
+        200e-6 + nbytes / 5e6)

@@ -81,7 +81,7 @@ def pipeline_floor(c: ParallelConfig, fwd, bwd, n_chunks: int) -> float:
 
 def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:
     """Transfer time between consecutive pipeline stages (slowest replica pair, on the devices the
-    placement gives them), per stage pair,
+    placement gives them; the replicas' transfers share each host's NICs, as they run together), per stage pair,
     with the collective library's fixed cost per call and its bus efficiency on the tier crossed
     (``System.collective_tuning``)."""
     tune = system.collective_tuning
@@ -96,13 +96,22 @@ def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:
         links = []
         for s in range(c.pp):
             nxt = (s + 1) % c.pp
+            pairs = [(by_stage[(s, d, t)], by_stage[(nxt, d, t)]) for d in range(c.dp) for t in range(c.tp)]
+            # every replica's pipeline crosses this boundary at the same time: the flows leaving
+            # (entering) a host share its NICs
+            out_of, into = {}, {}
+            for a, b in pairs:
+                if topo.host_of[a] != topo.host_of[b]:
+                    out_of[topo.host_of[a]] = out_of.get(topo.host_of[a], 0) + 1
+                    into[topo.host_of[b]] = into.get(topo.host_of[b], 0) + 1
             worst = (0.0, 0.0)
-            for d in range(c.dp):
-                for t in range(c.tp):
-                    a, b = by_stage[(s, d, t)], by_stage[(nxt, d, t)]
-                    bw, lat = topo.p2p(a, b)
-                    eff = tune.inter_efficiency if topo.host_of[a] != topo.host_of[b] else tune.intra(2)
-                    worst = max(worst, (1.0 / (bw * eff), lat + tune.base_latency_s))
+            for a, b in pairs:
+                bw, lat = topo.p2p(a, b)
+                ha, hb = topo.host_of[a], topo.host_of[b]
+                if ha != hb:
+                    bw = min(bw, topo.nic_share(ha, out_of[ha]), topo.nic_share(hb, into[hb]))
+                eff = tune.inter_efficiency if ha != hb else tune.intra(2)
+                worst = max(worst, (1.0 / (bw * eff), lat + tune.base_latency_s))
             links.append(worst)
         return links
     links = system.cached(("p2p", c.dp, c.pp, c.tp, c.rank_order, c.device_order), make)

@@ -105,6 +105,23 @@ def test_slow_link_exact():
     assert r.last_backward_end_s == pytest.approx((11.0, 7.5))
 
 
+@pytest.mark.parametrize("m", [1, 4, 8])
+def test_link_carries_one_transfer_at_a_time(m):
+    # GPipe, pp=2, a link slower than either pass (t > f, t > b): the activations queue on the
+    # link one after another (the last one arrives at f + m t), and so do the gradients:
+    # makespan = 2f + 2b + 2mt. Transfers that overlapped on the link would give (m+1)f + (m+1)b + 2t.
+    f, b, t = 1.0, 2.0, 3.0
+    r = simulate("gpipe", 2, m, 1, [f, f], [b, b], [t])
+    assert r.makespan_s == pytest.approx(2 * f + 2 * b + 2 * m * t)
+
+
+def test_fast_link_does_not_queue():
+    # Transfers shorter than the passes never wait for the link: the closed form of the bubble.
+    f, b, t, m = 2.0, 3.0, 0.5, 8
+    r = simulate("gpipe", 2, m, 1, [f, f], [b, b], [t])
+    assert r.makespan_s == pytest.approx(m * (f + b) + f + b + 2 * t)
+
+
 def test_gradients_final_per_chunk():
     # 1F1B: chunk c's gradients are final before chunk c-1's; layered (breadth_first) finishes the last
     # chunk's gradients long before the end of the step, which is what lets DP reduction overlap.

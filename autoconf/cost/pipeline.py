@@ -160,10 +160,11 @@ def device_orders(schedule: str, pp: int, num_micro_batches: int,
 
 @dataclass(frozen=True)
 class _Compiled:
-    ops: list[tuple[int, int, int, int]]
+    ops: list[tuple[int, int, int, int, int]]
     """Per op in topological order: (1 + topo index of the previous op on its device or 0 for none,
     1 + topo index of its cross-chunk dependency or 0, 1 + index into p2p_s of the transfer before
-    it or 0, index into forward_s + backward_s)."""
+    it or 0, index into forward_s + backward_s, the directed device link (src * pp + dst) that
+    transfer crosses)."""
     dev_last: tuple[int, ...]  # per device: 1 + topo index of its last op
     first_b: tuple[int, ...]  # per chunk: 1 + topo index of its first backward (device order)
     last_b: tuple[int, ...]   # per chunk: 1 + topo index of its last backward
@@ -210,6 +211,7 @@ def _compile(schedule: str, pp: int, m: int, v: int) -> _Compiled:
     dev_prev: list[int] = []
     cross: list[int] = []
     p2p_idx: list[int] = []
+    link_idx: list[int] = []
     dur_idx: list[int] = []
     ptr = [0] * pp
     last = [0] * pp
@@ -231,9 +233,11 @@ def _compile(schedule: str, pp: int, m: int, v: int) -> _Compiled:
                             break
                         cross.append(topo_pos[dep])
                         p2p_idx.append(c)  # p2p_s[c-1], shifted by the leading 0 slot
+                        link_idx.append(((c - 1) % pp) * pp + r)
                     else:
                         cross.append(0)
                         p2p_idx.append(0)
+                        link_idx.append(0)
                     dur_idx.append(c)
                 else:
                     c = (code - n_f) // m
@@ -245,9 +249,11 @@ def _compile(schedule: str, pp: int, m: int, v: int) -> _Compiled:
                             break
                         cross.append(topo_pos[dep])
                         p2p_idx.append(c + 1)  # p2p_s[c]
+                        link_idx.append(((c + 1) % pp) * pp + r)
                     else:
                         cross.append(0)
                         p2p_idx.append(0)
+                        link_idx.append(0)
                     dur_idx.append(nc + c)
                 dev_prev.append(last[r])
                 done[code] = 1
@@ -271,7 +277,7 @@ def _compile(schedule: str, pp: int, m: int, v: int) -> _Compiled:
                 last_b[c] = topo_pos[code]
 
     lives = [_liveness(orders[r], list(range(r, nc, pp))) for r in range(pp)]
-    return _Compiled(list(zip(dev_prev, cross, p2p_idx, dur_idx)), tuple(last), tuple(first_b), tuple(last_b),
+    return _Compiled(list(zip(dev_prev, cross, p2p_idx, dur_idx, link_idx)), tuple(last), tuple(first_b), tuple(last_b),
                      tuple(x[1] for x in lives), tuple(x[0] for x in lives))
 
 
@@ -310,9 +316,18 @@ def _simulate(schedule: str, pp: int, m: int, v: int, forward_s: tuple[float, ..
     P = (0.0,) + p2p_s
     E = [0.0]  # E[k] = end time of the op at topo index k-1; E[0] = 0 stands for "no dependency"
     append = E.append
-    for pv, dp, pi, di in comp.ops:
+    # A link carries one transfer at a time: transfers from one device to the next go in the
+    # order they are sent, each starting when both the data and the link are ready.
+    free = [0.0] * (pp * pp)
+    for pv, dp, pi, di, li in comp.ops:
         s = E[pv]
-        r = E[dp] + P[pi]
+        if pi and P[pi]:
+            r = E[dp]
+            f = free[li]
+            r = (r if r > f else f) + P[pi]
+            free[li] = r
+        else:
+            r = E[dp]
         append((r if r > s else s) + dur[di])
     makespan = max(E[k] for k in comp.dev_last)
     busy = tuple(m * sum(forward_s[c] + backward_s[c] for c in range(r, nc, pp)) for r in range(pp))

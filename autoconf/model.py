@@ -16,7 +16,8 @@ from importlib import resources
 from .errors import UserError
 from .schema import Bool, Dict, Int, Null, Num, Str, check_kind, parse_json, parse_yaml, read_text
 
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")
 DTYPES = ("bf16", "fp16", "fp32")
 NORMS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned", "rope")
@@ -29,12 +30,21 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 LIMITS = {"num_layers": (1, 4096), "hidden_size": (1, 1 << 18), "num_attention_heads": (1, 1 << 14),
           "num_kv_heads": (1, 1 << 14), "ffn_hidden_size": (1, 1 << 20), "vocab_size": (1, 1 << 24),
           "seq_length": (1, 1 << 22)}
+HEAD_DIM_LIMITS = (1, 1 << 14)
+
+# Fields added after the first model documents (presets, YAML files, profiles, trial documents): their
+# defaults are the block every earlier document described, and to_dict leaves them out at their
+# defaults, so that those documents (and the search's cache signatures) are unchanged.
+LATER_FIELDS = {"head_dim": None, "qkv_bias": False, "parallel_attention": False, "shared_norm": False,
+                "rotary_fraction": 1.0}
 
 MODEL_SCHEMA = Dict(
     required={k: Int(lo, hi) for k, (lo, hi) in LIMITS.items()},
     optional={"activation": Str(ACTIVATIONS), "tied_embeddings": Bool(), "dtype": Str(DTYPES),
               "norm": Str(NORMS), "position_embedding": Str(POSITION_EMBEDDINGS), "bias": Bool(),
-              "dropout": Num(0.0, 1.0, hi_open=True), "attention": Str(ATTENTIONS), "name": Str(max_len=200)},
+              "dropout": Num(0.0, 1.0, hi_open=True), "attention": Str(ATTENTIONS),
+              "head_dim": Null(Int(*HEAD_DIM_LIMITS)), "qkv_bias": Bool(), "parallel_attention": Bool(),
+              "shared_norm": Bool(), "rotary_fraction": Num(0.0, 1.0, lo_open=True), "name": Str(max_len=200)},
     what="a model")
 
 
@@ -51,13 +61,14 @@ class ModelSpec:
     num_kv_heads: int
     """Key/value heads (grouped-query attention when fewer than the query heads)."""
     ffn_hidden_size: int
-    """Inner width of the MLP, f (per branch for SwiGLU)."""
+    """Inner width of the MLP, f (per branch for the gated SwiGLU / GeGLU)."""
     vocab_size: int
     """Vocabulary size, V."""
     seq_length: int
     """Training sequence length, s."""
     activation: str = "gelu"
-    """'gelu' (two-matrix MLP) or 'swiglu' (gated, three matrices)."""
+    """'gelu' (two-matrix MLP: fc2(gelu(fc1 x))), or gated with three matrices, down(act(gate x) * up x):
+    'swiglu' (act = SiLU: Llama, Mistral, Qwen2) or 'geglu' (act = GELU: Gemma)."""
     tied_embeddings: bool = False
     """Whether the output layer reuses the input embedding matrix."""
     dtype: str = "bf16"
@@ -67,12 +78,28 @@ class ModelSpec:
     position_embedding: str = "learned"
     """'learned' (a seq_length x hidden table) or 'rope' (no parameters)."""
     bias: bool = False
-    """Whether linear layers carry biases (GPT-2/3 do, Llama does not)."""
+    """Whether every linear layer of a block carries a bias (GPT-2/3, GPT-NeoX do, Llama does not)."""
     dropout: float = 0.0
     """Dropout probability on attention probabilities and block outputs (0 disables it)."""
     attention: str = "flash"
     """'flash' (fused attention, no s x s tensors kept) or 'eager' (explicit softmax, as in
     Megatron-LM's unfused path and Korthikanti et al.)."""
+    head_dim: int | None = None
+    """Width of one attention head, when it is not hidden_size / num_attention_heads (Gemma-7B: 16
+    heads of 256 on a 3072-wide stream). Q is then num_attention_heads x head_dim wide and the
+    attention's output projection maps that back to hidden_size. None: hidden_size / heads
+    (see :attr:`head_size` for the width in use)."""
+    qkv_bias: bool = False
+    """Biases on the Q, K and V projections only (Qwen2); implied by ``bias``."""
+    parallel_attention: bool = False
+    """Attention and MLP both read the block's input and are added to it together,
+    x + attn(norm1(x)) + mlp(norm2(x)) (GPT-J, GPT-NeoX's use_parallel_residual, Falcon's
+    parallel_attn), instead of the sequential x + attn(norm1(x)), then + mlp(norm2(.))."""
+    shared_norm: bool = False
+    """With ``parallel_attention``: one norm feeds both, x + attn(norm(x)) + mlp(norm(x)) (Falcon-7B)."""
+    rotary_fraction: float = 1.0
+    """Share of each head's dimensions that the rotary embedding rotates (GPT-NeoX's rotary_pct,
+    0.25); the others pass through. Rotated: int(head_size x rotary_fraction), even, at least 2."""
     name: str = "custom"
     """A label for tables and files."""
 
@@ -87,9 +114,15 @@ class ModelSpec:
                 raise UserError(f"model {self.name}: {field}={v!r} must be a positive integer")
             if not lo <= v <= hi:
                 raise UserError(f"model {self.name}: {field}={v!r} is out of range; expected {lo} to {hi}")
-        if self.hidden_size % self.num_attention_heads:
+        hd = self.head_dim
+        if hd is not None and (isinstance(hd, bool) or not isinstance(hd, int)
+                               or not HEAD_DIM_LIMITS[0] <= hd <= HEAD_DIM_LIMITS[1]):
+            raise UserError(f"model {self.name}: head_dim={hd!r} must be null or an integer in "
+                            f"[{HEAD_DIM_LIMITS[0]}, {HEAD_DIM_LIMITS[1]}]")
+        if hd is None and self.hidden_size % self.num_attention_heads:
             raise UserError(f"model {self.name}: hidden_size({self.hidden_size}) is not divisible by "
-                            f"num_attention_heads({self.num_attention_heads})")
+                            f"num_attention_heads({self.num_attention_heads}) (set head_dim for heads of "
+                            "another width)")
         if self.num_attention_heads % self.num_kv_heads:
             raise UserError(f"model {self.name}: num_attention_heads({self.num_attention_heads}) is not "
                             f"divisible by num_kv_heads({self.num_kv_heads})")
@@ -98,22 +131,55 @@ class ModelSpec:
             if getattr(self, field) not in allowed:
                 raise UserError(f"model {self.name}: {field}={getattr(self, field)!r}; "
                                 f"valid: {', '.join(allowed)}")
-        for field in ("tied_embeddings", "bias"):
+        for field in ("tied_embeddings", "bias", "qkv_bias", "parallel_attention", "shared_norm"):
             if not isinstance(getattr(self, field), bool):
                 raise UserError(f"model {self.name}: {field}={getattr(self, field)!r} must be true or false")
         d = self.dropout
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0.0 <= d < 1.0):
             raise UserError(f"model {self.name}: dropout={d!r} must be a number in [0, 1)")
+        if self.shared_norm and not self.parallel_attention:
+            raise UserError(f"model {self.name}: shared_norm=true needs parallel_attention=true (a sequential "
+                            "block's second norm reads the attention's output)")
+        r = self.rotary_fraction
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 < r <= 1.0):
+            raise UserError(f"model {self.name}: rotary_fraction={r!r} must be a number in (0, 1]")
+        if r != 1.0 and self.position_embedding != "rope":
+            raise UserError(f"model {self.name}: rotary_fraction={r!r} needs position_embedding 'rope' "
+                            f"(it is {self.position_embedding!r}); valid: 1.0")
+        if self.position_embedding == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise UserError(f"model {self.name}: rotary_fraction={r!r} rotates {self.rotary_dim} of the "
+                            f"{self.head_size} dimensions of a head; valid: an even count of at least 2")
 
     # -- derived shapes -----------------------------------------------------------------------
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def head_size(self) -> int:
+        """Width of one attention head: ``head_dim``, or hidden_size / num_attention_heads."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of Q (and of the attention's output): num_attention_heads x head_size (hidden_size
+        unless ``head_dim`` says otherwise)."""
+        return self.num_attention_heads * self.head_size
 
     @property
     def kv_size(self) -> int:
-        """Width of K (and of V): num_kv_heads x head_dim."""
-        return self.num_kv_heads * self.head_dim
+        """Width of K (and of V): num_kv_heads x head_size."""
+        return self.num_kv_heads * self.head_size
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head the rotary embedding rotates (0 without rope), as Hugging Face
+        computes them: int(head_size x rotary_fraction)."""
+        return int(self.head_size * self.rotary_fraction) if self.position_embedding == "rope" else 0
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.activation in GATED_ACTIVATIONS
+
+    @property
+    def norms_per_block(self) -> int:
+        return 1 if self.shared_norm else 2
 
     @property
     def dtype_bytes(self) -> int:
@@ -121,7 +187,7 @@ class ModelSpec:
 
     @property
     def mlp_matrices(self) -> int:
-        return 3 if self.activation == "swiglu" else 2
+        return 3 if self.gated_mlp else 2
 
     # -- parameter counts ---------------------------------------------------------------------
     def norm_params(self) -> int:
@@ -129,13 +195,15 @@ class ModelSpec:
 
     def layer_params(self) -> int:
         """Parameters of one transformer block."""
-        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_size
-        attn = h * (h + 2 * kv) + h * h
+        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.q_size, self.kv_size
+        attn = h * (q + 2 * kv) + q * h
         mlp = self.mlp_matrices * h * f
         if self.bias:
-            attn += (h + 2 * kv) + h
+            attn += (q + 2 * kv) + h
             mlp += (self.mlp_matrices - 1) * f + h
-        return attn + mlp + 2 * self.norm_params()
+        elif self.qkv_bias:
+            attn += q + 2 * kv
+        return attn + mlp + self.norms_per_block * self.norm_params()
 
     def embedding_params(self) -> int:
         pos = self.seq_length * self.hidden_size if self.position_embedding == "learned" else 0
@@ -152,11 +220,12 @@ class ModelSpec:
     def layer_forward_flops_per_token(self) -> float:
         """Matrix-multiply FLOPs of one block's forward, per token (2 per multiply-add).
 
-        Attention scores and weighted sum count 2*s*h each, without exploiting causality, as in
-        Narayanan et al. (arXiv 2104.04473, eq. 3) so that MFU matches published numbers.
+        Attention scores and weighted sum count 2*s*q each (q = heads x head width, h unless
+        ``head_dim`` says otherwise), without exploiting causality, as in Narayanan et al. (arXiv
+        2104.04473, eq. 3) so that MFU matches published numbers.
         """
-        h, f, kv, s = self.hidden_size, self.ffn_hidden_size, self.kv_size, self.seq_length
-        return 2.0 * (h * (h + 2 * kv) + h * h + self.mlp_matrices * h * f) + 4.0 * s * h
+        h, f, q, kv, s = self.hidden_size, self.ffn_hidden_size, self.q_size, self.kv_size, self.seq_length
+        return 2.0 * (h * (q + 2 * kv) + q * h + self.mlp_matrices * h * f) + 4.0 * s * q
 
     def model_flops_per_token(self) -> float:
         """Forward + backward model FLOPs per token (no recomputation): 3x the forward.
@@ -168,7 +237,9 @@ class ModelSpec:
 
     # -- (de)serialisation ----------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field, except those of :data:`LATER_FIELDS` that hold their default."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
 
     @classmethod
     def from_dict(cls, d: dict, name: str | None = None) -> "ModelSpec":

@@ -273,7 +273,8 @@ def preset(name: str) -> ModelSpec:
     return ModelSpec.from_dict(presets[name], name=name)
 
 
-_HF_GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu"}
+_HF_GELU = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python", "gelu_accurate", "quick_gelu")
+_HF_SILU = ("silu", "swish", "swiglu")
 _HF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _HF_INT = Null(Int(1, 1 << 24))
 # The keys read from a Hugging Face config, with their exact types. A config.json holds many more
@@ -281,11 +282,36 @@ _HF_INT = Null(Int(1, 1 << 24))
 HF_KEYS = {
     **{k: _HF_INT for k in ("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head",
                              "num_hidden_layers", "n_layer", "num_layers", "num_key_value_heads", "n_head_kv",
-                             "intermediate_size", "n_inner", "ffn_dim", "vocab_size", "max_position_embeddings",
-                             "n_positions", "n_ctx", "seq_length")},
-    **{k: Null(Str(max_len=100)) for k in ("hidden_act", "activation_function", "activation", "model_type")},
-    "tie_word_embeddings": Null(Bool()), "attention_bias": Null(Bool()),
+                             "num_kv_heads", "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size",
+                             "vocab_size", "max_position_embeddings", "n_positions", "n_ctx", "seq_length",
+                             "head_dim", "sliding_window", "num_ln_in_parallel_attn")},
+    **{k: Null(Int(0, 1 << 24)) for k in ("num_local_experts", "num_experts", "n_routed_experts")},
+    **{k: Null(Str(max_len=100)) for k in ("hidden_act", "hidden_activation", "activation_function", "activation",
+                                           "model_type")},
+    **{k: Null(Bool()) for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "bias", "alibi",
+                                 "multi_query", "parallel_attn", "new_decoder_architecture", "use_parallel_residual",
+                                 "use_sliding_window", "apply_residual_connection_post_layernorm",
+                                 "is_encoder_decoder")},
+    **{k: Null(Num(0.0, 1.0, lo_open=True)) for k in ("rotary_pct", "partial_rotary_factor")},
     "torch_dtype": Null(Str(_HF_DTYPE)), "dtype": Null(Str(_HF_DTYPE)),
+}
+
+# model_type -> family. Llama, Mistral, Qwen2 and Gemma (and any model_type not listed here) are read
+# as Llama-like: RMSNorm, rotary positions, a gated MLP, sequential pre-norm blocks.
+HF_FAMILIES = {"gpt2": "gpt2", "gpt_bigcode": "gpt2", "gpt_neox": "gpt_neox",
+               "falcon": "falcon", "RefinedWeb": "falcon", "RefinedWebModel": "falcon"}
+_FAMILY_NAMES = {"llama": "Llama-like", "gpt2": "GPT-2", "gpt_neox": "GPT-NeoX", "falcon": "Falcon"}
+HF_SUPPORTED = "llama, mistral, qwen2, gemma, gpt2, gpt_bigcode, gpt_neox, falcon (or another Llama-like model_type)"
+# model_types that look Llama-like enough to load but are not: refused rather than mispriced.
+HF_REFUSED = {
+    "gptj": "its MLP has biases but its attention has none, and its output layer has a bias",
+    "opt": "its learned positions have 2 extra rows and its MLP is ReLU",
+    "bloom": "ALiBi attention biases are not modelled", "mpt": "ALiBi attention biases are not modelled",
+    "gemma2": "its blocks have four norms and soft-capped logits",
+    "gemma3": "its blocks have four norms and Q/K norms", "gemma3_text": "its blocks have four norms and Q/K norms",
+    "phi": "its output layer has a bias",
+    "stablelm": "its norms are LayerNorms, with optional Q/K norms",
+    "starcoder2": "its MLP is not gated and its norms are LayerNorms",
 }
 
 
@@ -306,48 +332,128 @@ def _check_hf(cfg: dict, name: str) -> None:
             raise UserError(f"model {name}: unknown key {k!r} in config.json (did you mean {close[0]!r}?)")
 
 
-def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
+def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (as a dict) without importing transformers.
 
+    Families (``model_type``): Llama, Mistral, Qwen2 (biases on Q, K, V), Gemma (GeGLU, explicit
+    ``head_dim``, tied embeddings), any other Llama-like type; GPT-2 and GPT-BigCode (multi-query);
+    GPT-NeoX / Pythia (parallel residual, partial rotary ``rotary_pct``, untied); Falcon (multi-query or
+    ``num_kv_heads`` with ``new_decoder_architecture``, ``parallel_attn`` with one or two norms,
+    ``bias``). Absent keys take the defaults of the family's transformers config class.
+
+    The training sequence is ``seq_length`` when given, else ``max_position_embeddings`` (Falcon
+    without it: 2048). A model with a ``sliding_window`` shorter than that trains at the window: the
+    sliding-window attention is then the full causal attention that autoconf models and builds, and a
+    longer ``seq_length`` is refused. Mixture-of-experts, ALiBi and encoder-decoder configs are refused.
     The keys read are type-checked (:data:`HF_KEYS`); near-misses of them are refused.
     """
     if not isinstance(cfg, dict):
         raise UserError(f"model {name}: a config.json must hold a JSON object")
     _check_hf(cfg, name)
 
+    def get(key, default=None):
+        return cfg[key] if cfg.get(key) is not None else default
+
     def pick(*keys, default=None):
         for k in keys:
-            if k in cfg and cfg[k] is not None:
+            if cfg.get(k) is not None:
                 return cfg[k]
         if default is None:
-            raise UserError(f"model {name}: config.json lacks {' / '.join(keys)}")
+            raise UserError(f"model {name}: config.json lacks {' / '.join(keys)} (model_type "
+                            f"{model_type or '(absent)'}, read as {_FAMILY_NAMES[family]})")
         return default
 
+    def refuse(key, why, valid):
+        raise UserError(f"model {name}: {key}={json.dumps(cfg.get(key))}: {why}; valid: {valid}")
+
     model_type = cfg.get("model_type") or ""
-    hidden = pick("hidden_size", "n_embd", "d_model")
-    heads = pick("num_attention_heads", "n_head")
-    act = pick("hidden_act", "activation_function", "activation", default="gelu")
-    gpt2_like = model_type in ("gpt2", "gpt_neox", "gptj", "opt", "gpt_bigcode")
-    activation = "gelu" if act in _HF_GELU else "swiglu" if act in ("silu", "swiglu") else None
-    if activation is None:
-        raise UserError(f"model {name}: hidden_act {act!r} is not supported; valid: gelu variants, silu")
-    tied, bias = cfg.get("tie_word_embeddings"), cfg.get("attention_bias")
-    return ModelSpec(
-        name=name,
-        num_layers=pick("num_hidden_layers", "n_layer", "num_layers"),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_kv_heads=pick("num_key_value_heads", "n_head_kv", default=heads),
-        ffn_hidden_size=pick("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
-        vocab_size=pick("vocab_size"),
-        seq_length=pick("max_position_embeddings", "n_positions", "n_ctx", "seq_length"),
-        activation=activation,
-        tied_embeddings=gpt2_like if tied is None else tied,
-        dtype=_HF_DTYPE[pick("torch_dtype", "dtype", default="bfloat16")],
-        norm="layernorm" if gpt2_like else "rmsnorm",
-        position_embedding="learned" if model_type in ("gpt2", "opt", "gpt_bigcode") else "rope",
-        bias=gpt2_like if bias is None else bias,
-    )
+    family = HF_FAMILIES.get(model_type, "llama")
+    if model_type in HF_REFUSED:
+        refuse("model_type", f"{model_type} is not supported ({HF_REFUSED[model_type]})", HF_SUPPORTED)
+    if get("is_encoder_decoder"):
+        refuse("is_encoder_decoder", "encoder-decoder models are not modelled (decoder-only transformers)", "false")
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if get(key, 0) > 1:
+            refuse(key, "mixture-of-experts layers are not modelled (dense MLPs only)", "absent, 0 or 1")
+    if get("alibi"):
+        refuse("alibi", "ALiBi attention biases are not modelled", "false (rotary positions)")
+    if get("apply_residual_connection_post_layernorm"):
+        refuse("apply_residual_connection_post_layernorm", "post-norm residuals are not modelled", "false")
+
+    hidden = pick("hidden_size", "n_embd") if family in ("gpt2", "falcon") else pick("hidden_size")
+    heads = pick("num_attention_heads", "n_head") if family in ("gpt2", "falcon") else pick("num_attention_heads")
+    layers = pick("num_hidden_layers", "n_layer") if family in ("gpt2", "falcon") else pick("num_hidden_layers")
+    spec = dict(name=name, hidden_size=hidden, num_attention_heads=heads, num_layers=layers,
+                vocab_size=pick("vocab_size"), dtype=_HF_DTYPE[pick("torch_dtype", "dtype", default="bfloat16")])
+    seq = None
+    if family == "gpt2":
+        act = get("activation_function", "gelu_new")
+        if act not in _HF_GELU:
+            refuse("activation_function", "a GPT-2 MLP is fc2(act(fc1 x))", ", ".join(_HF_GELU))
+        mqa = model_type == "gpt_bigcode" and get("multi_query", True)
+        spec.update(num_kv_heads=1 if mqa else heads, ffn_hidden_size=get("n_inner", 4 * hidden),
+                    activation="gelu", tied_embeddings=get("tie_word_embeddings", True), norm="layernorm",
+                    position_embedding="learned", bias=True)
+        seq = pick("n_positions", "n_ctx", "max_position_embeddings")
+    elif family == "gpt_neox":
+        act = get("hidden_act", "gelu")
+        if act not in _HF_GELU:
+            refuse("hidden_act", "a GPT-NeoX MLP is fc2(act(fc1 x))", ", ".join(_HF_GELU))
+        if get("attention_bias", True) is False:
+            refuse("attention_bias", "a GPT-NeoX MLP keeps its biases; biases on the MLP alone are not modelled",
+                   "true")
+        spec.update(num_kv_heads=heads, ffn_hidden_size=pick("intermediate_size"), activation="gelu",
+                    tied_embeddings=get("tie_word_embeddings", False), norm="layernorm", position_embedding="rope",
+                    bias=True, parallel_attention=get("use_parallel_residual", True),
+                    rotary_fraction=pick("rotary_pct", "partial_rotary_factor", default=0.25))
+        seq = pick("max_position_embeddings")
+    elif family == "falcon":
+        act = get("activation", "gelu")
+        if act not in _HF_GELU:
+            refuse("activation", "a Falcon MLP is fc2(act(fc1 x))", ", ".join(_HF_GELU))
+        new_arch = get("new_decoder_architecture", model_type == "RefinedWeb")
+        if new_arch:
+            kv = pick("num_kv_heads", "n_head_kv", default=heads)
+        else:
+            kv = 1 if get("multi_query", True) else heads
+        parallel = bool(new_arch or get("parallel_attn", True))
+        norms = get("num_ln_in_parallel_attn", 2 if new_arch else 1) if parallel else 2
+        if norms not in (1, 2):
+            refuse("num_ln_in_parallel_attn", "a parallel block has one or two norms", "1, 2")
+        spec.update(num_kv_heads=kv, ffn_hidden_size=get("ffn_hidden_size", 4 * hidden), activation="gelu",
+                    tied_embeddings=get("tie_word_embeddings", True), norm="layernorm", position_embedding="rope",
+                    bias=get("bias", False), parallel_attention=parallel, shared_norm=parallel and norms == 1)
+        seq = get("max_position_embeddings", 2048)
+    else:
+        gemma = model_type == "gemma"
+        act_key = "hidden_activation" if gemma and get("hidden_activation") else "hidden_act"
+        act = get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+        activation = "swiglu" if act in _HF_SILU else "geglu" if act in _HF_GELU else None
+        if activation is None:
+            refuse(act_key, "the gated MLP down(act(gate x) * up x) is modelled with SiLU or GELU",
+                   ", ".join(_HF_SILU + _HF_GELU))
+        head_dim = get("head_dim")
+        if head_dim is not None and not (hidden % heads == 0 and head_dim == hidden // heads):
+            spec["head_dim"] = head_dim
+        attn_bias, mlp_bias = get("attention_bias", False), get("mlp_bias", False)
+        if attn_bias != mlp_bias:
+            refuse("attention_bias" if attn_bias else "mlp_bias",
+                   "biases on the attention or on the MLP alone are not modelled", "attention_bias and mlp_bias "
+                   "both false, or both true")
+        spec.update(num_kv_heads=pick("num_key_value_heads", default=heads), ffn_hidden_size=pick("intermediate_size"),
+                    activation=activation, tied_embeddings=get("tie_word_embeddings", gemma), norm="rmsnorm",
+                    position_embedding="rope", bias=attn_bias, qkv_bias=model_type == "qwen2" and not attn_bias,
+                    rotary_fraction=get("partial_rotary_factor", 1.0))
+        seq = pick("max_position_embeddings")
+    window = get("sliding_window") if get("use_sliding_window", True) else None
+    if seq_length is not None:
+        if window is not None and seq_length > window:
+            raise UserError(f"model {name}: sequence length {seq_length} exceeds sliding_window={window}: "
+                            f"sliding-window attention is not modelled; valid: a sequence length up to {window}")
+        seq = seq_length
+    elif window is not None:
+        seq = min(seq, window)
+    return ModelSpec(seq_length=seq, **spec)
 
 
 def load_model(ref: str, seq_length: int | None = None) -> ModelSpec:
@@ -355,7 +461,7 @@ def load_model(ref: str, seq_length: int | None = None) -> ModelSpec:
     if not isinstance(ref, str) or not ref:
         raise UserError(f"--model {ref!r}: give a preset name or a model file")
     if os.path.exists(ref):
-        spec = _load_model_file(ref)
+        spec = _load_model_file(ref, seq_length)
     elif ref.endswith((".yaml", ".yml", ".json")) or os.sep in ref:
         raise UserError(f"model file {ref!r} does not exist")
     else:
@@ -365,7 +471,7 @@ def load_model(ref: str, seq_length: int | None = None) -> ModelSpec:
     return spec
 
 
-def _load_model_file(path: str) -> ModelSpec:
+def _load_model_file(path: str, seq_length: int | None = None) -> ModelSpec:
     name = os.path.splitext(os.path.basename(path))[0][:200] or "custom"
     text = read_text(path, "model file")
     if path.endswith(".json"):
@@ -375,7 +481,7 @@ def _load_model_file(path: str) -> ModelSpec:
         check_kind(data, path, ("model", "hf"))
         if "num_layers" in data and "hidden_size" in data:
             return ModelSpec.from_dict({"name": name, **data})
-        return from_hf_config(data, name=name)
+        return from_hf_config(data, name=name, seq_length=seq_length)
     data = parse_yaml(text, path, "model file")
     if not isinstance(data, dict):
         raise UserError(f"model file {path!r} must hold a mapping of field names to values")

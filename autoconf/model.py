@@ -16,7 +16,8 @@ from importlib import resources
 from .errors import UserError
 from .schema import Bool, Dict, Int, Null, Num, Str, check_kind, parse_json, parse_yaml, read_text
 
-ACTIVATIONS = ("gelu", "swiglu")
+ACTIVATIONS = ("gelu", "swiglu", "geglu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")
 DTYPES = ("bf16", "fp16", "fp32")
 NORMS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("learned", "rope")
@@ -29,12 +30,21 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 LIMITS = {"num_layers": (1, 4096), "hidden_size": (1, 1 << 18), "num_attention_heads": (1, 1 << 14),
           "num_kv_heads": (1, 1 << 14), "ffn_hidden_size": (1, 1 << 20), "vocab_size": (1, 1 << 24),
           "seq_length": (1, 1 << 22)}
+HEAD_DIM_LIMITS = (1, 1 << 14)
+
+# Fields added after the first model documents (presets, YAML files, profiles, trial documents): their
+# defaults are the block every earlier document described, and to_dict leaves them out at their
+# defaults, so that those documents (and the search's cache signatures) are unchanged.
+LATER_FIELDS = {"head_dim": None, "qkv_bias": False, "parallel_attention": False, "shared_norm": False,
+                "rotary_fraction": 1.0}
 
 MODEL_SCHEMA = Dict(
     required={k: Int(lo, hi) for k, (lo, hi) in LIMITS.items()},
     optional={"activation": Str(ACTIVATIONS), "tied_embeddings": Bool(), "dtype": Str(DTYPES),
               "norm": Str(NORMS), "position_embedding": Str(POSITION_EMBEDDINGS), "bias": Bool(),
-              "dropout": Num(0.0, 1.0, hi_open=True), "attention": Str(ATTENTIONS), "name": Str(max_len=200)},
+              "dropout": Num(0.0, 1.0, hi_open=True), "attention": Str(ATTENTIONS),
+              "head_dim": Null(Int(*HEAD_DIM_LIMITS)), "qkv_bias": Bool(), "parallel_attention": Bool(),
+              "shared_norm": Bool(), "rotary_fraction": Num(0.0, 1.0, lo_open=True), "name": Str(max_len=200)},
     what="a model")
 
 
@@ -51,13 +61,14 @@ class ModelSpec:
     num_kv_heads: int
     """Key/value heads (grouped-query attention when fewer than the query heads)."""
     ffn_hidden_size: int
-    """Inner width of the MLP, f (per branch for SwiGLU)."""
+    """Inner width of the MLP, f (per branch for the gated SwiGLU / GeGLU)."""
     vocab_size: int
     """Vocabulary size, V."""
     seq_length: int
     """Training sequence length, s."""
     activation: str = "gelu"
-    """'gelu' (two-matrix MLP) or 'swiglu' (gated, three matrices)."""
+    """'gelu' (two-matrix MLP: fc2(gelu(fc1 x))), or gated with three matrices, down(act(gate x) * up x):
+    'swiglu' (act = SiLU: Llama, Mistral, Qwen2) or 'geglu' (act = GELU: Gemma)."""
     tied_embeddings: bool = False
     """Whether the output layer reuses the input embedding matrix."""
     dtype: str = "bf16"
@@ -67,12 +78,28 @@ class ModelSpec:
     position_embedding: str = "learned"
     """'learned' (a seq_length x hidden table) or 'rope' (no parameters)."""
     bias: bool = False
-    """Whether linear layers carry biases (GPT-2/3 do, Llama does not)."""
+    """Whether every linear layer of a block carries a bias (GPT-2/3, GPT-NeoX do, Llama does not)."""
     dropout: float = 0.0
     """Dropout probability on attention probabilities and block outputs (0 disables it)."""
     attention: str = "flash"
     """'flash' (fused attention, no s x s tensors kept) or 'eager' (explicit softmax, as in
     Megatron-LM's unfused path and Korthikanti et al.)."""
+    head_dim: int | None = None
+    """Width of one attention head, when it is not hidden_size / num_attention_heads (Gemma-7B: 16
+    heads of 256 on a 3072-wide stream). Q is then num_attention_heads x head_dim wide and the
+    attention's output projection maps that back to hidden_size. None: hidden_size / heads
+    (see :attr:`head_size` for the width in use)."""
+    qkv_bias: bool = False
+    """Biases on the Q, K and V projections only (Qwen2); implied by ``bias``."""
+    parallel_attention: bool = False
+    """Attention and MLP both read the block's input and are added to it together,
+    x + attn(norm1(x)) + mlp(norm2(x)) (GPT-J, GPT-NeoX's use_parallel_residual, Falcon's
+    parallel_attn), instead of the sequential x + attn(norm1(x)), then + mlp(norm2(.))."""
+    shared_norm: bool = False
+    """With ``parallel_attention``: one norm feeds both, x + attn(norm(x)) + mlp(norm(x)) (Falcon-7B)."""
+    rotary_fraction: float = 1.0
+    """Share of each head's dimensions that the rotary embedding rotates (GPT-NeoX's rotary_pct,
+    0.25); the others pass through. Rotated: int(head_size x rotary_fraction), even, at least 2."""
     name: str = "custom"
     """A label for tables and files."""
 
@@ -87,9 +114,15 @@ class ModelSpec:
                 raise UserError(f"model {self.name}: {field}={v!r} must be a positive integer")
             if not lo <= v <= hi:
                 raise UserError(f"model {self.name}: {field}={v!r} is out of range; expected {lo} to {hi}")
-        if self.hidden_size % self.num_attention_heads:
+        hd = self.head_dim
+        if hd is not None and (isinstance(hd, bool) or not isinstance(hd, int)
+                               or not HEAD_DIM_LIMITS[0] <= hd <= HEAD_DIM_LIMITS[1]):
+            raise UserError(f"model {self.name}: head_dim={hd!r} must be null or an integer in "
+                            f"[{HEAD_DIM_LIMITS[0]}, {HEAD_DIM_LIMITS[1]}]")
+        if hd is None and self.hidden_size % self.num_attention_heads:
             raise UserError(f"model {self.name}: hidden_size({self.hidden_size}) is not divisible by "
-                            f"num_attention_heads({self.num_attention_heads})")
+                            f"num_attention_heads({self.num_attention_heads}) (set head_dim for heads of "
+                            "another width)")
         if self.num_attention_heads % self.num_kv_heads:
             raise UserError(f"model {self.name}: num_attention_heads({self.num_attention_heads}) is not "
                             f"divisible by num_kv_heads({self.num_kv_heads})")
@@ -98,22 +131,55 @@ class ModelSpec:
             if getattr(self, field) not in allowed:
                 raise UserError(f"model {self.name}: {field}={getattr(self, field)!r}; "
                                 f"valid: {', '.join(allowed)}")
-        for field in ("tied_embeddings", "bias"):
+        for field in ("tied_embeddings", "bias", "qkv_bias", "parallel_attention", "shared_norm"):
             if not isinstance(getattr(self, field), bool):
                 raise UserError(f"model {self.name}: {field}={getattr(self, field)!r} must be true or false")
         d = self.dropout
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not (0.0 <= d < 1.0):
             raise UserError(f"model {self.name}: dropout={d!r} must be a number in [0, 1)")
+        if self.shared_norm and not self.parallel_attention:
+            raise UserError(f"model {self.name}: shared_norm=true needs parallel_attention=true (a sequential "
+                            "block's second norm reads the attention's output)")
+        r = self.rotary_fraction
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 < r <= 1.0):
+            raise UserError(f"model {self.name}: rotary_fraction={r!r} must be a number in (0, 1]")
+        if r != 1.0 and self.position_embedding != "rope":
+            raise UserError(f"model {self.name}: rotary_fraction={r!r} needs position_embedding 'rope' "
+                            f"(it is {self.position_embedding!r}); valid: 1.0")
+        if self.position_embedding == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise UserError(f"model {self.name}: rotary_fraction={r!r} rotates {self.rotary_dim} of the "
+                            f"{self.head_size} dimensions of a head; valid: an even count of at least 2")
 
     # -- derived shapes -----------------------------------------------------------------------
     @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def head_size(self) -> int:
+        """Width of one attention head: ``head_dim``, or hidden_size / num_attention_heads."""
+        return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of Q (and of the attention's output): num_attention_heads x head_size (hidden_size
+        unless ``head_dim`` says otherwise)."""
+        return self.num_attention_heads * self.head_size
 
     @property
     def kv_size(self) -> int:
-        """Width of K (and of V): num_kv_heads x head_dim."""
-        return self.num_kv_heads * self.head_dim
+        """Width of K (and of V): num_kv_heads x head_size."""
+        return self.num_kv_heads * self.head_size
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head the rotary embedding rotates (0 without rope), as Hugging Face
+        computes them: int(head_size x rotary_fraction)."""
+        return int(self.head_size * self.rotary_fraction) if self.position_embedding == "rope" else 0
+
+    @property
+    def gated_mlp(self) -> bool:
+        return self.activation in GATED_ACTIVATIONS
+
+    @property
+    def norms_per_block(self) -> int:
+        return 1 if self.shared_norm else 2
 
     @property
     def dtype_bytes(self) -> int:
@@ -121,7 +187,7 @@ class ModelSpec:
 
     @property
     def mlp_matrices(self) -> int:
-        return 3 if self.activation == "swiglu" else 2
+        return 3 if self.gated_mlp else 2
 
     # -- parameter counts ---------------------------------------------------------------------
     def norm_params(self) -> int:
@@ -129,13 +195,15 @@ class ModelSpec:
 
     def layer_params(self) -> int:
         """Parameters of one transformer block."""
-        h, f, kv = self.hidden_size, self.ffn_hidden_size, self.kv_size
-        attn = h * (h + 2 * kv) + h * h
+        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.q_size, self.kv_size
+        attn = h * (q + 2 * kv) + q * h
         mlp = self.mlp_matrices * h * f
         if self.bias:
-            attn += (h + 2 * kv) + h
+            attn += (q + 2 * kv) + h
             mlp += (self.mlp_matrices - 1) * f + h
-        return attn + mlp + 2 * self.norm_params()
+        elif self.qkv_bias:
+            attn += q + 2 * kv
+        return attn + mlp + self.norms_per_block * self.norm_params()
 
     def embedding_params(self) -> int:
         pos = self.seq_length * self.hidden_size if self.position_embedding == "learned" else 0
@@ -152,11 +220,12 @@ class ModelSpec:
     def layer_forward_flops_per_token(self) -> float:
         """Matrix-multiply FLOPs of one block's forward, per token (2 per multiply-add).
 
-        Attention scores and weighted sum count 2*s*h each, without exploiting causality, as in
-        Narayanan et al. (arXiv 2104.04473, eq. 3) so that MFU matches published numbers.
+        Attention scores and weighted sum count 2*s*q each (q = heads x head width, h unless
+        ``head_dim`` says otherwise), without exploiting causality, as in Narayanan et al. (arXiv
+        2104.04473, eq. 3) so that MFU matches published numbers.
         """
-        h, f, kv, s = self.hidden_size, self.ffn_hidden_size, self.kv_size, self.seq_length
-        return 2.0 * (h * (h + 2 * kv) + h * h + self.mlp_matrices * h * f) + 4.0 * s * h
+        h, f, q, kv, s = self.hidden_size, self.ffn_hidden_size, self.q_size, self.kv_size, self.seq_length
+        return 2.0 * (h * (q + 2 * kv) + q * h + self.mlp_matrices * h * f) + 4.0 * s * q
 
     def model_flops_per_token(self) -> float:
         """Forward + backward model FLOPs per token (no recomputation): 3x the forward.
@@ -168,7 +237,9 @@ class ModelSpec:
 
     # -- (de)serialisation ----------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field, except those of :data:`LATER_FIELDS` that hold their default."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if not (k in LATER_FIELDS and v == LATER_FIELDS[k])}
 
     @classmethod
     def from_dict(cls, d: dict, name: str | None = None) -> "ModelSpec":
@@ -202,7 +273,8 @@ def preset(name: str) -> ModelSpec:
     return ModelSpec.from_dict(presets[name], name=name)
 
 
-_HF_GELU = {"gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "quick_gelu"}
+_HF_GELU = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python", "gelu_accurate", "quick_gelu")
+_HF_SILU = ("silu", "swish", "swiglu")
 _HF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 _HF_INT = Null(Int(1, 1 << 24))
 # The keys read from a Hugging Face config, with their exact types. A config.json holds many more
@@ -210,11 +282,36 @@ _HF_INT = Null(Int(1, 1 << 24))
 HF_KEYS = {
     **{k: _HF_INT for k in ("hidden_size", "n_embd", "d_model", "num_attention_heads", "n_head",
                              "num_hidden_layers", "n_layer", "num_layers", "num_key_value_heads", "n_head_kv",
-                             "intermediate_size", "n_inner", "ffn_dim", "vocab_size", "max_position_embeddings",
-                             "n_positions", "n_ctx", "seq_length")},
-    **{k: Null(Str(max_len=100)) for k in ("hidden_act", "activation_function", "activation", "model_type")},
-    "tie_word_embeddings": Null(Bool()), "attention_bias": Null(Bool()),
+                             "num_kv_heads", "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size",
+                             "vocab_size", "max_position_embeddings", "n_positions", "n_ctx", "seq_length",
+                             "head_dim", "sliding_window", "num_ln_in_parallel_attn")},
+    **{k: Null(Int(0, 1 << 24)) for k in ("num_local_experts", "num_experts", "n_routed_experts")},
+    **{k: Null(Str(max_len=100)) for k in ("hidden_act", "hidden_activation", "activation_function", "activation",
+                                           "model_type")},
+    **{k: Null(Bool()) for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "bias", "alibi",
+                                 "multi_query", "parallel_attn", "new_decoder_architecture", "use_parallel_residual",
+                                 "use_sliding_window", "apply_residual_connection_post_layernorm",
+                                 "is_encoder_decoder")},
+    **{k: Null(Num(0.0, 1.0, lo_open=True)) for k in ("rotary_pct", "partial_rotary_factor")},
     "torch_dtype": Null(Str(_HF_DTYPE)), "dtype": Null(Str(_HF_DTYPE)),
+}
+
+# model_type -> family. Llama, Mistral, Qwen2 and Gemma (and any model_type not listed here) are read
+# as Llama-like: RMSNorm, rotary positions, a gated MLP, sequential pre-norm blocks.
+HF_FAMILIES = {"gpt2": "gpt2", "gpt_bigcode": "gpt2", "gpt_neox": "gpt_neox",
+               "falcon": "falcon", "RefinedWeb": "falcon", "RefinedWebModel": "falcon"}
+_FAMILY_NAMES = {"llama": "Llama-like", "gpt2": "GPT-2", "gpt_neox": "GPT-NeoX", "falcon": "Falcon"}
+HF_SUPPORTED = "llama, mistral, qwen2, gemma, gpt2, gpt_bigcode, gpt_neox, falcon (or another Llama-like model_type)"
+# model_types that look Llama-like enough to load but are not: refused rather than mispriced.
+HF_REFUSED = {
+    "gptj": "its MLP has biases but its attention has none, and its output layer has a bias",
+    "opt": "its learned positions have 2 extra rows and its MLP is ReLU",
+    "bloom": "ALiBi attention biases are not modelled", "mpt": "ALiBi attention biases are not modelled",
+    "gemma2": "its blocks have four norms and soft-capped logits",
+    "gemma3": "its blocks have four norms and Q/K norms", "gemma3_text": "its blocks have four norms and Q/K norms",
+    "phi": "its output layer has a bias",
+    "stablelm": "its norms are LayerNorms, with optional Q/K norms",
+    "starcoder2": "its MLP is not gated and its norms are LayerNorms",
 }
 
 
@@ -235,48 +332,128 @@ def _check_hf(cfg: dict, name: str) -> None:
             raise UserError(f"model {name}: unknown key {k!r} in config.json (did you mean {close[0]!r}?)")
 
 
-def from_hf_config(cfg: dict, name: str = "hf") -> ModelSpec:
+def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (as a dict) without importing transformers.
 
+    Families (``model_type``): Llama, Mistral, Qwen2 (biases on Q, K, V), Gemma (GeGLU, explicit
+    ``head_dim``, tied embeddings), any other Llama-like type; GPT-2 and GPT-BigCode (multi-query);
+    GPT-NeoX / Pythia (parallel residual, partial rotary ``rotary_pct``, untied); Falcon (multi-query or
+    ``num_kv_heads`` with ``new_decoder_architecture``, ``parallel_attn`` with one or two norms,
+    ``bias``). Absent keys take the defaults of the family's transformers config class.
+
+    The training sequence is ``seq_length`` when given, else ``max_position_embeddings`` (Falcon
+    without it: 2048). A model with a ``sliding_window`` shorter than that trains at the window: the
+    sliding-window attention is then the full causal attention that autoconf models and builds, and a
+    longer ``seq_length`` is refused. Mixture-of-experts, ALiBi and encoder-decoder configs are refused.
     The keys read are type-checked (:data:`HF_KEYS`); near-misses of them are refused.
     """
     if not isinstance(cfg, dict):
         raise UserError(f"model {name}: a config.json must hold a JSON object")
     _check_hf(cfg, name)
 
+    def get(key, default=None):
+        return cfg[key] if cfg.get(key) is not None else default
+
     def pick(*keys, default=None):
         for k in keys:
-            if k in cfg and cfg[k] is not None:
+            if cfg.get(k) is not None:
                 return cfg[k]
         if default is None:
-            raise UserError(f"model {name}: config.json lacks {' / '.join(keys)}")
+            raise UserError(f"model {name}: config.json lacks {' / '.join(keys)} (model_type "
+                            f"{model_type or '(absent)'}, read as {_FAMILY_NAMES[family]})")
         return default
 
+    def refuse(key, why, valid):
+        raise UserError(f"model {name}: {key}={json.dumps(cfg.get(key))}: {why}; valid: {valid}")
+
     model_type = cfg.get("model_type") or ""
-    hidden = pick("hidden_size", "n_embd", "d_model")
-    heads = pick("num_attention_heads", "n_head")
-    act = pick("hidden_act", "activation_function", "activation", default="gelu")
-    gpt2_like = model_type in ("gpt2", "gpt_neox", "gptj", "opt", "gpt_bigcode")
-    activation = "gelu" if act in _HF_GELU else "swiglu" if act in ("silu", "swiglu") else None
-    if activation is None:
-        raise UserError(f"model {name}: hidden_act {act!r} is not supported; valid: gelu variants, silu")
-    tied, bias = cfg.get("tie_word_embeddings"), cfg.get("attention_bias")
-    return ModelSpec(
-        name=name,
-        num_layers=pick("num_hidden_layers", "n_layer", "num_layers"),
-        hidden_size=hidden,
-        num_attention_heads=heads,
-        num_kv_heads=pick("num_key_value_heads", "n_head_kv", default=heads),
-        ffn_hidden_size=pick("intermediate_size", "n_inner", "ffn_dim", default=4 * hidden),
-        vocab_size=pick("vocab_size"),
-        seq_length=pick("max_position_embeddings", "n_positions", "n_ctx", "seq_length"),
-        activation=activation,
-        tied_embeddings=gpt2_like if tied is None else tied,
-        dtype=_HF_DTYPE[pick("torch_dtype", "dtype", default="bfloat16")],
-        norm="layernorm" if gpt2_like else "rmsnorm",
-        position_embedding="learned" if model_type in ("gpt2", "opt", "gpt_bigcode") else "rope",
-        bias=gpt2_like if bias is None else bias,
-    )
+    family = HF_FAMILIES.get(model_type, "llama")
+    if model_type in HF_REFUSED:
+        refuse("model_type", f"{model_type} is not supported ({HF_REFUSED[model_type]})", HF_SUPPORTED)
+    if get("is_encoder_decoder"):
+        refuse("is_encoder_decoder", "encoder-decoder models are not modelled (decoder-only transformers)", "false")
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if get(key, 0) > 1:
+            refuse(key, "mixture-of-experts layers are not modelled (dense MLPs only)", "absent, 0 or 1")
+    if get("alibi"):
+        refuse("alibi", "ALiBi attention biases are not modelled", "false (rotary positions)")
+    if get("apply_residual_connection_post_layernorm"):
+        refuse("apply_residual_connection_post_layernorm", "post-norm residuals are not modelled", "false")
+
+    hidden = pick("hidden_size", "n_embd") if family in ("gpt2", "falcon") else pick("hidden_size")
+    heads = pick("num_attention_heads", "n_head") if family in ("gpt2", "falcon") else pick("num_attention_heads")
+    layers = pick("num_hidden_layers", "n_layer") if family in ("gpt2", "falcon") else pick("num_hidden_layers")
+    spec = dict(name=name, hidden_size=hidden, num_attention_heads=heads, num_layers=layers,
+                vocab_size=pick("vocab_size"), dtype=_HF_DTYPE[pick("torch_dtype", "dtype", default="bfloat16")])
+    seq = None
+    if family == "gpt2":
+        act = get("activation_function", "gelu_new")
+        if act not in _HF_GELU:
+            refuse("activation_function", "a GPT-2 MLP is fc2(act(fc1 x))", ", ".join(_HF_GELU))
+        mqa = model_type == "gpt_bigcode" and get("multi_query", True)
+        spec.update(num_kv_heads=1 if mqa else heads, ffn_hidden_size=get("n_inner", 4 * hidden),
+                    activation="gelu", tied_embeddings=get("tie_word_embeddings", True), norm="layernorm",
+                    position_embedding="learned", bias=True)
+        seq = pick("n_positions", "n_ctx", "max_position_embeddings")
+    elif family == "gpt_neox":
+        act = get("hidden_act", "gelu")
+        if act not in _HF_GELU:
+            refuse("hidden_act", "a GPT-NeoX MLP is fc2(act(fc1 x))", ", ".join(_HF_GELU))
+        if get("attention_bias", True) is False:
+            refuse("attention_bias", "a GPT-NeoX MLP keeps its biases; biases on the MLP alone are not modelled",
+                   "true")
+        spec.update(num_kv_heads=heads, ffn_hidden_size=pick("intermediate_size"), activation="gelu",
+                    tied_embeddings=get("tie_word_embeddings", False), norm="layernorm", position_embedding="rope",
+                    bias=True, parallel_attention=get("use_parallel_residual", True),
+                    rotary_fraction=pick("rotary_pct", "partial_rotary_factor", default=0.25))
+        seq = pick("max_position_embeddings")
+    elif family == "falcon":
+        act = get("activation", "gelu")
+        if act not in _HF_GELU:
+            refuse("activation", "a Falcon MLP is fc2(act(fc1 x))", ", ".join(_HF_GELU))
+        new_arch = get("new_decoder_architecture", model_type == "RefinedWeb")
+        if new_arch:
+            kv = pick("num_kv_heads", "n_head_kv", default=heads)
+        else:
+            kv = 1 if get("multi_query", True) else heads
+        parallel = bool(new_arch or get("parallel_attn", True))
+        norms = get("num_ln_in_parallel_attn", 2 if new_arch else 1) if parallel else 2
+        if norms not in (1, 2):
+            refuse("num_ln_in_parallel_attn", "a parallel block has one or two norms", "1, 2")
+        spec.update(num_kv_heads=kv, ffn_hidden_size=get("ffn_hidden_size", 4 * hidden), activation="gelu",
+                    tied_embeddings=get("tie_word_embeddings", True), norm="layernorm", position_embedding="rope",
+                    bias=get("bias", False), parallel_attention=parallel, shared_norm=parallel and norms == 1)
+        seq = get("max_position_embeddings", 2048)
+    else:
+        gemma = model_type == "gemma"
+        act_key = "hidden_activation" if gemma and get("hidden_activation") else "hidden_act"
+        act = get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+        activation = "swiglu" if act in _HF_SILU else "geglu" if act in _HF_GELU else None
+        if activation is None:
+            refuse(act_key, "the gated MLP down(act(gate x) * up x) is modelled with SiLU or GELU",
+                   ", ".join(_HF_SILU + _HF_GELU))
+        head_dim = get("head_dim")
+        if head_dim is not None and not (hidden % heads == 0 and head_dim == hidden // heads):
+            spec["head_dim"] = head_dim
+        attn_bias, mlp_bias = get("attention_bias", False), get("mlp_bias", False)
+        if attn_bias != mlp_bias:
+            refuse("attention_bias" if attn_bias else "mlp_bias",
+                   "biases on the attention or on the MLP alone are not modelled", "attention_bias and mlp_bias "
+                   "both false, or both true")
+        spec.update(num_kv_heads=pick("num_key_value_heads", default=heads), ffn_hidden_size=pick("intermediate_size"),
+                    activation=activation, tied_embeddings=get("tie_word_embeddings", gemma), norm="rmsnorm",
+                    position_embedding="rope", bias=attn_bias, qkv_bias=model_type == "qwen2" and not attn_bias,
+                    rotary_fraction=get("partial_rotary_factor", 1.0))
+        seq = pick("max_position_embeddings")
+    window = get("sliding_window") if get("use_sliding_window", True) else None
+    if seq_length is not None:
+        if window is not None and seq_length > window:
+            raise UserError(f"model {name}: sequence length {seq_length} exceeds sliding_window={window}: "
+                            f"sliding-window attention is not modelled; valid: a sequence length up to {window}")
+        seq = seq_length
+    elif window is not None:
+        seq = min(seq, window)
+    return ModelSpec(seq_length=seq, **spec)
 
 
 def load_model(ref: str, seq_length: int | None = None) -> ModelSpec:
@@ -284,7 +461,7 @@ def load_model(ref: str, seq_length: int | None = None) -> ModelSpec:
     if not isinstance(ref, str) or not ref:
         raise UserError(f"--model {ref!r}: give a preset name or a model file")
     if os.path.exists(ref):
-        spec = _load_model_file(ref)
+        spec = _load_model_file(ref, seq_length)
     elif ref.endswith((".yaml", ".yml", ".json")) or os.sep in ref:
         raise UserError(f"model file {ref!r} does not exist")
     else:
@@ -294,7 +471,7 @@ def load_model(ref: str, seq_length: int | None = None) -> ModelSpec:
     return spec
 
 
-def _load_model_file(path: str) -> ModelSpec:
+def _load_model_file(path: str, seq_length: int | None = None) -> ModelSpec:
     name = os.path.splitext(os.path.basename(path))[0][:200] or "custom"
     text = read_text(path, "model file")
     if path.endswith(".json"):
@@ -304,7 +481,7 @@ def _load_model_file(path: str) -> ModelSpec:
         check_kind(data, path, ("model", "hf"))
         if "num_layers" in data and "hidden_size" in data:
             return ModelSpec.from_dict({"name": name, **data})
-        return from_hf_config(data, name=name)
+        return from_hf_config(data, name=name, seq_length=seq_length)
     data = parse_yaml(text, path, "model file")
     if not isinstance(data, dict):
         raise UserError(f"model file {path!r} must hold a mapping of field names to values")

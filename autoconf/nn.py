@@ -4,9 +4,9 @@ Imported only by the profiler and the trainer (``import autoconf`` never imports
 imports torch). Layout of activations everywhere: ``[batch, sequence, hidden]``.
 
 Tensor parallelism (Shoeybi et al., arXiv 1909.08053): column-parallel fused qkv and fc1 (gate_up
-for SwiGLU), row-parallel attention output projection and fc2, with the autograd functions f
-(identity forward, all-reduce backward) and g (all-reduce forward, identity backward) over the TP
-group. Sequence parallelism (Korthikanti et al., arXiv 2205.05198): between blocks the hidden
+for the gated SwiGLU / GeGLU), row-parallel attention output projection and fc2, with the autograd
+functions f (identity forward, all-reduce backward) and g (all-reduce forward, identity backward)
+over the TP group. Sequence parallelism (Korthikanti et al., arXiv 2205.05198): between blocks the hidden
 states are sharded along the sequence, ``[b, s/tp, h]``; a column-parallel linear all-gathers the
 sequence first and saves only its *sharded* input for backward (re-gathering it there), a
 row-parallel linear reduce-scatters its output along the sequence; norms and dropouts run on shards.
@@ -289,7 +289,7 @@ def _check_tp(model: ModelSpec, tp: int, group, sp: bool) -> None:
 
 
 def _rope_tables(model: ModelSpec, dtype, device):
-    d = model.head_dim
+    d = model.rotary_dim
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
     ang = torch.outer(torch.arange(model.seq_length, device=device, dtype=torch.float32), inv)
     ang = torch.cat([ang, ang], dim=-1)
@@ -297,15 +297,20 @@ def _rope_tables(model: ModelSpec, dtype, device):
 
 
 def _rope(x, cos, sin):
-    """Rotary embedding on [b, s, heads, d] (rotate-half convention, as Llama)."""
-    s = x.shape[1]
+    """Rotary embedding on [b, s, heads, d] (rotate-half convention, as Llama and GPT-NeoX): the first
+    r = cos.shape[-1] dimensions of each head rotate, the others (partial rotary) pass through."""
+    s, r = x.shape[1], cos.shape[-1]
     cos, sin = cos[:s, None, :].to(x.dtype), sin[:s, None, :].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    rot = x[..., :r] if r < x.shape[-1] else x
+    x1, x2 = rot.chunk(2, dim=-1)
+    out = rot * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.cat([out, x[..., r:]], dim=-1) if r < x.shape[-1] else out
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + drop(attn(norm1(x))), then x + drop(mlp(norm2(x))).
+    """Pre-norm transformer block: x + drop(attn(norm1(x))), then x + drop(mlp(norm2(x))); with
+    ``model.parallel_attention`` x + drop(attn(norm1(x))) + drop(mlp(norm2(x))), one norm for both
+    with ``model.shared_norm``. Q is num_attention_heads x head_size wide (``model.q_size``).
 
     Input and output: [b, s, h], or [b, s/tp, h] under sequence parallelism. ``recompute``: "full"
     checkpoints the whole block, "selective" only the attention core (QK^T, softmax, dropout, AV, or
@@ -322,16 +327,16 @@ class Block(nn.Module):
         self.model, self.tp, self.group, self.recompute = model, tp_size, tp_group, recompute
         self.sp = bool(sequence_parallel) and tp_size > 1
         self.p = model.dropout
-        h, kv, f = model.hidden_size, model.kv_size, model.ffn_hidden_size
+        h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_hidden_size
         self.n_heads, self.n_kv = model.num_attention_heads // tp_size, model.num_kv_heads // tp_size
         key = f"blocks.{layer_index}"
         out_std = INIT_STD / math.sqrt(2 * model.num_layers)
         lin = dict(seed=seed, tp=tp_size, group=tp_group, sp=self.sp, dtype=dtype, device=device)
         self.norm1 = Norm(model, dtype, device, self.sp)
-        self.qkv = ColumnLinear(h, [h, kv, kv], model.bias, key + ".qkv", **lin)
-        self.proj = RowLinear(h, h, model.bias, key + ".proj", std=out_std, **lin)
-        self.norm2 = Norm(model, dtype, device, self.sp)
-        fc1_sections = [f, f] if model.activation == "swiglu" else [f]
+        self.qkv = ColumnLinear(h, [q, kv, kv], model.bias or model.qkv_bias, key + ".qkv", **lin)
+        self.proj = RowLinear(q, h, model.bias, key + ".proj", std=out_std, **lin)
+        self.norm2 = None if model.shared_norm else Norm(model, dtype, device, self.sp)
+        fc1_sections = [f, f] if model.gated_mlp else [f]
         self.fc1 = ColumnLinear(h, fc1_sections, model.bias, key + ".fc1", **lin)
         self.fc2 = RowLinear(f, h, model.bias, key + ".fc2", std=out_std, **lin)
         if model.position_embedding == "rope":
@@ -362,7 +367,7 @@ class Block(nn.Module):
     def attention(self, x):
         qkv = self.qkv(x)
         b, s, _ = qkv.shape
-        d = self.model.head_dim
+        d = self.model.head_size
         q, k, v = qkv.split([self.n_heads * d, self.n_kv * d, self.n_kv * d], dim=-1)
         q, k, v = q.view(b, s, self.n_heads, d), k.view(b, s, self.n_kv, d), v.view(b, s, self.n_kv, d)
         if self.model.position_embedding == "rope":
@@ -377,14 +382,18 @@ class Block(nn.Module):
 
     def mlp(self, x):
         y = self.fc1(x)
-        if self.model.activation == "swiglu":
+        if self.model.gated_mlp:
             gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
+            y = (F.silu(gate) if self.model.activation == "swiglu" else F.gelu(gate, approximate="tanh")) * up
         else:
             y = F.gelu(y, approximate="tanh")
         return self.fc2(y)
 
     def _forward(self, x):
+        if self.model.parallel_attention:
+            a = self.norm1(x)
+            m = a if self.norm2 is None else self.norm2(x)
+            return x + self._dropout(self.attention(a)) + self._dropout(self.mlp(m))
         x = x + self._dropout(self.attention(self.norm1(x)))
         return x + self._dropout(self.mlp(self.norm2(x)))
 

@@ -39,7 +39,8 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 # Shape fields a layer kind's compute time depends on. Fields outside these (name, num_layers,
 # tied_embeddings, ...) may differ between the profiled model and the one being planned.
 _BLOCK_FIELDS = ("hidden_size", "num_attention_heads", "num_kv_heads", "ffn_hidden_size", "seq_length",
-                 "activation", "dtype", "norm", "bias", "attention", "dropout", "position_embedding")
+                 "activation", "dtype", "norm", "bias", "attention", "dropout", "position_embedding",
+                 "head_dim", "qkv_bias", "parallel_attention", "shared_norm", "rotary_fraction")
 _EMBEDDING_FIELDS = ("hidden_size", "vocab_size", "seq_length", "dtype", "position_embedding", "dropout")
 _HEAD_FIELDS = ("hidden_size", "vocab_size", "seq_length", "dtype", "norm")
 COMPUTE_FIELDS = {"block": _BLOCK_FIELDS, "embedding": _EMBEDDING_FIELDS, "head": _HEAD_FIELDS}

@@ -176,13 +176,13 @@ def parameter_bytes(mod) -> tuple[float, int]:
 
 def gemm_shapes(model: ModelSpec, micro_batch_sizes, tps, quick: bool, cuda: bool) -> list[tuple[int, int, int]]:
     """The (m, n, k) of the layer GEMMs the search will ask about, plus a few squares for range."""
-    h, f, kv = model.hidden_size, model.ffn_hidden_size, model.kv_size
+    h, f, q, kv = model.hidden_size, model.ffn_hidden_size, model.q_size, model.kv_size
     shapes = set()
     for tp in tps:
         vp = acnn.padded_vocab(model, tp) // tp
         for mbs in micro_batch_sizes:
             m = mbs * model.seq_length
-            shapes |= {(m, (h + 2 * kv) // tp, h), (m, h, h // tp), (m, (model.mlp_matrices - 1) * f // tp, h),
+            shapes |= {(m, (q + 2 * kv) // tp, h), (m, h, q // tp), (m, (model.mlp_matrices - 1) * f // tp, h),
                        (m, h, f // tp), (m, vp, h)}
     if not quick:
         squares = (1024, 2048, 4096, 8192) if cuda else (256, 512, 1024, 2048)

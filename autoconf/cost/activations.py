@@ -11,10 +11,12 @@ attention, dropout, GeLU MLP (f = 4h), multi-head attention and 1-byte dropout m
     full recompute           2*s*b*h (2*s*b*h/t with sequence parallelism): the block's input
 
 Generalised here, term by term, to what autoconf.nn.Block really saves (measured with
-profiler.memory, tests/test_nn.py): grouped-query attention, SwiGLU, RMSNorm, fused (flash)
-attention, dropout 0, any precision, and the small per-token norm statistics. Notation: s sequence,
-b micro-batch, h hidden, a heads, kv = kv heads x head dim, f ffn width, t = tp, e = bytes per
-activation element, m = bytes per dropout-mask element.
+profiler.memory, tests/test_nn.py, tests/test_hf_models.py): grouped-query attention, heads of
+any width (q = a x head width, h unless ``head_dim`` says otherwise), gated MLPs (SwiGLU, GeGLU),
+RMSNorm, parallel attention (one or two norms), fused (flash) attention, dropout 0, any precision,
+and the small per-token norm statistics. Notation: s sequence, b micro-batch, h hidden, a heads,
+q = a x head dim, kv = kv heads x head dim, f ffn width, t = tp, e = bytes per activation element,
+m = bytes per dropout-mask element.
 
 What differs from the paper on CPU (and why the arguments exist): PyTorch's CPU dropout keeps its
 mask at the activation's precision (m = e, the paper assumes m = 1 as on CUDA), and CPU LayerNorm
@@ -55,20 +57,21 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
                         norm_stat_bytes: int | None, selective: bool) -> dict[str, float]:
     """Korthikanti et al. section 4.1 (attention 11sbh + 5as^2b, MLP 19sbh, norms 4sbh), generalised."""
     e, s, h, a = model.dtype_bytes, model.seq_length, model.hidden_size, model.num_attention_heads
-    kv, f = model.kv_size, model.ffn_hidden_size
+    q, kv, f = model.q_size, model.kv_size, model.ffn_hidden_size
     tok = s * b  # tokens of tensor-parallel (head- or ffn-sharded) tensors, whose width is divided by t
     rep = tok / t if sp else tok  # tokens of full-width tensors: replicated over TP, or sequence-sharded
     drop = model.dropout > 0
     eager = model.attention == "eager"
     p: dict[str, float] = {}
-    # two norms: each keeps its input (the paper's 4sbh), plus small per-token statistics
-    p["norm_inputs"] = 2 * e * rep * h
-    p["norm_statistics"] = 2 * rep * _norm_stat_bytes(model, mask_bytes, norm_stat_bytes)
+    # two norms: each keeps its input (the paper's 4sbh), plus small per-token statistics; in a
+    # parallel block both norms read the block's input, kept once (and a shared norm is one norm)
+    p["norm_inputs"] = (1 if model.parallel_attention else 2) * e * rep * h
+    p["norm_statistics"] = model.norms_per_block * rep * _norm_stat_bytes(model, mask_bytes, norm_stat_bytes)
     # input of the fused qkv linear (the norm's output; under SP the saved shard, re-gathered in backward)
     p["qkv_input"] = e * rep * h
     # q, k, v as the attention core keeps them: eager expands k, v to all heads (GQA) before QK^T and AV;
     # fused attention, and selective recompute (the core's inputs), keep them at kv width
-    qkv_width = (3 * h) if (eager and not selective) else (h + 2 * kv)
+    qkv_width = (3 * q) if (eager and not selective) else (q + 2 * kv)
     p["qkv"] = e * tok * qkv_width / t
     if not selective:
         if eager:
@@ -80,12 +83,13 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
         else:
             # fused attention keeps its output (shared with the projection's input) and fp32 logsumexp
             p["attention_logsumexp"] = LSE_BYTES * b * a * s / t
-    p["projection_input"] = e * tok * h / t
+    p["projection_input"] = e * tok * q / t
     if drop:
         p["attention_dropout_mask_out"] = mask_bytes * rep * h
-    p["mlp_input"] = e * rep * h
-    if model.activation == "swiglu":
-        # fused gate_up output (2f), silu(gate) (f), silu(gate)*up = down input (f)
+    if not model.shared_norm:  # a shared norm's output is the qkv input, kept once
+        p["mlp_input"] = e * rep * h
+    if model.gated_mlp:
+        # fused gate_up output (2f), act(gate) (f), act(gate)*up = down input (f)
         p["mlp_hidden"] = e * tok * 4 * f / t
     else:
         # fc1 output = gelu input (f), gelu output = fc2 input (f): the paper's 8sbh + 8sbh at f = 4h
@@ -135,14 +139,15 @@ def block_backward_temporary_bytes(model: ModelSpec, micro_batch_size: int, tp: 
     Autograd frees each saved activation once its node's backward is through, but the gradients
     flowing between nodes are new tensors. The largest moment is the MLP's: the gradient w.r.t.
     the down projection's input (f wide) is alive while the element-wise activation's backward
-    writes the gradient w.r.t. the up projection's output (f wide, 2f fused gate_up for SwiGLU),
+    writes the gradient w.r.t. the up projection's output (f wide, 2f fused gate_up when gated),
     and the up projection's weight gradient is a fresh tensor until it is added into ``.grad``
     (every micro-batch after the first). So e*s*b*(f_up + f)/t + e*h*f_up/t, f_up = f, or 2f for
-    SwiGLU (measured with MemTracker: bench-h256 fp32, 2.0 MiB at b = 1 against 2.6 observed).
+    the gated SwiGLU / GeGLU (measured with MemTracker: bench-h256 fp32, 2.0 MiB at b = 1 against
+    2.6 observed).
     """
     _check(micro_batch_size, tp)
     e, s, h, f = model.dtype_bytes, model.seq_length, model.hidden_size, model.ffn_hidden_size
-    f_up = 2 * f if model.activation == "swiglu" else f
+    f_up = 2 * f if model.gated_mlp else f
     return float(e * s * micro_batch_size * (f_up + f) / tp + e * h * f_up / tp)
 
 

@@ -121,19 +121,22 @@ def block_op_counts(model: ModelSpec, tp: int, sp: bool) -> tuple[int, int]:
     """Operations one transformer block dispatches in its forward and in its backward (eager).
 
     Counted from the block's structure as Megatron-style code writes it, views and layout changes
-    included (each is a dispatch): per norm 1; per linear 1 (+1 bias add unless fused); q/k/v
-    split and head reshapes 8; eager attention 8 (scores buffer + baddbmm, scale-mask-softmax,
-    dropout under the model-parallel RNG tracker 3, context bmm) or fused 2; output reshape 3;
-    rope 6; activation 1 (SwiGLU 3); bias-dropout-add 1 per residual (dropout 0: 1 add); each TP
-    collective 2 (the autograd function and the call), sequence parallelism adds its gathers.
+    included (each is a dispatch): per norm 1 (a parallel block with a shared norm has 1, others
+    2); per linear 1 (+1 bias add unless fused); q/k/v split and head reshapes 8; eager attention 8
+    (scores buffer + baddbmm, scale-mask-softmax, dropout under the model-parallel RNG tracker 3,
+    context bmm) or fused 2; output reshape 3; rope 6 (partial rotary: 4 more slices and 2 concats);
+    activation 1 (gated SwiGLU / GeGLU 3); bias-dropout-add 1 per residual (dropout 0: 1 add); each
+    TP collective 2 (the autograd function and the call), sequence parallelism adds its gathers.
     The backward runs one autograd node per differentiable forward op, except views, which
     cost nothing there.
     """
     linears = 2 + model.mlp_matrices  # qkv, o, mlp
-    views = 8 + 3
-    fwd = 2 + linears + views + (6 if model.position_embedding == "rope" else 0)
+    partial_rope = model.position_embedding == "rope" and model.rotary_dim < model.head_size
+    views = 8 + 3 + (4 if partial_rope else 0)
+    fwd = model.norms_per_block + linears + views + (6 if model.position_embedding == "rope" else 0)
+    fwd += 2 if partial_rope else 0
     fwd += 8 if model.attention == "eager" else 2
-    fwd += 3 if model.activation == "swiglu" else 1
+    fwd += 3 if model.gated_mlp else 1
     fwd += 2 * (2 if model.dropout > 0 else 1)
     if tp > 1:
         fwd += 2 * (2 if sp else 1)
@@ -159,19 +162,19 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     """One transformer block shard (of a tp-way split) for a micro-batch of b sequences: device
     times, and with ``host`` the host's time to issue the operations (``block_op_counts``)."""
     s, h, f, a = model.seq_length, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
-    kv, B = model.kv_size, model.dtype_bytes
+    q, kv, B = model.q_size, model.kv_size, model.dtype_bytes
     T = b * s
     T_rep = T / tp if sp else T  # tokens each rank touches in norms / dropout / residual
     # GEMMs: (m, n, k)
-    gemms = [(T, (h + 2 * kv) / tp, h), (T, h, h / tp),
-             (T, (2 * f if model.activation == "swiglu" else f) / tp, h), (T, h, f / tp)]
+    gemms = [(T, (q + 2 * kv) / tp, h), (T, h, q / tp),
+             (T, (2 * f if model.gated_mlp else f) / tp, h), (T, h, f / tp)]
     g_fwd = sum(rf.gemm(m, n, k, B) for m, n, k in gemms)
     g_bwd = sum(rf.gemm(m, k, n, B) + rf.gemm(n, k, m, B) for m, n, k in gemms)
     # attention core
     heads = a / tp
     if model.attention == "flash":
-        flops = 4.0 * b * heads * s * s * model.head_dim * 0.5  # causal blocks skipped
-        io = (T * (h + 2 * kv) / tp + T * h / tp) * B
+        flops = 4.0 * b * heads * s * s * model.head_size * 0.5  # causal blocks skipped
+        io = (T * (q + 2 * kv) / tp + T * q / tp) * B
         eff_f, eff_b = rf.attention_efficiency or (rf.gemm_efficiency, rf.gemm_efficiency)
         if rf.gemm_eff is not None:  # a profile measured this device: scale by its large-GEMM rate
             eff_f, eff_b = (e * (rf.gemm_eff(8192, 8192, 8192) or rf.gemm_efficiency) / rf.gemm_efficiency
@@ -180,7 +183,7 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
         att_f = max(flops / (rf.peak_flop_per_s * eff_f), mem) + rf.kernel_launch_s
         att_b = max(2.5 * flops / (rf.peak_flop_per_s * eff_b), 2.5 * mem) + rf.kernel_launch_s
     else:
-        bmm = 2 * rf.gemm(s, s, model.head_dim, B, batch=b * heads)
+        bmm = 2 * rf.gemm(s, s, model.head_size, B, batch=b * heads)
         probs = b * heads * s * s * B
         drop = 2 if model.dropout > 0 else 0
         # scale, mask, max, exp, sum, divide: ~6 vector FLOPs per score (softmax backward ~4)
@@ -188,13 +191,17 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
         att_b = 2 * bmm + rf.elementwise(probs * (4 + drop), kernels=2 + drop // 2, flops=4 * probs / B)
     # element-wise: norms (read + write), residual adds, dropouts, activation, rope
     drop_k = 2 if model.dropout > 0 else 0
-    ew_bytes = (2 * 2 + 2 * 2 + drop_k * 2) * T_rep * h * B
-    ew_bytes += (3 if model.activation == "swiglu" else 2) * T * f / tp * B
+    norms = model.norms_per_block
+    ew_bytes = (norms * 2 + 2 * 2 + drop_k * 2) * T_rep * h * B
+    ew_bytes += (3 if model.gated_mlp else 2) * T * f / tp * B
     if model.position_embedding == "rope":
-        ew_bytes += 2 * T * (h + kv) / tp * B
-    ew_kernels = 4 + drop_k + (2 if model.activation == "swiglu" else 1) + (2 if model.position_embedding == "rope" else 0)
-    # vector FLOPs: norms ~8 per element each, GeLU (tanh form) ~20, SwiGLU's SiLU and product ~6
-    ew_flops = 2 * 8 * T_rep * h + (20 if model.activation == "gelu" else 6) * T * f / tp
+        ew_bytes += 2 * T * (q + kv) / tp * B
+    ew_kernels = (norms + 2 + drop_k + (2 if model.gated_mlp else 1)
+                  + (2 if model.position_embedding == "rope" else 0))
+    # vector FLOPs: norms ~8 per element each, GeLU (tanh form) ~20, SwiGLU's SiLU and product ~6,
+    # GeGLU's GeLU and product ~21
+    act_flops = {"gelu": 20, "swiglu": 6, "geglu": 21}[model.activation]
+    ew_flops = norms * 8 * T_rep * h + act_flops * T * f / tp
     ew_f = rf.elementwise(ew_bytes, ew_kernels, flops=ew_flops)
     ew_b = rf.elementwise(2 * ew_bytes, 2 * ew_kernels, flops=2 * ew_flops)
     fwd = g_fwd + att_f + ew_f

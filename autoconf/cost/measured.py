@@ -168,7 +168,7 @@ def _affine(points: list[tuple[float, float]], x: float) -> float:
 
 def _attention_core_share(model: ModelSpec) -> float:
     """Share of a block's forward FLOPs in the attention core (scores and weighted sum)."""
-    return 4.0 * model.seq_length * model.hidden_size / model.layer_forward_flops_per_token()
+    return 4.0 * model.seq_length * model.q_size / model.layer_forward_flops_per_token()
 
 
 def _shard_gemm(model: ModelSpec, layer: str, mbs: int, tp: int) -> tuple[int, int, int] | None:

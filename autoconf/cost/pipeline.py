@@ -32,6 +32,8 @@ only on the device's order, not on the durations: liveness is computed once per 
 Speed: the schedule shape ``(schedule, pp, m, v)`` is compiled once (cached) into flat integer lists in
 a topological order of the whole dependency graph; a simulation is then one pass over those lists
 with no readiness checks (O(ops), a few list reads per op). ``simulate`` is cached on its arguments.
+``timeline`` returns the ops and transfers of that same pass, each with its start and end (what
+``autoconf ... --plot`` draws).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ from typing import Sequence
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 
-__all__ = ["PipelineResult", "simulate", "device_orders", "peak_activation", "peak_memory", "SCHEDULES"]
+__all__ = ["PipelineResult", "simulate", "timeline", "Op", "Transfer", "Timeline", "device_orders",
+           "peak_activation", "peak_memory", "SCHEDULES"]
 
 
 @dataclass(frozen=True)
@@ -170,6 +173,8 @@ class _Compiled:
     last_b: tuple[int, ...]   # per chunk: 1 + topo index of its last backward
     peak_live: tuple[tuple[int, ...], ...]
     peak_live_count: tuple[int, ...]
+    codes: list[int]
+    """Per op in topological order: its op id (F(mb, c) = c*m + mb, B(mb, c) = pp*v*m + c*m + mb)."""
 
 
 def _liveness(order: list[tuple[bool, int, int]], local_chunks: list[int]) -> tuple[int, tuple[int, ...]]:
@@ -208,6 +213,7 @@ def _compile(schedule: str, pp: int, m: int, v: int) -> _Compiled:
 
     done = bytearray(n)
     topo_pos = [0] * n  # 1 + topo index, per op id
+    topo_codes: list[int] = []
     dev_prev: list[int] = []
     cross: list[int] = []
     p2p_idx: list[int] = []
@@ -256,6 +262,7 @@ def _compile(schedule: str, pp: int, m: int, v: int) -> _Compiled:
                         link_idx.append(0)
                     dur_idx.append(nc + c)
                 dev_prev.append(last[r])
+                topo_codes.append(code)
                 done[code] = 1
                 topo_pos[code] = last[r] = len(dev_prev)
                 i += 1
@@ -278,7 +285,7 @@ def _compile(schedule: str, pp: int, m: int, v: int) -> _Compiled:
 
     lives = [_liveness(orders[r], list(range(r, nc, pp))) for r in range(pp)]
     return _Compiled(list(zip(dev_prev, cross, p2p_idx, dur_idx, link_idx)), tuple(last), tuple(first_b), tuple(last_b),
-                     tuple(x[1] for x in lives), tuple(x[0] for x in lives))
+                     tuple(x[1] for x in lives), tuple(x[0] for x in lives), topo_codes)
 
 
 def _deadlock_message(schedule: str, pp: int, m: int, v: int, orders, ptr: list[int], done: bytearray) -> str:
@@ -307,15 +314,15 @@ def _deadlock_message(schedule: str, pp: int, m: int, v: int, orders, ptr: list[
 # Simulation.
 
 
-@lru_cache(maxsize=16384)
-def _simulate(schedule: str, pp: int, m: int, v: int, forward_s: tuple[float, ...],
-              backward_s: tuple[float, ...], p2p_s: tuple[float, ...]) -> PipelineResult:
-    comp = _compile(schedule, pp, m, v)
-    nc = pp * v
-    dur = forward_s + backward_s
-    P = (0.0,) + p2p_s
-    E = [0.0]  # E[k] = end time of the op at topo index k-1; E[0] = 0 stands for "no dependency"
+def _run(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...]) -> tuple[list[float], list[float]]:
+    """The simulation: ``E[k]`` = end time of the op at topo index k-1 (``E[0] = 0`` stands for "no
+    dependency"); and the start of every transfer that takes time, in topological order of the ops
+    waiting for them. An op starts when its device is free and its input has arrived."""
+    pp = len(comp.dev_last)
+    E = [0.0]
     append = E.append
+    sends: list[float] = []
+    send = sends.append
     # A link carries one transfer at a time: transfers from one device to the next go in the
     # order they are sent, each starting when both the data and the link are ready.
     free = [0.0] * (pp * pp)
@@ -324,11 +331,22 @@ def _simulate(schedule: str, pp: int, m: int, v: int, forward_s: tuple[float, ..
         if pi and P[pi]:
             r = E[dp]
             f = free[li]
-            r = (r if r > f else f) + P[pi]
+            r = r if r > f else f
+            send(r)
+            r += P[pi]
             free[li] = r
         else:
             r = E[dp]
         append((r if r > s else s) + dur[di])
+    return E, sends
+
+
+@lru_cache(maxsize=16384)
+def _simulate(schedule: str, pp: int, m: int, v: int, forward_s: tuple[float, ...],
+              backward_s: tuple[float, ...], p2p_s: tuple[float, ...]) -> PipelineResult:
+    comp = _compile(schedule, pp, m, v)
+    nc = pp * v
+    E = _run(comp, forward_s + backward_s, (0.0,) + p2p_s)[0]
     makespan = max(E[k] for k in comp.dev_last)
     busy = tuple(m * sum(forward_s[c] + backward_s[c] for c in range(r, nc, pp)) for r in range(pp))
     return PipelineResult(
@@ -365,6 +383,76 @@ def simulate(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
     return _simulate(schedule, pp, num_micro_batches, virtual_stages,
                      _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc),
                      _floats("p2p_s", p2p_s, nc - 1))
+
+
+@dataclass(frozen=True)
+class Op:
+    """One forward or backward of one micro-batch through one chunk, as the simulation ran it."""
+
+    device: int
+    kind: str
+    """``"F"`` or ``"B"``."""
+    micro_batch: int
+    chunk: int
+    """Global chunk index (model order); ``chunk // pp`` is its virtual stage on the device."""
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A point-to-point send between adjacent chunks: on its link from ``start_s`` (the data is
+    ready and the link free) to ``end_s``, delaying the op that needs it but occupying neither
+    device."""
+
+    src_device: int
+    dst_device: int
+    kind: str
+    """``"activation"`` (forward) or ``"gradient"`` (backward)."""
+    micro_batch: int
+    chunk: int
+    """The receiving op's chunk."""
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Every op and transfer of one simulated step, from the simulation ``simulate`` runs."""
+
+    makespan_s: float
+    ops: tuple[Op, ...]
+    """In a topological order of the dependencies (per device: its execution order)."""
+    transfers: tuple[Transfer, ...]
+    """The transfers that take time (p2p_s > 0)."""
+
+
+def timeline(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
+             forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: Sequence[float]) -> Timeline:
+    """The events of the step ``simulate`` prices: the same compiled schedule and the same pass
+    (``_run``); each op's start is read back from what it waited for (its device's previous op,
+    its input's arrival), so the events are exactly the simulated ones."""
+    _check_shape(schedule, pp, num_micro_batches, virtual_stages)
+    m, nc = num_micro_batches, pp * virtual_stages
+    fwd, bwd = _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc)
+    P = (0.0,) + _floats("p2p_s", p2p_s, nc - 1)
+    comp = _compile(schedule, pp, m, virtual_stages)
+    E, sends = _run(comp, fwd + bwd, P)
+    sends = iter(sends)
+    n_f = nc * m
+    ops, transfers = [], []
+    for k, ((pv, dp, pi, _di, _li), code) in enumerate(zip(comp.ops, comp.codes)):
+        is_b = code >= n_f
+        c, mb = (code % n_f) // m, code % m
+        if pi and P[pi]:
+            sent = next(sends)
+            arrive = sent + P[pi]
+            transfers.append(Transfer((c + 1 if is_b else c - 1) % pp, c % pp, "gradient" if is_b else "activation",
+                                      mb, c, sent, arrive))
+        else:
+            arrive = E[dp]
+        ops.append(Op(c % pp, "B" if is_b else "F", mb, c, max(E[pv], arrive), E[k + 1]))
+    return Timeline(max(E[k] for k in comp.dev_last), tuple(ops), tuple(transfers))
 
 
 def peak_activation(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,

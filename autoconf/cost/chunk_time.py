@@ -32,6 +32,9 @@ class ChunkTimes:
     tp_comm_s: tuple
     dp_inline_s: tuple
     """ZeRO-2/3 traffic exposed during the micro-batch."""
+    tp_comm_forward_s: tuple
+    dp_inline_forward_s: tuple
+    """The forward's share of ``tp_comm_s`` and ``dp_inline_s`` (the rest is the backward's)."""
 
 
 def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tuple:
@@ -78,6 +81,8 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
         cols["recompute_s"].append(rc)
         cols["tp_comm_s"].append(tpf + tpb)
         cols["dp_inline_s"].append(extra_f + extra_b)
+        cols["tp_comm_forward_s"].append(tpf)
+        cols["dp_inline_forward_s"].append(extra_f)
         cols["forward_s"].append(f + tpf + extra_f + runtime_s)
         cols["backward_s"].append(bw_ + tpb + extra_b + runtime_s)
     return ChunkTimes(**{k: tuple(v) for k, v in cols.items()})

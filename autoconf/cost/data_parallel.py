@@ -119,7 +119,14 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
 
 
 def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makespan: float, bwd) -> float:
-    """Seconds the gradient reductions run past the pipeline's makespan (0 without dp).
+    """Seconds the gradient reductions run past the pipeline's makespan (0 without dp)."""
+    ends = [span[1] for spans in reduction_spans(system, c, lay, sim, makespan, bwd) for span in spans]
+    return max([makespan, *ends]) - makespan
+
+
+def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespan: float, bwd) -> list:
+    """Per pipeline device, its chunks' gradient reductions as ``(start, end, chunk)``, in the
+    order they run (empty without dp).
 
     Per device, each chunk's reduction queues once its gradients are final: the last
     micro-batch's backward (standard accumulation; the buckets of all but the last layer go
@@ -128,15 +135,16 @@ def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makesp
     reduction adds its whole time to the step.
     """
     if c.dp == 1:
-        return 0.0
+        return [[] for _ in range(c.pp)]
     m = system.model
     red = reduction_collective(c.zero_stage)
     links = axis_links(system, c, "dp")
     last_bucket = min(BUCKET_BYTES, m.layer_params() / c.tp * system.grad_bytes)
-    end_all = makespan
+    ends = sim.last_backward_end_s
+    out = []
     for dev in range(c.pp):
-        ends = sim.last_backward_end_s
         t_free = 0.0
+        spans = []
         for ci in sorted(lay.chunks_of(c, dev), key=lambda ci: ends[ci]):
             t = _reduction(system, c, lay, red, ci, lay.stage_kinds[dev])
             if lay.overlap_grad_reduce:
@@ -144,9 +152,11 @@ def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makesp
                 t_free = max(start + t, ends[ci] + collective_s(system, links, red, c.dp, last_bucket,
                                                                 all_reduce_algorithms(system, c, red)))
             else:
-                t_free = max(t_free, makespan) + t
-        end_all = max(end_all, t_free)
-    return end_all - makespan
+                start = max(t_free, makespan)
+                t_free = start + t
+            spans.append((start, t_free, ci))
+        out.append(spans)
+    return out
 
 
 def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:

@@ -68,6 +68,11 @@ class SearchResult:
     and each stage's hosts, devices and layers."""
     placement_s: float = 0.0
     """Seconds of ``elapsed_s`` the placement's local search took."""
+    evaluated: tuple = ()
+    """Every configuration this run estimated, as ``(config, step time, peak memory bytes, fits)``
+    (the step time is inf where it does not fit: its schedule was not simulated), then the
+    configuration each earlier run's trial recorded (its memory rounded to 1 MiB). Not in
+    ``to_dict``; for the time-versus-memory picture (``plots``)."""
 
     def to_dict(self) -> dict:
         return {"top": [e.to_dict() for e in self.top], "rejected": dict(self.rejected),
@@ -107,6 +112,8 @@ class _Evaluator:
         self.incumbent = float("inf")
         """Step time of the best fitting configuration found so far, over all outer points."""
         self.dominated = 0
+        self.points: list = []
+        """(config, step time, peak memory bytes, fits) of every estimate."""
 
     def _dominated(self, point) -> bool:
         """Whether even the least work of this point is slower than the incumbent: then no inner
@@ -146,6 +153,7 @@ class _Evaluator:
                 self.pruned += 1
                 continue
             self.estimates += 1
+            self.points.append((e.config, e.step_time_s, e.peak_memory_bytes, e.fits))
             if least is None or e.memory_excess_bytes < least.memory_excess_bytes:
                 least = e
             if e.fits:
@@ -682,7 +690,12 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                         sampler=sampler_name, study_name=name, storage=storage,
                         elapsed_s=time.perf_counter() - t0,
                         smallest_memory=evaluate.smallest if not fitting else None, notes=tuple(notes),
-                        placement=placement, placement_s=t_place if placement else 0.0)
+                        placement=placement, placement_s=t_place if placement else 0.0,
+                        evaluated=tuple(evaluate.points) + tuple(
+                            (ParallelConfig.from_dict(t.user_attrs["config"]), t.user_attrs["step_time_s"],
+                             t.user_attrs["peak_memory_gib"] * 2**30, t.user_attrs["fits"])
+                            for t in study.earlier.values()
+                            if {"config", "step_time_s", "peak_memory_gib", "fits"} <= t.user_attrs.keys()))
 
 
 def _improve_placements(placer, top: list, max_evaluations: int = 200, budget_s: float = 20.0):

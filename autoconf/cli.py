@@ -348,8 +348,9 @@ def cmd_search(args) -> int:
         task = bar.add_task("search", total=None)
         bar.start()
 
-        def progress(done, total):
+        def update(done, total):
             bar.update(task, completed=done, total=total)
+        progress = update
     try:
         result = search(model, cluster, args.global_batch, gpus=args.gpus, top=max(args.top, args.verify),
                         trials=args.trials, exhaustive=not args.sample_only, storage=storage, study_name=args.study_name, profile=profile,

@@ -92,6 +92,11 @@ def _add_target(p, cluster_required: bool = False):
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
 
+def _add_plot(p, what: str):
+    p.add_argument("--plot", metavar="DIR", help=f"draw {what} into DIR as PNG and SVG (needs matplotlib: "
+                   "pip install 'autoconf-parallel[plot]')")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="autoconf", description="Plan data/pipeline/tensor-parallel training: "
                  "measure, search, verify, launch.", epilog=EPILOG)
@@ -130,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO-0/1's gradient all-reduce: flat (the collective library's) or hierarchical "
                         "(reduce-scatter inside hosts, all-reduce across, all-gather inside; reference trainer "
                         "only) (default: flat)")
+    _add_plot(p, "the simulated step (timeline.*)")
 
     p = sub.add_parser("search", help="search the space for the fastest configuration that fits")
     _add_target(p)
@@ -164,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "--standalone picks a free one)")
     p.add_argument("--calibrate", metavar="FILE", help="with --verify: fit correction factors, save them to FILE")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_plot(p, "the chosen configuration's simulated step (timeline.*) and every estimated configuration's "
+              "time versus memory (time-memory.*)")
 
     for mod, fn in (("autoconf.trial", "add_trial_parser"), ("profiler.cli", "add_profile_parser"),
                     ("autoconf.testbed", "add_testbed_parser")):
@@ -239,6 +247,9 @@ def cmd_estimate(args) -> int:
     from .config import ParallelConfig
     from .cost.estimate import estimate
     model, cluster, profile, calibration = _load_inputs(args)
+    if args.plot:
+        from .plots import check_plotting
+        check_plotting(args.plot)
     per_replica = args.dp * args.micro_batch_size
     if args.global_batch % per_replica:
         raise UserError(f"--global-batch {args.global_batch} is not divisible by dp({args.dp}) x "
@@ -255,8 +266,12 @@ def cmd_estimate(args) -> int:
                             dp_all_reduce=args.dp_all_reduce, device_order=args.device_order,
                             stage_layers=args.stage_layers)
     e = estimate(config, model, cluster, profile, calibration, framework=args.framework)
+    plots = []
+    if args.plot:
+        from .plots import plot_estimate
+        plots = plot_estimate(args.plot, e, model, cluster, profile, calibration, args.framework)
     if args.json:
-        _print_json(e.to_dict())
+        _print_json({**e.to_dict(), "plots": plots} if plots else e.to_dict())
         return 0
     from rich.console import Console
     from .report import estimate_tables
@@ -267,6 +282,8 @@ def cmd_estimate(args) -> int:
         con.print(f"note: {note}")
     for r in e.reasons:
         con.print(f"[red]{r}[/red]")
+    if plots:
+        con.print(f"plots: {', '.join(plots)}")
     return 0
 
 
@@ -301,6 +318,9 @@ def _preflight(args, storage) -> None:
             cluster_from_profile(load_profile(args.profile))
     if args.calibrate:
         check_file(args.calibrate, "--calibrate")
+    if args.plot:
+        from .plots import check_plotting
+        check_plotting(args.plot)
     db = sqlite_path(storage)
     if db is not None:
         try:
@@ -406,6 +426,10 @@ def cmd_search(args) -> int:
             launch_cluster = cluster
         doc["emitted"] = emit(best, model, launch_cluster, args.emit, args.profile,
                               master_port=args.master_port or DEFAULT_PORT)
+    if args.plot:
+        from .plots import plot_search
+        doc["plots"] = plot_search(args.plot, result, best, model, cluster, profile, calibration, args.framework,
+                                   args.global_batch)
     if args.json:
         _print_json(doc)
         return 0
@@ -431,6 +455,8 @@ def cmd_search(args) -> int:
     con.print(f"study {result.study_name!r} in {result.storage or 'memory'}")
     if args.emit:
         con.print(f"launch files: {', '.join(doc['emitted'])}")
+    if args.plot:
+        con.print(f"plots: {', '.join(doc['plots'])}")
     return 0
 
 

@@ -358,7 +358,7 @@ def time_memory_figure(result, best, ctx, where: str = "", global_batch: int | N
         ax.scatter(xs, [y / gib for y in ys], marker="x", s=18, color="#a0a0a0", linewidths=0.9,
                    label=f"does not fit ({len(over):,}; its time as if it did)", zorder=2)
     xs, ys = zip(*fit.values())
-    ax.scatter(xs, [y / gib for y in ys], s=16, color="#3b6fb6", alpha=0.75, edgecolors="none",
+    ax.scatter(xs, [y / gib for y in ys], s=22, color="#3b6fb6", alpha=0.8, edgecolors="none",
                label=f"fits ({len(fit):,})", zorder=3)
     front = _pareto(fit)
     ax.step([t for t, _, _ in front], [m / gib for _, m, _ in front], where="post", color="#e07b39",
@@ -366,12 +366,11 @@ def time_memory_figure(result, best, ctx, where: str = "", global_batch: int | N
     ax.scatter([t for t, _, _ in front], [m / gib for _, m, _ in front], s=36, facecolors="none",
                edgecolors="#e07b39", linewidths=1.4, label=f"Pareto front: none both faster and smaller ({len(front)})",
                zorder=5)
+    import textwrap
+    chosen = textwrap.fill(f"chosen: {best.config.short()}", 60, subsequent_indent="  ")
     ax.scatter([best.step_time_s], [best.peak_memory_bytes / gib], marker="*", s=260, color="#c0392b",
-               edgecolors="black", linewidths=0.6, label="chosen", zorder=6)
-    ax.annotate(f"{best.config.short()}\n{_seconds(best.step_time_s)}, {best.peak_memory_bytes / gib:.1f} GiB",
-                (best.step_time_s, best.peak_memory_bytes / gib), xytext=(14, 14), textcoords="offset points",
-                fontsize=8, va="bottom", color="#c0392b", zorder=7,
-                bbox={"boxstyle": "round,pad=0.25", "facecolor": "white", "edgecolor": "#c0392b", "alpha": 0.9})
+               edgecolors="black", linewidths=0.6, zorder=6,
+               label=f"{chosen}\n  {_seconds(best.step_time_s)}, {best.peak_memory_bytes / gib:.1f} GiB")
 
     caps: dict = {}
     for d in range(ctx.num_devices):
@@ -399,7 +398,7 @@ def time_memory_figure(result, best, ctx, where: str = "", global_batch: int | N
     ax.set_axisbelow(True)
     for side in ("top", "right"):
         ax.spines[side].set_visible(False)
-    ax.legend(loc="upper right", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     skipped = result.rejected.get("slower than the best found (bound, not simulated)", 0)
     batch = f", global batch {global_batch}" if global_batch else ""
     earlier = len(result.evaluated) - result.estimates
@@ -413,7 +412,6 @@ def time_memory_figure(result, best, ctx, where: str = "", global_batch: int | N
                else "the pick was made by measured trials")
         sub += (f"\nthe chosen one is not on the front: {other.short()} is predicted at {_seconds(t)} with "
                 f"{m / gib:.1f} GiB ({why})")
-    import textwrap
     fig.suptitle("\n".join(textwrap.fill(line, 125) for line in f"search: {where}{batch}\n{sub}".split("\n")),
                  fontsize=10)
     return fig

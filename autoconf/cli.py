@@ -484,7 +484,7 @@ def _verify(args, model, cluster, profile, result, devices=None, out=None) -> tu
 
 def _record_verified(result, verified: list[dict]) -> None:
     """Add each verifying run to the study as a trial of its own (finished trials cannot change):
-    same parameters, the measured step time as its value, ``verified=True`` and the prediction in
+    the parameters of its outer point, the measured step time as its value, ``verified=True`` and the prediction in
     its user attributes, so optuna-dashboard shows predicted and measured side by side. A run
     refused for its measured memory is a failed trial with ``oom=True``."""
     import optuna
@@ -492,14 +492,17 @@ def _record_verified(result, verified: list[dict]) -> None:
     from .procs import deferred_signals
     from .search import study_lock
 
+    from .config import ParallelConfig
+    from .search import outer_params
+
     with study_lock(result.storage, result.study_name):
         study = optuna.load_study(study_name=result.study_name, storage=result.storage)
-        by_config = {}
+        by_point = {}  # the trial of each outer point (it stores only the point's best configuration)
         for t in study.get_trials(deepcopy=False):
-            if not t.user_attrs.get("verified") and "config" in t.user_attrs:
-                by_config.setdefault(json.dumps(t.user_attrs["config"], sort_keys=True), t)
+            if not t.user_attrs.get("verified") and t.params:
+                by_point.setdefault(json.dumps(t.params, sort_keys=True), t)
         for v in verified:
-            src = by_config.get(json.dumps(v["config"], sort_keys=True))
+            src = by_point.get(json.dumps(outer_params(ParallelConfig.from_dict(v["config"])), sort_keys=True))
             tr = v["trial"]
             if src is None:
                 continue

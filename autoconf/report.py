@@ -67,10 +67,11 @@ def schedule_label(c) -> str:
     return s + (" layered" if c.layered_grad_accum and c.schedule != "breadth_first" else "")
 
 
-def options_label(c, placement: bool = False) -> str:
+def options_label(c, placement: bool = False, framework: str | None = None) -> str:
     """The choices beyond layout and schedule, compactly: ZeRO stage, recomputation, sequence
-    parallelism, the hierarchical all-reduce, the framework's knobs; with ``placement``, whether
-    the layers are split unevenly and the ranks placed (the placement table shows where)."""
+    parallelism, the hierarchical all-reduce, the framework's knobs (with ``framework``, only
+    those set otherwise than its default); with ``placement``, whether the layers are split
+    unevenly and the ranks placed (the placement table shows where)."""
     parts = []
     if c.zero_stage:
         parts.append(f"z{c.zero_stage}")
@@ -78,17 +79,21 @@ def options_label(c, placement: bool = False) -> str:
         parts.append({"selective": "rc-sel", "full": "rc-full"}.get(c.recompute, f"rc-{c.recompute}"))
     if c.sequence_parallel:
         parts.append("sp")
-    parts += _extras(c, placement)
+    parts += _extras(c, placement, framework)
     return " ".join(parts) or "-"
 
 
-def _extras(c, placement: bool = True) -> list[str]:
+def _extras(c, placement: bool = True, framework: str | None = None) -> list[str]:
     parts = []
     if c.dp_all_reduce != "flat":
         parts.append("hier-ar")
+    defaults = {}
+    if framework is not None:
+        from .frameworks import framework as framework_model
+        defaults = framework_model(framework).defaults
     for knob, tag in (("overlap_grad_reduce", "ogr"), ("overlap_param_gather", "opg"), ("tp_comm_overlap", "tpo")):
         v = getattr(c, knob)
-        if v is not None:
+        if v is not None and (knob not in defaults or bool(v) != defaults[knob]):
             parts.append(tag if v else f"no-{tag}")
     if placement and c.stage_layers is not None:
         parts.append("uneven")
@@ -192,7 +197,7 @@ def search_table(r, wide: bool = False, rows: int | None = None) -> Table:
                       fmt_seconds(b["bubble"]), fmt_seconds(b["tp_comm"] + b["pp_comm"] + b["dp_comm"]))
         else:
             t.add_row(str(i), str(c.dp), str(c.pp), str(c.tp), str(c.micro_batch_size), schedule_label(c),
-                      options_label(c), fmt_seconds(e.step_time_s), f"{100 * e.mfu:.1f}%",
+                      options_label(c, framework=e.framework), fmt_seconds(e.step_time_s), f"{100 * e.mfu:.1f}%",
                       fmt_bytes(e.peak_memory_bytes))
     return t
 
@@ -212,8 +217,8 @@ def search_tables(r, wide: bool = False, rows: int | None = None) -> list:
            Text(f"{r.trials_run} trials, {r.estimates:,} estimates, {r.sampler}, {r.elapsed_s:.1f} s", style="dim"),
            search_table(r, wide, rows)]
     if not wide:
-        out.append(Text("options: z ZeRO stage, rc recomputation, sp sequence parallelism; --wide: more",
-                        style="dim"))
+        out.append(Text("options: z ZeRO stage, rc recomputation, sp sequence parallelism, knobs (ogr, opg, "
+                        "tpo) where not the framework's default; --wide: all", style="dim"))
     out += [Text(""), _heading(f"rejected ({r.space_size:,} configurations in the space)"), rejected_table(r)]
     return out
 

@@ -64,16 +64,24 @@ def _target(path):
     return (load_cluster(path), None) if path.endswith(".yaml") else (None, load_profile(path))
 
 
+TARGETS = [(p, "reference") for p in CLUSTERS + [PROFILE]] + [(os.path.join(ROOT, "examples/clusters/two-kinds.yaml"),
+                                                                  "megatron")]
+
+
+def _id(target):
+    return os.path.basename(target[0]) + ("" if target[1] == "reference" else f"-{target[1]}")
+
+
 @pytest.fixture(scope="module")
 def results():
     """Real searches of the small model against every example cluster and the committed profile (as
-    `autoconf search` runs them: placement searched, top 5)."""
+    `autoconf search` runs them: placement searched, top 5), and one for Megatron (its knobs)."""
     model = load_model(H256)
     out = {}
-    for path in CLUSTERS + [PROFILE]:
+    for path, fw in TARGETS:
         cluster, profile = _target(path)
-        out[os.path.basename(path)] = (search(model, cluster, 64, profile=profile, storage=None, place=True, top=5),
-                                       cluster, profile)
+        out[_id((path, fw))] = (search(model, cluster, 64, profile=profile, storage=None, place=True, top=5,
+                                       framework=fw), cluster, profile, fw)
     return model, out
 
 
@@ -92,17 +100,17 @@ def _verified(result):
     return out
 
 
-@pytest.mark.parametrize("target", [os.path.basename(p) for p in CLUSTERS + [PROFILE]])
+@pytest.mark.parametrize("target", [_id(t) for t in TARGETS])
 def test_search_estimate_placement_and_verified_tables_fit_80_columns(results, target):
     model, by_target = results
-    r, cluster, profile = by_target[target]
+    r, cluster, profile, fw = by_target[target]
     assert len(r.top) == 5
     best = r.top[0]
     text, widths = render(report.search_report(r, best))
     assert_fits(text, widths)  # every table at its natural width: nothing wrapped, nothing cut
     for i, e in enumerate(r.top, 1):  # every row is there, its numbers whole
         assert re.search(rf"^{i}\s.*{re.escape(fmt_seconds(e.step_time_s))}", text, re.M), text
-    text, widths = render(report.estimate_report(estimate(best.config, model, cluster, profile)))
+    text, widths = render(report.estimate_report(estimate(best.config, model, cluster, profile, framework=fw)))
     assert_fits(text, widths)
     header = next(ln for ln in text.splitlines() if ln.startswith("stage"))
     assert header.split() == ["stage", "model", "states", "activations", "other", "total", "capacity"]

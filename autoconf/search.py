@@ -4,22 +4,27 @@ The space is split in two:
 
 - the *outer* choices (tp, pp, dp, micro-batch size, schedule with its chunks and layered flag)
   are what the study samples: each Optuna trial is one outer point;
-- the *inner* memory savers (ZeRO stage, recomputation, sequence parallelism) are searched
-  exhaustively inside a trial (24 cheap estimates), keeping the fastest that fits; the trial
-  records that configuration in its user attributes (optuna-dashboard shows them) and its memory
+- the *inner* memory savers (ZeRO stage, recomputation, sequence parallelism, the framework's
+  knobs) are searched exhaustively inside a trial (24 cheap estimates or more); the trial records
+  the fastest that fits in its user attributes (optuna-dashboard shows them) and its memory
   excess as the constraint (negative: fits).
 
 When the outer space is no bigger than the trial budget every point is evaluated (brute force).
 Otherwise a constrained TPE sampler explores it for the budget (seeded with every point already
-in the study) and then every remaining point is evaluated by branch and bound: a point whose
-least possible work (``schedule_time.pipeline_floor`` plus the optimizer step; a true lower bound for
-every schedule) is already slower than the best found is skipped without simulating its
-schedule. The result is the exhaustive optimum of the model, at a fraction of the cost
+in the study) and then every remaining point is evaluated by branch and bound: a configuration
+whose least possible work (``schedule_time.pipeline_floor`` plus the optimizer step; a true lower
+bound for every schedule) is already slower than the ``top``-th fastest found is skipped without
+simulating its schedule. The result is the model's exhaustive ``top`` fastest configurations (the
+runners-up included, so ``--verify K`` checks the real K best), at a fraction of the cost
 (``--sample-only`` stops after the sampler).
-Trials are sampled in memory (about 2 ms each) and written to the persistent storage (SQLite by
-default) in batches, so an interrupted search keeps what it finished and a rerun with the same
-study name resumes: points already in the study are not evaluated again.
-"""
+
+Trials are sampled in memory (about 2 ms each) and, with a storage (``sqlite:///file.db``; the
+library keeps nothing by default, the CLI keeps a file), written in batches, so an interrupted
+search keeps what it finished and a rerun with the same inputs resumes: the default study name
+carries a fingerprint of them (model, cluster, profile content, calibration, framework, batch,
+devices, space options), and points already in the study are not evaluated again. An outcome the
+bound decided holds for the ``top`` it was taken for (stored with it) and smaller ones; a rerun
+asking for more evaluates those points again."""
 
 from __future__ import annotations
 
@@ -73,6 +78,10 @@ class SearchResult:
     (the step time is inf where it does not fit: its schedule was not simulated), then the
     configuration each earlier run's trial recorded (its memory rounded to 1 MiB). Not in
     ``to_dict``; for the time-versus-memory picture (``plots``)."""
+    resumed: bool = False
+    """Whether the study existed before this run (same inputs: its trials were reused)."""
+    earlier_trials: int = 0
+    """Trials of earlier runs this one reused (not evaluated again)."""
 
     def to_dict(self) -> dict:
         return {"top": [e.to_dict() for e in self.top], "rejected": dict(self.rejected),
@@ -81,12 +90,19 @@ class SearchResult:
                 "estimates": self.estimates, "sampler": self.sampler, "study_name": self.study_name,
                 "storage": self.storage, "elapsed_s": self.elapsed_s,
                 "smallest_memory": self.smallest_memory.to_dict() if self.smallest_memory else None,
-                "notes": list(self.notes), "placement": list(self.placement), "placement_s": self.placement_s}
+                "notes": list(self.notes), "placement": list(self.placement), "placement_s": self.placement_s,
+                "resumed": self.resumed, "earlier_trials": self.earlier_trials}
 
 
 def _pipeline_label(sched: str, v: int, layered: bool) -> str:
     s = sched if v == 1 else f"{sched}-v{v}"
     return s + "-layered" if layered and sched != "breadth_first" else s
+
+
+def outer_params(c: ParallelConfig) -> dict:
+    """The study parameters of the outer point a configuration belongs to (its trial's ``params``)."""
+    return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "micro_batch_size": c.micro_batch_size,
+            "pipeline": _pipeline_label(c.schedule, c.virtual_stages, c.layered_grad_accum)}
 
 
 def _parse_pipeline(label: str) -> tuple[str, int, bool]:
@@ -97,23 +113,63 @@ def _parse_pipeline(label: str) -> tuple[str, int, bool]:
 
 
 class _Evaluator:
-    """Evaluates outer points: the fastest fitting inner choice, counting rejections."""
+    """Evaluates outer points: the fastest fitting inner choices, counting rejections.
 
-    def __init__(self, ctx: System, global_batch: int, valid_per_point: dict, placer=None):
+    ``top``: how many of the fastest configurations the search must return exactly. The bound a
+    configuration is pruned against is the step time of the ``top``-th fastest fitting one known
+    (over all outer points; see :attr:`incumbent`), so every configuration that can still be
+    among the ``top`` fastest is simulated: the runners-up are the model's, not whatever the
+    search happened to meet before the winner."""
+
+    def __init__(self, ctx: System, global_batch: int, valid_per_point: dict, placer=None, top: int = 1):
         self.ctx = ctx
         self.placer = placer
         """``place.Placer``: every configuration is estimated with its heuristic placement."""
         self.valid_per_point = valid_per_point
         self.global_batch = global_batch
+        self.top = max(1, int(top))
         self.rejected: dict = {}
         self.estimates = 0
         self.pruned = 0
         self.smallest: Estimate | None = None
-        self.incumbent = float("inf")
-        """Step time of the best fitting configuration found so far, over all outer points."""
+        self._kept: list = []
+        """(step time, outer point, Estimate or config digest) of the ``top`` fastest fitting
+        configurations known, fastest first."""
         self.dominated = 0
         self.points: list = []
         """(config, step time, peak memory bytes, fits) of every estimate."""
+        self.bound_used: float | None = None
+        """The smallest bound that decided anything in the last call (the point pruned whole, or
+        some of its inner choices), None if none did: whatever it skipped is at least this slow,
+        so its outcome holds for any search whose ``top``-th best is no slower."""
+
+    @property
+    def incumbent(self) -> float:
+        """The bound: step time of the ``top``-th fastest fitting configuration known (inf until
+        ``top`` are known). A configuration whose least work is slower cannot be among the top."""
+        return self._kept[-1][0] if len(self._kept) >= self.top else float("inf")
+
+    def offer(self, point, entries) -> None:
+        """The fitting configurations known for ``point``, as (step time, Estimate or config
+        digest): all of them, replacing what was offered for it before, so a point evaluated
+        again is not counted twice."""
+        kept = [x for x in self._kept if x[1] != point]
+        kept.extend((t, point, ident) for t, ident in entries)
+        kept.sort(key=lambda x: x[0])
+        self._kept = kept[:self.top]
+
+    def kept(self) -> list:
+        """[step time, outer point, config digest] of the ``top`` fastest fitting configurations known."""
+        return [[t, p, ident if isinstance(ident, str) else config_digest(ident.config)] for t, p, ident in self._kept]
+
+    def reevaluate(self, point) -> list:
+        """The fitting configurations of a point evaluated by an earlier run (which stored only its
+        best): bounded by the other points' times, not its own."""
+        self._kept = [x for x in self._kept if x[1] != point]
+        rejected = dict(self.rejected)
+        fits, _ = self(point)
+        self.rejected = rejected  # counted by the run that stored it
+        return fits
 
     def _dominated(self, point) -> bool:
         """Whether even the least work of this point is slower than the incumbent: then no inner
@@ -129,42 +185,49 @@ class _Evaluator:
                 return False
         return True
 
-    def __call__(self, point) -> tuple[Estimate | None, Estimate | None]:
-        """(best fitting estimate or None, least-memory estimate)."""
+    def __call__(self, point) -> tuple[list, Estimate | None]:
+        """(the fitting estimates of this point that can be among the ``top`` fastest, fastest
+        first; the least-memory estimate). ``([], None)`` when the bound dominated it whole."""
         dp, pp, tp, mbs, sched, v, layered = point
-        best = least = None
+        fits: list = []
+        least = None
+        self.bound_used = None
         if self.incumbent < float("inf") and self._dominated(point):
             self.dominated += self.valid_per_point.get(point, 0)
-            return None, None
+            self.bound_used = self.incumbent
+            return [], None
         for c in framework_inner(self.ctx.framework, dp, pp, tp, mbs, sched, v, layered, self.global_batch,
                                  dp_hierarchical(self.ctx, dp, pp, tp)):
             if check(c, self.ctx.model):
                 continue
             # memory first (no simulation when it cannot fit); skip the schedule simulation when
-            # the busiest device's work alone is slower than the best found (branch and bound)
-            bound = min(best.step_time_s if best else float("inf"), self.incumbent)
+            # the busiest device's work alone is slower than the top-th best found (branch and bound)
+            bound = self.incumbent
+            bound = bound if bound < float("inf") else None
             placed = self._placed(c)
-            e = _estimate(placed, self.ctx, bound=bound if bound < float("inf") else None, time_if_oom=False)
+            e = _estimate(placed, self.ctx, bound=bound, time_if_oom=False)
             if e is not None and not e.fits and placed.stage_layers is not None:
                 # more layers on the faster stages can overflow their memory: the even split may fit
-                e = _estimate(dataclasses.replace(placed, stage_layers=None), self.ctx,
-                              bound=bound if bound < float("inf") else None, time_if_oom=False)
+                e = _estimate(dataclasses.replace(placed, stage_layers=None), self.ctx, bound=bound,
+                              time_if_oom=False)
             if e is None:
                 self.pruned += 1
+                self.bound_used = bound  # the bound only tightens: the last one used is the smallest
                 continue
             self.estimates += 1
             self.points.append((e.config, e.step_time_s, e.peak_memory_bytes, e.fits))
             if least is None or e.memory_excess_bytes < least.memory_excess_bytes:
                 least = e
             if e.fits:
-                if best is None or e.step_time_s < best.step_time_s:
-                    best = e
-                    self.incumbent = min(self.incumbent, e.step_time_s)
+                fits.append(e)
+                fits.sort(key=lambda x: x.step_time_s)
+                del fits[self.top:]
+                self.offer(point, [(f.step_time_s, f) for f in fits])
             else:
                 self.rejected["out of memory"] = self.rejected.get("out of memory", 0) + 1
         if least is not None and (self.smallest is None or least.memory_excess_bytes < self.smallest.memory_excess_bytes):
             self.smallest = least
-        return best, least
+        return fits, least
 
     def _placed(self, c: ParallelConfig) -> ParallelConfig:
         return self.placer(c) if self.placer is not None else c
@@ -364,9 +427,53 @@ def _schema_lock(storage: str | None):
         fcntl.lockf(held, fcntl.LOCK_UN, 1, 0)
 
 
-def default_study_name(model, world: int, global_batch: int, cluster_name: str, framework: str = "reference") -> str:
+def default_study_name(model, world: int, global_batch: int, cluster_name: str, framework: str = "reference",
+                       signature: dict | None = None) -> str:
+    """The study name a search uses when none is given: readable parts, then a fingerprint of
+    everything the stored values depend on (``signature``: model, cluster, profile content,
+    calibration, framework, batch, devices, space options), so the same inputs resume the same
+    study and changed ones (a new profile) start a fresh one."""
     name = f"{model.name}-{cluster_name}-{world}gpus-gb{global_batch}"
-    return name if framework == "reference" else f"{name}-{framework}"
+    name = name if framework == "reference" else f"{name}-{framework}"
+    return f"{name}-{_digest(signature)[:8]}" if signature is not None else name
+
+
+_SIGNATURE_WHAT = {"model": "model", "global_batch": "global batch", "devices": "devices", "framework": "framework",
+                   "max_micro_batch": "max micro-batch", "cluster": "cluster file", "profile": "profile",
+                   "calibration": "calibration", "placement": "placement search"}
+
+
+def _difference(stored: dict, now: dict) -> str:
+    """What differs between a study's inputs and this search's, in a few words each."""
+    out = []
+    for k in sorted(set(stored) | set(now)):
+        a, b = stored.get(k), now.get(k)
+        if a == b:
+            continue
+        what = _SIGNATURE_WHAT.get(k, k)
+        if k == "model" and isinstance(a, dict) and isinstance(b, dict) and a.get("name") != b.get("name"):
+            out.append(f"model ({a.get('name')} in the study, {b.get('name')} now)")
+        elif k in ("cluster", "profile", "calibration", "model"):
+            out.append(f"{what} ({'none' if a is None else 'other content' if b is not None else 'one'} in the study, "
+                       f"{'none' if b is None else 'this one'} now)")
+        else:
+            out.append(f"{what} ({a if a is not None else 'none'} in the study, {b if b is not None else 'none'} now)")
+    return "; ".join(out)
+
+
+def config_digest(c: ParallelConfig) -> str:
+    """A configuration's identity in the study's records."""
+    return _digest(c.to_dict())
+
+
+def _bound_s(t) -> float:
+    """The bound that decided part of a stored trial's outcome (see ``_Evaluator.bound_used``);
+    inf when none did (the outcome holds for any ``top``). A pruned trial from before the bound
+    was recorded this way: the incumbent it was dominated by."""
+    b = t.user_attrs.get("bound_s")
+    if b is None and t.user_attrs.get("fits") is None:
+        b = t.user_attrs.get("dominated_by_s")
+    return float("inf") if b is None else float(b)
 
 
 class _Study:
@@ -380,6 +487,7 @@ class _Study:
 
         self.optuna = optuna
         self.evaluate = evaluate
+        self.top = evaluate.top
         self.dists = {
             "tp": CategoricalDistribution(sorted({p[2] for p in points})),
             "pp": CategoricalDistribution(sorted({p[1] for p in points})),
@@ -391,25 +499,31 @@ class _Study:
         self.key_of = {(p[2], p[1], p[0], p[3], _pipeline_label(p[4], p[5], p[6])): p for p in points}
         self.results: dict = {}
         """outer key -> (best fitting estimate or None, least-memory estimate or None)"""
+        self.fits: dict = {}
+        """outer key -> the fitting estimates of this run that can be among the top, fastest first"""
         self.earlier: dict = {}
-        """outer key -> finished trial of an earlier run (resumed)"""
+        """outer key -> finished trial of an earlier run (resumed) whose outcome holds for this search"""
         self.pending: list = []
         self.stored = 0
         self.written = 0
         """Trials this run wrote to the storage."""
         self.swept_skipped = 0
         self.skipped_keys: set = set()
-        """Outer points the sweep decided without storing a trial (dominated or out of memory), in
-        this run and earlier ones: kept as the study's ``swept_skipped`` attribute (indices into the
-        space), so a resumed sweep does not decide them again (exact: the incumbent only improves,
-        and out of memory stays out of memory)."""
-        self._skipped_written = 0
+        """Outer points the sweep decided without storing a trial, in this run and earlier ones, so a
+        resumed sweep does not decide them again. Kept as study attributes (indices into the space):
+        ``swept_nofit`` (nothing fits: holds for any search) and ``swept_dominated`` ([index,
+        bound] pairs: holds while the ``top``-th best is no slower than the bound)."""
+        self.nofit_keys: set = set()
+        self.dominated_keys: dict = {}
+        self.top_times: list = []
+        """[step time, index, config digest] of the fastest configurations the study has seen (the
+        ``top_times`` attribute): what a resumed search knows of its ``top``-th best at the start."""
+        self._attrs_written = None
         self.last_flush = time.perf_counter()
+        self.resumed = False
+        """Whether the study existed before this run (made by an earlier search with the same inputs)."""
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         self.persistent = self._open(storage, name, signature) if storage else None
-        for t in self.earlier.values():  # what earlier runs found bounds this one
-            if t.user_attrs.get("fits") and t.value is not None:
-                evaluate.incumbent = min(evaluate.incumbent, t.value)
         self.seed, self.budget = seed, budget
         self.memory = None
         self.earlier_sampled = sum(1 for t in self.earlier.values() if t.user_attrs.get("phase", "sampled") == "sampled")
@@ -447,40 +561,98 @@ class _Study:
                             f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
         stored = study.user_attrs.get("signature")
         if stored is not None and stored != signature:
-            differ = sorted(k for k in set(stored) | set(signature) if stored.get(k) != signature.get(k))
             raise UserError(f"study {name!r} in {storage} was made for another search (different "
-                            f"{', '.join(differ)}); pass another --study-name")
+                            f"{_difference(stored, signature)}); pass another --study-name, or none to "
+                            "get the study of these inputs")
+        self.resumed = stored is not None
         if stored is None:
             study.set_user_attr("signature", signature)
+        index = list(self.key_of)
+        where = {k: i for i, k in enumerate(index)}
         done = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        found: dict = {}
         for t in study.get_trials(deepcopy=False, states=done):
             if t.user_attrs.get("verified"):  # a measured run, recorded by --verify
                 continue
             k = tuple(t.params.get(p) for p in PARAMS)
-            if k in self.key_of and k not in self.earlier:
-                self.earlier[k] = t
-        index = list(self.key_of)
-        self.skipped_keys = {index[i] for i in study.user_attrs.get("swept_skipped", []) if 0 <= i < len(index)}
-        self._skipped_written = len(self.skipped_keys)
+            if k in self.key_of:
+                found.setdefault(k, []).append(t)
+
+        # what the earlier runs know of this search's top-th best: configurations that exist
+        # (the fastest ones they kept, and each stored point's best), each counted once
+        known: dict = {}
+        for row in study.user_attrs.get("top_times", []):
+            if (isinstance(row, list) and len(row) == 3 and isinstance(row[1], int) and 0 <= row[1] < len(index)
+                    and isinstance(row[0], (int, float)) and isinstance(row[2], str)):
+                known[row[2]] = (float(row[0]), index[row[1]])
+        for k, ts in found.items():
+            for t in ts:
+                if t.user_attrs.get("fits") and t.value is not None and isinstance(t.user_attrs.get("config"), dict):
+                    known.setdefault(_digest(t.user_attrs["config"]), (t.value, k))
+        self.top_times = sorted([t, where[k], d] for d, (t, k) in known.items())[:max(self.top, 1)]
+        kth = sorted(t for t, _ in known.values())[self.top - 1] if len(known) >= self.top else float("inf")
+
+        # a stored outcome holds if what its bound skipped is slower than that top-th best; the
+        # others (decided against a tighter bound: a search for fewer) are evaluated again
+        for k, ts in found.items():
+            ok = [t for t in ts if _bound_s(t) >= kth]
+            if ok:
+                self.earlier[k] = max(ok, key=lambda t: (t.state == optuna.trial.TrialState.COMPLETE, _bound_s(t)))
+        by_point: dict = {}
+        for d, (t, k) in known.items():
+            by_point.setdefault(self.key_of[k], []).append((t, d))
+        for point, entries in by_point.items():  # what earlier runs found bounds this one
+            self.evaluate.offer(point, entries)
+
+        def keys(indices):
+            return {index[i] for i in indices if isinstance(i, int) and 0 <= i < len(index)}
+
+        self.nofit_keys = keys(study.user_attrs.get("swept_nofit", []))
+        for pair in study.user_attrs.get("swept_dominated", []):
+            if (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int) and 0 <= pair[0] < len(index)
+                    and isinstance(pair[1], (int, float))):
+                k = index[pair[0]]
+                self.dominated_keys[k] = max(self.dominated_keys.get(k, 0.0), float(pair[1]))
+        # (a study from before the bound was recorded kept them as "swept_skipped": decided again)
+        self.skipped_keys = self.nofit_keys | {k for k, b in self.dominated_keys.items() if b >= kth}
+        self._attrs_written = self._attrs()
         return study
 
-    def record(self, k, best, least, phase: str):
+    def _attrs(self) -> tuple:
+        where = {k: i for i, k in enumerate(self.key_of)}
+        known = {d: (t, i) for t, i, d in self.top_times}
+        for t, point, d in self.evaluate.kept():
+            known[d] = (t, where[self._key(point)])
+        self.top_times = sorted([t, i, d] for d, (t, i) in known.items())[:max(self.top, len(self.top_times))]
+        return (sorted(where[k] for k in self.nofit_keys),
+                sorted([where[k], b] for k, b in self.dominated_keys.items()), self.top_times)
+
+    @staticmethod
+    def _key(point) -> tuple:
+        return (point[2], point[1], point[0], point[3], _pipeline_label(point[4], point[5], point[6]))
+
+    def record(self, k, fits, least, phase: str):
         """Keep the outcome of an outer point and queue its trial; None when it was dominated.
         ``phase`` (sampled, swept, brute force) is stored: a resumed search counts the sampled
-        trials already in the study against its budget."""
+        trials already in the study against its budget. Where the bound decided anything, it is
+        stored (``bound_s``): the outcome holds for a search whose ``top``-th best is no slower."""
         optuna = self.optuna
+        best = fits[0] if fits else None
         self.results[k] = (best, least)
+        self.fits[k] = fits
         self.stored += 1
+        b = self.evaluate.bound_used
+        bounded = {"bound_s": b} if b is not None else {}
         if best is None and least is None:  # every choice was dominated by the incumbent
             self.pending.append(optuna.trial.create_trial(
                 params=dict(zip(PARAMS, k)), distributions=self.dists, state=optuna.trial.TrialState.PRUNED,
-                user_attrs={"fits": None, "dominated_by_s": self.evaluate.incumbent, "phase": phase}))
+                user_attrs={"fits": None, "dominated_by_s": self.evaluate.incumbent, "phase": phase, **bounded}))
             return None
         e = best or least
         attrs = {"phase": phase, "config": e.config.to_dict(), "fits": bool(best), "step_time_s": e.step_time_s,
                  "memory_excess_bytes": e.memory_excess_bytes,
                  "peak_memory_gib": round(e.peak_memory_bytes / 2**30, 3), "mfu": round(e.mfu, 4),
-                 "breakdown_s": e.breakdown_s}
+                 "breakdown_s": e.breakdown_s, **bounded}
         ft = optuna.trial.create_trial(params=dict(zip(PARAMS, k)), distributions=self.dists,
                                        value=min(e.step_time_s, 1e30), user_attrs=attrs,
                                        constraints={"memory_excess_bytes": e.memory_excess_bytes})
@@ -502,11 +674,12 @@ class _Study:
                                     f"{str(e).splitlines()[0]})") from None
                 self.pending.pop(0)
                 self.written += 1
-        if self.persistent is not None and len(self.skipped_keys) != self._skipped_written:
-            where = {k: i for i, k in enumerate(self.key_of)}
+        state = self._attrs() if self.persistent is not None else None
+        if state is not None and state != self._attrs_written:
             with deferred_signals():
-                self.persistent.set_user_attr("swept_skipped", sorted(where[k] for k in self.skipped_keys))
-                self._skipped_written = len(self.skipped_keys)
+                for name, value in zip(("swept_nofit", "swept_dominated", "top_times"), state):
+                    self.persistent.set_user_attr(name, value)
+                self._attrs_written = state
         self.last_flush = time.perf_counter()
 
     def brute_force(self, todo, progress) -> None:
@@ -562,19 +735,23 @@ class _Study:
         return run
 
     def sweep(self, todo, done: int, progress) -> int:
-        """Every remaining point under the bound of the best found: exact, and fast once the
-        incumbent is good (dominated points skip the schedule simulation). Only points that fit are
-        stored; dominated and out-of-memory ones are counted."""
+        """Every remaining point under the bound of the top-th best found: exact, and fast once
+        the incumbent is good (dominated points skip the schedule simulation). Only points that
+        fit are stored; dominated and out-of-memory ones are counted."""
         rest = [k for k in todo if k not in self.results]
         n_total = done + len(rest)
         for i, k in enumerate(rest):
-            best, least = self.evaluate(self.key_of[k])
-            if best is not None:
-                self.record(k, best, least, "swept")
+            fits, least = self.evaluate(self.key_of[k])
+            if fits:
+                self.record(k, fits, least, "swept")
             else:
                 self.results[k] = (None, least)
                 self.swept_skipped += 1
                 self.skipped_keys.add(k)
+                if self.evaluate.bound_used is not None:
+                    self.dominated_keys[k] = self.evaluate.bound_used
+                else:
+                    self.nofit_keys.add(k)
             if progress and i % 50 == 0:
                 progress(done + i + 1, n_total)
             self.flush(every_s=5)
@@ -584,18 +761,25 @@ class _Study:
 
 
 def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = None, top: int = 5,
-           trials: int | None = None, storage: str | None = "sqlite:///autoconf-study.db",
+           trials: int | None = None, storage: str | None = None,
            study_name: str | None = None, profile=None, calibration=None, max_micro_batch: int = 64,
            seed: int = 0, exhaustive: bool = True, progress=None, framework=None,
-           place: bool = False) -> SearchResult:
-    """Search the space for the fastest configuration that fits. ``progress(done, total)`` is
-    called as trials finish. ``framework``: the runtime that will run the plan (a name from
+           place: bool = False, phase=None) -> SearchResult:
+    """Search the space for the ``top`` fastest configurations that fit (exactly the model's
+    ``top`` fastest, unless ``exhaustive=False``). ``storage``: an Optuna storage URL to keep the
+    trials in (``sqlite:///file.db``; resumable), or None to keep them in memory only (no file
+    is written). ``study_name`` defaults to one derived from the inputs (see
+    :func:`default_study_name`). ``progress(done, total)`` is called as trials finish, and
+    ``phase(name)`` as each phase starts ("brute force", "sampling", "sweep", "earlier trials",
+    "placement"). ``framework``: the runtime that will run the plan (a name from
     ``frameworks.FRAMEWORK_NAMES``; default the reference trainer): only what it can run is
     offered, its switchable knobs are searched, and its behaviour is modelled. ``place``: search
     the placement too (``place``): every configuration is estimated with the graph heuristics'
     placement, and the ``top`` best are improved by a local search and ranked again; otherwise
     rank r runs on device r with the layers split evenly."""
     t0 = time.perf_counter()
+    if top < 1:
+        raise UserError(f"--top {top}: must be a positive number of configurations")
     ctx = System(model, cluster, profile, calibration, framework=framework)
     world = gpus or ctx.num_devices
     if world > ctx.num_devices:
@@ -614,9 +798,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         # other frameworks take rank = launch order, which the emitted files do not reorder yet
         from .place import Placer
         placer = Placer(ctx, world)
-    evaluate = _Evaluator(ctx, global_batch, valid_per_point, placer)
-    name = study_name or default_study_name(model, world, global_batch, cluster.name if cluster is not None else "profile",
-                                            ctx.framework.name)
+    evaluate = _Evaluator(ctx, global_batch, valid_per_point, placer, top=top)
     budget = trials if trials is not None else 400
     signature = {"model": model.to_dict(), "global_batch": global_batch, "devices": world,
                  "framework": ctx.framework.name,
@@ -626,6 +808,14 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                  "calibration": _digest(calibration.to_dict()) if calibration is not None else None}
     if place:  # the stored step times are those of the placed configurations
         signature["placement"] = "searched"
+    name = study_name or default_study_name(model, world, global_batch,
+                                            cluster.name if cluster is not None else "profile",
+                                            ctx.framework.name, signature)
+
+    def enter(what):
+        if phase is not None:
+            phase(what)
+
     with study_lock(storage, name):
         study = _Study(storage, name, signature, points, evaluate, seed, budget)
         todo = [k for k in study.key_of if k not in study.earlier and k not in study.skipped_keys]
@@ -634,14 +824,17 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                         "TPE, then every point by branch and bound" if exhaustive else "TPE (constrained, multivariate)")
         try:
             if brute:
+                enter("brute force")
                 study.brute_force(todo, progress)
                 run = len(todo)
             else:
                 # exhaustive: the sweep decides the answer, so sampled trials already in the study
                 # count against the budget (a resumed search finishes the same search)
                 target = budget - study.earlier_sampled if exhaustive else budget
+                enter("sampling")
                 run = study.sample(min(max(target, 0), len(todo)), _Repair(study.key_of), progress)
                 if exhaustive:
+                    enter("sweep")
                     run += study.sweep(todo, run, progress)
             study.flush()
         except BaseException as e:  # interrupted (or failed): every finished evaluation goes to the study
@@ -652,34 +845,38 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                                    f"kept in study {name!r} in {storage}; rerun the same command to resume")
             raise
 
-    # rank: this run's results plus the earlier trials' recorded configurations (their stored
-    # values are this model's: the signature matched, so only the best few are re-estimated)
-    fitting = [b for b, _ in study.results.values() if b is not None]
-    earlier_fit = sorted((t for t in study.earlier.values()
+    # rank: this run's results plus the earlier runs' best points (only each point's best was
+    # stored: the `top` best earlier points are evaluated again for their runners-up; a
+    # configuration among the `top` fastest lies in one of them)
+    fitting = [e for fits in study.fits.values() for e in fits]
+    earlier_fit = sorted(((k, t) for k, t in study.earlier.items()
                           if t.user_attrs.get("fits") and "config" in t.user_attrs and t.value is not None),
-                         key=lambda t: t.value)
-    for t in earlier_fit[:top]:
-        e = _estimate(ParallelConfig.from_dict(t.user_attrs["config"]), ctx)
-        if e.fits:
-            fitting.append(e)
+                         key=lambda kt: kt[1].value)
+    if earlier_fit:
+        enter("earlier trials")
+    for i, (k, _) in enumerate(earlier_fit[:top], 1):
+        fitting.extend(evaluate.reevaluate(study.key_of[k]))
+        if progress:
+            progress(i, min(top, len(earlier_fit)))
     fitting.sort(key=lambda e: e.step_time_s)
     placement, t_place = (), time.perf_counter()
     if placer is not None and fitting:
-        fitting, placement = _improve_placements(placer, fitting[:top])
+        enter("placement")
+        fitting, placement = _improve_placements(placer, fitting[:top], progress=progress)
     t_place = time.perf_counter() - t_place
     rejected = dict(rejected)
     for k2, v2 in evaluate.rejected.items():
         rejected[k2] = rejected.get(k2, 0) + v2
     slower = evaluate.dominated + evaluate.pruned
     if slower:
-        rejected["slower than the best found (bound, not simulated)"] = slower
+        rejected[f"slower than the {_nth_best(top)} found (bound, not simulated)"] = slower
     notes = []
     if not brute and not exhaustive:
         notes.append(f"sampled {run} of {len(points)} outer points ({len(todo)} not yet in the study); "
                      f"raise --trials to cover more, or rerun to continue the study")
     if study.swept_skipped:
-        notes.append(f"{study.swept_skipped} outer points were dominated by the best found or did not fit "
-                     "(not stored in the study)")
+        notes.append(f"{study.swept_skipped} outer points were dominated by the {_nth_best(top)} found or did "
+                     "not fit (not stored in the study)")
     if place and placer is None:
         notes.append(f"placement not searched: {ctx.framework.name} runs rank r on the r-th launched process, "
                      "and the launch files keep that order (autoconf's reference trainer places any rank on any "
@@ -695,19 +892,32 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                             (ParallelConfig.from_dict(t.user_attrs["config"]), t.user_attrs["step_time_s"],
                              t.user_attrs["peak_memory_gib"] * 2**30, t.user_attrs["fits"])
                             for t in study.earlier.values()
-                            if {"config", "step_time_s", "peak_memory_gib", "fits"} <= t.user_attrs.keys()))
+                            if {"config", "step_time_s", "peak_memory_gib", "fits"} <= t.user_attrs.keys()),
+                        resumed=study.resumed, earlier_trials=len(study.earlier))
 
 
-def _improve_placements(placer, top: list, max_evaluations: int = 200, budget_s: float = 20.0):
+def _nth_best(n: int) -> str:
+    """"best" for 1, else "2nd best", "5th best", "21st best"."""
+    if n == 1:
+        return "best"
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix} best"
+
+
+def _improve_placements(placer, top: list, max_evaluations: int = 200, budget_s: float = 20.0, progress=None):
     """The local search (``place.Placer.improve``) on each of the best configurations, ranked
     again; with what placement gained for each. ``budget_s`` bounds the whole (each configuration
     gets an equal share of what is left)."""
     t0 = time.perf_counter()
     out = []
     for i, e in enumerate(top):
+        if progress:
+            progress(i, len(top))
         share = (budget_s - (time.perf_counter() - t0)) / (len(top) - i)
         better, evals = placer.improve(e.config, max_evaluations=max_evaluations,
                                        deadline=time.perf_counter() + max(share, 0.0))
         out.append((better, placer.outcome(better, e.step_time_s, evals)))
+    if progress:
+        progress(len(top), len(top))
     out.sort(key=lambda pair: pair[0].step_time_s)
     return [e for e, _ in out], tuple(o for _, o in out)

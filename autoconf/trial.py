@@ -413,6 +413,7 @@ def add_trial_parser(subparsers):
                    "the profile's reference block after every step and reports how fast the machine ran compared "
                    "with when it was profiled")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (drawn on stderr, when it is a terminal)")
     p.set_defaults(func=cmd_trial)
     return p
 
@@ -448,8 +449,12 @@ def cmd_trial(args) -> int:
 
         profile = load_profile(args.profile)
         check_profile_matches(profile, ModelSpec.from_dict(doc["model"]))  # one-line error if it does not apply
-    result = run_trial(doc, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
-                       speed_probe=profile is not None)
+    from .progress import Bars, wanted
+
+    with Bars(wanted(getattr(args, "quiet", False)), transient=True) as bars:
+        bars.task(f"trial {ParallelConfig.from_dict(doc['config']).short()}: {args.steps} steps")
+        result = run_trial(doc, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
+                           speed_probe=profile is not None)
     est, note = _predict(doc, getattr(args, "cluster", None), profile)
     speed = speed_vs_profile(result, profile, ModelSpec.from_dict(doc["model"])) if profile is not None else None
     if speed is not None:
@@ -466,35 +471,7 @@ def cmd_trial(args) -> int:
         print(json.dumps({"measured": result.to_dict(), "predicted": pred, "speed_vs_profile": speed, "note": note},
                          indent=1, default=str))
         return 0 if result.ok else 1
-    _print_table(result, est, note, ParallelConfig.from_dict(doc["config"]))
+    from .report import show, trial_report
+
+    show(trial_report(result, est, note, ParallelConfig.from_dict(doc["config"])))
     return 0 if result.ok else 1
-
-
-def _print_table(result: TrialResult, est, note: str, config: ParallelConfig) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    table = Table(title=f"trial: {config.short()}")
-    table.add_column("quantity")
-    table.add_column("measured", justify="right")
-    table.add_column("predicted", justify="right")
-    table.add_column("error", justify="right")
-
-    def row(name, measured, predicted, fmt):
-        m = fmt(measured) if measured is not None else "-"
-        p = fmt(predicted) if predicted is not None else "-"
-        err = f"{(predicted - measured) / measured:+.0%}" if measured and predicted is not None else ""
-        table.add_row(name, m, p, err)
-
-    row("step time", result.step_time_s, getattr(est, "step_time_s", None), lambda v: f"{v * 1e3:.1f} ms")
-    row("peak memory", result.peak_memory_bytes, getattr(est, "peak_memory_bytes", None),
-        lambda v: f"{v / 2**20:.1f} MiB")
-    console.print(table)
-    if not result.ok:
-        console.print(f"[red]trial failed:[/red] {result.reason}")
-    else:
-        console.print(f"losses: {', '.join(f'{x:.4f}' for x in result.losses)}   wall {result.wall_s:.1f} s   "
-                      f"memory: {result.memory_method}")
-    if note:
-        console.print(f"[yellow]{note}[/yellow]")

@@ -57,7 +57,7 @@ def _local_gpus() -> int:
 
 _PASS = ("model", "seq_length", "micro_batch_sizes", "tp", "recompute", "repeats", "warmup", "rounds",
          "compute_split", "timeout_min")
-_FLAGS = ("quick", "serial_links", "skip_links", "skip_compute", "links_only")
+_FLAGS = ("quick", "serial_links", "skip_links", "skip_compute", "links_only", "quiet")
 
 
 # flag -> (environment variable, type, default): `autoconf testbed` sets the variables in each node

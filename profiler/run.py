@@ -63,6 +63,8 @@ def add_measure_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--links-only", action="store_true",
                    help="only the point-to-point links (implies --skip-compute; no collectives, no pipeline "
                    "runtime): a quick look at a network, e.g. an emulated one from `autoconf testbed`")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars (rank 0 draws them on stderr, when it is a terminal)")
     p.add_argument("--timeout-min", type=float, default=60.0, help="process-group timeout (ranks wait at barriers "
                    "while others measure)")
 
@@ -167,7 +169,7 @@ def run(args) -> int:
     n_coll = 0 if args.skip_links or links_only or world < 2 else links.collective_steps(world, coll_sizes)
 
     phases: dict = {}  # phase -> seconds since the start when it ended
-    bars = report.Bars(enabled=rank == 0)
+    bars = report.Bars(enabled=rank == 0 and report.wanted(getattr(args, "quiet", False)))
     with bars:
         t_compute = bars.task("compute (this rank's share)", len(my_items) * rounds + len(my_acts) + len(my_gemms))
         acts, gemm_rows = [], []

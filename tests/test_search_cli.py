@@ -148,11 +148,11 @@ def test_reusing_a_study_for_another_search_is_refused(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
     search(preset("tiny"), CPU, 4, storage=url, study_name="same")
     from autoconf.errors import UserError
-    with pytest.raises(UserError, match="global_batch"):
+    with pytest.raises(UserError, match=r"different global batch \(4 in the study, 16 now\)"):
         search(preset("tiny"), CPU, 16, storage=url, study_name="same")
     import dataclasses
     small = dataclasses.replace(CPU, node_groups=(dataclasses.replace(CPU.node_groups[0], memory_bytes=2**20),))
-    with pytest.raises(UserError, match="cluster"):
+    with pytest.raises(UserError, match="different cluster file"):
         search(preset("tiny"), small, 4, storage=url, study_name="same")
 
 
@@ -162,3 +162,49 @@ def test_more_bad_search_input(args, needle):
     p = run_cli("search", "--model", "tiny", "--cluster", "examples/clusters/localhost-cpu.yaml", "--global-batch", "8",
                 *args)
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def _brute_force_times(m, cluster, world, gb):
+    """Every valid configuration of the space estimated (no bound, no sampling): fitting step times, fastest first."""
+    ctx = System(m, cluster)
+    configs = [c for c, why in enumerate_space(m, world, gb) if why is None and ctx.framework.check(c) is None]
+    return sorted(e.step_time_s for e in (_estimate(c, ctx) for c in configs) if e.fits)
+
+
+GPT13_TIMES = None
+
+
+def _gpt13_times():
+    global GPT13_TIMES
+    if GPT13_TIMES is None:
+        GPT13_TIMES = _brute_force_times(preset("gpt3-1.3b"), A100, 8, 64)
+    return GPT13_TIMES
+
+
+@pytest.mark.parametrize("trials", [10_000, 20], ids=["brute-force", "sampled-then-swept"])
+def test_top_k_is_the_models_k_best(trials):
+    # the runners-up too: the bound is the K-th best found, so none of the K best is pruned
+    k = 8
+    r = search(preset("gpt3-1.3b"), A100, 64, gpus=8, storage=None, trials=trials, top=k)
+    assert [e.step_time_s for e in r.top] == pytest.approx(_gpt13_times()[:k], rel=1e-12)
+
+
+def test_cli_top_k_matches_brute_force():
+    p = run_cli("search", "--model", "gpt3-1.3b", "--cluster", "examples/clusters/a100-4x8.yaml", "--gpus", "8",
+                "--global-batch", "64", "--storage", "none", "--no-place", "--trials", "30", "--top", "6", "--json")
+    assert p.returncode == 0, p.stderr
+    got = [e["step_time_s"] for e in json.loads(p.stdout)["top"]]
+    assert got == pytest.approx(_gpt13_times()[:6], rel=1e-12)
+
+
+def test_a_resumed_study_asked_for_more_finds_the_new_runners_up(tmp_path):
+    # points decided by the bound for top 1 are evaluated again when top 7 is asked of the same study
+    url = f"sqlite:///{tmp_path}/s.db"
+    m = preset("gpt3-1.3b")
+    one = search(m, A100, 64, gpus=8, storage=url, trials=20, top=1)
+    more = search(m, A100, 64, gpus=8, storage=url, trials=20, top=7)
+    assert more.study_name == one.study_name and more.resumed and more.trials_run > 0
+    assert [e.step_time_s for e in more.top] == pytest.approx(_gpt13_times()[:7], rel=1e-12)
+    again = search(m, A100, 64, gpus=8, storage=url, trials=20, top=7)  # now all known: nothing re-evaluated
+    assert again.trials_run == 0 and again.earlier_trials == more.trials_total
+    assert [e.step_time_s for e in again.top] == pytest.approx(_gpt13_times()[:7], rel=1e-12)

@@ -15,18 +15,12 @@ import time
 from ..config import ParallelConfig
 from ..model import ModelSpec
 from ..placement import Placement
+from ..plan import load as load_plan
 from .main import ADAMW, median_after_warmup
 
 
 class TrainerError(RuntimeError):
     """A configuration the trainer cannot run (reported as a failed trial)."""
-
-
-def load(path: str):
-    """The launch plan (``autoconf.plan.load``: checked; a UserError names what is wrong)."""
-    from ..plan import load as load_plan
-
-    return load_plan(path)
 
 
 def setup(config: ParallelConfig, timeout_s: float):
@@ -113,7 +107,7 @@ def train(args, rank: int, watchdog) -> dict:
     from .. import nn as gpt
     from . import data, data_parallel, memory
 
-    plan = load(args.config)
+    plan = load_plan(args.config)  # checked: a bad plan is a one-line reason
     model, config, seed = plan.model, plan.config, plan.seed
     if model.tied_embeddings and config.zero_stage == 3:
         raise TrainerError("tied embeddings with zero_stage=3 are not supported by this trainer "

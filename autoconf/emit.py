@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 
+from .cluster import _HOST_RE
 from .errors import UserError
 from .launch import DEFAULT_PORT, Raw, comment, join, node_plan, quote, torchrun_argv, visible_devices
 from .outputs import write_text
@@ -174,8 +175,8 @@ def _sbatch(plan, out_dir: str, hosts: list[dict], visible) -> str:
              "#SBATCH --ntasks-per-node=1"]
     if gpus:
         lines.append(f"#SBATCH --gpus-per-node={max(gpus)}")
-    if named:
-        lines.append("#SBATCH --nodelist=" + comment(",".join(p["host"] for p in hosts)))
+    if named and all(_HOST_RE.match(p["host"]) for p in hosts):  # sbatch reads this line itself, unquoted
+        lines.append("#SBATCH --nodelist=" + ",".join(p["host"] for p in hosts))
     lines += [f"# {_header(plan)}".rstrip("\n"),
               "# sbatch sbatch.sh: srun starts one task per node; each runs node-K.sh for its node, K from the "
               "plan's host names" if named else

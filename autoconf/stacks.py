@@ -147,6 +147,8 @@ def megatron_file(plan, header: str) -> str:
             "# Give your data, tokenizer (vocabulary "
             f"{plan.model.vocab_size}), optimizer, schedule and checkpoint arguments after the script: "
             "bash node-0.sh --data-path ... --tokenizer-type ... --lr ... --train-iters ...\n"
+            + ("# --tp-comm-overlap runs on Transformer Engine's userbuffers: install transformer-engine.\n"
+               if "--tp-comm-overlap" in megatron_args(plan) else "")
             + _notes(plan, "megatron") + _array("MEGATRON_ARGS", megatron_args(plan)))
 
 

@@ -338,14 +338,14 @@ def _deepspeed_config(path: str, dp: int) -> dict:
 # -- SLURM -------------------------------------------------------------------------------------------
 
 def _fake_bin(tmp_path, names: list[str], record: str) -> dict:
-    """Stand-ins on PATH: srun (one task per node: SLURM_NODEID and SLURMD_NODENAME from FAKE_NODES,
-    one at a time), scontrol (the node list), torchrun (records its argv and environment)."""
+    """Stand-ins on PATH: srun (one task per node, one at a time: SLURM_NODEID and SLURMD_NODENAME from
+    the list ``names``), scontrol (the node list), torchrun (records its argv and environment)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(parents=True)
     scripts = {
-        "srun": 'i=0; while IFS= read -r node; do SLURM_NODEID=$i SLURMD_NODENAME="$node" '
-                '"${@:4}" || exit $?; i=$((i+1)); done <<< "$FAKE_NODES"',
-        "scontrol": 'printf "%s\\n" "$FAKE_NODES"',
+        "srun": 'i=0; while IFS= read -r -d "" node; do SLURM_NODEID=$i SLURMD_NODENAME="$node" '
+                '"${@:4}" || exit $?; i=$((i+1)); done < "$FAKE_NODES"',
+        "scontrol": 'tr "\\0" "\\n" < "$FAKE_NODES"',
         "torchrun": f'exec {sys.executable} -c "import json, os, sys; '
                     f"open(os.environ['RECORD'] + '/' + str(len(os.listdir(os.environ['RECORD']))), 'w')"
                     f".write(json.dumps({{'argv': sys.argv[1:], 'cwd': os.getcwd(), "
@@ -356,7 +356,9 @@ def _fake_bin(tmp_path, names: list[str], record: str) -> dict:
         path.write_text("#!/usr/bin/env bash\n" + body + "\n")
         path.chmod(path.stat().st_mode | stat.S_IXUSR)
     os.makedirs(record, exist_ok=True)
-    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_NODES": "\n".join(names), "RECORD": record,
+    nodes = bin_dir / "nodes"  # NUL-separated: a name may hold a newline
+    nodes.write_text("".join(n + "\0" for n in names))
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_NODES": str(nodes), "RECORD": record,
             "SLURM_JOB_NODELIST": "ignored"}
 
 
@@ -443,3 +445,57 @@ def test_cli_script_errors_are_one_line(tmp_path, args, needle):
                 "--global-batch", "8", "--storage", "none", *args, cwd=tmp_path)
     assert p.returncode == 2 and needle in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert not (tmp_path / "out").exists()
+
+
+# -- hostile names: quoted everywhere -----------------------------------------------------------------
+
+def test_hostile_names_neither_break_nor_inject_into_any_emitted_script(tmp_path, monkeypatch):
+    """Model, cluster and host names, the script's path and its arguments full of shell syntax:
+    every emitted shell file passes bash -n, sourcing and running them (node scripts and sbatch.sh,
+    with stand-in srun / torchrun) creates no file, and torchrun receives every value verbatim."""
+    import dataclasses
+
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("PWNED", str(marker))  # what an injected command would create
+    evil = 'x $(touch "$PWNED") `touch "$PWNED"`; touch "$PWNED" "q\' \\\n#'
+    model = dataclasses.replace(DEBUG, name="model " + evil)
+    base = cluster_from_mapping({"name": "c", "node_groups": [
+        {"count": 2, "device": "a100-80gb", "gpus_per_node": 2, "intra_node_bandwidth": "300 GB/s",
+         "nics": {"count": 1, "bandwidth": "100 Gbit/s"}}]})
+    hosts = ('h0;touch "$PWNED"', 'h1 $(touch "$PWNED")\nx')
+    cluster = dataclasses.replace(base, name="cluster\n" + evil,
+                                  node_groups=(dataclasses.replace(base.node_groups[0], hosts=hosts),))
+    sdir = tmp_path / 'my dir $(touch "$PWNED")'
+    sdir.mkdir()
+    script = sdir / "train;'x'.py"
+    script.write_text("print('hi')\n")
+    args = ["--name", evil, "a b", "", "--x=$HOME", "-- --"]
+    c = cfg(dp=2, pp=2, micro_batch_size=1, num_micro_batches=2)
+    out = tmp_path / "out `touch $PWNED`"
+    for framework in ("reference", "megatron", "torchtitan", "deepspeed"):
+        d = out / framework
+        emit(estimate(c, model, cluster, framework=framework), model, cluster, str(d), script=str(script),
+             script_args=args)
+        for f in sorted(os.listdir(d)):
+            if f.endswith(".sh"):
+                bash_n(d / f)
+        for f, name in (("megatron_args.sh", "MEGATRON_ARGS"), ("torchtitan_args.sh", "TORCHTITAN_ARGS")):
+            if (d / f).exists():
+                assert bash_array(d / f, name)  # sourcing runs nothing from the comments
+        json.loads((d / "config.json").read_text())
+        record = str(tmp_path / f"rec-{framework}")
+        env = _fake_bin(tmp_path / f"bin-{framework}", list(hosts), record)
+        for k in (0, 1):
+            r = subprocess.run(["bash", str(d / f"node-{k}.sh"), "extra arg"], env=env, capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr
+        r = subprocess.run(["bash", str(d / "sbatch.sh")], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        recs = _records(record)
+        assert len(recs) == 4  # two node scripts by hand, two through sbatch.sh
+        for rec in recs:
+            argv = rec["argv"]
+            at = argv.index(str(script))
+            assert argv[at + 1:at + 1 + len(args)] == args
+            assert f"--master-addr={hosts[0]}" in argv  # the default, verbatim
+        assert recs[0]["argv"][-1] == recs[1]["argv"][-1] == "extra arg" and recs[2]["argv"][-1] == args[-1]
+        assert not marker.exists()

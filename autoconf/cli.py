@@ -118,7 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-place", action="store_true",
                    help="no placement search: rank r on device r and layers split evenly (the default searches "
                    "which devices run each stage and group, and the layers per stage)")
-    p.add_argument("--emit", metavar="DIR", help="write launch files for the best configuration")
+    p.add_argument("--emit", metavar="DIR", help="write launch files for the best configuration: config.json (the "
+                   "launch plan), node-K.sh per host, the --framework's own files, sbatch.sh and PLAN.md")
+    p.add_argument("--script", metavar="FILE", help="with --emit: the node scripts run this training script under "
+                   "torchrun (with the arguments after --), AUTOCONF_PLAN pointing to config.json")
+    p.add_argument("script_args", nargs="*", metavar="-- ARGS", help="arguments for --script (after --)")
     add_verify_arguments(p)
     p.add_argument("--master-port", type=port, default=None,
                    help="rendezvous port written into the --emit launch files (default 29500; one host: torchrun "
@@ -258,6 +262,11 @@ def cmd_search(args) -> int:
     verify.check_arguments(args)
     if args.master_port is not None and not args.emit:
         raise UserError("--master-port is written into the launch files: it needs --emit DIR")
+    if (args.script or args.script_args) and not args.emit:
+        raise UserError("--script is written into the launch files: it needs --emit DIR")
+    if args.emit:
+        from .emit import check_script
+        check_script(args.script, args.script_args)
     _preflight(args, storage)
     devices = verify.verify_devices(args, cluster) if args.verify > 0 else None
     with Bars(wanted(args.quiet), transient=True) as bars:
@@ -303,7 +312,8 @@ def cmd_search(args) -> int:
         else:
             launch_cluster = cluster
         doc["emitted"] = emit(best, model, launch_cluster, args.emit, args.profile,
-                              master_port=args.master_port or DEFAULT_PORT)
+                              master_port=args.master_port or DEFAULT_PORT, script=args.script,
+                              script_args=args.script_args, runners_up=[e for e in result.top[:args.top] if e is not best])
     if args.plot:
         from .plots import plot_search
         doc["plots"] = plot_search(args.plot, result, best, model, cluster, profile, calibration, args.framework,

@@ -1,122 +1,85 @@
-"""emit: the launch files for a chosen configuration.
+"""emit: the launch files for a chosen configuration (``autoconf search --emit DIR``).
 
-``config.json`` holds the configuration, the model and the cluster (the reference trainer and
-``autoconf trial`` read it); ``node-K.sh`` is the torchrun command for host K; ``launch.md`` says
-which script runs on which host, which global ranks (processes) it holds and what they play in the
-plan (placed ranks, pipeline stages, blocks).
+- ``config.json``: the launch plan (``autoconf.plan``), which the reference trainer, ``autoconf
+  trial`` and a user's script (``autoconf.plan.load()``) read;
+- ``node-K.sh``: host K's torchrun command (``autoconf.launch``: static rendezvous across hosts,
+  ``CUDA_VISIBLE_DEVICES`` in the plan's order, ``AUTOCONF_PLAN`` pointing to ``config.json``).
+  What it runs: the user's script with ``--script``, else the framework's launcher (the reference
+  trainer, Megatron-LM's ``pretrain_gpt.py``, ``torchtitan.train``, a DeepSpeed script); arguments
+  given to it are passed on;
+- the framework's own files (``autoconf.stacks``): ``megatron_args.sh``, ``torchtitan_args.sh``
+  and ``torchtitan.toml``, ``ds_config.json``;
+- ``sbatch.sh``: the same node scripts under SLURM, one per allocated node;
+- ``PLAN.md``: the choice, why (the estimate's terms), the runners-up, and how to run it.
 
-Several hosts: each script uses torchrun's static rendezvous (``--rdzv-backend=static --nnodes N
---node-rank K --master-addr A --master-port P``). torchrun honours ``--node-rank`` only there (under
-c10d it is ignored and hosts join in arbitrary order); with it, the agent on host K is group rank
-K and its workers get the global ranks right after those of hosts 0..K-1 (torch's agent gives each
-node the sum of the local world sizes before it as its base rank). So host K holds exactly the
-ranks the plan gave it. ``MASTER_ADDR`` defaults to host 0's name where the cluster file names its
-hosts (``hosts: [...]`` per node group), else it must be set. On GPUs each script exports
-``CUDA_VISIBLE_DEVICES`` in the order of the per-rank device mapping (``local_devices``: rank ->
-device index on its host; identity by default), so local rank i runs on the GPU the plan chose.
+Every value a script interpolates is quoted (``launch.join``, ``launch.comment``); all files are
+written atomically.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shlex
 
-from . import __version__
+from .cluster import _HOST_RE
 from .errors import UserError
+from .launch import DEFAULT_PORT, Raw, comment, join, node_plan, quote, torchrun_argv, visible_devices
 from .outputs import write_text
+from .plan import PLAN_ENV, LaunchPlan
 
-CONFIG_VERSION = 1
-DEFAULT_PORT = 29500
+__all__ = ["DEFAULT_PORT", "emit", "host_roles", "node_plan", "visible_devices"]
 
-
-def hosts_used(cluster, world: int) -> list[int]:
-    """Devices per host for the first ``world`` devices (hosts in cluster order)."""
-    out, left = [], world
-    for _, grp in cluster.nodes():
-        if left <= 0:
-            break
-        n = min(grp.gpus_per_node, left)
-        out.append(n)
-        left -= n
-    return out
-
-
-def node_plan(cluster, world: int) -> list[dict]:
-    """The hosts used, in rank order: name, devices used (nproc), first global rank, device kind."""
-    names = cluster.host_names()
-    out, first = [], 0
-    for (_, grp), name, n in zip(cluster.nodes(), names, hosts_used(cluster, world)):
-        out.append({"host": name, "nproc": n, "first_rank": first, "device": grp.device,
-                    "gpus_per_node": grp.gpus_per_node})
-        first += n
-    return out
-
-
-def visible_devices(plan: list[dict], local_devices: list[int] | None = None) -> list[str | None]:
-    """Per host the CUDA_VISIBLE_DEVICES value (None for CPU hosts): the devices of its ranks in
-    rank order, from ``local_devices`` (rank -> device index on its host; identity when None)."""
-    world = sum(p["nproc"] for p in plan)
-    if local_devices is not None:
-        if len(local_devices) != world or not all(isinstance(d, int) and not isinstance(d, bool)
-                                                  for d in local_devices):
-            raise UserError(f"local_devices: expected {world} device indices (one per rank), got "
-                            f"{local_devices!r:.80}")
-    out = []
-    for p in plan:
-        first, n = p["first_rank"], p["nproc"]
-        devs = list(range(n)) if local_devices is None else list(local_devices[first:first + n])
-        if local_devices is not None and (len(set(devs)) != n or not all(0 <= d < p["gpus_per_node"] for d in devs)):
-            raise UserError(f"local_devices for host {p['host']} (ranks {first}..{first + n - 1}): {devs} must be "
-                            f"distinct device indices in 0..{p['gpus_per_node'] - 1}")
-        out.append(None if p["device"] == "cpu" else ",".join(str(d) for d in devs))
-    return out
-
-
-def config_document(estimate, model, cluster, profile_path: str | None = None) -> dict:
-    return {"version": CONFIG_VERSION, "created_by": f"autoconf {__version__}",
-            "model": model.to_dict(), "config": estimate.config.to_dict(), "framework": estimate.framework,
-            "cluster": cluster.to_dict() if cluster is not None else None,
-            "profile": profile_path, "estimate": estimate.to_dict()}
-
-
-def torchrun_command(node_rank: int, nnodes: int, nproc: int, config_file: str = "config.json",
-                     rdzv_endpoint: str | None = None, master_port: int = DEFAULT_PORT) -> str:
-    """One host's torchrun line. Several hosts: the static rendezvous with this host's node rank,
-    at ``$MASTER_ADDR``:``master_port`` (or ``rdzv_endpoint``, host:port); one host: --standalone
-    (or a local rendezvous on ``master_port`` when one is chosen)."""
-    train = ["-m", "autoconf.trainer", "--config", config_file, "--out", "results"]
-    if nnodes == 1:  # --standalone picks a free port itself; a chosen port is a local c10d rendezvous
-        start = (["--standalone"] if master_port == DEFAULT_PORT else
-                 ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=localhost:{master_port}"])
-        args = ["torchrun", *start, f"--nproc-per-node={nproc}", *train]
-    else:
-        where = ([f"--rdzv-endpoint={rdzv_endpoint}"] if rdzv_endpoint else
-                 ['--master-addr="$MASTER_ADDR"', f"--master-port={master_port}"])
-        args = ["torchrun", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--node-rank={node_rank}",
-                "--rdzv-backend=static", *where, *train]
-    return " ".join(a if "$" in a else shlex.quote(a) for a in args)
+_TARGETS = {
+    "reference": ["-m", "autoconf.trainer", "--config", "config.json", "--out", "results", Raw('"$@"')],
+    "megatron": [Raw('"${MEGATRON_LM:?set MEGATRON_LM to your Megatron-LM checkout}/pretrain_gpt.py"'),
+                 Raw('"${MEGATRON_ARGS[@]}"'), Raw('"$@"')],
+    "torchtitan": ["-m", "torchtitan.train", "--module", Raw('"${TORCHTITAN_MODULE:-llama3}"'), "--config",
+                   Raw('"${TORCHTITAN_CONFIG:?set TORCHTITAN_CONFIG to a torchtitan config function (see '
+                       'torchtitan_args.sh)}"'), Raw('"${TORCHTITAN_ARGS[@]}"'), Raw('"$@"'),
+                   Raw('"$TORCHTITAN_AC"')],
+    "deepspeed": [Raw('"${DEEPSPEED_SCRIPT:?set DEEPSPEED_SCRIPT to your DeepSpeed training script, or emit with '
+                      '--script}"'), "--deepspeed", "--deepspeed_config", "ds_config.json", Raw('"$@"')],
+}
+_SOURCED = {"megatron": "megatron_args.sh", "torchtitan": "torchtitan_args.sh"}
 
 
 def emit(estimate, model, cluster, out_dir: str, profile_path: str | None = None,
-         master_port: int = DEFAULT_PORT, local_devices: list[int] | None = None) -> list[str]:
+         master_port: int = DEFAULT_PORT, local_devices: list[int] | None = None, script: str | None = None,
+         script_args=(), runners_up=(), seed: int = 0) -> list[str]:
     """Write the launch files into ``out_dir``; returns the paths written. ``master_port``: the
     rendezvous port on node 0 (several hosts). ``local_devices``: rank -> device index on its host
-    (a placement's GPU order; identity when None)."""
-    if not (isinstance(master_port, int) and 1 <= master_port <= 65535):
+    (a placement's GPU order; identity when None). ``script``: the user's training script the node
+    scripts run (with ``script_args``) instead of the framework's launcher. ``runners_up``: the
+    search's next best estimates, for PLAN.md."""
+    if isinstance(master_port, bool) or not isinstance(master_port, int) or not 1 <= master_port <= 65535:
         raise UserError(f"--master-port {master_port!r}: expected a TCP port, 1 to 65535")
     if cluster is None:
         raise UserError("--emit needs --cluster (the launch files name hosts and devices per host)")
+    script = check_script(script, script_args)
+    plan = LaunchPlan.of_estimate(estimate, model, cluster, profile_path, seed)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as e:
         raise UserError(f"--emit {out_dir!r}: cannot create the directory ({e.strerror})") from None
-    plan = node_plan(cluster, estimate.config.world_size)
-    visible = visible_devices(plan, local_devices)  # checked before anything is written
+    hosts = node_plan(cluster, plan.world_size)
+    visible = visible_devices(hosts, local_devices)  # checked before anything is written
     try:
-        return _write_all(estimate, model, cluster, out_dir, profile_path, master_port, plan, visible)
+        return _write_all(plan, estimate, out_dir, master_port, hosts, visible, script, list(script_args),
+                          list(runners_up))
     except OSError as e:  # a full disk, a read-only file: no partial file is left (write_text)
         raise UserError(f"--emit {out_dir!r}: cannot write the launch files ({e.strerror})") from None
+
+
+def check_script(script: str | None, script_args=()) -> str | None:
+    """The user's script as an absolute path (the node scripts run from the launch directory);
+    UserError if it is missing, or if arguments come without it."""
+    if script is None:
+        if script_args:
+            raise UserError(f"script arguments {' '.join(map(quote, script_args))[:80]} need --script FILE")
+        return None
+    if not os.path.isfile(script):
+        raise UserError(f"--script {script!r} is not a file (give the path of your training script)")
+    return os.path.abspath(script)
 
 
 def host_roles(config, num_layers: int, first: int, n: int) -> str:
@@ -137,51 +100,116 @@ def host_roles(config, num_layers: int, first: int, n: int) -> str:
             f"blocks {','.join(blocks)}")
 
 
-def _write_all(estimate, model, cluster, out_dir, profile_path, master_port, plan, visible) -> list[str]:
+def _header(plan) -> str:
+    e = plan.expected
+    pred = f"; predicted {e.step_time_s:.4g} s/step, {e.peak_memory_bytes / 2**30:.2f} GiB peak" if e else ""
+    return (f"{comment(plan.model.name)} on {comment(plan.cluster.name)}: {comment(plan.config.short())}"
+            f"{pred} (autoconf plan, config.json)\n")
+
+
+def _framework_files(plan, out_dir: str) -> list[str]:
+    from . import stacks
+
+    header = _header(plan)
+    files = {"megatron": {"megatron_args.sh": lambda: stacks.megatron_file(plan, header)},
+             "torchtitan": {"torchtitan_args.sh": lambda: stacks.torchtitan_args_file(plan, header),
+                            "torchtitan.toml": lambda: stacks.torchtitan_toml(plan, header)},
+             "deepspeed": {"ds_config.json": lambda: json.dumps(stacks.ds_config(plan, header), indent=2) + "\n"},
+             }.get(plan.framework, {})
     written = []
-    path = os.path.join(out_dir, "config.json")
-    write_text(path, json.dumps(config_document(estimate, model, cluster, profile_path), indent=2) + "\n")
-    written.append(path)
-    nnodes = len(plan)
-    named = bool(cluster.node_groups[0].hosts)  # host 0 has a real name to rendezvous at
-    master = plan[0]["host"]
-    lines = []
-    for rank, (p, vis) in enumerate(zip(plan, visible)):
-        cmd = torchrun_command(rank, nnodes, p["nproc"], master_port=master_port)
-        ranks = (f"processes {p['first_rank']}..{p['first_rank'] + p['nproc'] - 1}"
-                 f"{host_roles(estimate.config, model.num_layers, p['first_rank'], p['nproc'])}")
-        path = os.path.join(out_dir, f"node-{rank}.sh")
-        env = ""
-        if nnodes > 1:
-            env = (f'MASTER_ADDR="${{MASTER_ADDR:-{master}}}"  # host 0, the rendezvous\n' if named else
-                   ': "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"\n')
-        if vis is not None:
-            env += f"export CUDA_VISIBLE_DEVICES={vis}  # local rank i runs on the i-th of these\n"
-        write_text(path, f"#!/usr/bin/env bash\n# node {rank} of {nnodes}: run on host {p['host']}; {ranks}; "
-                         f"{estimate.config.short()}\nset -euo pipefail\ncd \"$(dirname \"$0\")\"\n{env}exec {cmd}\n",
-                   mode=0o755)
+    for name, text in files.items():
+        path = os.path.join(out_dir, name)
+        write_text(path, text())
         written.append(path)
-        gpus = f", GPUs {vis}" if vis is not None else ""
-        lines.append(f"- host `{p['host']}` ({ranks}{gpus}): `bash node-{rank}.sh`")
-    if nnodes == 1:
-        start = "Run:\n\n"
-    elif named:
-        start = (f"Run each script on its host (any order; each waits for the others). MASTER_ADDR defaults to "
-                 f"`{master}` (host 0); set it where that name does not resolve to host 0 on every host. "
-                 f"The static rendezvous gives each host the ranks below, so every host runs the stages the "
-                 f"plan gave it:\n\n")
+    return written
+
+
+def _node_script(plan, k: int, hosts: list[dict], vis, master_port: int, script, script_args) -> str:
+    p, nnodes = hosts[k], len(hosts)
+    named = bool(plan.cluster.node_groups[0].hosts)  # host 0 has a real name to rendezvous at
+    ranks = (f"processes {p['first_rank']}..{p['first_rank'] + p['nproc'] - 1}"
+             f"{host_roles(plan.config, plan.model.num_layers, p['first_rank'], p['nproc'])}")
+    lines = ["#!/usr/bin/env bash",
+             f"# node {k} of {nnodes}: run on host {comment(p['host'])}; {comment(ranks)}",
+             f"# {_header(plan)}".rstrip("\n"),
+             "set -euo pipefail", 'cd "$(dirname "$0")"', f'export {PLAN_ENV}="$PWD/config.json"']
+    if nnodes > 1:
+        if named:
+            lines += [f'if [ -z "${{MASTER_ADDR:-}}" ]; then MASTER_ADDR={quote(hosts[0]["host"])}; fi  '
+                      "# host 0, the rendezvous"]
+        else:
+            lines.append(': "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"')
+    if vis is not None:
+        lines.append(f"export CUDA_VISIBLE_DEVICES={quote(vis)}  # local rank i runs on the i-th of these")
+    if script is not None:
+        target = [script, *script_args, Raw('"$@"')]
     else:
-        start = ("Set MASTER_ADDR to node 0's address on every host, then run each script on its host (the "
-                 "static rendezvous gives each host the ranks below, so every host runs the stages the plan "
-                 "gave it):\n\n")
-    md = os.path.join(out_dir, "launch.md")
-    write_text(md, f"# Launch: {model.name} on {cluster.name}\n\n{estimate.config.short()}\n\n"
-                      f"Predicted step time {estimate.step_time_s:.4g} s, peak memory "
-                      f"{estimate.peak_memory_bytes / 2**30:.2f} GiB per device.\n\n"
-                      + start + "\n".join(lines) + "\n\nEach writes per-rank results under `results/`.\n"
-                      + ("" if estimate.framework == "reference" else
-                         f"\nThe plan was modelled for {estimate.framework}; these commands run autoconf's "
-                         f"reference trainer, which differs from {estimate.framework} in memory and speed. "
-                         f"Set the configuration above in {estimate.framework}'s own launcher.\n"))
-    written.append(md)
+        target = _TARGETS[plan.framework]
+        if plan.framework in _SOURCED:
+            lines.append(f"source ./{_SOURCED[plan.framework]}")
+    argv = torchrun_argv(target, p["nproc"], nnodes, k, Raw('"$MASTER_ADDR"') if nnodes > 1 else None,
+                         master_port if nnodes > 1 or master_port != DEFAULT_PORT else None)
+    lines.append("exec " + join(argv))
+    return "\n".join(lines) + "\n"
+
+
+_ON_NODE = r"""set -euo pipefail
+rank="$SLURM_NODEID"
+if [ "${AUTOCONF_NAMED_HOSTS:-0}" = 1 ]; then
+  rank=-1
+  for ((i = 0; i < AUTOCONF_NNODES; i++)); do
+    v="AUTOCONF_HOST_$i"
+    if [ "${!v}" = "${SLURMD_NODENAME:-}" ]; then rank=$i; fi
+  done
+  if [ "$rank" -lt 0 ]; then echo "sbatch.sh: node ${SLURMD_NODENAME:-?} is not a host of the plan" >&2; exit 1; fi
+fi
+exec bash "$AUTOCONF_LAUNCH_DIR/node-$rank.sh"
+"""
+
+
+def _sbatch(plan, out_dir: str, hosts: list[dict], visible) -> str:
+    nnodes = len(hosts)
+    named = bool(plan.cluster.node_groups[0].hosts)
+    gpus = [p["nproc"] for p, v in zip(hosts, visible) if v is not None]
+    lines = ["#!/usr/bin/env bash", "#SBATCH --job-name=autoconf", f"#SBATCH --nodes={nnodes}",
+             "#SBATCH --ntasks-per-node=1"]
+    if gpus:
+        lines.append(f"#SBATCH --gpus-per-node={max(gpus)}")
+    if named and all(_HOST_RE.match(p["host"]) for p in hosts):  # sbatch reads this line itself, unquoted
+        lines.append("#SBATCH --nodelist=" + ",".join(p["host"] for p in hosts))
+    lines += [f"# {_header(plan)}".rstrip("\n"),
+              "# sbatch sbatch.sh: srun starts one task per node; each runs node-K.sh for its node, K from the "
+              "plan's host names" if named else
+              "# sbatch sbatch.sh: srun starts one task per node; each runs node-$SLURM_NODEID.sh",
+              "# (torchrun's static rendezvous, so every node keeps its ranks and GPU order).",
+              "set -euo pipefail",
+              # where node-K.sh are, on a file system every node shares (sbatch runs a copy of this file)
+              f'if [ -z "${{AUTOCONF_LAUNCH_DIR:-}}" ]; then AUTOCONF_LAUNCH_DIR={quote(os.path.abspath(out_dir))}; fi',
+              f"export AUTOCONF_LAUNCH_DIR AUTOCONF_NNODES={nnodes} AUTOCONF_NAMED_HOSTS={int(named)}"]
+    if named:
+        lines += [f"export AUTOCONF_HOST_{k}={quote(p['host'])}" for k, p in enumerate(hosts)]
+        lines.append(f'if [ -z "${{MASTER_ADDR:-}}" ]; then MASTER_ADDR={quote(hosts[0]["host"])}; fi')
+    else:
+        lines.append('if [ -z "${MASTER_ADDR:-}" ]; then '
+                     # the first node of the allocation (sed reads all: no SIGPIPE under pipefail, as head -n1 could)
+                     'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"; fi')
+    lines += ["export MASTER_ADDR",
+              f"srun --nodes={nnodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {quote(_ON_NODE)}"]
+    return "\n".join(lines) + "\n"
+
+
+def _write_all(plan, estimate, out_dir, master_port, hosts, visible, script, script_args, runners_up) -> list[str]:
+    written = [plan.write(os.path.join(out_dir, "config.json"))]
+    written += _framework_files(plan, out_dir)
+    for k, vis in enumerate(visible):
+        path = os.path.join(out_dir, f"node-{k}.sh")
+        write_text(path, _node_script(plan, k, hosts, vis, master_port, script, script_args), mode=0o755)
+        written.append(path)
+    path = os.path.join(out_dir, "sbatch.sh")
+    write_text(path, _sbatch(plan, out_dir, hosts, visible), mode=0o755)
+    written.append(path)
+    from .plan_md import plan_markdown
+    path = os.path.join(out_dir, "PLAN.md")
+    write_text(path, plan_markdown(plan, estimate, hosts, visible, script, runners_up))
+    written.append(path)
     return written

@@ -242,9 +242,10 @@ def torchrun_argv(nodes: list[Node], k: int, nproc_per_node: int, master_port: i
     """One node's torchrun with the static rendezvous: node ``k`` is group rank ``k`` and its
     workers take the global ranks after those of nodes 0..k-1. ``script``: ``["-m", "mod", ...]``
     or ``["file.py", ...]``."""
-    return [python or sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(nodes)}",
-            f"--nproc-per-node={nproc_per_node}", f"--node-rank={k}", f"--master-addr={nodes[0].address}",
-            f"--master-port={master_port}", *script]
+    from .launch import python_torchrun, torchrun_argv as argv
+
+    launcher = python_torchrun() if python is None else (python, "-m", "torch.distributed.run")
+    return argv(script, nproc_per_node, len(nodes), k, nodes[0].address, master_port, launcher=launcher)
 
 
 def cluster_yaml(nodes: list[Node], nproc_per_node: int, name: str | None = None,

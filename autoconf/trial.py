@@ -5,12 +5,8 @@
 whole process group) and reads the per-rank JSON the trainer wrote. A crash, a timeout or an
 out-of-memory becomes ``TrialResult(ok=False, reason=...)``: a failed trial never raises.
 
-The config document (what ``autoconf search --emit`` writes, and what the trainer reads)::
-
-    {"version": 1, "model": ModelSpec.to_dict(), "config": ParallelConfig.to_dict(),
-     "cluster": ClusterSpec.to_dict() (optional), "seed": 0 (optional)}
-
-No torch here: this module runs in the planner's process.
+What runs is a launch plan (``autoconf.plan.LaunchPlan``, the ``config.json`` that ``autoconf
+search --emit`` writes and the trainer reads). No torch here: this module runs in the planner's process.
 """
 
 from __future__ import annotations
@@ -22,7 +18,6 @@ import re
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -30,9 +25,10 @@ from dataclasses import dataclass, field
 from . import procs
 from .config import ParallelConfig, check
 from .errors import UserError
+from .launch import python_torchrun, torchrun_argv
 from .model import ModelSpec
+from .plan import LaunchPlan, load
 
-DOC_VERSION = 1
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -69,69 +65,6 @@ class TrialResult:
                 "per_rank": list(self.per_rank)}
 
 
-# -- the config document -----------------------------------------------------------------------
-
-def _plan_schema():
-    from .cluster import SI_CLUSTER_SCHEMA
-    from .config import CONFIG_SCHEMA
-    from .frameworks import FRAMEWORK_NAMES
-    from .schema import Dict, Int, Null, Opaque, Str
-
-    return Dict(required={"model": Opaque(), "config": CONFIG_SCHEMA},  # model: ModelSpec.from_dict,
-                optional={"version": Int(DOC_VERSION, DOC_VERSION), "created_by": Str(max_len=200),
-                          "cluster": Null(SI_CLUSTER_SCHEMA), "profile": Null(Str()),
-                          "estimate": Null(Opaque()),  # written for people; nothing reads it back
-                          "framework": Str(FRAMEWORK_NAMES),
-                          "seed": Int(-(1 << 63), (1 << 64) - 1)},
-                what="a launch plan")
-
-
-def load_document(config_path_or_dict) -> dict:
-    """Read and check a trainer config document; UserError names what is wrong."""
-    from .schema import _show, check_kind, parse_json, read_text
-
-    if isinstance(config_path_or_dict, dict):
-        doc, where = config_path_or_dict, "config document"
-    else:
-        path = str(config_path_or_dict)
-        where = repr(path)
-        if not os.path.exists(path):
-            raise UserError(f"trial config file {path!r} does not exist")
-        doc = parse_json(read_text(path, "trial config file", 64 << 20), path, "trial config file", ("plan",))
-        check_kind(doc, path, ("plan",))
-    if not isinstance(doc, dict):
-        raise UserError(f"{where} must hold a JSON object with 'model' and 'config'")
-    if doc.get("version", DOC_VERSION) != DOC_VERSION:
-        raise UserError(f"{where}: version={_show(doc.get('version'))}; this autoconf reads version {DOC_VERSION}")
-    for key in ("model", "config"):
-        if not isinstance(doc.get(key), dict):
-            raise UserError(f"{where}: missing or non-object '{key}'")
-    try:
-        _plan_schema()(doc)
-    except UserError as e:
-        raise UserError(f"{where}: {e}") from None
-    model = ModelSpec.from_dict(doc["model"])
-    config = ParallelConfig.from_dict(doc["config"])
-    reason = check(config, model)
-    if reason:
-        raise UserError(f"{where}: invalid configuration ({config.short()}): {reason}")
-    if isinstance(doc.get("cluster"), dict):
-        from .cluster import ClusterSpec
-
-        cluster = ClusterSpec.from_dict(doc["cluster"])
-        if cluster.num_devices < config.world_size:
-            raise UserError(f"{where}: the cluster has {cluster.num_devices} devices, the configuration needs "
-                            f"{config.world_size}")
-    return doc
-
-
-def make_document(config: ParallelConfig, model: ModelSpec, cluster=None, seed: int = 0) -> dict:
-    doc = {"version": DOC_VERSION, "model": model.to_dict(), "config": config.to_dict(), "seed": seed}
-    if cluster is not None:
-        doc["cluster"] = cluster.to_dict()
-    return doc
-
-
 def check_seconds(value, what: str) -> float:
     """A time limit must be a finite number of seconds above zero; UserError otherwise."""
     try:
@@ -155,7 +88,11 @@ def seconds_arg(text: str) -> float:
 
 # -- running -------------------------------------------------------------------------------------
 
-def run_trial(config_path_or_dict, steps: int = 6, warmup: int = 2, timeout_s: float = 300.0,
+def _plan(plan_or_path) -> LaunchPlan:
+    return plan_or_path if isinstance(plan_or_path, LaunchPlan) else load(plan_or_path)
+
+
+def run_trial(plan_or_path, steps: int = 6, warmup: int = 2, timeout_s: float = 300.0,
               nproc: int | None = None, env_extra: dict | None = None, step_timeout_s: float | None = None,
               out_dir: str | None = None, keep: bool = False, speed_probe: bool = False) -> TrialResult:
     """Run the configuration for ``steps`` steps (``warmup`` of them untimed) under torchrun.
@@ -165,8 +102,8 @@ def run_trial(config_path_or_dict, steps: int = 6, warmup: int = 2, timeout_s: f
     temporary directory, removed unless ``keep``, when not given). ``speed_probe``: time the
     profile's reference block after every timed step (see ``speed_vs_profile``).
     """
-    doc = load_document(config_path_or_dict)
-    config = ParallelConfig.from_dict(doc["config"])
+    plan = _plan(plan_or_path)
+    config = plan.config
     check_seconds(timeout_s, "timeout")
     if step_timeout_s is not None:
         check_seconds(step_timeout_s, "step timeout")
@@ -178,22 +115,20 @@ def run_trial(config_path_or_dict, steps: int = 6, warmup: int = 2, timeout_s: f
         out_dir = tmp.name
     os.makedirs(out_dir, exist_ok=True)
     try:
-        return _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s, speed_probe)
+        return _launch(plan, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s, speed_probe)
     finally:
         with procs.deferred_signals():  # a second Ctrl-C cannot leave the directory behind
             if tmp is not None and not keep:
                 tmp.cleanup()
 
 
-def _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s,
+def _launch(plan, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s,
             speed_probe=False) -> TrialResult:
-    cfg_path = os.path.join(out_dir, "config.json")
-    with open(cfg_path, "w") as f:
-        json.dump(doc, f, indent=1)
+    cfg_path = plan.write(os.path.join(out_dir, "config.json"))
     script = (["-m", "autoconf.trainer", "--config", cfg_path, "--out", out_dir, "--steps", str(steps),
                "--warmup", str(warmup), "--step-timeout", str(step_timeout_s)]
               + (["--speed-probe"] if speed_probe else []))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *script]
+    cmd = torchrun_argv(script, nproc, launcher=python_torchrun())
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                 "PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, env.get("PYTHONPATH", "")) if p)})
@@ -205,7 +140,7 @@ def _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, st
     with open(os.path.join(out_dir, "torchrun.log"), "w") as log:
         if tb is not None:  # under `autoconf testbed --driver`: one torchrun per emulated node
             from .testbed import node_commands
-            returncode, timed_out = _launch_nodes(node_commands(tb, _host_counts(doc, nproc, tb), script, env),
+            returncode, timed_out = _launch_nodes(node_commands(tb, _host_counts(plan, nproc, tb), script, env),
                                                   log, timeout_s)
         else:
             with procs.ProcessTree(cmd, env=env, stdout=log, stderr=subprocess.STDOUT) as tree:
@@ -218,13 +153,12 @@ def _launch(doc, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, st
     return collect(out_dir, nproc, returncode, timed_out, timeout_s, wall, config, kernel_oom=kernel_oom)
 
 
-def _host_counts(doc: dict, nproc: int, tb: dict) -> list[int]:
-    """Processes per host as the plan was priced: the first ``nproc`` devices of the document's
+def _host_counts(plan: LaunchPlan, nproc: int, tb: dict) -> list[int]:
+    """Processes per host as the plan was priced: the first ``nproc`` devices of the plan's
     cluster, host by host; without a cluster, spread evenly over the testbed's nodes."""
-    if doc.get("cluster"):
-        from .cluster import ClusterSpec
-        from .emit import node_plan
-        return [p["nproc"] for p in node_plan(ClusterSpec.from_dict(doc["cluster"]), nproc)]
+    if plan.cluster is not None:
+        from .launch import node_plan
+        return [p["nproc"] for p in node_plan(plan.cluster, nproc)]
     n = len(tb["nodes"])
     if nproc % n:
         raise UserError(f"{nproc} processes cannot be spread evenly over the testbed's {n} nodes")
@@ -380,7 +314,7 @@ def verify(candidates, model: ModelSpec, cluster=None, steps: int = 6, warmup: i
         if reason:
             result = TrialResult(ok=False, reason=f"invalid configuration: {reason}", config=config.to_dict())
         else:
-            result = run_trial(make_document(config, model, cluster, seed), steps=steps, warmup=warmup,
+            result = run_trial(LaunchPlan(config, model, cluster, seed=seed), steps=steps, warmup=warmup,
                                timeout_s=timeout_s, speed_probe=speed_probe)
         results.append(result)
         if on_result is not None:
@@ -404,7 +338,7 @@ def local_device_kind() -> str:
 
 def add_trial_parser(subparsers):
     p = subparsers.add_parser("trial", help="run one configuration for a few real steps and compare with the cost model")
-    p.add_argument("--config", required=True, help="trainer config JSON (written by `autoconf search --emit`)")
+    p.add_argument("--config", required=True, help="launch plan (config.json, written by `autoconf search --emit`)")
     p.add_argument("--steps", type=int, default=6, help="steps to run, warm-up included (default 6)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps (default 2)")
     p.add_argument("--timeout", type=seconds_arg, default=300.0, help="wall-clock limit in seconds (default 300)")
@@ -418,14 +352,14 @@ def add_trial_parser(subparsers):
     return p
 
 
-def _predict(doc: dict, cluster_path: str | None, profile=None):
+def _predict(plan: LaunchPlan, cluster_path: str | None, profile=None):
     """(Estimate or None, note) — the cost model's view of the same configuration."""
-    from .cluster import ClusterSpec, load_cluster
+    from .cluster import load_cluster
 
     if cluster_path:
         cluster = load_cluster(cluster_path)
-    elif isinstance(doc.get("cluster"), dict):
-        cluster = ClusterSpec.from_dict(doc["cluster"])
+    elif plan.cluster is not None:
+        cluster = plan.cluster
     elif profile is not None:
         cluster = None  # the profile's topology
     else:
@@ -434,13 +368,11 @@ def _predict(doc: dict, cluster_path: str | None, profile=None):
         from .cost.estimate import estimate
     except ImportError as e:
         return None, f"cost model not available ({e}): no prediction"
-    model = ModelSpec.from_dict(doc["model"])
-    config = ParallelConfig.from_dict(doc["config"])
-    return estimate(config, model, cluster, profile, framework=doc.get("framework")), ""
+    return estimate(plan.config, plan.model, cluster, profile, framework=plan.framework), ""
 
 
 def cmd_trial(args) -> int:
-    doc = load_document(args.config)
+    plan = load(args.config)
     if args.steps < 1 or args.warmup < 0 or args.warmup >= args.steps:
         raise UserError(f"--steps {args.steps} / --warmup {args.warmup}: need steps >= 1 and 0 <= warmup < steps")
     profile = None
@@ -448,15 +380,15 @@ def cmd_trial(args) -> int:
         from .profile import check_profile_matches, load_profile
 
         profile = load_profile(args.profile)
-        check_profile_matches(profile, ModelSpec.from_dict(doc["model"]))  # one-line error if it does not apply
+        check_profile_matches(profile, plan.model)  # one-line error if it does not apply
     from .progress import Bars, wanted
 
     with Bars(wanted(getattr(args, "quiet", False)), transient=True) as bars:
-        bars.task(f"trial {ParallelConfig.from_dict(doc['config']).short()}: {args.steps} steps")
-        result = run_trial(doc, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
+        bars.task(f"trial {plan.config.short()}: {args.steps} steps")
+        result = run_trial(plan, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
                            speed_probe=profile is not None)
-    est, note = _predict(doc, getattr(args, "cluster", None), profile)
-    speed = speed_vs_profile(result, profile, ModelSpec.from_dict(doc["model"])) if profile is not None else None
+    est, note = _predict(plan, getattr(args, "cluster", None), profile)
+    speed = speed_vs_profile(result, profile, plan.model) if profile is not None else None
     if speed is not None:
         note = (note + "; " if note else "") + (
             f"machine speed: the reference block took {result.speed_probe_s * 1e3:.2f} ms now, {speed:.2f}x its time "
@@ -473,5 +405,5 @@ def cmd_trial(args) -> int:
         return 0 if result.ok else 1
     from .report import show, trial_report
 
-    show(trial_report(result, est, note, ParallelConfig.from_dict(doc["config"])))
+    show(trial_report(result, est, note, plan.config))
     return 0 if result.ok else 1

@@ -40,7 +40,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from autoconf.cluster import load_cluster  # noqa: E402
 from autoconf.config import enumerate_space  # noqa: E402
 from autoconf.model import ModelSpec  # noqa: E402
-from autoconf.trial import make_document, run_trial, speed_vs_profile  # noqa: E402
+from autoconf.plan import LaunchPlan  # noqa: E402
+from autoconf.trial import run_trial, speed_vs_profile  # noqa: E402
 from stats import spearman  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
     for p in range(args.passes):
         order = range(len(chosen)) if p % 2 == 0 else reversed(range(len(chosen)))
         for i in order:
-            res = run_trial(make_document(chosen[i], model), steps=steps, warmup=2, timeout_s=300,
+            res = run_trial(LaunchPlan(chosen[i], model), steps=steps, warmup=2, timeout_s=300,
                             speed_probe=profile is not None)
             runs[i].append(res)
             t = f"{res.step_time_s * 1e3:8.1f} ms" if res.ok else f"failed ({res.reason[:60]})"

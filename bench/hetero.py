@@ -40,7 +40,8 @@ from autoconf.config import ParallelConfig  # noqa: E402
 from autoconf.cost.estimate import estimate  # noqa: E402
 from autoconf.model import load_model  # noqa: E402
 from autoconf.profile import load_profile  # noqa: E402
-from autoconf.trial import make_document, run_trial  # noqa: E402
+from autoconf.plan import LaunchPlan  # noqa: E402
+from autoconf.trial import run_trial  # noqa: E402
 
 MODEL = os.path.join(ROOT, "examples", "models", "bench-h256.yaml")
 
@@ -101,7 +102,7 @@ def main() -> int:
         for p in range(args.passes):
             order = list(picks) if p % 2 == 0 else list(reversed(picks))
             for k in order:
-                r = run_trial(make_document(picks[k], model, cluster), steps=args.steps, timeout_s=600)
+                r = run_trial(LaunchPlan(picks[k], model, cluster), steps=args.steps, timeout_s=600)
                 if not r.ok:
                     raise SystemExit(f"{k} {picks[k].short()} failed on the testbed: {r.reason}")
                 measured[k].append(r.step_time_s)

@@ -19,6 +19,7 @@ import sys
 
 from autoconf import procs
 from autoconf.errors import UserError
+from autoconf.launch import python_torchrun, torchrun_argv
 
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
@@ -93,19 +94,15 @@ def launch_command(args) -> list[str]:
         raise UserError(f"--nproc-per-node={nproc} and --nnodes={args.nnodes} must be positive")
     if not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node-rank={args.node_rank} must be in 0..{args.nnodes - 1}")
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    if args.nnodes == 1:
-        cmd.append("--standalone")
-    else:
-        cmd += [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-                f"--master-port={args.master_port}"]
-    cmd += ["-m", "profiler", "--out", os.path.abspath(args.out)]
+    target = ["-m", "profiler", "--out", os.path.abspath(args.out)]
     for name in _PASS:
         v = getattr(args, name, None)
         if v is not None:
-            cmd += ["--" + name.replace("_", "-"), str(v)]
-    cmd += ["--" + n.replace("_", "-") for n in _FLAGS if getattr(args, n, False)]
-    return cmd
+            target += ["--" + name.replace("_", "-"), str(v)]
+    target += ["--" + n.replace("_", "-") for n in _FLAGS if getattr(args, n, False)]
+    several = args.nnodes > 1
+    return torchrun_argv(target, nproc, args.nnodes, args.node_rank, args.master_addr if several else None,
+                         args.master_port if several else None, launcher=python_torchrun())
 
 
 def cmd_profile(args) -> int:

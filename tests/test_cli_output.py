@@ -244,9 +244,9 @@ def test_search_progress_goes_to_a_terminal_stderr_and_never_into_json():
 _FAKE_VERIFY = """
 import sys, time
 from autoconf import cli, trial
-def fake(doc, **kw):  # the trials' runner stands in; the progress of --verify is what is tested
+def fake(plan, **kw):  # the trials' runner stands in; the progress of --verify is what is tested
     time.sleep(0.4)
-    return trial.TrialResult(ok=True, step_time_s=0.01, peak_memory_bytes=2**20, config=doc["config"])
+    return trial.TrialResult(ok=True, step_time_s=0.01, peak_memory_bytes=2**20, config=plan.config.to_dict())
 trial.run_trial = fake
 sys.exit(cli.main(sys.argv[1:]))
 """

@@ -29,7 +29,7 @@ from autoconf.cost.calibration import load_calibration
 from autoconf.errors import UserError
 from autoconf.model import load_model, preset
 from autoconf.profile import load_profile
-from autoconf.trial import load_document, make_document
+from autoconf.plan import LaunchPlan, load as load_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEEN: set[str] = set()
@@ -48,8 +48,8 @@ HF = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4, "num_at
       "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "float32", "attention_bias": False}
 CLUSTER = yaml.safe_load(_read("examples/clusters/two-kinds.yaml"))
 CPU_CLUSTER = yaml.safe_load(_read("examples/clusters/localhost-cpu.yaml"))
-PLAN = make_document(ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=2, num_micro_batches=2), preset("tiny"),
-                     load_cluster(os.path.join(ROOT, "examples/clusters/localhost-cpu.yaml")))
+PLAN = LaunchPlan(ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=2, num_micro_batches=2), preset("tiny"),
+                  load_cluster(os.path.join(ROOT, "examples/clusters/localhost-cpu.yaml"))).to_dict()
 
 # kind -> (valid data, file suffix, format, loader)
 KINDS = {
@@ -59,7 +59,7 @@ KINDS = {
     "profile": (json.loads(_read("examples/profiles/bench-h256-cpu2.json")), ".json", "json", load_profile),
     "calibration": ({"version": 1, "factors": {"compute": 1.2, "tp_comm": 0.8, "activations": 1.1},
                      "num_trials": 3}, ".json", "json", load_calibration),
-    "plan": (PLAN, ".json", "json", load_document),
+    "plan": (PLAN, ".json", "json", load_plan),
 }
 ACCEPTS = {"model": {"model", "hf"}, "hf": {"model", "hf"}, "cluster": {"cluster"}, "profile": {"profile"},
            "calibration": {"calibration"}, "plan": {"plan"}}

@@ -112,10 +112,10 @@ def fake_trials(monkeypatch):
     """run_trial replaced by canned results: (ok, step time, peak bytes) per call, in order."""
     runs = []
 
-    def fake(doc, steps=6, warmup=2, timeout_s=300.0, **kw):
+    def fake(plan, steps=6, warmup=2, timeout_s=300.0, **kw):
         ok, t, peak = runs.pop(0)
         return TrialResult(ok=ok, reason="" if ok else "rank 1: killed by SIGKILL", step_time_s=t,
-                           peak_memory_bytes=peak, config=doc["config"])
+                           peak_memory_bytes=peak, config=plan.config.to_dict())
     monkeypatch.setattr("autoconf.trial.run_trial", fake)
     return runs
 
@@ -195,13 +195,13 @@ def test_outputs_checked_and_written_atomically(tmp_path, monkeypatch):
 
 
 def test_emitted_launch_files_take_the_master_port(tmp_path):
-    from autoconf.emit import torchrun_command
+    from autoconf.launch import Raw, join, torchrun_argv
 
-    multi = torchrun_command(0, 2, 8, master_port=29611)
+    multi = join(torchrun_argv(["x.py"], 8, 2, 0, Raw('"$MASTER_ADDR"'), 29611))
     assert "--master-port=29611" in multi and '--master-addr="$MASTER_ADDR"' in multi
-    single = torchrun_command(0, 1, 2, master_port=29611)
+    single = join(torchrun_argv(["x.py"], 2, master_port=29611))
     assert "--rdzv-endpoint=localhost:29611" in single and "--standalone" not in single
-    assert "--standalone" in torchrun_command(0, 1, 2)
+    assert "--standalone" in torchrun_argv(["x.py"], 2)
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -88,11 +88,11 @@ class Cli:
 def trial_config(tmp_path_factory):
     from autoconf.config import ParallelConfig
     from autoconf.model import preset
-    from autoconf.trial import make_document
+    from autoconf.plan import LaunchPlan
 
     path = tmp_path_factory.mktemp("cfg") / "c.json"
-    path.write_text(json.dumps(make_document(ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=2,
-                                                            num_micro_batches=2), preset("tiny"))))
+    path.write_text(LaunchPlan(ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=2, num_micro_batches=2),
+                               preset("tiny")).to_json())
     return str(path)
 
 

@@ -16,7 +16,8 @@ from autoconf.cluster import load_cluster
 from autoconf.config import ParallelConfig
 from autoconf.cost.estimate import estimate
 from autoconf.model import preset
-from autoconf.trial import make_document, run_trial
+from autoconf.plan import LaunchPlan
+from autoconf.trial import run_trial
 
 TOLERANCE = 0.05  # relative; measured errors on this machine are within 3%
 CPU = load_cluster("examples/clusters/localhost-cpu.yaml")
@@ -28,7 +29,7 @@ def test_layered_full_recompute_peak_memory_within_tolerance(dp, mbs, m, tmp_pat
     model = preset("tiny")
     c = ParallelConfig(dp=dp, pp=1, tp=1, micro_batch_size=mbs, num_micro_batches=m, layered_grad_accum=True,
                        recompute="full")
-    result = run_trial(make_document(c, model), steps=2, warmup=1, timeout_s=180, out_dir=str(tmp_path))
+    result = run_trial(LaunchPlan(c, model), steps=2, warmup=1, timeout_s=180, out_dir=str(tmp_path))
     assert result.ok, result.reason
     predicted = estimate(c, model, CPU).peak_memory_bytes
     measured = result.peak_memory_bytes

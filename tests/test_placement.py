@@ -278,12 +278,13 @@ def reference_losses(model):
     (2, (3, 1), (2, 0, 3, 1)),  # rank 0 (stage 0, replica 0) on device 2, ...
 ])
 def test_trainer_runs_the_placement(dp, stage_layers, device_order, tmp_path):
-    from autoconf.trial import make_document, run_trial
+    from autoconf.plan import LaunchPlan
+    from autoconf.trial import run_trial
 
     c = ParallelConfig(dp=dp, pp=2, tp=1, micro_batch_size=1, num_micro_batches=GLOBAL_BATCH // dp,
                        stage_layers=stage_layers, device_order=device_order)
     assert check(c, TINY) is None
-    result = run_trial(make_document(c, TINY, seed=SEED), steps=STEPS, warmup=1, timeout_s=180, out_dir=str(tmp_path))
+    result = run_trial(LaunchPlan(c, TINY, seed=SEED), steps=STEPS, warmup=1, timeout_s=180, out_dir=str(tmp_path))
     assert result.ok, result.reason
     assert result.losses == pytest.approx(reference_losses(TINY), rel=1e-5, abs=1e-5)
     place = Placement.of(c, TINY.num_layers)

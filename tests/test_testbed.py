@@ -120,7 +120,7 @@ def test_commands_in_a_node():
     assert env["OMP_NUM_THREADS"] == "3"  # kept when set
     run = tbm.torchrun_argv(nodes, 1, 2, 29555, ["-m", "autoconf.trainer"], python="py")
     assert run == ["py", "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2", "--node-rank=1",
-                   "--master-addr=10.200.0.1", "--master-port=29555", "-m", "autoconf.trainer"]
+                   "--rdzv-backend=static", "--master-addr=10.200.0.1", "--master-port=29555", "-m", "autoconf.trainer"]
 
 
 @pytest.mark.skipif(tbm.unavailable_reason() is not None, reason="needs root, ip, tc and unshare")
@@ -299,7 +299,7 @@ def _plan(cluster_groups, **cfg):
 
 
 def test_node_plan_and_gpu_order():
-    from autoconf.emit import node_plan, visible_devices
+    from autoconf.launch import node_plan, visible_devices
 
     _, _, cluster = _plan([_group(2, hosts=["a", "b"]), {**_group(1), "device": "cpu"}])
     plan = node_plan(cluster, 10)  # 4 + 4 + 2 of the cpu host
@@ -319,13 +319,13 @@ def test_emitted_scripts_fix_each_hosts_ranks_for_torchrun(tmp_path):
 
     e, model, cluster = _plan([_group(2, hosts=["gpu-a1", "gpu-a2"])], dp=2, tp=4, num_micro_batches=1)
     files = emit(e, model, cluster, str(tmp_path), master_port=29611, local_devices=[3, 2, 1, 0, 0, 1, 2, 3])
-    assert [os.path.basename(f) for f in files] == ["config.json", "node-0.sh", "node-1.sh", "launch.md"]
-    md = (tmp_path / "launch.md").read_text()
+    assert [os.path.basename(f) for f in files] == ["config.json", "node-0.sh", "node-1.sh", "sbatch.sh", "PLAN.md"]
+    md = (tmp_path / "PLAN.md").read_text()
     assert "host `gpu-a1` (processes 0..3; pipeline stage" in md and "GPUs 3,2,1,0)" in md and "host `gpu-a2` (processes 4..7" in md
     for k in (0, 1):
         sh = (tmp_path / f"node-{k}.sh").read_text()
         assert f"run on host gpu-a{k + 1}; processes {4 * k}..{4 * k + 3}" in sh
-        assert 'MASTER_ADDR="${MASTER_ADDR:-gpu-a1}"' in sh
+        assert 'if [ -z "${MASTER_ADDR:-}" ]; then MASTER_ADDR=gpu-a1; fi' in sh
         assert f"export CUDA_VISIBLE_DEVICES={'3,2,1,0' if k == 0 else '0,1,2,3'} " in sh
         line = next(ln for ln in sh.splitlines() if ln.startswith("exec torchrun"))
         assert "c10d" not in line and f"--node-rank={k}" in line
@@ -333,7 +333,7 @@ def test_emitted_scripts_fix_each_hosts_ranks_for_torchrun(tmp_path):
         expanded = subprocess.run(["bash", "-c", sh.split("exec ", 1)[0] + 'echo "$MASTER_ADDR"'],
                                   env={"PATH": os.environ["PATH"]}, capture_output=True, text=True, cwd=tmp_path)
         assert expanded.stdout.strip() == "gpu-a1"
-        torch_args = shlex.split(line.replace("$MASTER_ADDR", "gpu-a1"))[2:]
+        torch_args = shlex.split(line.replace("$MASTER_ADDR", "gpu-a1").replace(' "$@"', ""))[2:]
         try:
             from torch.distributed.run import config_from_args, get_args_parser
         except ImportError:  # torch is optional for the planner
@@ -499,7 +499,8 @@ def test_emitted_node_scripts_keep_the_plan_across_the_testbed(tmp_path):
     from autoconf.cluster import load_cluster
     from autoconf.config import ParallelConfig, layers_per_chunk
     from autoconf.cost.estimate import estimate
-    from autoconf.emit import emit, node_plan
+    from autoconf.emit import emit
+    from autoconf.launch import node_plan
     from autoconf.model import preset
     from autoconf.topology import rank_coords
 
@@ -562,7 +563,8 @@ def test_the_search_keeps_tp_inside_nodes_and_its_pick_beats_the_megatron_defaul
     from autoconf.placement import Placement
     from autoconf.search import search
     from autoconf.topology import Topology
-    from autoconf.trial import make_document, run_trial
+    from autoconf.plan import LaunchPlan
+    from autoconf.trial import run_trial
 
     model = preset("tiny")
     with Testbed_(["20mbit", "20mbit"], master_port=29565) as tb:
@@ -577,7 +579,7 @@ def test_the_search_keeps_tp_inside_nodes_and_its_pick_beats_the_megatron_defaul
         default = ParallelConfig(dp=2, pp=1, tp=2, micro_batch_size=1, num_micro_batches=4)
         runs = {}
         for name, c in (("pick", best), ("default", default), ("pick again", best)):
-            r = run_trial(make_document(c, model, cluster), steps=4, warmup=1, timeout_s=180)
+            r = run_trial(LaunchPlan(c, model, cluster), steps=4, warmup=1, timeout_s=180)
             assert r.ok, (name, c.short(), r.reason)
             runs.setdefault(name.split()[0], []).append(r)
     pick = min(r.step_time_s for r in runs["pick"])

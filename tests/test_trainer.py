@@ -9,7 +9,8 @@ import pytest
 
 from autoconf.config import ParallelConfig, check
 from autoconf.model import preset
-from autoconf.trial import make_document, run_trial
+from autoconf.plan import LaunchPlan
+from autoconf.trial import run_trial
 
 torch = pytest.importorskip("torch")
 
@@ -75,7 +76,7 @@ def test_losses_match_single_process(name, model, config, tmp_path):
     if model.name not in _REFERENCE:
         _REFERENCE[model.name] = reference_losses(model)
     expected = _REFERENCE[model.name]
-    result = run_trial(make_document(config, model, seed=SEED), steps=STEPS, warmup=1, timeout_s=180,
+    result = run_trial(LaunchPlan(config, model, seed=SEED), steps=STEPS, warmup=1, timeout_s=180,
                        out_dir=str(tmp_path))
     assert result.ok, result.reason
     assert len(result.losses) == STEPS
@@ -87,7 +88,7 @@ def test_losses_match_single_process(name, model, config, tmp_path):
 
 @pytest.mark.e2e
 def test_wrong_world_size_fails_cleanly(tmp_path):
-    result = run_trial(make_document(cfg(dp=2, mbs=2), TINY), steps=2, warmup=1, timeout_s=120, nproc=1,
+    result = run_trial(LaunchPlan(cfg(dp=2, mbs=2), TINY), steps=2, warmup=1, timeout_s=120, nproc=1,
                        out_dir=str(tmp_path))
     assert not result.ok
     assert "world_size(1)" in result.reason
@@ -95,7 +96,7 @@ def test_wrong_world_size_fails_cleanly(tmp_path):
 
 @pytest.mark.e2e
 def test_wall_timeout_kills_the_run():
-    result = run_trial(make_document(cfg(dp=2, mbs=2), TINY), steps=1000, warmup=1, timeout_s=2)
+    result = run_trial(LaunchPlan(cfg(dp=2, mbs=2), TINY), steps=1000, warmup=1, timeout_s=2)
     assert not result.ok
     assert "timed out after 2 s" in result.reason
     assert result.wall_s < 30
@@ -103,7 +104,7 @@ def test_wall_timeout_kills_the_run():
 
 @pytest.mark.e2e
 def test_step_timeout_reports_failure(tmp_path):
-    result = run_trial(make_document(cfg(dp=2, mbs=2), TINY), steps=3, warmup=1, timeout_s=120,
+    result = run_trial(LaunchPlan(cfg(dp=2, mbs=2), TINY), steps=3, warmup=1, timeout_s=120,
                        step_timeout_s=0.05, out_dir=str(tmp_path))
     assert not result.ok
     assert "exceeded the step timeout" in result.reason or "timed out" in result.reason.lower()
@@ -111,7 +112,7 @@ def test_step_timeout_reports_failure(tmp_path):
 
 def _peaks(config, model, tmp_path) -> dict:
     """Peak memory bytes of one trial, by rank."""
-    result = run_trial(make_document(config, model, seed=SEED), steps=STEPS, warmup=1, timeout_s=180,
+    result = run_trial(LaunchPlan(config, model, seed=SEED), steps=STEPS, warmup=1, timeout_s=180,
                        out_dir=str(tmp_path))
     assert result.ok, result.reason
     return {r["rank"]: r["peak_memory_bytes"] for r in result.per_rank}
@@ -216,7 +217,7 @@ def test_hierarchical_all_reduce_trains_like_flat(tmp_path):
     assert check(config, TINY) is None
     if TINY.name not in _REFERENCE:
         _REFERENCE[TINY.name] = reference_losses(TINY)
-    result = run_trial(make_document(config, TINY, seed=SEED), steps=STEPS, warmup=1, timeout_s=180,
+    result = run_trial(LaunchPlan(config, TINY, seed=SEED), steps=STEPS, warmup=1, timeout_s=180,
                        out_dir=str(tmp_path), env_extra={"AUTOCONF_RANK_HOSTS": HOSTS_2X2})
     assert result.ok, result.reason
     assert {r["dp_all_reduce"] for r in result.per_rank} == {"hierarchical (2 hosts x 2)"}

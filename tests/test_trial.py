@@ -15,7 +15,8 @@ from autoconf.errors import UserError
 from autoconf.model import preset
 from autoconf.trainer.data_parallel import partition
 from autoconf.trainer.parallel_dims import ParallelDims
-from autoconf.trial import TrialResult, collect, load_document, make_document
+from autoconf.plan import LaunchPlan, load as load_plan
+from autoconf.trial import TrialResult, collect
 
 TINY = preset("tiny")
 DP2 = ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=2, num_micro_batches=2)
@@ -42,15 +43,14 @@ def test_bad_documents_raise_user_error(tmp_path, content, needle):
     if content is not None:
         path.write_text(content)
     with pytest.raises(UserError, match=None) as e:
-        load_document(str(path))
+        load_plan(str(path))
     assert needle in str(e.value)
     assert "\n" not in str(e.value)
 
 
-def test_make_document_round_trips():
-    doc = make_document(DP2, TINY, seed=3)
-    assert load_document(doc) is doc
-    assert ParallelConfig.from_dict(doc["config"]) == DP2
+def test_a_plan_round_trips_through_its_file(tmp_path):
+    plan = LaunchPlan(DP2, TINY, seed=3)
+    assert load_plan(plan.write(str(tmp_path / "c.json"))) == plan
 
 
 def _rank(r, ok=True, t=0.1, mem=100, **kw):
@@ -202,13 +202,13 @@ def test_bad_time_limits_are_user_errors():
         with pytest.raises(UserError):
             check_seconds(bad, "timeout")
     with pytest.raises(UserError, match="timeout"):
-        run_trial(make_document(DP2, TINY), timeout_s=0)
+        run_trial(LaunchPlan(DP2, TINY), timeout_s=0)
 
 
 @pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "soon"])
 def test_cli_rejects_bad_timeouts_in_one_line(tmp_path, value):
     path = tmp_path / "c.json"
-    path.write_text(json.dumps(make_document(DP2, TINY)))
+    path.write_text(LaunchPlan(DP2, TINY).to_json())
     p = subprocess.run([sys.executable, "-m", "autoconf", "trial", "--config", str(path), "--timeout", value],
                        capture_output=True, text=True)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "--timeout" in p.stderr

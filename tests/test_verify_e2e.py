@@ -55,16 +55,15 @@ def test_trial_with_a_profile_reports_the_machines_speed(tmp_path):
     from autoconf.cluster import load_cluster
     from autoconf.config import ParallelConfig
     from autoconf.model import preset
-    from autoconf.trial import make_document
+    from autoconf.plan import LaunchPlan
 
     root = os.getcwd()
     prof = tmp_path / "p.json"
     r = run_cli("profile", "--model", "tiny", "--nproc-per-node", "2", "--quick", "--skip-links",
                 "--micro-batch-sizes", "1,2", "--out", str(prof), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
-    doc = make_document(ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=2, num_micro_batches=2), preset("tiny"),
-                        load_cluster(os.path.join(root, "examples/clusters/localhost-cpu.yaml")))
-    (tmp_path / "c.json").write_text(json.dumps(doc))
+    LaunchPlan(ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=2, num_micro_batches=2), preset("tiny"),
+               load_cluster(os.path.join(root, "examples/clusters/localhost-cpu.yaml"))).write(str(tmp_path / "c.json"))
     r = run_cli("trial", "--config", "c.json", "--profile", str(prof), "--steps", "4", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout)

@@ -7,31 +7,20 @@ schedules), accumulation (pp = 1: standard or layered), data_parallel (ZeRO 0-3)
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import socket
 import statistics
 import time
 
-from ..config import ParallelConfig, check
+from ..config import ParallelConfig
 from ..model import ModelSpec
 from ..placement import Placement
+from ..plan import load as load_plan
 from .main import ADAMW, median_after_warmup
 
 
 class TrainerError(RuntimeError):
     """A configuration the trainer cannot run (reported as a failed trial)."""
-
-
-def load(path: str):
-    with open(path) as f:
-        doc = json.load(f)
-    model = ModelSpec.from_dict(doc["model"])
-    config = ParallelConfig.from_dict(doc["config"])
-    reason = check(config, model)
-    if reason:
-        raise TrainerError(f"invalid configuration ({config.short()}): {reason}")
-    return doc, model, config, int(doc.get("seed", 0))
 
 
 def setup(config: ParallelConfig, timeout_s: float):
@@ -118,7 +107,8 @@ def train(args, rank: int, watchdog) -> dict:
     from .. import nn as gpt
     from . import data, data_parallel, memory
 
-    doc, model, config, seed = load(args.config)
+    plan = load_plan(args.config)  # checked: a bad plan is a one-line reason
+    model, config, seed = plan.model, plan.config, plan.seed
     if model.tied_embeddings and config.zero_stage == 3:
         raise TrainerError("tied embeddings with zero_stage=3 are not supported by this trainer "
                            "(FSDP2 cannot shard one weight used by two units)")

@@ -1,0 +1,289 @@
+"""What each training framework's own launcher reads, for a launch plan, and what it cannot express.
+
+- **Megatron-LM** (``megatron_args.sh``): a bash array ``MEGATRON_ARGS`` of ``pretrain_gpt.py``
+  arguments (names as Megatron-LM's ``arguments.py``; the model, parallel and DDP parts become
+  megatron-core's ``TransformerConfig`` / ``DistributedDataParallelConfig`` fields of the same
+  names). Any layer split is expressed: even splits by the layer counts, others by
+  ``--pipeline-model-parallel-layout`` (one ``|``-separated entry per virtual stage, in
+  megatron-core's order ``vp_rank * pp + pp_rank``, which is autoconf's chunk order).
+- **torchtitan**: 0.3 reads no file; its configuration is a Python function of a model module
+  (``--module llama3 --config llama3_8b``) plus command-line overrides, which
+  ``torchtitan_args.sh`` holds (``TORCHTITAN_ARGS``, ``TORCHTITAN_AC``). 0.2 read a TOML file
+  (``--job.config_file``): ``torchtitan.toml`` has the same settings in that form. Layers per
+  stage are given exactly as ``module_fqns_per_model_part`` (the Llama module names of that version).
+- **DeepSpeed** (``ds_config.json``): batch sizes, ZeRO stage, precision, ``overlap_comm``,
+  AutoTP's degree; ``"_autoconf"`` holds the notes (DeepSpeed ignores keys it does not know).
+
+No import of any of these libraries here.
+"""
+
+from __future__ import annotations
+
+import json
+
+from .frameworks import framework as framework_model
+from .launch import comment, quote
+
+TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B",
+                        "breadth_first": "LoopedBFS"}
+MEGATRON_RANK_ORDERS = {"tp-dp-pp": [], "tp-pp-dp": ["--use-tp-pp-dp-mapping"]}
+
+
+def gaps(plan, name: str) -> list[str]:
+    """The parts of ``plan`` framework ``name`` cannot express (one line each); [] for the
+    reference trainer, which runs every plan."""
+    if name == "reference":
+        return []
+    c, out = plan.config, []
+    if c.device_order is not None and list(c.device_order) != list(range(c.world_size)):
+        out.append(f"the per-GPU placement (device_order {','.join(map(str, c.device_order))}): {name} gives "
+                   "rank r to the process on device r (launch order), so the plan's device order is not applied "
+                   "and its predicted step time assumed it")
+    if name == "megatron" and c.rank_order not in MEGATRON_RANK_ORDERS:
+        out.append(f"rank order {c.rank_order}: Megatron-LM orders ranks tp-dp-pp (or tp-pp-dp)")
+    if name == "torchtitan" and c.rank_order != "tp-dp-pp":
+        out.append(f"rank order {c.rank_order}: torchtitan's device mesh is pp, dp, tp (tp innermost)")
+    if name == "deepspeed" and c.stage_layers is not None and c.pp > 1:
+        out.append(f"the layer split {'/'.join(map(str, c.stage_layers))}: DeepSpeed's PipelineModule partitions "
+                   "by 'uniform', 'parameters' or layer type, not by given counts")
+    if c.layered_grad_accum and c.schedule != "breadth_first":
+        out.append(f"layered gradient accumulation: {name} runs micro-batch by micro-batch")
+    if c.dp_all_reduce != "flat":
+        out.append(f"the hierarchical data-parallel all-reduce: {name} runs NCCL's own")
+    if c.schedule not in framework_model(name).schedules and c.pp > 1:
+        out.append(f"the {c.schedule} schedule: {name} has {', '.join(framework_model(name).schedules)}")
+    if name == "deepspeed":
+        if c.sequence_parallel:
+            out.append("sequence parallelism: DeepSpeed's AutoTP shards the linear layers only")
+        if c.recompute == "selective":
+            out.append("selective recomputation: DeepSpeed recomputes what the model wraps in "
+                       "deepspeed.checkpointing.checkpoint (whole blocks); recompute the attention core there")
+    return out
+
+
+def _knob(plan, name: str, knob: str) -> bool:
+    """The knob's value in framework ``name``: the plan's own setting, else that framework's default."""
+    return framework_model(name).knob(plan.config, knob)
+
+
+def _layout(plan) -> str:
+    """Megatron's --pipeline-model-parallel-layout for the plan's chunks (E: embedding, t: a
+    block, L: the loss; one entry per chunk in chunk order)."""
+    counts = plan.placement.chunk_layer_counts()
+    parts = []
+    for i, n in enumerate(counts):
+        s = ("E" if i == 0 else "") + (f"t*{n}" if n > 1 else "t") + ("L" if i == len(counts) - 1 else "")
+        parts.append(s)
+    return "|".join(parts)
+
+
+def megatron_args(plan) -> list:
+    """``pretrain_gpt.py`` arguments for the plan (flat list of words)."""
+    c, m = plan.config, plan.model
+    a = ["--tensor-model-parallel-size", c.tp, "--pipeline-model-parallel-size", c.pp,
+         "--micro-batch-size", c.micro_batch_size, "--global-batch-size", c.global_batch]
+    even = c.stage_layers is None and m.num_layers % c.num_chunks == 0
+    if c.pp > 1 and not even:
+        a += ["--pipeline-model-parallel-layout", _layout(plan)]
+    elif c.virtual_stages > 1:
+        a += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // c.num_chunks]
+    a += MEGATRON_RANK_ORDERS.get(c.rank_order, [])
+    if c.sequence_parallel:
+        a.append("--sequence-parallel")
+    if c.recompute == "selective":
+        a += ["--recompute-granularity", "selective"]
+    elif c.recompute == "full":  # every block's input kept, the block recomputed: autoconf's "full"
+        a += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
+    if c.zero_stage == 1:
+        a.append("--use-distributed-optimizer")
+    for knob in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"):
+        if _knob(plan, "megatron", knob) and (knob != "overlap_param_gather" or c.zero_stage == 1):
+            a.append("--" + knob.replace("_", "-"))  # the parameter gather exists with the distributed optimizer
+    a += ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--num-attention-heads",
+          m.num_attention_heads, "--ffn-hidden-size", m.ffn_hidden_size, "--seq-length", m.seq_length,
+          "--max-position-embeddings", m.seq_length]
+    if m.num_kv_heads != m.num_attention_heads:
+        a += ["--group-query-attention", "--num-query-groups", m.num_kv_heads]
+    if m.activation == "swiglu":
+        a.append("--swiglu")
+    a += ["--normalization", "RMSNorm" if m.norm == "rmsnorm" else "LayerNorm"]
+    a += ["--position-embedding-type", "rope" if m.position_embedding == "rope" else "learned_absolute"]
+    if not m.tied_embeddings:
+        a.append("--untie-embeddings-and-output-weights")
+    if not m.bias:
+        a.append("--disable-bias-linear")
+    a += ["--attention-dropout", m.dropout, "--hidden-dropout", m.dropout]
+    a += ["--attention-backend", "flash" if m.attention == "flash" else "unfused"]
+    if m.dtype in ("bf16", "fp16"):
+        a.append(f"--{m.dtype}")
+    return a
+
+
+def _array(name: str, words: list) -> str:
+    """A bash array assignment, one option (with its values) per line, every word quoted."""
+    lines, cur = [], []
+    for w in words:
+        if isinstance(w, str) and w.startswith("--") and cur:
+            lines.append(cur)
+            cur = []
+        cur.append(w)
+    if cur:
+        lines.append(cur)
+    return f"{name}=(\n" + "".join("  " + " ".join(quote(w) for w in ln) + "\n" for ln in lines) + ")\n"
+
+
+def _notes(plan, name: str) -> str:
+    missing = gaps(plan, name)
+    if not missing:
+        return f"# {name} expresses the whole plan.\n"
+    return (f"# {name} cannot express, so the run will differ from the plan there:\n"
+            + "".join(f"#   - {comment(g)}\n" for g in missing))
+
+
+def megatron_file(plan, header: str) -> str:
+    return (f"# Megatron-LM pretrain_gpt.py arguments. {header}"
+            "# Sourced by node-K.sh, which runs\n"
+            '#   torchrun ... "$MEGATRON_LM/pretrain_gpt.py" "${MEGATRON_ARGS[@]}" "$@"\n'
+            "# Give your data, tokenizer (vocabulary "
+            f"{plan.model.vocab_size}), optimizer, schedule and checkpoint arguments after the script: "
+            "bash node-0.sh --data-path ... --tokenizer-type ... --lr ... --train-iters ...\n"
+            + ("# --tp-comm-overlap runs on Transformer Engine's userbuffers: install transformer-engine.\n"
+               if "--tp-comm-overlap" in megatron_args(plan) else "")
+            + _notes(plan, "megatron") + _array("MEGATRON_ARGS", megatron_args(plan)))
+
+
+# -- torchtitan -----------------------------------------------------------------------------------
+
+def _fqns(plan, last: tuple) -> list:
+    """Module names of each pipeline chunk (torchtitan's Llama: tok_embeddings, layers.N, norm + output head)."""
+    out = []
+    chunks = plan.placement.chunk_layers()
+    for i, blocks in enumerate(chunks):
+        names = (["tok_embeddings"] if i == 0 else []) + [f"layers.{b}" for b in blocks]
+        out.append(names + (list(last) if i == len(chunks) - 1 else []))
+    return out
+
+
+def _titan_dp(c) -> dict:
+    """Replicate / shard degrees: ZeRO-0 is DDP, ZeRO-3 FSDP, ZeRO-2 FSDP that keeps the
+    parameters gathered after forward."""
+    if c.zero_stage == 0:
+        return {"data_parallel_replicate_degree": c.dp, "data_parallel_shard_degree": 1}
+    d = {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": c.dp}
+    d["fsdp_reshard_after_forward"] = "never" if c.zero_stage == 2 else "always"
+    return d
+
+
+def torchtitan_settings(plan, version: str = "0.3") -> dict:
+    """{section: {key: value}} of torchtitan's configuration (0.3's field names; "0.2": its TOML's)."""
+    c, m = plan.config, plan.model
+    par = {**_titan_dp(c), "tensor_parallel_degree": c.tp, "pipeline_parallel_degree": c.pp}
+    if version == "0.3" and c.tp > 1:
+        par["enable_sequence_parallel"] = c.sequence_parallel
+    training = {"seq_len": m.seq_length, "global_batch_size": c.global_batch}
+    if c.pp > 1:  # the per-replica batch, split into the pipeline's micro-batches
+        training["local_batch_size"] = c.micro_batch_size * c.num_micro_batches
+        if version == "0.3":  # 0.3 refuses pipelining with CUDA graphs (its default)
+            training["disable_cuda_graphs"] = True
+        par.update(pipeline_parallel_schedule=TORCHTITAN_SCHEDULES[c.schedule],
+                   pipeline_parallel_microbatch_size=c.micro_batch_size,
+                   module_fqns_per_model_part=_fqns(plan, ("norm", "lm_head") if version == "0.3" else ("norm", "output")))
+    else:  # one micro-batch per forward, accumulated num_micro_batches times
+        training["local_batch_size"] = c.micro_batch_size
+    training["mixed_precision_param"] = "float32" if m.dtype == "fp32" else "bfloat16"
+    out = {"training": training, "parallelism": par}
+    if _knob(plan, "torchtitan", "tp_comm_overlap"):
+        if version == "0.3":
+            out["compile"] = {"enable": True, "enable_async_tensor_parallel": True}
+        else:
+            out["compile"] = {"enable": True}
+            par["enable_async_tensor_parallel"] = True
+    if version != "0.3":
+        out["activation_checkpoint"] = {"mode": c.recompute}
+    return out
+
+
+def torchtitan_args(plan) -> tuple[list, str]:
+    """(overrides, activation-checkpoint subcommand) for torchtitan 0.3's command line."""
+    words = []
+    for section, keys in torchtitan_settings(plan, "0.3").items():
+        for key, v in keys.items():
+            flag = f"--{section}.{key}".replace("_", "-")
+            if isinstance(v, list):  # module_fqns_per_model_part: one comma-joined word per chunk
+                words += [flag, *[",".join(x) for x in v]]
+            elif isinstance(v, bool):  # tyro's boolean flags: --x / --no-x
+                words.append(flag if v else f"--{section}.no-{key}".replace("_", "-"))
+            else:
+                words += [flag, v]
+    return words, f"activation-checkpoint:{plan.config.recompute}"
+
+
+def torchtitan_args_file(plan, header: str) -> str:
+    words, ac = torchtitan_args(plan)
+    return (f"# torchtitan 0.3 command-line overrides. {header}"
+            "# Sourced by node-K.sh, which runs\n"
+            '#   torchrun ... -m torchtitan.train --module "$TORCHTITAN_MODULE" --config "$TORCHTITAN_CONFIG" '
+            '"${TORCHTITAN_ARGS[@]}" "$@" "$TORCHTITAN_AC"\n'
+            f"# TORCHTITAN_CONFIG: a config function of the module with this model's shape ({comment(_shape(plan))}); "
+            "the layer names below are torchtitan's Llama ones.\n"
+            + _notes(plan, "torchtitan") + _array("TORCHTITAN_ARGS", words)
+            + f"TORCHTITAN_AC={quote(ac)}\n")
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False)  # a TOML basic string
+    return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+
+
+def torchtitan_toml(plan, header: str) -> str:
+    notes = gaps(plan, "torchtitan")
+    if plan.config.tp > 1 and not plan.config.sequence_parallel:
+        notes.append("tensor parallelism without sequence parallelism: torchtitan 0.2 always shards the sequence "
+                     "with tp (0.3 has parallelism.enable_sequence_parallel)")
+    text = (f"# torchtitan 0.2 job config (--job.config_file torchtitan.toml). {header}"
+            "# torchtitan 0.3 reads no TOML: use torchtitan_args.sh (the node scripts do).\n"
+            f"# [model] name / flavor: a torchtitan model with this shape ({comment(_shape(plan))}).\n"
+            + ("".join(f"# cannot express: {comment(n)}\n" for n in notes) if notes else
+               "# torchtitan expresses the whole plan.\n"))
+    for section, keys in torchtitan_settings(plan, "0.2").items():
+        text += f"\n[{section}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in keys.items())
+    return text
+
+
+def _shape(plan) -> str:
+    m = plan.model
+    return (f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} heads, {m.num_kv_heads} kv heads, "
+            f"ffn {m.ffn_hidden_size}, vocabulary {m.vocab_size}")
+
+
+# -- DeepSpeed ------------------------------------------------------------------------------------
+
+def ds_config(plan, header: str) -> dict:
+    c, m = plan.config, plan.model
+    doc = {"train_batch_size": c.global_batch, "train_micro_batch_size_per_gpu": c.micro_batch_size,
+           "gradient_accumulation_steps": c.num_micro_batches,
+           "zero_optimization": {"stage": c.zero_stage, "overlap_comm": _knob(plan, "deepspeed", "overlap_grad_reduce")}}
+    if m.dtype == "bf16":
+        doc["bf16"] = {"enabled": True}
+    elif m.dtype == "fp16":
+        doc["fp16"] = {"enabled": True}
+    if c.tp > 1:
+        doc["tensor_parallel"] = {"autotp_size": c.tp}
+    if c.recompute != "none":
+        doc["activation_checkpointing"] = {"partition_activations": c.tp > 1, "contiguous_memory_optimization": False,
+                                           "cpu_checkpointing": False}
+    notes = [header.strip()]
+    if c.pp > 1:
+        notes.append(f"pipeline: build the model as deepspeed.pipe.PipelineModule(layers, num_stages={c.pp}, "
+                     "partition_method='uniform'"
+                     + (", activation_checkpoint_interval=1" if c.recompute == "full" else "") + ")")
+    if c.recompute == "full" and c.pp == 1:
+        notes.append("recompute: wrap each transformer block in deepspeed.checkpointing.checkpoint")
+    notes += [f"cannot express: {g}" for g in gaps(plan, "deepspeed")]
+    doc["_autoconf"] = {"notes": notes}
+    return doc

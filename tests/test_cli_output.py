@@ -287,10 +287,9 @@ def test_profile_and_trial_progress_on_a_terminal(tmp_path):
     assert rc == 0 and "compute (this rank" not in tty
 
     from autoconf.config import ParallelConfig
-    from autoconf.trial import make_document
+    from autoconf.plan import LaunchPlan
     cfg = tmp_path / "c.json"
-    cfg.write_text(json.dumps(make_document(ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=2, num_micro_batches=2),
-                                            preset("tiny"))))
+    LaunchPlan(ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=2, num_micro_batches=2), preset("tiny")).write(str(cfg))
     rc, stdout, tty = run_with_terminal_stderr([sys.executable, "-m", "autoconf", "trial", "--config", str(cfg),
                                                 "--steps", "3", "--warmup", "1", "--json"], cwd=tmp_path)
     assert rc == 0, tty[-3000:]

@@ -115,6 +115,17 @@ def test_link_carries_one_transfer_at_a_time(m):
     assert r.makespan_s == pytest.approx(2 * f + 2 * b + 2 * m * t)
 
 
+def test_transfers_wait_for_a_posted_receive():
+    # CPU processes post the receive for an op only when their previous op has ended (posted=True):
+    # a transfer no longer overlaps the receiver's work, so stage 1's forwards and stage 0's
+    # backwards each take one transfer more: f + b + m (f + b + 2t), against m(f + b) + f + b + 2t.
+    f, b, t, m = 2.0, 3.0, 0.5, 8
+    r = simulate("gpipe", 2, m, 1, [f, f], [b, b], [t], posted=True)
+    assert r.makespan_s == pytest.approx(f + b + m * (f + b + 2 * t))
+    assert simulate("gpipe", 2, 1, 1, [f, f], [b, b], [t], posted=True).makespan_s == pytest.approx(
+        simulate("gpipe", 2, 1, 1, [f, f], [b, b], [t]).makespan_s)  # one micro-batch: nothing to overlap
+
+
 def test_fast_link_does_not_queue():
     # Transfers shorter than the passes never wait for the link: the closed form of the bubble.
     f, b, t, m = 2.0, 3.0, 0.5, 8

@@ -28,7 +28,7 @@ from ..model import ModelSpec
 from .chunk_time import ChunkTimes, chunk_times, optimizer_step_s
 from .data_parallel import post_all_gather_s, reduction_tail_s
 from .layout import Layout, layout
-from .schedule_time import chunk_p2p_times, pipeline_floor, simulate_step
+from .schedule_time import chunk_p2p_times, pipeline_floor, posted_receives, simulate_step
 from .stage_memory import StageMemory, stage_memory
 from .system import System
 from .tensor_parallel import tp_times
@@ -104,7 +104,8 @@ def _estimate(c: ParallelConfig, ctx: System, bound: float | None = None,
         return _finish(c, ctx, {k: 0.0 for k in TIME_TERMS}, memory, float("inf"))
 
     p2p = chunk_p2p_times(ctx, c, lay.num_chunks)
-    sim, sim0 = simulate_step(lay.schedule, c, lay.virtual_stages, ct.forward_s, ct.backward_s, p2p)
+    sim, sim0 = simulate_step(lay.schedule, c, lay.virtual_stages, ct.forward_s, ct.backward_s, p2p,
+                              posted_receives(ctx))
     # the extrapolated steady state can fall a hair below the floor no schedule can beat
     # (breadth-first with unequal chunks): the floor is exact there
     makespan = max(sim.makespan_s, floor)

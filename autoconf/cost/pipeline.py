@@ -314,10 +314,18 @@ def _deadlock_message(schedule: str, pp: int, m: int, v: int, orders, ptr: list[
 # Simulation.
 
 
-def _run(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...]) -> tuple[list[float], list[float]]:
+def _run(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...],
+         posted: bool = False) -> tuple[list[float], list[float]]:
     """The simulation: ``E[k]`` = end time of the op at topo index k-1 (``E[0] = 0`` stands for "no
     dependency"); and the start of every transfer that takes time, in topological order of the ops
-    waiting for them. An op starts when its device is free and its input has arrived."""
+    waiting for them. An op starts when its device is free and its input has arrived.
+
+    ``posted``: a transfer also waits until its receiver has posted the receive, which
+    ``torch.distributed.pipelining`` does right before the op that consumes it, so when the
+    receiver's previous op has ended. That is what happens when the process computes
+    synchronously and the transport hands data over only to a posted receive (gloo's TCP pairs
+    send once the peer says it is ready to receive); a GPU process enqueues its receive ahead of
+    the kernels still running, so there the transfer overlaps the receiver's previous op."""
     pp = len(comp.dev_last)
     E = [0.0]
     append = E.append
@@ -332,6 +340,8 @@ def _run(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...]) -> tuple
             r = E[dp]
             f = free[li]
             r = r if r > f else f
+            if posted and s > r:
+                r = s
             send(r)
             r += P[pi]
             free[li] = r
@@ -343,10 +353,10 @@ def _run(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...]) -> tuple
 
 @lru_cache(maxsize=16384)
 def _simulate(schedule: str, pp: int, m: int, v: int, forward_s: tuple[float, ...],
-              backward_s: tuple[float, ...], p2p_s: tuple[float, ...]) -> PipelineResult:
+              backward_s: tuple[float, ...], p2p_s: tuple[float, ...], posted: bool = False) -> PipelineResult:
     comp = _compile(schedule, pp, m, v)
     nc = pp * v
-    E = _run(comp, forward_s + backward_s, (0.0,) + p2p_s)[0]
+    E = _run(comp, forward_s + backward_s, (0.0,) + p2p_s, posted)[0]
     makespan = max(E[k] for k in comp.dev_last)
     busy = tuple(m * sum(forward_s[c] + backward_s[c] for c in range(r, nc, pp)) for r in range(pp))
     return PipelineResult(
@@ -370,19 +380,22 @@ def _floats(name: str, xs: Sequence[float], n: int) -> tuple[float, ...]:
 
 
 def simulate(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
-             forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: Sequence[float]) -> PipelineResult:
+             forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: Sequence[float],
+             posted: bool = False) -> PipelineResult:
     """Simulate one step of ``schedule`` and return its timing and activation liveness.
 
     ``forward_s[c]`` / ``backward_s[c]``: per-micro-batch duration of global chunk c (pp*v entries);
     ``p2p_s[c]``: transfer time between chunk c and c+1 (pp*v - 1 entries), for the activation going
-    forward and the gradient coming back. Raises ValueError for an invalid shape and RuntimeError if
-    the schedule's order can never progress. Results are cached on the arguments.
+    forward and the gradient coming back; a link carries one transfer at a time. ``posted``: a
+    transfer starts only once its receiver has posted the receive (CPU processes: see ``_run``).
+    Raises ValueError for an invalid shape and RuntimeError if the schedule's order can never
+    progress. Results are cached on the arguments.
     """
     _check_shape(schedule, pp, num_micro_batches, virtual_stages)
     nc = pp * virtual_stages
     return _simulate(schedule, pp, num_micro_batches, virtual_stages,
                      _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc),
-                     _floats("p2p_s", p2p_s, nc - 1))
+                     _floats("p2p_s", p2p_s, nc - 1), bool(posted))
 
 
 @dataclass(frozen=True)
@@ -428,7 +441,8 @@ class Timeline:
 
 
 def timeline(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
-             forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: Sequence[float]) -> Timeline:
+             forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: Sequence[float],
+             posted: bool = False) -> Timeline:
     """The events of the step ``simulate`` prices: the same compiled schedule and the same pass
     (``_run``); each op's start is read back from what it waited for (its device's previous op,
     its input's arrival), so the events are exactly the simulated ones."""
@@ -437,7 +451,7 @@ def timeline(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
     fwd, bwd = _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc)
     P = (0.0,) + _floats("p2p_s", p2p_s, nc - 1)
     comp = _compile(schedule, pp, m, virtual_stages)
-    E, sends = _run(comp, fwd + bwd, P)
+    E, sends = _run(comp, fwd + bwd, P, posted)
     sends = iter(sends)
     n_f = nc * m
     ops, transfers = [], []

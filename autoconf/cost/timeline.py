@@ -22,7 +22,7 @@ from .chunk_time import chunk_times, optimizer_step_s
 from .data_parallel import post_all_gather_s, reduction_spans
 from .layout import layout
 from .pipeline import Timeline, simulate, timeline
-from .schedule_time import chunk_p2p_times, pipeline_floor, run_schedule
+from .schedule_time import chunk_p2p_times, pipeline_floor, posted_receives, run_schedule
 from .system import System
 from .tensor_parallel import tp_times
 
@@ -73,10 +73,11 @@ def step_timeline(config: ParallelConfig, system: System) -> StepTimeline:
     ct = chunk_times(ctx, c, lay, tp_times(ctx, c, lay.stage_kinds), runtime)
     p2p = chunk_p2p_times(ctx, c, lay.num_chunks)
     m, v = c.num_micro_batches, lay.virtual_stages
-    tl = timeline(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p)
-    priced = run_schedule(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p)
+    posted = posted_receives(ctx)
+    tl = timeline(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted)
+    priced = run_schedule(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted)
     floor = pipeline_floor(c, ct.forward_s, ct.backward_s, lay.num_chunks)
-    full = simulate(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p)  # the same run, cached
+    full = simulate(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted)  # the same run, cached
     spans = reduction_spans(ctx, c, lay, full, tl.makespan_s, ct.backward_s)
     tail = max([tl.makespan_s, *(s[1] for dev in spans for s in dev)]) - tl.makespan_s
 

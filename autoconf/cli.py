@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
     for mod, fn in (("autoconf.trial", "add_trial_parser"), ("profiler.cli", "add_profile_parser"),
-                    ("autoconf.testbed", "add_testbed_parser")):
+                    ("autoconf.testbed", "add_testbed_parser"), ("autoconf.timetotrain", "add_plan_parser")):
         try:
             getattr(__import__(mod, fromlist=[fn]), fn)(sub)
         except (ImportError, AttributeError):
@@ -554,7 +554,7 @@ def main(argv=None) -> int:
     fn = COMMANDS.get(args.command)
     if fn is None:
         fn = {"trial": "autoconf.trial:cmd_trial", "profile": "profiler.cli:cmd_profile",
-              "testbed": "autoconf.testbed:cmd_testbed"}[args.command]
+              "testbed": "autoconf.testbed:cmd_testbed", "plan": "autoconf.timetotrain:cmd_plan"}[args.command]
         mod, name = fn.split(":")
         fn = getattr(__import__(mod, fromlist=[name]), name)
     if threading.current_thread() is threading.main_thread():

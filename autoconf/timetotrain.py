@@ -92,7 +92,7 @@ bidirectional per GPU), 8 x HDR 200 Gbit/s; DGX H100 / H200: NVLink4 (900 GB/s),
 Gbit/s (NVIDIA DGX A100 / H100 user guides)."""
 
 NETWORKS = {
-    "ib": "InfiniBand, one NIC per GPU (the node's own, see NODES)",
+    "ib": "InfiniBand, one NIC per GPU (8 x 200 Gbit/s on A100 nodes, 8 x 400 Gbit/s on H100/H200)",
     "100gbe": "one 100 Gbit/s Ethernet NIC per node",
     "25gbe": "one 25 Gbit/s Ethernet NIC per node",
 }
@@ -361,16 +361,35 @@ class PointOptimizer:
             step = step + 2.0 * np.asarray(p2p)[:, :pp - 1]
         prefix = np.concatenate([np.zeros((len(a), 1)), np.cumsum(step, axis=1)], axis=1)
         floor = (prefix + busy).max(axis=1)
+        if p2p is not None and pp > 1:
+            # ``pipeline.simulate``: a directed link carries one transfer at a time, so the step
+            # lasts at least the busiest link's transfers over all micro-batches (activations of
+            # boundary c go from device c % pp to (c+1) % pp, their gradients back); 1% below it
+            # for the simulation's extrapolation past the warm-up
+            per = np.asarray(p2p)  # options x pp: boundary c's transfer is p2p[c % pp]
+            count = np.full(pp, float(v))
+            count[pp - 1] -= 1  # the last chunk has no boundary after it
+            load = per * count  # per boundary class k, one direction
+            if pp == 2:  # both directions of a boundary class share one link with the other class
+                link = load.sum(axis=1)
+            else:
+                link = load.max(axis=1)
+            floor = np.maximum(floor, 0.99 * m * link)
         if reductions is None:
             return floor
-        # standard accumulation, one chunk per device (``data_parallel.reduction_tail_s``): device
-        # d's reduction starts no earlier than its last backward's start plus one layer, which
-        # comes after micro-batch 0's forward reached it and its own m forwards and m - 1 backwards
+        # ``data_parallel.reduction_tail_s``: a device's reductions queue one after another from
+        # its first chunk's last backward (less all but one layer of it). With one chunk per
+        # device that backward comes after micro-batch 0's forward reached the device, its m
+        # forwards and m - 1 backwards; breadth-first runs every forward of every local chunk
+        # first, then the highest chunk's m backwards
         lead = fwd[:, :pp - 1]
         if p2p is not None and pp > 1:
             lead = lead + np.asarray(p2p)[:, :pp - 1]
         pre_f = np.concatenate([np.zeros((len(a), 1)), np.cumsum(lead, axis=1)], axis=1)
-        start = pre_f + m * fwd + (m - 1) * bwd + bwd / layers
+        top = slice((v - 1) * pp, v * pp)  # each device's highest chunk
+        local_f = fwd.reshape(len(a), v, pp).sum(axis=1)
+        b_top = bwd[:, top]
+        start = pre_f + m * local_f + (m - 1) * b_top + b_top / layers[top]
         return floor, (start[:, None, :] + np.asarray(reductions)[None, :, :]).max(axis=2)
 
     def _stage_params(self, pp: int, tp: int, v: int):
@@ -531,7 +550,10 @@ class PointOptimizer:
         opt = self._optimizer_floor(point, zeros)
         red = self._reduction_floor(point, zeros)
         dp_mb = [self._micro_batch_dp_floor(point, m, (z, red[zi])) for zi, z in enumerate(zeros)]
-        standard = v == 1 and not layered and sched != "breadth_first" and dp > 1
+        # where the queue of reductions has a known earliest start (see _floors); not pp = 1 layered
+        # accumulation (its units finish one by one), nor interleaving (its chunks' last backwards
+        # interleave with the cool-down)
+        standard = dp > 1 and ((v == 1 and (pp > 1 or not layered)) or sched == "breadth_first")
         got = self._floors(point, m, [rows[i][:6] for i in keep], [self._p2p(point, opts[i][0]) for i in keep],
                            [r[3] for r in red] if standard else None)
         floors, tails = got if standard else (got, None)
@@ -759,7 +781,7 @@ def make_budget(model, tokens: float | None = None, law: str = "kaplan", loss_la
     if tokens is None:
         tokens = scaling.compute_optimal_tokens(model)
         rule = (f"compute-optimal: {scaling.CHINCHILLA_TOKENS.constants['tokens_per_param']:g} tokens per "
-                f"parameter x {model.num_params() / 1e9:.3g}B parameters ({scaling.CHINCHILLA_TOKENS.source})")
+                f"parameter (Chinchilla, Hoffmann et al. 2022, Table 3)")
     else:
         rule = "given (--tokens)"
     loss = scaling.predicted_loss(model, tokens, loss_law)
@@ -972,7 +994,7 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
          cluster=None, framework: str | None = None, tokens: float | None = None, batch_law: str = "kaplan",
          loss_law: str = "kaplan", global_batch: int | None = None, batch_factors=DEFAULT_FACTORS,
          price_per_gpu_hour: float | None = None, deadline_days: float | None = None,
-         budget: float | None = None, compare_networks=("100gbe", "25gbe"), methods=METHODS,
+         budget: float | None = None, compare_networks=("25gbe",), methods=METHODS,
          mtbf_per_gpu_h: float | None = None, checkpoint_s: float = 120.0, restart_s: float = 600.0,
          max_days: float = 365.0, max_micro_batch: int = 64, progress=None) -> PlanResult:
     """Sweep GPU counts x batches x methods x networks; see the module docstring."""
@@ -1021,6 +1043,7 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     rows: list = []
     shared_oom: set = set()
     done, total = 0, len(net_names) * len(bud.batches) * len(grid)
+    other_net: dict = {}  # (GPUs, batch) -> the best configurations on the networks done before
     for net in net_names:
         system = planning_system(model, clusters[net], framework=fw.name)
         opt = PointOptimizer(system, methods, max_micro_batch)
@@ -1031,10 +1054,11 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
             for b in bud.batches:
                 if b % 1:
                     continue
-                seeds = prev_by_batch.get(b, []) + prev_g
+                seeds = prev_by_batch.get(b, []) + prev_g + other_net.get((g, b), [])
                 best, st = opt.run(g, b, seeds)
                 stats.add(st)
-                found = [e.config for e in best.values() if e is not None]
+                found = list(dict.fromkeys(e.config for e in best.values() if e is not None))
+                other_net[(g, b)] = other_net.get((g, b), []) + found
                 prev_by_batch[b] = found
                 prev_g = found
                 bp = bud.plan(b)
@@ -1066,3 +1090,402 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                       budget_cost=budget, mtbf_per_gpu_h=mtbf_per_gpu_h, checkpoint_s=checkpoint_s,
                       restart_s=restart_s, max_days=max_days, stats=stats, elapsed_s=time.perf_counter() - t0,
                       methods=tuple(methods), notes=notes)
+
+
+# -- input parsing -------------------------------------------------------------------------------
+
+_COUNT = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
+_DURATION = {"s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0,
+             "y": 365 * 86400.0}
+
+
+def parse_count(text: str, what: str) -> float:
+    """``2T``, ``1.4e12``, ``300B``, ``10M``: a positive number with an optional K/M/B/T/P suffix."""
+    import re
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKMBGTP]?)\s*", str(text))
+    if not m:
+        raise UserError(f"{what} {text!r}: expected a number with an optional suffix K, M, B, T or P (e.g. 2T)")
+    v = float(m.group(1)) * _COUNT[m.group(2)]
+    if not (math.isfinite(v) and v > 0):
+        raise UserError(f"{what} {text!r}: must be a positive finite number")
+    return v
+
+
+def parse_duration(text: str, what: str, default_unit: str = "d") -> float:
+    """``60d``, ``8w``, ``1440h``, ``2min``, ``90s``, ``1.5y``; a bare number is in ``default_unit``.
+    Seconds."""
+    import re
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*", str(text))
+    if not m or (m.group(2) or default_unit) not in _DURATION:
+        raise UserError(f"{what} {text!r}: expected a duration like 60d, 8w, 1440h, 10min or 90s "
+                        f"(units: {', '.join(_DURATION)})")
+    v = float(m.group(1)) * _DURATION[m.group(2) or default_unit]
+    if not (math.isfinite(v) and v > 0):
+        raise UserError(f"{what} {text!r}: must be a positive finite duration")
+    return v
+
+
+def _float_list(text: str, what: str) -> tuple:
+    try:
+        out = tuple(float(x) for x in str(text).split(","))
+    except ValueError:
+        raise UserError(f"{what} {text!r}: expected numbers separated by commas, like 0.25,0.5,1,2") from None
+    if not out or any(not (math.isfinite(x) and x > 0) for x in out):
+        raise UserError(f"{what} {text!r}: every factor must be a positive number")
+    return out
+
+
+# -- output ----------------------------------------------------------------------------------------
+
+_SCHED = {"gpipe": "gp", "1f1b": "1f1b", "interleaved": "il", "breadth_first": "bf"}
+
+
+def compact(c: ParallelConfig) -> str:
+    """dp/pp/tp, micro-batch, schedule (gp, 1f1b, il<v>, bf<v>; L: layered), ZeRO, recompute, sp."""
+    s = _SCHED[c.schedule] + (str(c.virtual_stages) if c.virtual_stages > 1 else "")
+    if c.layered_grad_accum and c.schedule != "breadth_first":
+        s += "L"
+    parts = [f"{c.dp}/{c.pp}/{c.tp}", f"b{c.micro_batch_size}", s]
+    if c.zero_stage:
+        parts.append(f"z{c.zero_stage}")
+    if c.recompute != "none":
+        parts.append("sel" if c.recompute == "selective" else "full")
+    if c.sequence_parallel:
+        parts.append("sp")
+    if c.dp_all_reduce == "hierarchical":
+        parts.append("hier")
+    return " ".join(parts)
+
+
+LEGEND = ("config: dp/pp/tp, micro-batch b, schedule (gp gpipe, 1f1b, il<v> interleaved, bf<v> "
+          "breadth-first; L layered), z ZeRO stage, sel/full recompute, sp sequence parallel")
+
+
+def _num(x: float) -> str:
+    for unit, f in (("P", 1e15), ("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= f:
+            return f"{x / f:.3g}{unit}"
+    return f"{x:.3g}"
+
+
+def _days(d: float) -> str:
+    return f"{d:,.1f}" if d < 1000 else f"{d:,.0f}"
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.1f}"
+
+
+def _table(title: str):
+    from rich import box
+    from rich.table import Table
+    return Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1), title_justify="left",
+                 title_style="bold")
+
+
+def render(r: PlanResult, console) -> None:
+    """The human-readable report (every line within 80 columns)."""
+    from . import scaling
+    m, bud = r.model, r.budget
+    say = console.print
+    say(f"[bold]autoconf plan[/bold] {m.name}: {m.num_params() / 1e9:,.4g}B parameters, sequence {m.seq_length}; "
+        f"{r.device} up to {r.grid[-1]:,} GPUs on {r.network}; framework {r.framework}")
+    say(f"tokens: {_num(bud.tokens)}, {bud.tokens_rule}")
+    k = scaling.KAPLAN_BCRIT.constants
+    say(f"loss {bud.loss:.3f} nats/token ({'Kaplan' if bud.loss_law == 'kaplan' else 'Chinchilla'} L(N, D)); "
+        f"B_crit = {k['B_star_tokens']:.0e} / L^(1/{k['alpha_B']}) = {_num(bud.b_crit_tokens)} tokens = "
+        f"{bud.b_crit_tokens / bud.seq_length:,.0f} sequences")
+    if bud.law == "kaplan":
+        say(f"batch law kaplan (B_crit and S = S_min (1 + B_crit/B), E = E_min (1 + B/B_crit)): batches "
+            f"{', '.join(f'{b:,}' for b in bud.batches)}")
+    elif bud.law == "deepseek":
+        kd = scaling.DEEPSEEK_BATCH.constants
+        say(f"batch law deepseek: B_opt = {kd['batch_coef']} C^{kd['batch_exp']}, C = {bud.compute_flops:.3g} FLOPs "
+            f"-> {bud.batches[0]:,} sequences; lr_opt = {kd['lr_coef']} C^{kd['lr_exp']} = {bud.learning_rate:.3g}")
+    else:
+        say(f"batch law fixed: {bud.batches[0]:,} sequences per step "
+            f"({bud.batches[0] * bud.seq_length / bud.b_crit_tokens:.2g} x B_crit)")
+    laws = {"kaplan": [scaling.KAPLAN_BCRIT], "deepseek": [scaling.DEEPSEEK_BATCH], "fixed": []}[bud.law]
+    laws.append(scaling.KAPLAN_LOSS if bud.loss_law == "kaplan" else scaling.CHINCHILLA_LOSS)
+    say("[dim]sources: " + "; ".join(f"{law.name}: {law.source}" for law in laws) + "[/dim]")
+    for n in bud.notes:
+        say(f"[dim]note: {n}[/dim]")
+    rows = r.per_gpus()
+    if not rows:
+        say("[red]no configuration fits at any GPU count of the grid[/red]")
+        return
+    front = {id(x) for x in r.pareto()}
+    t = _table(f"fastest plan per GPU count ({r.network}, every method)")
+    cols = ["GPUs", "batch", "config", "s/step", "days", "GPU-h"] + (["cost"] if r.price else []) + ["GiB"]
+    for col in cols:
+        t.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
+    for x in rows:
+        cells = [f"{x.gpus:,}", f"{x.batch:,}", compact(x.estimate.config), f"{x.step_time_s:.3g}",
+                 _days(x.days) + ("*" if id(x) in front else " "), _num(x.gpu_hours)]
+        if r.price:
+            cells.append("$" + _num(x.cost))
+        cells.append(_gib(x.estimate.peak_memory_bytes))
+        t.add_row(*cells)
+    say(t)
+    say(f"[dim]{LEGEND}; *: on the time-cost Pareto front; GiB: peak memory per GPU[/dim]")
+    sh, sat = r.shortest(), r.saturation()
+    say(f"[bold]shortest time: {_days(sh.days)} days[/bold] on {sh.gpus:,} GPUs, batch {sh.batch:,}: "
+        f"{sh.steps:,.0f} steps x {sh.step_time_s:.3g} s ({compact(sh.estimate.config)}, "
+        f"MFU {100 * sh.estimate.mfu:.0f}%)")
+    if sat is not None and sat.gpus < sh.gpus:
+        say(f"adding GPUs stops paying at {sat.gpus:,}: {_days(sat.days)} days, within 10% of the shortest "
+            f"with {sh.gpus / sat.gpus:.2g}x fewer GPUs")
+    elif len(r.per_gpus()) > 1:
+        say(f"adding GPUs still pays at {sh.gpus:,}: every smaller count is more than 10% slower")
+    unit = "$" if r.price else ""
+    say("Pareto front (GPUs: days, " + ("cost" if r.price else "GPU-hours") + "): "
+        + "; ".join(f"{x.gpus:,}: {_days(x.days)} d, {unit}{_num(r._cost(x))}" for x in r.pareto()))
+    if r.deadline_days is not None:
+        d = r.cheapest_within(r.deadline_days)
+        say(f"deadline {r.deadline_days:g} days: " + (
+            f"cheapest plan {d.gpus:,} GPUs, batch {d.batch:,}: {_days(d.days)} days, {unit}{_num(r._cost(d))} "
+            f"({compact(d.estimate.config)})" if d else "[red]no plan of the sweep meets it[/red]"))
+    if r.budget_cost is not None:
+        b = r.fastest_within_cost(r.budget_cost)
+        say(f"budget {unit}{_num(r.budget_cost)}: " + (
+            f"fastest plan {b.gpus:,} GPUs, batch {b.batch:,}: {_days(b.days)} days, {unit}{_num(r._cost(b))}"
+            if b else "[red]no plan of the sweep fits it[/red]"))
+    if r.mtbf_per_gpu_h and sh.goodput is not None:
+        gp = sh.goodput
+        say(f"restarts: a failure every {gp.mtbf_s / 3600:.3g} h ({r.mtbf_per_gpu_h:,.0f} h per GPU / {sh.gpus:,}); "
+            f"checkpoint every {gp.interval_s / 60:.0f} min (Young/Daly sqrt(2 x {r.checkpoint_s:g} s x MTBF)); "
+            f"{gp.failures:,.0f} failures cost {gp.lost_s / 86400:.1f} days ({100 * (1 - gp.goodput):.0f}%), "
+            "counted in the days")
+    mt = _table("shortest time without each method (days; x: vs every method)")
+    mt.add_column("methods", no_wrap=True)
+    for net in r.networks:
+        mt.add_column(net, justify="right", no_wrap=True)
+    mt.add_column("GPUs", justify="right", no_wrap=True)
+    table = r.methods_table()
+    for meth in r.methods:
+        cells = [meth.label]
+        gpus = set()
+        for net in r.networks:
+            e = next(x for x in table if x["network"] == net and x["method"] == meth.name)
+            cells.append("none fits" if e["days"] is None else
+                         _days(e["days"]) if meth.name == "all" else f"{_days(e['days'])} x{e['vs_all']:.2f}")
+            if e["gpus"]:
+                gpus.add(e["gpus"])
+        cells.append("/".join(_num(g) for g in sorted(gpus)))
+        mt.add_row(*cells)
+    say(mt)
+    base = r.shortest(r.network, "baseline")
+    if base is not None:
+        say(f"layered accumulation + modular placement: {base.days / sh.days:.2f}x shorter on {r.network}"
+            + "".join(f", {r.shortest(n, 'baseline').days / r.shortest(n, 'all').days:.2f}x on {n}"
+                      for n in r.networks[1:] if r.shortest(n, "all") and r.shortest(n, "baseline")))
+    for n in r.networks[1:]:
+        a = r.shortest(n, "all")
+        if a is not None:
+            say(f"{n} instead of {r.network}: the shortest time is {a.days / sh.days:.2f}x ({_days(a.days)} days on "
+                f"{a.gpus:,} GPUs, {compact(a.estimate.config)})")
+    chosen = [("shortest", sh)]
+    if sat is not None and sat is not sh:
+        chosen.append(("stops paying", sat))
+    if r.deadline_days is not None and r.cheapest_within(r.deadline_days) is not None:
+        chosen.append(("deadline", r.cheapest_within(r.deadline_days)))
+    if base is not None:
+        chosen.append(("no methods", base))
+    mem = _table("memory per GPU at the chosen plans (GiB, busiest stage)")
+    for col in ("plan", "GPUs", "params", "grads", "optim", "acts", "other", "total", "of"):
+        mem.add_column(col, justify="left" if col == "plan" else "right", no_wrap=True)
+    for label, x in chosen:
+        st = max(x.estimate.memory_by_stage, key=lambda s: s.total)
+        mem.add_row(label, f"{x.gpus:,}", _gib(st.parameters), _gib(st.gradients), _gib(st.optimizer),
+                    _gib(st.activations), _gib(st.other), _gib(st.total), _gib(st.capacity))
+    say(mem)
+    say("[dim]" + "; ".join(f"{label}: {compact(x.estimate.config)}" for label, x in chosen) + "[/dim]")
+    say(f"reproduce the shortest plan: {r.search_command(sh)}")
+    for n in r.notes:
+        say(f"[dim]note: {n}[/dim]")
+    st = r.stats
+    say(f"[dim]{len(r.grid)} GPU counts x {len(bud.batches)} batches x {len(r.networks)} networks x "
+        f"{len(r.methods)} method sets: {st.outer_points:,} outer points, {st.estimates:,} estimates, "
+        f"{r.elapsed_s:.1f} s[/dim]")
+
+
+def write_plots(r: PlanResult, directory: str) -> list:
+    """days vs GPUs per method (and network), cost vs days with the Pareto front: PNG and SVG."""
+    import os
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(directory, exist_ok=True)
+    written = []
+
+    def save(fig, name):
+        for ext in ("png", "svg"):
+            path = os.path.join(directory, f"{name}.{ext}")
+            tmp = os.path.join(directory, f".{name}.tmp.{ext}")
+            try:
+                fig.savefig(tmp, dpi=120, bbox_inches="tight")
+                os.replace(tmp, path)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            written.append(path)
+        plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    styles = ["-", "--", ":", "-."]
+    for ni, net in enumerate(r.networks):
+        for meth in r.methods:
+            if ni > 0 and meth.name not in ("all", "baseline"):
+                continue
+            rows = r.per_gpus(net, meth.name)
+            if rows:
+                ax.plot([x.gpus for x in rows], [x.days for x in rows], styles[ni % 4], marker="o", markersize=3,
+                        label=f"{meth.label} ({net})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("days to train")
+    ax.set_title(f"{r.model.name} on {r.device}: {_num(r.budget.tokens)} tokens, batch law {r.budget.law}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    save(fig, "days_vs_gpus")
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    rows = r.select()
+    ax.scatter([x.days for x in rows], [r._cost(x) for x in rows], s=12, alpha=0.6, label="GPU count x batch")
+    front = r.pareto()
+    ax.plot([x.days for x in front], [r._cost(x) for x in front], "r-o", markersize=4, label="Pareto front")
+    for x in front:
+        ax.annotate(f"{x.gpus:,}", (x.days, r._cost(x)), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    if r.deadline_days is not None:
+        ax.axvline(r.deadline_days, color="grey", linestyle="--", label=f"deadline {r.deadline_days:g} d")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("days to train")
+    ax.set_ylabel("cost ($)" if r.price else "GPU-hours")
+    ax.set_title(f"{r.model.name}: time against cost ({r.network}, every method)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    save(fig, "cost_vs_days")
+    return written
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+def add_plan_parser(sub) -> None:
+    from .frameworks import FRAMEWORK_NAMES
+    p = sub.add_parser("plan", help="how many GPUs, how long, what cost: the shortest time to train a model")
+    p.add_argument("--model", required=True, help="preset name (see `autoconf models`), model YAML, or HF config.json")
+    p.add_argument("--seq-length", type=int, help="override the model's sequence length")
+    p.add_argument("--device", help=f"GPU kind of a synthetic DGX-style cluster ({', '.join(NODES)})")
+    p.add_argument("--max-gpus", type=int, help="the largest GPU count worth considering")
+    p.add_argument("--network", default="ib", help="ib (InfiniBand, a NIC per GPU), 100gbe or 25gbe (one "
+                   "Ethernet NIC per node) (default ib)")
+    p.add_argument("--compare-networks", default="25gbe",
+                   help="slower networks to run the same sweep on, comma-separated, or none (default 25gbe)")
+    p.add_argument("--cluster", help="a cluster file instead of --device (GPU counts up to its size)")
+    p.add_argument("--framework", default="reference", choices=FRAMEWORK_NAMES,
+                   help="the runtime that will run the plan (default: reference)")
+    p.add_argument("--tokens", help="tokens to train on, e.g. 2T (default: 20 per parameter, Chinchilla)")
+    p.add_argument("--batch-law", default="kaplan", help="kaplan (critical batch), deepseek (B_opt(C)) or "
+                   "fixed (--global-batch) (default kaplan)")
+    p.add_argument("--loss-law", default="kaplan", help="kaplan or chinchilla: the loss B_crit is read at "
+                   "(default kaplan, the loss B_crit was fitted to)")
+    p.add_argument("--global-batch", type=int, help="sequences per step (--batch-law fixed)")
+    p.add_argument("--batch-factors", default="0.25,0.5,1,2",
+                   help="batches swept, as multiples of B_crit (kaplan; default 0.25,0.5,1,2)")
+    p.add_argument("--price-per-gpu-hour", type=float, help="price of one GPU-hour (costs in that currency)")
+    p.add_argument("--deadline", help="the cheapest plan finishing within it, e.g. 60d, 8w")
+    p.add_argument("--budget", help="the fastest plan costing at most this, e.g. 20M (needs --price-per-gpu-hour)")
+    p.add_argument("--mtbf-per-gpu", help="mean time between failures of one GPU (with its share of the node), "
+                   "e.g. 50000h: restarts and checkpoints enter the days")
+    p.add_argument("--checkpoint-time", default="2min", help="time to write a checkpoint (default 2min)")
+    p.add_argument("--restart-time", default="10min", help="time to restart after a failure (default 10min)")
+    p.add_argument("--max-days", default="365", help="leave out GPU counts that would take longer even at the "
+                   "datasheet peak (default 365 days)")
+    p.add_argument("--max-micro-batch", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--plot", metavar="DIR", help="write days_vs_gpus and cost_vs_days as PNG and SVG")
+    p.add_argument("--cluster-out", metavar="FILE", help="write the synthetic cluster file of the main network")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def cmd_plan(args) -> int:
+    import json
+    import sys
+
+    from .model import load_model
+    from .outputs import check_dir, check_file, write_text
+    if args.seq_length is not None and args.seq_length <= 0:
+        raise UserError(f"--seq-length {args.seq_length}: must be a positive integer")
+    model = load_model(args.model, seq_length=args.seq_length)
+    cluster = None
+    if args.cluster:
+        from .cluster import load_cluster
+        cluster = load_cluster(args.cluster)
+    if args.max_gpus is not None and args.max_gpus <= 0:
+        raise UserError(f"--max-gpus {args.max_gpus}: must be a positive integer")
+    if args.global_batch is not None and args.global_batch <= 0:
+        raise UserError(f"--global-batch {args.global_batch}: must be a positive integer")
+    if args.max_micro_batch <= 0:
+        raise UserError(f"--max-micro-batch {args.max_micro_batch}: must be a positive integer")
+    compare = () if args.compare_networks.strip().lower() in ("", "none") else tuple(
+        x.strip() for x in args.compare_networks.split(","))
+    for n in (args.network, *compare):
+        if n not in NETWORKS:
+            raise UserError(f"network {n!r}; valid: {', '.join(NETWORKS)}")
+    tokens = parse_count(args.tokens, "--tokens") if args.tokens else None
+    price = args.price_per_gpu_hour
+    if price is not None and not (math.isfinite(price) and price > 0):
+        raise UserError(f"--price-per-gpu-hour {price}: must be a positive number")
+    budget = parse_count(args.budget, "--budget") if args.budget else None
+    if budget is not None and price is None:
+        raise UserError("--budget is in money: give --price-per-gpu-hour too")
+    deadline = parse_duration(args.deadline, "--deadline") / 86400 if args.deadline else None
+    mtbf = parse_duration(args.mtbf_per_gpu, "--mtbf-per-gpu", "h") / 3600 if args.mtbf_per_gpu else None
+    ckpt = parse_duration(args.checkpoint_time, "--checkpoint-time", "s")
+    restart = parse_duration(args.restart_time, "--restart-time", "s")
+    max_days = parse_duration(args.max_days, "--max-days") / 86400
+    factors = _float_list(args.batch_factors, "--batch-factors")
+    if args.plot:
+        check_dir(args.plot, "--plot")
+    if args.cluster_out:
+        check_file(args.cluster_out, "--cluster-out")
+    bar = None
+    if not args.quiet and not args.json and sys.stderr.isatty():
+        from rich.progress import Progress
+        bar = Progress(transient=True)
+        bar.add_task("plan", total=None)
+        bar.start()
+
+    def progress(done, total):
+        if bar is not None:
+            bar.update(bar.task_ids[0], completed=done, total=total)
+    try:
+        r = plan(model, device=args.device, max_gpus=args.max_gpus, network=args.network, cluster=cluster,
+                 framework=args.framework, tokens=tokens, batch_law=args.batch_law, loss_law=args.loss_law,
+                 global_batch=args.global_batch, batch_factors=factors, price_per_gpu_hour=price,
+                 deadline_days=deadline, budget=budget, compare_networks=compare if cluster is None else (),
+                 mtbf_per_gpu_h=mtbf, checkpoint_s=ckpt, restart_s=restart, max_days=max_days,
+                 max_micro_batch=args.max_micro_batch, progress=progress)
+    finally:
+        if bar is not None:
+            bar.stop()
+    written = write_plots(r, args.plot) if args.plot else []
+    if args.cluster_out:
+        write_text(args.cluster_out, cluster_yaml(r.cluster))
+    if args.json:
+        doc = r.to_dict()
+        doc["plots"] = written
+        sys.stdout.write(json.dumps(doc, indent=2, default=float) + "\n")
+        return 0
+    from rich.console import Console
+    con = Console(width=min(Console().width, 80))  # the report is laid out for 80 columns
+    render(r, con)
+    if written:
+        con.print(f"plots: {', '.join(written)}")
+    if args.cluster_out:
+        con.print(f"cluster file: {args.cluster_out} (pass it to `autoconf search --cluster`)")
+    return 0

@@ -888,6 +888,10 @@ class PlanResult:
     elapsed_s: float
     methods: tuple = METHODS
     notes: list = field(default_factory=list)
+    model_ref: str | None = None
+    """How the command line named the model (preset or file), for the printed search command."""
+    cluster_path: str | None = None
+    """The cluster file the printed search command reads (--cluster, or --cluster-out)."""
 
     # -- selections ----------------------------------------------------------------------------
     def select(self, network=None, method="all") -> list:
@@ -936,11 +940,17 @@ class PlanResult:
         ok = [r for r in self.select() if self._cost(r) <= cost]
         return min(ok, key=lambda r: (r.days, self._cost(r))) if ok else None
 
-    def search_command(self, r: Row, cluster_path: str = "CLUSTER.yaml") -> str:
+    def search_command(self, r: Row, cluster_path: str | None = None) -> str:
+        """The ``autoconf search`` command that searches the same space at this plan's GPU count and
+        batch (no placement search, as the planner) and finds its configuration."""
+        import shlex
         m = self.model
-        model_ref = m.name if m.name in _preset_names() else "MODEL.yaml"
-        return (f"autoconf search --model {model_ref} --cluster {cluster_path} --gpus {r.gpus} "
-                f"--global-batch {r.batch} --framework {self.framework} --storage none --no-place")
+        model_ref = self.model_ref or (m.name if m.name in _preset_names() else "MODEL.yaml")
+        path = cluster_path or self.cluster_path or "CLUSTER.yaml"
+        same = self.model_ref is None or m.seq_length == _seq_of(self.model_ref)
+        seq = "" if same else f" --seq-length {m.seq_length}"
+        return (f"autoconf search --model {shlex.quote(model_ref)} --cluster {shlex.quote(path)} --gpus {r.gpus} "
+                f"--global-batch {r.batch}{seq} --framework {self.framework} --storage none --no-place")
 
     def to_dict(self) -> dict:
         sh = self.shortest()
@@ -988,6 +998,14 @@ class PlanResult:
 def _preset_names():
     from .model import preset_names
     return preset_names()
+
+
+def _seq_of(model_ref: str) -> int | None:
+    from .model import load_model
+    try:
+        return load_model(model_ref).seq_length
+    except UserError:
+        return None
 
 
 def plan(model, *, device: str | None = None, max_gpus: int | None = None, network: str = "ib",
@@ -1254,9 +1272,10 @@ def render(r: PlanResult, console) -> None:
         gp = sh.goodput
         say(f"restarts: a failure every {gp.mtbf_s / 3600:.3g} h ({r.mtbf_per_gpu_h:,.0f} h per GPU / {sh.gpus:,}); "
             f"checkpoint every {gp.interval_s / 60:.0f} min (Young/Daly sqrt(2 x {r.checkpoint_s:g} s x MTBF)); "
-            f"{gp.failures:,.0f} failures cost {gp.lost_s / 86400:.1f} days ({100 * (1 - gp.goodput):.0f}%), "
+            f"{gp.failures:,.1f} failures and the checkpoints cost {gp.lost_s / 86400:.1f} days "
+            f"({100 * (1 - gp.goodput):.0f}%), "
             "counted in the days")
-    mt = _table("shortest time without each method (days; x: vs every method)")
+    mt = _table("shortest days without each method (x: vs all)")
     mt.add_column("methods", no_wrap=True)
     for net in r.networks:
         mt.add_column(net, justify="right", no_wrap=True)
@@ -1291,7 +1310,7 @@ def render(r: PlanResult, console) -> None:
         chosen.append(("deadline", r.cheapest_within(r.deadline_days)))
     if base is not None:
         chosen.append(("no methods", base))
-    mem = _table("memory per GPU at the chosen plans (GiB, busiest stage)")
+    mem = _table("GiB per GPU at the chosen plans (busiest stage)")
     for col in ("plan", "GPUs", "params", "grads", "optim", "acts", "other", "total", "of"):
         mem.add_column(col, justify="left" if col == "plan" else "right", no_wrap=True)
     for label, x in chosen:
@@ -1300,7 +1319,8 @@ def render(r: PlanResult, console) -> None:
                     _gib(st.activations), _gib(st.other), _gib(st.total), _gib(st.capacity))
     say(mem)
     say("[dim]" + "; ".join(f"{label}: {compact(x.estimate.config)}" for label, x in chosen) + "[/dim]")
-    say(f"reproduce the shortest plan: {r.search_command(sh)}")
+    say(f"reproduce the shortest plan: {r.search_command(sh)}"
+        + ("" if r.cluster_path else " (write CLUSTER.yaml with --cluster-out)"))
     for n in r.notes:
         say(f"[dim]note: {n}[/dim]")
     st = r.stats
@@ -1473,6 +1493,8 @@ def cmd_plan(args) -> int:
     finally:
         if bar is not None:
             bar.stop()
+    r.model_ref = args.model
+    r.cluster_path = args.cluster or args.cluster_out
     written = write_plots(r, args.plot) if args.plot else []
     if args.cluster_out:
         write_text(args.cluster_out, cluster_yaml(r.cluster))

@@ -115,8 +115,8 @@ def live_activation_bytes(module: torch.nn.Module, *inputs, exclude_inputs: bool
             return t
 
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out2 = module(*inputs)
-        del out2
+            _ = module(*inputs)
+        del _
         total += sum(in_ptrs[p] for p in kept if p not in skip)
     del out
     return total

@@ -27,7 +27,8 @@ def test_uniform_topology_reads_as_the_graph_does():
     cl = T.synthetic_cluster("h100-sxm", 32, "25gbe")
     fast, slow = T._UniformTopology(cl), Topology(cl.graph())
     for attr in ("num_devices", "host_of", "group_of", "kind_of", "memory_of", "intra_latency_s", "inter_latency_s",
-                 "host_nic_kind", "host_name", "host_nic_bw", "host_nic_total", "host_intra_bw", "group_cap", "measured"):
+                 "host_nic_kind", "host_name", "host_nic_bw", "host_nic_total", "host_intra_bw", "group_cap",
+                 "measured"):
         assert getattr(fast, attr) == getattr(slow, attr), attr
 
 

@@ -2,6 +2,7 @@
 
     python bench/time_to_train.py            # GPT-3 175B and a 1T GPT on A100 and H100 (minutes)
     python bench/time_to_train.py --timing   # the 60-s target: `autoconf plan` for the 1T model
+    python bench/time_to_train.py --check-exact   # the optimiser against search() at 175B scale
 
 For each model and device, ``autoconf plan`` (``timetotrain.plan``) sweeps GPU counts up to 65,536
 (powers of two; counts that would take over a year even at the datasheet peak left out), batches
@@ -51,15 +52,38 @@ def timing() -> None:
         print("load average:", " ".join(open("/proc/loadavg").read().split()[:3]))
 
 
+def check_exact() -> None:
+    """The per-point optimiser against search()'s exhaustive optimum at GPT-3 scale (no warm start)."""
+    from autoconf.search import search
+    from autoconf.timetotrain import PointOptimizer, planning_system, synthetic_cluster
+    for dev, gpus, batch, net in (("a100-80gb", 1024, 1536, "ib"), ("a100-80gb", 1024, 1536, "25gbe"),
+                                  ("h100-sxm", 2048, 3072, "100gbe")):
+        m = preset("gpt3-175b")
+        cl = synthetic_cluster(dev, gpus, net)
+        t0 = time.perf_counter()
+        best, _ = PointOptimizer(planning_system(m, cl)).run(gpus, batch)
+        t1 = time.perf_counter()
+        ref = search(m, cl, batch, storage=None, place=False, top=1)
+        t2 = time.perf_counter()
+        a, b = best["all"], ref.top[0]
+        print(f"175B, {gpus} {dev}, {net}, batch {batch}: plan {a.step_time_s:.4f} s ({compact(a.config)}, "
+              f"{t1 - t0:.1f} s), search {b.step_time_s:.4f} s ({compact(b.config)}, {t2 - t1:.1f} s): "
+              f"{'same' if abs(a.step_time_s - b.step_time_s) <= 1e-9 * b.step_time_s else 'DIFFERENT'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--timing", action="store_true", help="only the 60-s line")
+    ap.add_argument("--check-exact", action="store_true", help="only the comparison with search() at 175B scale")
     ap.add_argument("--models", default="gpt3-175b,1t")
     ap.add_argument("--devices", default="a100-80gb,h100-sxm")
     ap.add_argument("--max-gpus", type=int, default=65536)
     args = ap.parse_args()
     if args.timing:
         timing()
+        return
+    if args.check_exact:
+        check_exact()
         return
     con = Console(width=170)
     claims = []

@@ -18,11 +18,13 @@ branch and bound, and fast enough for tens of thousands of GPUs:
 - on a uniform cluster (one node kind, contiguous ranks) every group of an axis sees the same
   links, so the links of a layout are computed from one group (:func:`_prefill`, checked against
   the cost model's own enumeration in the tests) instead of all of them (O(GPUs));
-- every outer point gets a lower bound from its per-layer compute alone (:meth:`PointOptimizer.
-  cheap_bound`, no simulation) and points are visited in bound order, so the search stops when the
-  next bound exceeds the incumbent of every method the point could improve;
-- incumbents start from the best configurations of the neighbouring GPU count and batch, mapped
-  to this one (warm start), so most points are pruned before any estimate.
+- every inner choice of every outer point gets true lower bounds on its step time and memory
+  without simulating its schedule (:meth:`PointOptimizer.bounds`: the pipeline floor of its
+  per-layer compute, the busiest link's transfers, the queued gradient reductions, ZeRO-2/3's
+  traffic, and a memory floor); points are visited in bound order and the search stops when the
+  next bound reaches the incumbent of every method the point could improve;
+- incumbents start from the best configurations of the neighbouring GPU count, batch and network,
+  mapped to this one (warm start), so most points are pruned before any estimate.
 """
 
 from __future__ import annotations
@@ -226,11 +228,10 @@ def _prefill(system: System, c: ParallelConfig) -> None:
 class PointStats:
     outer_points: int = 0
     bounded_out: int = 0
-    """Outer points skipped on their compute-only bound (no estimate)."""
-    dominated: int = 0
+    """Outer points and inner choices skipped on their lower bound (no estimate)."""
     out_of_memory: int = 0
-    """Outer points whose model states alone exceed the devices' memory."""
-    """Outer points skipped on the cost model's own least-work bound."""
+    """Outer points whose memory floor exceeds the devices' memory, and configurations already
+    found not to fit."""
     estimates: int = 0
     """Inner configurations estimated (memory, and the schedule where it fits and is not bounded)."""
     seconds: float = 0.0

@@ -22,6 +22,7 @@ from .config import DP_ALL_REDUCE
 from .errors import UserError
 from .frameworks import FRAMEWORK_NAMES
 from .testbed import add_testbed_parser, cmd_testbed
+from .timetotrain import add_plan_parser, cmd_plan
 from .trial import add_trial_parser
 from .verify import add_verify_arguments
 
@@ -137,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_trial_parser(sub)  # sets func=cmd_trial
     add_profile_parser(sub)  # sets func=cmd_profile
     add_testbed_parser(sub).set_defaults(func=cmd_testbed)
+    add_plan_parser(sub).set_defaults(func=cmd_plan)
     return ap
 
 

@@ -443,3 +443,139 @@ def profile_report(profile, path: str) -> list:
             f"{e.schedule} {fmt_seconds(e.per_action_s)}" for e in profile.pipeline_overhead)))
     out.append(Text(f"profile written to {path}"))
     return out
+
+
+# -- autoconf plan -------------------------------------------------------------------------------
+
+def _plan_table(title: str):
+    return Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 0, 0, 1), title_justify="left",
+                 title_style="bold")
+
+
+def plan_report(r, console) -> None:
+    """``autoconf plan``'s report (a ``timetotrain.PlanResult``; every line within 80 columns)."""
+    from . import scaling
+    from .timetotrain import LEGEND, _days, _gib, _num, compact
+    m, bud = r.model, r.budget
+    say = console.print
+    say(f"[bold]autoconf plan[/bold] {m.name}: {m.num_params() / 1e9:,.4g}B parameters, sequence {m.seq_length}; "
+        f"{r.device} up to {r.grid[-1]:,} GPUs on {r.network}; framework {r.framework}")
+    say(f"tokens: {_num(bud.tokens)}, {bud.tokens_rule}")
+    k = scaling.KAPLAN_BCRIT.constants
+    say(f"loss {bud.loss:.3f} nats/token ({'Kaplan' if bud.loss_law == 'kaplan' else 'Chinchilla'} L(N, D)); "
+        f"B_crit = {k['B_star_tokens']:.0e} / L^(1/{k['alpha_B']}) = {_num(bud.b_crit_tokens)} tokens = "
+        f"{bud.b_crit_tokens / bud.seq_length:,.0f} sequences")
+    if bud.law == "kaplan":
+        say(f"batch law kaplan (B_crit and S = S_min (1 + B_crit/B), E = E_min (1 + B/B_crit)): batches "
+            f"{', '.join(f'{b:,}' for b in bud.batches)}")
+    elif bud.law == "deepseek":
+        kd = scaling.DEEPSEEK_BATCH.constants
+        say(f"batch law deepseek: B_opt = {kd['batch_coef']} C^{kd['batch_exp']}, C = {bud.compute_flops:.3g} FLOPs "
+            f"-> {bud.batches[0]:,} sequences; lr_opt = {kd['lr_coef']} C^{kd['lr_exp']} = {bud.learning_rate:.3g}")
+    else:
+        say(f"batch law fixed: {bud.batches[0]:,} sequences per step "
+            f"({bud.batches[0] * bud.seq_length / bud.b_crit_tokens:.2g} x B_crit)")
+    laws = {"kaplan": [scaling.KAPLAN_BCRIT], "deepseek": [scaling.DEEPSEEK_BATCH], "fixed": []}[bud.law]
+    laws.append(scaling.KAPLAN_LOSS if bud.loss_law == "kaplan" else scaling.CHINCHILLA_LOSS)
+    say("[dim]sources: " + "; ".join(f"{law.name}: {law.source}" for law in laws) + "[/dim]")
+    for n in bud.notes:
+        say(f"[dim]note: {n}[/dim]")
+    rows = r.per_gpus()
+    if not rows:
+        say("[red]no configuration fits at any GPU count of the grid[/red]")
+        return
+    front = {id(x) for x in r.pareto()}
+    t = _plan_table(f"fastest plan per GPU count ({r.network}, every method)")
+    cols = ["GPUs", "batch", "config", "s/step", "days", "GPU-h"] + (["cost"] if r.price else []) + ["GiB"]
+    for col in cols:
+        t.add_column(col, justify="left" if col == "config" else "right", no_wrap=True)
+    for x in rows:
+        cells = [f"{x.gpus:,}", f"{x.batch:,}", compact(x.estimate.config), f"{x.step_time_s:.3g}",
+                 _days(x.days) + ("*" if id(x) in front else " "), _num(x.gpu_hours)]
+        if r.price:
+            cells.append("$" + _num(x.cost))
+        cells.append(_gib(x.estimate.peak_memory_bytes))
+        t.add_row(*cells)
+    say(t)
+    say(f"[dim]{LEGEND}; *: on the time-cost Pareto front; GiB: peak memory per GPU[/dim]")
+    sh, sat = r.shortest(), r.saturation()
+    say(f"[bold]shortest time: {_days(sh.days)} days[/bold] on {sh.gpus:,} GPUs, batch {sh.batch:,}: "
+        f"{sh.steps:,.0f} steps x {sh.step_time_s:.3g} s ({compact(sh.estimate.config)}, "
+        f"MFU {100 * sh.estimate.mfu:.0f}%)")
+    if sat is not None and sat.gpus < sh.gpus:
+        say(f"adding GPUs stops paying at {sat.gpus:,}: {_days(sat.days)} days, within 10% of the shortest "
+            f"with {sh.gpus / sat.gpus:.2g}x fewer GPUs")
+    elif len(r.per_gpus()) > 1:
+        say(f"adding GPUs still pays at {sh.gpus:,}: every smaller count is more than 10% slower")
+    unit = "$" if r.price else ""
+    say("Pareto front (GPUs: days, " + ("cost" if r.price else "GPU-hours") + "): "
+        + "; ".join(f"{x.gpus:,}: {_days(x.days)} d, {unit}{_num(r._cost(x))}" for x in r.pareto()))
+    if r.deadline_days is not None:
+        d = r.cheapest_within(r.deadline_days)
+        say(f"deadline {r.deadline_days:g} days: " + (
+            f"cheapest plan {d.gpus:,} GPUs, batch {d.batch:,}: {_days(d.days)} days, {unit}{_num(r._cost(d))} "
+            f"({compact(d.estimate.config)})" if d else "[red]no plan of the sweep meets it[/red]"))
+    if r.budget_cost is not None:
+        b = r.fastest_within_cost(r.budget_cost)
+        say(f"budget {unit}{_num(r.budget_cost)}: " + (
+            f"fastest plan {b.gpus:,} GPUs, batch {b.batch:,}: {_days(b.days)} days, {unit}{_num(r._cost(b))}"
+            if b else "[red]no plan of the sweep fits it[/red]"))
+    if r.mtbf_per_gpu_h and sh.goodput is not None:
+        gp = sh.goodput
+        say(f"restarts: a failure every {gp.mtbf_s / 3600:.3g} h ({r.mtbf_per_gpu_h:,.0f} h per GPU / {sh.gpus:,}); "
+            f"checkpoint every {gp.interval_s / 60:.0f} min (Young/Daly sqrt(2 x {r.checkpoint_s:g} s x MTBF)); "
+            f"{gp.failures:,.1f} failures and the checkpoints cost {gp.lost_s / 86400:.1f} days "
+            f"({100 * (1 - gp.goodput):.0f}%), "
+            "counted in the days")
+    mt = _plan_table("shortest days without each method (x: vs all)")
+    mt.add_column("methods", no_wrap=True)
+    for net in r.networks:
+        mt.add_column(net, justify="right", no_wrap=True)
+    mt.add_column("GPUs", justify="right", no_wrap=True)
+    table = r.methods_table()
+    for meth in r.methods:
+        cells = [meth.label]
+        gpus = set()
+        for net in r.networks:
+            e = next(x for x in table if x["network"] == net and x["method"] == meth.name)
+            cells.append("none fits" if e["days"] is None else
+                         _days(e["days"]) if meth.name == "all" else f"{_days(e['days'])} x{e['vs_all']:.2f}")
+            if e["gpus"]:
+                gpus.add(e["gpus"])
+        cells.append("/".join(_num(g) for g in sorted(gpus)))
+        mt.add_row(*cells)
+    say(mt)
+    base = r.shortest(r.network, "baseline")
+    if base is not None:
+        say(f"layered accumulation + modular placement: {base.days / sh.days:.2f}x shorter on {r.network}"
+            + "".join(f", {r.shortest(n, 'baseline').days / r.shortest(n, 'all').days:.2f}x on {n}"
+                      for n in r.networks[1:] if r.shortest(n, "all") and r.shortest(n, "baseline")))
+    for n in r.networks[1:]:
+        a = r.shortest(n, "all")
+        if a is not None:
+            say(f"{n} instead of {r.network}: the shortest time is {a.days / sh.days:.2f}x ({_days(a.days)} days on "
+                f"{a.gpus:,} GPUs, {compact(a.estimate.config)})")
+    chosen = [("shortest", sh)]
+    if sat is not None and sat is not sh:
+        chosen.append(("stops paying", sat))
+    if r.deadline_days is not None and r.cheapest_within(r.deadline_days) is not None:
+        chosen.append(("deadline", r.cheapest_within(r.deadline_days)))
+    if base is not None:
+        chosen.append(("no methods", base))
+    mem = _plan_table("GiB per GPU at the chosen plans (busiest stage)")
+    for col in ("plan", "GPUs", "params", "grads", "optim", "acts", "other", "total", "of"):
+        mem.add_column(col, justify="left" if col == "plan" else "right", no_wrap=True)
+    for label, x in chosen:
+        st = max(x.estimate.memory_by_stage, key=lambda s: s.total)
+        mem.add_row(label, f"{x.gpus:,}", _gib(st.parameters), _gib(st.gradients), _gib(st.optimizer),
+                    _gib(st.activations), _gib(st.other), _gib(st.total), _gib(st.capacity))
+    say(mem)
+    say("[dim]" + "; ".join(f"{label}: {compact(x.estimate.config)}" for label, x in chosen) + "[/dim]")
+    say(f"reproduce the shortest plan: {r.search_command(sh)}"
+        + ("" if r.cluster_path else " (write CLUSTER.yaml with --cluster-out)"))
+    for n in r.notes:
+        say(f"[dim]note: {n}[/dim]")
+    st = r.stats
+    say(f"[dim]{len(r.grid)} GPU counts x {len(bud.batches)} batches x {len(r.networks)} networks x "
+        f"{len(r.methods)} method sets: {st.outer_points:,} outer points, {st.estimates:,} estimates, "
+        f"{r.elapsed_s:.1f} s[/dim]")

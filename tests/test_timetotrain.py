@@ -1,0 +1,247 @@
+"""autoconf plan: the fast per-point optimiser is exact for the cost model (its bounds are bounds,
+its shortcuts change nothing), and the sweep, its selections and the command behave."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from autoconf import timetotrain as T
+from autoconf.config import check, inner_choices, make_config
+from autoconf.cost.estimate import _estimate
+from autoconf.cost.system import System
+from autoconf.errors import UserError
+from autoconf.model import preset
+from autoconf.search import dp_hierarchical, framework_inner, search
+from autoconf.topology import Topology
+
+GPT = preset("gpt3-1.3b")
+
+
+def test_uniform_topology_reads_as_the_graph_does():
+    cl = T.synthetic_cluster("h100-sxm", 32, "25gbe")
+    fast, slow = T._UniformTopology(cl), Topology(cl.graph())
+    for attr in ("num_devices", "host_of", "group_of", "kind_of", "memory_of", "intra_latency_s", "inter_latency_s",
+                 "host_nic_kind", "host_name", "host_nic_bw", "host_nic_total", "host_intra_bw", "group_cap",
+                 "measured"):
+        assert getattr(fast, attr) == getattr(slow, attr), attr
+
+
+@pytest.mark.parametrize("network", ["ib", "25gbe"])
+def test_prefilled_links_give_the_cost_models_own_estimates(network):
+    """One representative group per axis (``_prefill``) against every group enumerated."""
+    cl = T.synthetic_cluster("a100-80gb", 128, network)
+    fast, slow = T.planning_system(GPT, cl), System(GPT, cl)
+    rng = random.Random(1)
+    shapes = [(dp, pp, tp) for tp in (1, 2, 4, 8, 16) for pp in (1, 2, 4, 8) for dp in (1, 2, 4, 8, 16, 32)
+              if dp * pp * tp in (64, 128)]
+    n = 0
+    for dp, pp, tp in shapes:
+        for sched, v, layered in ([("1f1b", 1, False)] if pp == 1 else [("1f1b", 1, False), ("interleaved", 2, False),
+                                                                         ("breadth_first", 2, True)]):
+            zero = rng.choice([0, 1, 2, 3]) if dp > 1 else 0
+            c = make_config(dp, pp, tp, 1, sched, v, layered, zero, rng.choice(["none", "full"]), tp > 1, 128)
+            if check(c, GPT):
+                continue
+            T._prefill(fast, c)
+            a, b = _estimate(c, fast), _estimate(c, slow)
+            assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-12), c.short()
+            assert a.peak_memory_bytes == pytest.approx(b.peak_memory_bytes, rel=1e-12), c.short()
+            assert a.mfu == pytest.approx(b.mfu, rel=1e-12)
+            n += 1
+    assert n > 40
+
+
+@pytest.mark.parametrize("network,framework", [("ib", None), ("25gbe", None), ("100gbe", "megatron")])
+def test_the_bounds_are_bounds(network, framework):
+    """Every pruning bound is at most what the cost model computes: the time bound of each inner
+    choice, and a memory floor over capacity only where the estimate does not fit."""
+    cl = T.synthetic_cluster("a100-80gb", 64, network)
+    system = T.planning_system(GPT, cl, framework=framework)
+    opt = T.PointOptimizer(system)
+    rng = random.Random(7)
+    checked = oom = 0
+    for batch in (64, 256):
+        pts = opt.points(64, batch) + opt.points(32, batch)
+        for p in rng.sample(pts, min(len(pts), 70)):
+            b = opt.bounds(p, batch)
+            dp, pp, tp, mbs, sched, v, layered = p
+            T._prefill(system, make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, batch))
+            for c in framework_inner(system.framework, dp, pp, tp, mbs, sched, v, layered, batch,
+                                     dp_hierarchical(system, dp, pp, tp)):
+                if check(c, GPT):
+                    continue
+                T._prefill(system, c)
+                e = _estimate(c, system)
+                key = (c.sequence_parallel, c.recompute, c.zero_stage)
+                if key not in b:
+                    assert not e.fits, f"memory floor refused {c.short()} that fits"
+                    oom += 1
+                    continue
+                assert b[key] <= e.step_time_s * (1 + 1e-9), (c.short(), b[key], e.step_time_s)
+                checked += 1
+    assert checked > 200
+
+
+@pytest.mark.parametrize("model,network,gpus,batch", [("gpt3-1.3b", "ib", 32, 64), ("llama-3-8b", "25gbe", 64, 256)])
+def test_the_optimiser_finds_searchs_exhaustive_optimum(model, network, gpus, batch):
+    m = preset(model)
+    cl = T.synthetic_cluster("a100-80gb", gpus, network)
+    best, st = T.PointOptimizer(T.planning_system(m, cl)).run(gpus, batch)
+    ref = search(m, cl, batch, storage=None, place=False, top=1)
+    assert best["all"].step_time_s == pytest.approx(ref.top[0].step_time_s, rel=1e-9)
+    assert st.estimates < ref.estimates  # the bounds decide most of the space
+
+
+def test_methods_restrict_the_space():
+    cl = T.synthetic_cluster("a100-80gb", 64, "ib")
+    best, _ = T.PointOptimizer(T.planning_system(GPT, cl)).run(64, 128)
+    c = {k: e.config for k, e in best.items() if e is not None}
+    assert c["baseline"].virtual_stages == 1 and not c["baseline"].layered_grad_accum
+    assert c["no-modular"].virtual_stages == 1
+    assert not c["no-layered"].layered_grad_accum and c["no-layered"].schedule != "breadth_first"
+    assert c["no-zero"].zero_stage == 0 and c["zero<=1"].zero_stage <= 1
+    for k, e in best.items():
+        assert best["all"].step_time_s <= e.step_time_s
+
+
+def test_live_counts_closed_forms():
+    cl = T.synthetic_cluster("a100-80gb", 8, "ib")
+    opt = T.PointOptimizer(T.planning_system(GPT, cl))
+    from autoconf.cost.schedule_time import sim_size
+    for sched, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("breadth_first", (2, 3))):
+        for pp in (2, 3, 4, 8):
+            for m in (1, 3, 8, 40, 100):
+                for v in vs:
+                    m_sim = sim_size(sched, pp, m)
+                    scale = m / m_sim if sched in ("gpipe", "breadth_first") else 1.0
+                    want = [x * scale for x in T.live_counts(sched, pp, m_sim, v)]
+                    assert list(opt._live(sched, pp, m, v, False)) == pytest.approx(want), (sched, pp, m, v)
+
+
+def test_round_batch_and_budget():
+    assert [T.round_batch(x) for x in (1, 5, 7, 11_157, 21_300, 40_000)] == [1, 6, 8, 12_288, 24_576, 32_768]
+    b = T.make_budget(GPT, tokens=2e11)
+    assert b.law == "kaplan" and b.tokens == 2e11 and "given" in b.tokens_rule
+    at = b.b_crit_tokens / GPT.seq_length
+    plan_at = b.plan(at)  # at B_crit: exactly the given tokens, in D / B_crit steps
+    assert plan_at.tokens == pytest.approx(2e11) and plan_at.steps == pytest.approx(2e11 / b.b_crit_tokens)
+    half = b.plan(at / 2)  # half the batch: 3/4 of the tokens in 1.5x the steps
+    assert half.tokens == pytest.approx(0.75 * 2e11) and half.steps == pytest.approx(1.5 * plan_at.steps)
+    fixed = T.make_budget(GPT, tokens=2e11, law="fixed", global_batch=512)
+    assert fixed.batches == (512,) and fixed.plan(512).steps == pytest.approx(2e11 / (512 * 2048))
+    d = T.make_budget(GPT, law="deepseek")
+    assert d.tokens == pytest.approx(20 * GPT.num_params()) and d.compute_flops > 0 and len(d.batches) == 1
+    with pytest.raises(UserError, match="needs --global-batch"):
+        T.make_budget(GPT, law="fixed")
+    with pytest.raises(UserError, match="valid: kaplan, deepseek, fixed"):
+        T.make_budget(GPT, law="mine")
+
+
+@pytest.fixture(scope="module")
+def small_plan():
+    return T.plan(GPT, device="a100-80gb", max_gpus=64, tokens=2.6e10, price_per_gpu_hour=2.0,
+                  deadline_days=3.0, budget=2000.0, mtbf_per_gpu_h=20000.0, compare_networks=("25gbe",))
+
+
+def test_sweep_selections(small_plan):
+    r = small_plan
+    rows = r.select()
+    assert rows and {x.network for x in r.rows} == {"ib", "25gbe"}
+    sh = r.shortest()
+    assert sh.days == min(x.days for x in rows)
+    front = r.pareto()
+    cost = r._cost
+    for x in rows:  # every plan is on the front or beaten on both axes by a plan of the front
+        assert x in front or any(f.days <= x.days and cost(f) <= cost(x) for f in front)
+    for f in front:
+        assert not any(x.days < f.days and cost(x) < cost(f) for x in rows)
+    d = r.cheapest_within(3.0)
+    assert d is not None and d.days <= 3.0
+    assert cost(d) == min(cost(x) for x in rows if x.days <= 3.0)
+    b = r.fastest_within_cost(2000.0)
+    assert b is None or (cost(b) <= 2000.0 and b.days == min(x.days for x in rows if cost(x) <= 2000.0))
+    sat = r.saturation()
+    assert sat.days <= 1.1 * sh.days and all(x.days > 1.1 * sh.days for x in r.per_gpus() if x.gpus < sat.gpus)
+    for x in rows:  # restarts and checkpoints are in the days
+        assert x.days > x.work_days and x.goodput is not None
+        assert x.gpu_hours == pytest.approx(x.days * 24 * x.gpus) and x.cost == pytest.approx(2.0 * x.gpu_hours)
+        assert x.steps * x.step_time_s == pytest.approx(x.work_days * 86400)
+    doc = json.loads(json.dumps(r.to_dict(), default=float))
+    assert doc["shortest"]["gpus"] == sh.gpus and doc["deadline_plan"]["gpus"] == d.gpus
+    assert "--gpus" in doc["search_command"] and doc["budget"]["laws"][0]["source"].startswith("Kaplan")
+
+
+def _run(*argv, env_extra=None):
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), COLUMNS="200", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "autoconf", "plan", *argv], capture_output=True, text=True,
+                          env=env, timeout=300)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--device", "b200", "--max-gpus", "64"], "--device 'b200'; valid: a100-40gb"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--network", "eth"], "network 'eth'; valid: ib, 100gbe, 25gbe"),
+    (["--device", "a100-80gb", "--max-gpus", "60"], "must be a multiple of 8"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--deadline", "soon"], "--deadline 'soon'"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--tokens", "lots"], "--tokens 'lots'"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--batch-law", "fixed"], "needs --global-batch"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--batch-law", "huge"], "valid: kaplan, deepseek, fixed"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--budget", "1M"], "give --price-per-gpu-hour"),
+    (["--max-gpus", "64"], "give --device NAME and --max-gpus N"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, needle):
+    p = _run("--model", "gpt3-1.3b", *argv)
+    assert p.returncode == 2, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr, p.stderr
+
+
+def test_the_command_prints_80_columns_json_and_plots(tmp_path):
+    argv = ["--model", "gpt3-1.3b", "--device", "a100-80gb", "--max-gpus", "32", "--tokens", "26B",
+            "--compare-networks", "none", "--price-per-gpu-hour", "2", "--deadline", "2d",
+            "--cluster-out", str(tmp_path / "c.yaml")]
+    p = _run(*argv, "--plot", str(tmp_path / "plots"))
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert max(len(x) for x in lines) <= 80
+    assert any(x.startswith("shortest time:") for x in lines)
+    cmd = next(x for x in lines if "reproduce the shortest plan" in x)
+    assert "autoconf search" in cmd
+    for name in ("days_vs_gpus", "cost_vs_days"):
+        for ext in ("png", "svg"):
+            assert (tmp_path / "plots" / f"{name}.{ext}").stat().st_size > 1000
+    from autoconf.cluster import load_cluster
+    assert load_cluster(str(tmp_path / "c.yaml")).num_devices == 32
+    j = _run(*argv, "--json")
+    doc = json.loads(j.stdout)
+    assert doc["shortest"]["gpus"] <= 32 and doc["deadline_days"] == 2.0
+    assert {r["network"] for r in doc["rows"]} == {"ib"}
+
+
+def test_reproduce_command_finds_the_same_step_time(tmp_path):
+    """The printed `autoconf search` command, run on the written cluster file, finds the plan's
+    step time (the same space, exhaustively)."""
+    r = T.plan(GPT, device="a100-80gb", max_gpus=16, tokens=2.6e10, compare_networks=())
+    sh = r.shortest()
+    path = tmp_path / "c.yaml"
+    path.write_text(T.cluster_yaml(r.cluster))
+    cmd = r.search_command(sh, str(path)).split()[1:] + ["--json"]
+    p = subprocess.run([sys.executable, "-m", "autoconf", *cmd], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=os.getcwd()), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["best"]["step_time_s"] == pytest.approx(sh.step_time_s, rel=1e-9)
+
+
+def test_inner_choices_cover_what_the_bounds_key():
+    """bounds() keys inner choices by (sequence parallel, recompute, zero): every inner choice of
+    the search has such a key."""
+    for dp, tp in ((1, 1), (4, 2), (8, 8)):
+        keys = {(sp, rc, z) for z, rc, sp in inner_choices(dp, tp)}
+        cl = T.synthetic_cluster("a100-80gb", 64, "ib")
+        opt = T.PointOptimizer(T.planning_system(GPT, cl))
+        opts = {(sp, rc) for sp, rc in opt._options(tp)}
+        assert {(sp, rc) for sp, rc, _ in keys} == opts

@@ -48,11 +48,18 @@ def check_dir(path: str, flag: str) -> None:
 def write_text(path: str, text: str, mode: int | None = None) -> None:
     """Write ``text`` to ``path`` atomically (temp file in the same directory, then rename); no
     temp file is left behind on failure. ``mode``: permission bits (default: as a new file)."""
+    write_atomic(path, lambda f: f.write(text), mode=mode)
+
+
+def write_atomic(path: str, write, binary: bool = False, mode: int | None = None) -> None:
+    """``write(f)`` into a temp file in ``path``'s directory, then rename it to ``path``: readers see
+    the old file or the whole new one, and no temp file is left behind on failure. ``mode``:
+    permission bits (default: as a new file, by the umask)."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         if mode is None:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 
 from .errors import UserError
+from .outputs import write_atomic
 
 __all__ = ["check_plotting", "plot_estimate", "plot_search", "timeline_figure", "time_memory_figure"]
 
@@ -81,26 +81,10 @@ def _save(fig, directory: str, stem: str) -> list[str]:
     out = []
     for ext, kw in (("png", {"dpi": 150}), ("svg", {"metadata": {"Date": None}})):
         path = os.path.join(directory, f"{stem}.{ext}")
-        fd, tmp = tempfile.mkstemp(prefix=f".{stem}.", suffix=f".{ext}", dir=directory)
-        try:
-            with os.fdopen(fd, "wb") as f, matplotlib.rc_context({"svg.hashsalt": stem}):
-                fig.savefig(f, format=ext, **kw)
-            os.chmod(tmp, 0o666 & ~_umask())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        with matplotlib.rc_context({"svg.hashsalt": stem}):
+            write_atomic(path, lambda f: fig.savefig(f, format=ext, **kw), binary=True)
         out.append(path)
     return out
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _figure(width: float, height: float):

@@ -1207,15 +1207,10 @@ def write_plots(r: PlanResult, directory: str) -> list:
     written = []
 
     def save(fig, name):
+        from .outputs import write_atomic
         for ext in ("png", "svg"):
             path = os.path.join(directory, f"{name}.{ext}")
-            tmp = os.path.join(directory, f".{name}.tmp.{ext}")
-            try:
-                fig.savefig(tmp, dpi=120, bbox_inches="tight")
-                os.replace(tmp, path)
-            finally:
-                if os.path.exists(tmp):
-                    os.unlink(tmp)
+            write_atomic(path, lambda f: fig.savefig(f, format=ext, dpi=120, bbox_inches="tight"), binary=True)
             written.append(path)
         plt.close(fig)
 

@@ -5,7 +5,6 @@ saving and computing what ModelSpec prices for every shape feature those familie
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -428,69 +427,11 @@ TP_EXTRA = tiny(activation="geglu", head_dim=20, qkv_bias=True, parallel_attenti
                 rotary_fraction=0.5, tied_embeddings=True)
 
 
-def _tp_worker(rank, world, port, queue):
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from autoconf.nn import GPT, _shard, allreduce_sequence_parallel_grads, padded_vocab
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    worst = {}
-    for key, m in [(n, FEATURES[n]) for n in TP_FEATURES] + [("extra", TP_EXTRA)]:
-        torch.manual_seed(0)
-        tok, y = torch.randint(0, m.vocab_size, (2, m.seq_length)), torch.randint(0, m.vocab_size, (2, m.seq_length))
-        ref = GPT(m)
-        ref_loss = ref(tok, y)
-        ref_loss.backward()
-        ref_params = dict(ref.named_parameters())
-        for sp, rc in ((False, "none"), (True, "none"), (True, "selective"), (False, "full")):
-            model = GPT(m, tp_size=world, tp_group=dist.group.WORLD, sequence_parallel=sp, recompute=rc)
-            loss = model(tok, y)
-            loss.backward()
-            allreduce_sequence_parallel_grads(model, dist.group.WORLD)
-            errs = [abs(loss.item() - ref_loss.item())]
-            for n, p in model.named_parameters():
-                g = ref_params[n].grad
-                if p.shape != g.shape:
-                    if n.endswith(("qkv.weight", "qkv.bias")):
-                        g = _shard(g, [m.q_size, m.kv_size, m.kv_size], 0, rank, world)
-                    elif n.endswith(("fc1.weight", "fc1.bias")):
-                        g = _shard(g, [m.ffn_hidden_size] * (2 if m.gated_mlp else 1), 0, rank, world)
-                    elif n.endswith(("proj.weight", "fc2.weight")):
-                        g = g.chunk(world, 1)[rank]
-                    else:  # vocab-parallel tables, padded to a multiple of tp
-                        g = F.pad(g, (0, 0, 0, padded_vocab(m, world) - m.vocab_size)).chunk(world, 0)[rank]
-                errs.append((p.grad - g).abs().max().item())
-            worst[(key, sp, rc)] = max(errs)
-    queue.put((rank, worst))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_tensor_parallel_gloo_matches_single_process():
     pytest.importorskip("torch")
-    import multiprocessing
+    from test_nn import run_tp_workers  # the same two-rank TP check, on the new shape features
 
-    ctx = multiprocessing.get_context("fork")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = [queue.get(timeout=180) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-    assert all(p.exitcode == 0 for p in procs)
+    results = run_tp_workers([(n, FEATURES[n]) for n in TP_FEATURES] + [("extra", TP_EXTRA)], timeout=180)
     for _, worst in results:
         assert len(worst) == 16
         assert max(worst.values()) < 1e-5, worst

@@ -172,7 +172,9 @@ TP_MODELS = [
 ]
 
 
-def _tp_worker(rank, world, port, queue):
+def _tp_worker(rank, world, port, queue, cases=None):
+    """One rank: every (key, model) of ``cases`` (default: TP_MODELS by activation) in TP, TP+SP and
+    recompute modes against the single-process model; puts {(key, sp, recompute): worst error}."""
     import torch.distributed as dist
 
     from autoconf.nn import allreduce_sequence_parallel_grads
@@ -181,7 +183,7 @@ def _tp_worker(rank, world, port, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     worst = {}
-    for m in TP_MODELS:
+    for key, m in cases if cases is not None else [(m.activation, m) for m in TP_MODELS]:
         torch.manual_seed(0)
         tok, y = torch.randint(0, m.vocab_size, (2, m.seq_length)), torch.randint(0, m.vocab_size, (2, m.seq_length))
         ref = GPT(m)
@@ -198,15 +200,15 @@ def _tp_worker(rank, world, port, queue):
                 g = ref_params[n].grad
                 if p.shape != g.shape:
                     if n.endswith(("qkv.weight", "qkv.bias")):
-                        g = _shard(g, [m.hidden_size, m.kv_size, m.kv_size], 0, rank, world)
+                        g = _shard(g, [m.q_size, m.kv_size, m.kv_size], 0, rank, world)
                     elif n.endswith(("fc1.weight", "fc1.bias")):
-                        g = _shard(g, [m.ffn_hidden_size] * (2 if m.activation == "swiglu" else 1), 0, rank, world)
+                        g = _shard(g, [m.ffn_hidden_size] * (2 if m.gated_mlp else 1), 0, rank, world)
                     elif n.endswith(("proj.weight", "fc2.weight")):
                         g = g.chunk(world, 1)[rank]
                     else:  # vocab-parallel tables, padded to a multiple of tp
                         g = F.pad(g, (0, 0, 0, padded_vocab(m, world) - m.vocab_size)).chunk(world, 0)[rank]
                 errs.append((p.grad - g).abs().max().item())
-            worst[(m.activation, sp, rc)] = max(errs)
+            worst[(key, sp, rc)] = max(errs)
     queue.put((rank, worst))
     dist.barrier()
     dist.destroy_process_group()
@@ -218,20 +220,26 @@ def _free_port():
         return sock.getsockname()[1]
 
 
-def test_tensor_parallel_gloo_matches_single_process():
-    """2 forked gloo ranks, TP and TP+SP (with recompute): loss and every gradient shard as one process."""
+def run_tp_workers(cases=None, timeout: float = 120) -> list:
+    """Two forked gloo ranks running :func:`_tp_worker`; each rank's worst errors."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
     queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=_tp_worker, args=(r, 2, port, queue, cases)) for r in range(2)]
     for p in procs:
         p.start()
     try:
-        results = [queue.get(timeout=120) for _ in procs]
+        results = [queue.get(timeout=timeout) for _ in procs]
     finally:
         for p in procs:
             p.join(timeout=30)
     assert all(p.exitcode == 0 for p in procs)
+    return results
+
+
+def test_tensor_parallel_gloo_matches_single_process():
+    """2 forked gloo ranks, TP and TP+SP (with recompute): loss and every gradient shard as one process."""
+    results = run_tp_workers()
     for _, worst in results:
         assert max(worst.values()) < 1e-5, worst

@@ -9,11 +9,9 @@ import sys
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from autoconf.cluster import load_cluster
 from autoconf.config import ParallelConfig
-from autoconf.cost import pipeline
 from autoconf.cost.estimate import estimate
 from autoconf.cost.pipeline import device_orders, simulate, timeline
 from autoconf.cost.system import System
@@ -27,20 +25,7 @@ CPU_YAML = os.path.abspath("examples/clusters/localhost-cpu.yaml")
 
 # --- the events (pure, fast) ------------------------------------------------------------------
 
-durations = st.floats(min_value=0.01, max_value=10.0, allow_nan=False)
-
-
-@st.composite
-def shapes(draw):
-    schedule = draw(st.sampled_from(pipeline.SCHEDULES))
-    pp = draw(st.integers(1, 5))
-    v = 1 if schedule in ("gpipe", "1f1b") else draw(st.integers(1, 3))
-    m = draw(st.integers(1, 4)) * pp if schedule == "interleaved" else draw(st.integers(1, 9))
-    nc = pp * v
-    f = draw(st.lists(durations, min_size=nc, max_size=nc))
-    b = draw(st.lists(durations, min_size=nc, max_size=nc))
-    p = draw(st.lists(st.floats(0.0, 5.0), min_size=nc - 1, max_size=nc - 1))
-    return schedule, pp, m, v, f, b, p
+from test_pipeline import shapes  # noqa: E402  (the schedule shapes the simulator's own properties use)
 
 
 def check_events(schedule, pp, m, v, f, b, p):

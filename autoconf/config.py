@@ -12,19 +12,26 @@ from dataclasses import dataclass
 
 from .errors import UserError
 from .model import ModelSpec
-from .placement import check_placement, even_layers
+from .placement import check_placement, even_layers, order_reason
 from .schema import Bool, Dict, Int, List, Null, Str
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 RECOMPUTE = ("none", "selective", "full")
 DP_ALL_REDUCE = ("flat", "hierarchical")
-AXES = ("tp", "dp", "pp")
+PRECISIONS = ("bf16", "fp8")
+FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "mxfp8")
+"""Scaling of FP8 operands: one scale per tensor computed from the current amax (tensorwise,
+"current scaling"), one per tensor from an amax history (delayed: Transformer Engine's original
+recipe), one per row (rowwise: torchao), one per 32-element block (mxfp8: Blackwell's
+microscaling format, MX-compliant E8M0 scales)."""
 
 _DEGREE = Int(1, 1 << 16)
 CONFIG_SCHEMA = Dict(
     required={"dp": _DEGREE, "pp": _DEGREE, "tp": _DEGREE, "micro_batch_size": Int(1, 1 << 20),
               "num_micro_batches": Int(1, 1 << 20)},
-    optional={"schedule": Str(SCHEDULES), "virtual_stages": Int(1, 1 << 10), "layered_grad_accum": Bool(),
+    optional={"cp": _DEGREE, "precision": Str(PRECISIONS), "fp8_recipe": Str(FP8_RECIPES),
+              "torch_compile": Null(Bool()),
+              "schedule": Str(SCHEDULES), "virtual_stages": Int(1, 1 << 10), "layered_grad_accum": Bool(),
               "zero_stage": Int(0, 3), "recompute": Str(RECOMPUTE), "sequence_parallel": Bool(),
               "rank_order": Str(max_len=32), "overlap_grad_reduce": Null(Bool()),
               "overlap_param_gather": Null(Bool()), "tp_comm_overlap": Null(Bool()),
@@ -86,10 +93,24 @@ class ParallelConfig:
     stage_layers: tuple | None = None
     """Transformer blocks of each pipeline chunk (pp x virtual_stages entries, each >= 1, summing
     to the model's layers). None: as even as possible. See ``placement``."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over cp ranks (load-balanced causal split:
+    2 x cp chunks, rank i holding chunks i and 2cp-1-i); attention exchanges keys and values over
+    the group, every other layer works on the rank's tokens only. Gradients are reduced, and ZeRO
+    shards, over dp x cp."""
+    precision: str = "bf16"
+    """Matmul precision. bf16: every GEMM in the model's dtype (bf16, fp16 or fp32). fp8: the
+    linear layers' GEMMs in FP8 (E4M3 forward, E4M3/E5M2 backward) with ``fp8_recipe``'s scaling;
+    the attention core and the output layer stay in the model's dtype."""
+    fp8_recipe: str = "tensorwise"
+    """With precision fp8: tensorwise, delayed, rowwise or mxfp8 (see ``FP8_RECIPES``)."""
+    torch_compile: bool | None = None
+    """Compile each block with ``torch.compile`` (torchtitan ``--compile.enable``): element-wise
+    kernels fused, Python dispatch gone. None: the framework's default."""
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
 
     @property
     def global_batch(self) -> int:
@@ -101,7 +122,10 @@ class ParallelConfig:
         return self.pp * self.virtual_stages
 
     def short(self) -> str:
-        s = f"dp{self.dp} pp{self.pp} tp{self.tp} mbs{self.micro_batch_size} m{self.num_micro_batches} {self.schedule}"
+        s = f"dp{self.dp} pp{self.pp} tp{self.tp}"
+        if self.cp > 1:
+            s += f" cp{self.cp}"
+        s += f" mbs{self.micro_batch_size} m{self.num_micro_batches} {self.schedule}"
         if self.virtual_stages > 1:
             s += f" v{self.virtual_stages}"
         if self.layered_grad_accum and self.schedule != "breadth_first":
@@ -114,7 +138,10 @@ class ParallelConfig:
             s += " sp"
         if self.dp_all_reduce != "flat":
             s += " hier-ar"
-        for knob, tag in (("overlap_grad_reduce", "ogr"), ("overlap_param_gather", "opg"), ("tp_comm_overlap", "tpo")):
+        if self.precision == "fp8":
+            s += f" fp8-{self.fp8_recipe}"
+        for knob, tag in (("overlap_grad_reduce", "ogr"), ("overlap_param_gather", "opg"), ("tp_comm_overlap", "tpo"),
+                          ("torch_compile", "compile")):
             v = getattr(self, knob)
             if v is not None:
                 s += f" {tag}" if v else f" no-{tag}"
@@ -126,6 +153,8 @@ class ParallelConfig:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
+        if self.precision != "fp8":
+            del d["fp8_recipe"]
         for k in PLACEMENT_FIELDS:
             if d[k] is None:
                 del d[k]
@@ -153,7 +182,7 @@ layers_per_chunk = even_layers
 def check(config: ParallelConfig, model: ModelSpec) -> str | None:
     """The reason this configuration is invalid for the model, or None if it is valid."""
     c = config
-    for name in ("dp", "pp", "tp", "micro_batch_size", "num_micro_batches", "virtual_stages"):
+    for name in ("dp", "pp", "tp", "cp", "micro_batch_size", "num_micro_batches", "virtual_stages"):
         v = getattr(c, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             return f"{name}={v!r} must be a positive integer"
@@ -163,8 +192,16 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return f"recompute={c.recompute!r}; valid: {', '.join(RECOMPUTE)}"
     if c.zero_stage not in (0, 1, 2, 3):
         return f"zero_stage={c.zero_stage!r}; valid: 0, 1, 2, 3"
-    if sorted(c.rank_order.split("-")) != sorted(AXES):
-        return f"rank_order={c.rank_order!r} must order tp, dp, pp, e.g. 'tp-dp-pp'"
+    why = order_reason(c.rank_order)
+    if why:
+        return why
+    if c.precision not in PRECISIONS:
+        return f"precision={c.precision!r}; valid: {', '.join(PRECISIONS)}"
+    if c.fp8_recipe not in FP8_RECIPES:
+        return f"fp8_recipe={c.fp8_recipe!r}; valid: {', '.join(FP8_RECIPES)}"
+    if c.cp > 1 and model.seq_length % (2 * c.cp):
+        return (f"cp({c.cp}): seq_length({model.seq_length}) must be divisible by 2 x cp = {2 * c.cp} "
+                "(the load-balanced causal split gives each rank two of 2 x cp chunks)")
     if model.num_attention_heads % c.tp:
         return f"tp({c.tp}) does not divide num_attention_heads({model.num_attention_heads})"
     if model.num_kv_heads % c.tp:
@@ -173,8 +210,9 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return f"tp({c.tp}) does not divide ffn_hidden_size({model.ffn_hidden_size})"
     if c.sequence_parallel and c.tp == 1:
         return "sequence_parallel needs tp > 1"
-    if c.sequence_parallel and model.seq_length % c.tp:
-        return f"sequence_parallel: tp({c.tp}) does not divide seq_length({model.seq_length})"
+    if c.sequence_parallel and (model.seq_length // c.cp) % c.tp:
+        return (f"sequence_parallel: tp({c.tp}) does not divide seq_length({model.seq_length})"
+                + (f" / cp({c.cp}) = {model.seq_length // c.cp}" if c.cp > 1 else ""))
     if c.pp == 1 and (c.schedule != "1f1b" or c.virtual_stages != 1):
         return f"pp=1 has no pipeline: schedule={c.schedule!r} v={c.virtual_stages} must be 1f1b with v=1"
     if c.schedule in ("gpipe", "1f1b") and c.virtual_stages != 1:
@@ -190,11 +228,11 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return f"layered_grad_accum runs every micro-batch through a chunk before the next; schedule {c.schedule} interleaves them (use gpipe or breadth_first)"
     if c.num_chunks > model.num_layers:
         return f"pp({c.pp}) x virtual_stages({c.virtual_stages}) = {c.num_chunks} chunks exceeds num_layers({model.num_layers})"
-    if c.zero_stage and c.dp == 1:
+    if c.zero_stage and c.dp * c.cp == 1:
         return f"zero_stage={c.zero_stage} with dp=1 shards nothing"
     if c.layered_grad_accum and c.num_micro_batches == 1:
         return "layered_grad_accum with one micro-batch is plain accumulation"
-    for knob in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"):
+    for knob in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "torch_compile"):
         v = getattr(c, knob)
         if v is not None and not isinstance(v, bool):
             return f"{knob}={v!r} must be true, false or absent (the framework's default)"
@@ -219,6 +257,7 @@ def reason_key(reason: str) -> str:
                         ("does not divide ffn", "tp does not divide the model"),
                         ("sequence_parallel", "sequence parallel indivisible"),
                         ("exceeds num_layers", "more chunks than layers"),
+                        ("load-balanced causal split", "cp does not divide the sequence"),
                         ("with dp=1 shards nothing", "zero with dp=1"),
                         ("dp_all_reduce=", "hierarchical all-reduce inapplicable"),
                         ("one micro-batch", "layered with one micro-batch")):
@@ -237,9 +276,23 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def factorizations(world: int) -> list[tuple[int, int, int]]:
-    """All (dp, pp, tp) with dp x pp x tp = world."""
-    return [(world // (pp * tp), pp, tp) for tp in divisors(world) for pp in divisors(world // tp)]
+def factorizations(world: int, cps=(1,)) -> list[tuple]:
+    """All (dp, pp, tp) with dp x pp x tp = world; with ``cps``, all (dp, pp, tp, cp) with
+    dp x pp x tp x cp = world and cp in ``cps``."""
+    if tuple(cps) == (1,):
+        return [(world // (pp * tp), pp, tp) for tp in divisors(world) for pp in divisors(world // tp)]
+    return [(world // (pp * tp * cp), pp, tp, cp) for cp in cps if world % cp == 0
+            for tp in divisors(world // cp) for pp in divisors(world // (cp * tp))]
+
+
+def cp_choices(model: ModelSpec, world: int, max_cp: int | None = None) -> tuple:
+    """Context-parallel degrees worth searching: those the load-balanced split allows
+    (``seq_length`` divisible by 2 x cp) up to ``max_cp``; by default up to seq_length / 4096
+    (sequences of 8K tokens and more: shorter ones leave each rank's attention too short to hide
+    the ring's transfers, and their activations fit without it)."""
+    if max_cp is None:
+        max_cp = max(1, model.seq_length // 4096)
+    return tuple(c for c in divisors(world) if c <= max_cp and (c == 1 or model.seq_length % (2 * c) == 0))
 
 
 def pipeline_choices(pp: int, model: ModelSpec, max_virtual: int = 8) -> list[tuple[str, int, bool]]:
@@ -258,12 +311,14 @@ def micro_batch_choices(per_replica_batch: int, max_micro_batch: int = 64) -> li
 
 
 def outer_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch: int = 64,
-                rejected: dict | None = None):
-    """Yield the structural choices (dp, pp, tp, mbs, schedule, v, layered) whose batch splits.
+                rejected: dict | None = None, cps=(1,)):
+    """Yield the structural choices (dp, pp, tp, mbs, schedule, v, layered, cp) whose batch
+    splits, cp from ``cps`` (``cp_choices``).
 
     Divisibility of the global batch by dp is counted in ``rejected`` (reason -> count).
     """
-    for dp, pp, tp in factorizations(world):
+    for dp, pp, tp, cp in factorizations(world, cps) if tuple(cps) != (1,) else (
+            f + (1,) for f in factorizations(world)):
         if global_batch % dp:
             if rejected is not None:
                 key = f"global batch({global_batch}) not divisible by dp"
@@ -271,27 +326,34 @@ def outer_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch
             continue
         for mbs in micro_batch_choices(global_batch // dp, max_micro_batch):
             for sched, v, layered in pipeline_choices(pp, model):
-                yield dp, pp, tp, mbs, sched, v, layered
+                yield dp, pp, tp, mbs, sched, v, layered, cp
 
 
-def inner_choices(dp: int, tp: int):
+def inner_choices(dp: int, tp: int, cp: int = 1):
     """(zero_stage, recompute, sequence_parallel) combinations."""
-    zeros = (0, 1, 2, 3) if dp > 1 else (0,)
+    zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
     sps = (False, True) if tp > 1 else (False,)
     return list(itertools.product(zeros, RECOMPUTE, sps))
 
 
-def make_config(dp, pp, tp, mbs, sched, v, layered, zero, recompute, sp, global_batch) -> ParallelConfig:
+def make_config(dp, pp, tp, mbs, sched, v, layered, zero, recompute, sp, global_batch, cp: int = 1) -> ParallelConfig:
     return ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=mbs,
                           num_micro_batches=global_batch // (dp * mbs), schedule=sched,
                           virtual_stages=v, layered_grad_accum=layered, zero_stage=zero,
-                          recompute=recompute, sequence_parallel=sp)
+                          recompute=recompute, sequence_parallel=sp, cp=cp)
 
 
-def enumerate_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch: int = 64):
+def point_config(point, zero, recompute, sp, global_batch) -> ParallelConfig:
+    """The configuration of an outer point (``outer_space``) with these inner choices."""
+    dp, pp, tp, mbs, sched, v, layered, cp = point
+    return make_config(dp, pp, tp, mbs, sched, v, layered, zero, recompute, sp, global_batch, cp)
+
+
+def enumerate_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch: int = 64, cps=(1,)):
     """Yield (config, reason-or-None) for every configuration of the space."""
     rejected: dict = {}
-    for dp, pp, tp, mbs, sched, v, layered in outer_space(model, world, global_batch, max_micro_batch, rejected):
-        for zero, rc, sp in inner_choices(dp, tp):
-            c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch)
+    for point in outer_space(model, world, global_batch, max_micro_batch, rejected, cps):
+        dp, tp, cp = point[0], point[2], point[7]
+        for zero, rc, sp in inner_choices(dp, tp, cp):
+            c = point_config(point, zero, rc, sp, global_batch)
             yield c, check(c, model)

@@ -43,7 +43,7 @@ from .cost.compute import HostCost
 from .errors import UserError
 
 FRAMEWORK_NAMES = ("reference", "megatron", "torchtitan", "deepspeed")
-KNOBS = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap")
+KNOBS = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "torch_compile")
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,29 @@ class Framework:
     all_reduce_algorithms: dict = field(default_factory=lambda: {"flat": ("ring", "tree")})
     """For each ``dp_all_reduce`` mode it offers, the all-reduce algorithms (``cost.comm``: ring,
     tree, hierarchical) that mode really runs; the cost model takes the fastest of those only."""
+    cp_comm: str | None = None
+    """How its context parallelism exchanges keys and values (``cost.context_parallel``): "ring"
+    (point-to-point, chunk by chunk, overlapped with the attention of the chunk in hand:
+    Megatron-LM / Transformer Engine's default ``--cp-comm-type p2p``, the reference trainer),
+    "all_gather" (keys and values gathered once per layer, gradients reduce-scattered: torch's
+    ``context_parallel``, which torchtitan uses, rotates with ``allgather`` by default); None:
+    no context parallelism."""
+    fp8_recipes: tuple = ()
+    """The FP8 scaling recipes it runs (``config.FP8_RECIPES``); empty: no FP8."""
+    fp8_host_ops: tuple = (0, 0)
+    """Operations issued from Python per linear layer to scale and cast its FP8 operands
+    (forward, backward): a handful of eager ops each (amax, scale, clamp, cast) in torchao and the
+    reference trainer, one fused extension call in Transformer Engine."""
+    fp8_weight_copy_bytes: float = 0.0
+    """Bytes per linear-layer parameter of FP8 weight copies kept from the first micro-batch to
+    the end of the step: Transformer Engine caches the FP8 weight and its transpose (2 bytes);
+    torchao casts per use and keeps nothing."""
+    fp8_saves_inputs: bool = False
+    """Whether a linear layer keeps its input for the backward in FP8 (Transformer Engine saves
+    the quantised input); else in the model's dtype (torchao saves the high-precision tensors)."""
+    fp8_all_gather: bool = False
+    """ZeRO-3 / FSDP gathers linear weights in FP8 (torchao's float8 all-gather with tensorwise
+    scaling, which the emitted torchtitan files switch on): half the bytes."""
 
     def dp_all_reduce_algorithms(self, config, g, gloo: bool = False) -> tuple:
         """The algorithms the data-parallel all-reduce of ``config`` runs over a group with links
@@ -115,6 +138,11 @@ class Framework:
         for k in KNOBS:
             if getattr(c, k, None) is not None and k not in self.knobs and bool(getattr(c, k)) != self.defaults[k]:
                 return f"framework {self.name} cannot switch {k} (always {self.defaults[k]})"
+        if getattr(c, "cp", 1) > 1 and self.cp_comm is None:
+            return f"framework {self.name} has no context parallelism (cp={c.cp})"
+        if getattr(c, "precision", "bf16") == "fp8" and c.fp8_recipe not in self.fp8_recipes:
+            return (f"framework {self.name} has no FP8 recipe {c.fp8_recipe}"
+                    + (f"; valid: {', '.join(self.fp8_recipes)}" if self.fp8_recipes else " (no FP8 at all)"))
         mode = getattr(c, "dp_all_reduce", "flat")
         if mode not in self.all_reduce_algorithms:
             return (f"framework {self.name} has no dp_all_reduce={mode}; valid: "
@@ -154,26 +182,34 @@ FRAMEWORKS = {
         name="reference", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1, 2, 3), layered_grad_accum=True,
         per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_EAGER,
-        defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False},
-        knobs=(), all_reduce_algorithms={"flat": ("ring", "tree"), "hierarchical": ("hierarchical",)}),
+        defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False,
+                  "torch_compile": False},
+        knobs=(), all_reduce_algorithms={"flat": ("ring", "tree"), "hierarchical": ("hierarchical",)},
+        cp_comm="ring", fp8_recipes=("tensorwise", "rowwise"), fp8_host_ops=(16, 16)),
     "megatron": Framework(
         name="megatron", schedules=("1f1b", "interleaved"),
         zero_stages=(0, 1), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
         per_micro_batch_pipeline_buffers=False, fp32_grad_buffer_bf16=True, host=_MEGATRON_HOST,
-        defaults={"overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False},
+        defaults={"overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
+                  "torch_compile": False},
         knobs=("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"), vocab_multiple=128,
-        all_reduce_algorithms=_NCCL_ALL_REDUCE),
+        all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
+        fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True),
     "torchtitan": Framework(
         name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 2, 3), zero_stages_with_pp=(0, 2, 3), layered_grad_accum=False,
         per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_EAGER,
-        defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False},
-        knobs=("tp_comm_overlap",), all_reduce_algorithms=_NCCL_ALL_REDUCE),
+        defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False,
+                  "torch_compile": False},
+        knobs=("tp_comm_overlap", "torch_compile"), all_reduce_algorithms=_NCCL_ALL_REDUCE,
+        cp_comm="all_gather", fp8_recipes=("tensorwise", "rowwise", "mxfp8"), fp8_host_ops=(16, 16),
+        fp8_all_gather=True),
     "deepspeed": Framework(
         name="deepspeed", schedules=("1f1b",),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
         per_micro_batch_pipeline_buffers=False, fp32_grad_buffer_bf16=False, host=_MEGATRON_HOST,
-        defaults={"overlap_grad_reduce": False, "overlap_param_gather": True, "tp_comm_overlap": False},
+        defaults={"overlap_grad_reduce": False, "overlap_param_gather": True, "tp_comm_overlap": False,
+                  "torch_compile": False},
         knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE),
 }
 

@@ -135,18 +135,19 @@ class Placer:
     __call__ = place
 
     def device_order(self, c: ParallelConfig, sequence) -> tuple | None:
-        """Rank r on the device at canonical position tp + tp x (dp + dp x pp) of its coordinates:
-        tensor-parallel groups consecutive, then data-parallel, pipeline stages outermost,
+        """Rank r on the device at canonical position tp + tp x (cp + cp x (dp + dp x pp)) of its
+        coordinates: tensor-parallel groups consecutive, then context-parallel (they exchange keys
+        and values every layer), then data-parallel, pipeline stages outermost,
         whatever the configuration's rank order. None where that is the identity."""
-        key = (c.dp, c.pp, c.tp, c.rank_order, tuple(sequence) if sequence is not self.sequence else None)
+        key = (c.dp, c.pp, c.tp, c.cp, c.rank_order, tuple(sequence) if sequence is not self.sequence else None)
         hit = self._orders.get(key, False)
         if hit is not False:
             return hit
-        place = Placement(c.dp, c.pp, c.tp, c.rank_order)
+        place = Placement(c.dp, c.pp, c.tp, c.rank_order, cp=c.cp)
         order = []
         for r in range(c.world_size):
             co = place.coords(r)
-            order.append(sequence[co["tp"] + c.tp * (co["dp"] + c.dp * co["pp"])])
+            order.append(sequence[co["tp"] + c.tp * (co["cp"] + c.cp * (co["dp"] + c.dp * co["pp"]))])
         out = None if order == list(range(c.world_size)) else tuple(order)
         if len(self._orders) < 4096:
             self._orders[key] = out
@@ -187,11 +188,11 @@ class Placer:
         return out
 
     def _stage_kinds(self, c: ParallelConfig, device_order) -> list:
-        key = (c.dp, c.pp, c.tp, c.rank_order, device_order)
+        key = (c.dp, c.pp, c.tp, c.cp, c.rank_order, device_order)
         hit = self._kinds.get(key)
         if hit is None:
             kind_of = self.system.topology.kind_of
-            place = Placement(c.dp, c.pp, c.tp, c.rank_order, device_order=device_order)
+            place = Placement(c.dp, c.pp, c.tp, c.rank_order, device_order=device_order, cp=c.cp)
             hit = [sorted({kind_of[d] for d in devs}) for devs in place.stage_devices()]
             if len(self._kinds) < 4096:
                 self._kinds[key] = hit
@@ -267,11 +268,12 @@ class Placer:
 
     def _sequence_of(self, c: ParallelConfig) -> list[int]:
         """The canonical-position sequence a placed configuration uses (inverse of device_order)."""
-        place = Placement(c.dp, c.pp, c.tp, c.rank_order)
+        place = Placement(c.dp, c.pp, c.tp, c.rank_order, cp=c.cp)
         seq = [0] * c.world_size
         for r in range(c.world_size):
             co = place.coords(r)
-            seq[co["tp"] + c.tp * (co["dp"] + c.dp * co["pp"])] = r if c.device_order is None else c.device_order[r]
+            pos = co["tp"] + c.tp * (co["cp"] + c.cp * (co["dp"] + c.dp * co["pp"]))
+            seq[pos] = r if c.device_order is None else c.device_order[r]
         return seq
 
     def _device_moves(self, c: ParallelConfig, seq: list[int]):
@@ -281,7 +283,7 @@ class Placer:
             return
         host_class = self.analysis["host_class"]
         host_of = self.system.topology.host_of
-        block, unit = c.dp * c.tp, c.tp
+        block, unit = c.dp * c.cp * c.tp, c.cp * c.tp
 
         def unit_class(s, k):
             start = s * block + k * unit

@@ -28,39 +28,68 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-AXES = ("tp", "dp", "pp")
+AXES = ("tp", "cp", "dp", "pp")
+"""Every axis: tensor, context (sequence split of attention), data and pipeline parallelism."""
 
 
-def rank_coords(rank: int, dp: int, pp: int, tp: int, order: str) -> dict:
+def full_order(order: str) -> list[str]:
+    """The axes of a rank order, innermost first, with ``cp`` where an order written without it
+    puts it: right after tp (Megatron-LM's "tp-cp-ep-dp-pp")."""
+    axes = order.split("-")
+    if "cp" not in axes and "tp" in axes:
+        axes.insert(axes.index("tp") + 1, "cp")
+    return axes
+
+
+def order_reason(order) -> str | None:
+    """Why ``order`` is not a rank order, or None: every axis once (cp may be left out)."""
+    if not isinstance(order, str) or sorted(full_order(order)) != sorted(AXES):
+        return f"rank_order={order!r} must order tp, dp, pp (and cp), innermost first, e.g. 'tp-dp-pp' or 'tp-cp-dp-pp'"
+    return None
+
+
+def rank_coords(rank: int, dp: int, pp: int, tp: int, order: str, cp: int = 1) -> dict:
     """{axis: index} of a rank; ``order`` lists axes from innermost to outermost (e.g. 'tp-dp-pp')."""
-    sizes = {"dp": dp, "pp": pp, "tp": tp}
+    sizes = {"dp": dp, "pp": pp, "tp": tp, "cp": cp}
     out = {}
-    for axis in order.split("-"):
+    for axis in full_order(order):
         rank, out[axis] = divmod(rank, sizes[axis])
     return out
 
 
-def rank_of(coords: dict, dp: int, pp: int, tp: int, order: str) -> int:
-    """The rank with these coordinates (the inverse of :func:`rank_coords`)."""
-    sizes = {"dp": dp, "pp": pp, "tp": tp}
+def rank_of(coords: dict, dp: int, pp: int, tp: int, order: str, cp: int = 1) -> int:
+    """The rank with these coordinates (the inverse of :func:`rank_coords`; a missing cp is 0)."""
+    sizes = {"dp": dp, "pp": pp, "tp": tp, "cp": cp}
     rank, stride = 0, 1
-    for axis in order.split("-"):
-        rank += coords[axis] * stride
+    for axis in full_order(order):
+        rank += coords.get(axis, 0) * stride
         stride *= sizes[axis]
     return rank
 
 
-def axis_groups(dp: int, pp: int, tp: int, order: str, axis: str) -> list[tuple]:
+def axis_groups(dp: int, pp: int, tp: int, order: str, axis: str, cp: int = 1) -> list[tuple]:
     """Ranks of every group along ``axis``: ranks that differ only in that coordinate, each group
     ordered by its coordinate on the axis, groups ordered by their first rank."""
-    sizes = {"dp": dp, "pp": pp, "tp": tp}
+    sizes = {"dp": dp, "pp": pp, "tp": tp, "cp": cp}
     stride = 1
-    for a in order.split("-"):
+    for a in full_order(order):
         if a == axis:
             break
         stride *= sizes[a]
     n = sizes[axis]
-    return [tuple(r + i * stride for i in range(n)) for r in range(dp * pp * tp) if (r // stride) % n == 0]
+    return [tuple(r + i * stride for i in range(n)) for r in range(dp * pp * tp * cp) if (r // stride) % n == 0]
+
+
+def merged_groups(dp: int, pp: int, tp: int, order: str, axes: tuple, cp: int = 1) -> list[tuple]:
+    """Ranks of every group spanning several axes (e.g. ("cp", "dp"): the ranks that reduce
+    gradients together when the sequence is split): ranks that differ only in those coordinates,
+    ordered by rank."""
+    world = dp * pp * tp * cp
+    by_key: dict = {}
+    for r in range(world):
+        c = rank_coords(r, dp, pp, tp, order, cp)
+        by_key.setdefault(tuple(c[a] for a in AXES if a not in axes), []).append(r)
+    return sorted(tuple(g) for g in by_key.values())
 
 
 def even_layers(num_layers: int, num_chunks: int) -> list[int]:
@@ -106,16 +135,17 @@ class Placement:
     num_layers: int = 0
     device_order: tuple | None = None
     stage_layers: tuple | None = None
+    cp: int = 1
 
     @classmethod
     def of(cls, config, num_layers: int) -> "Placement":
         """The placement a ParallelConfig describes, for a model of ``num_layers`` blocks."""
         return cls(config.dp, config.pp, config.tp, config.rank_order, config.virtual_stages, num_layers,
-                   config.device_order, config.stage_layers)
+                   config.device_order, config.stage_layers, getattr(config, "cp", 1))
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
 
     @property
     def num_chunks(self) -> int:
@@ -126,19 +156,25 @@ class Placement:
 
     # -- ranks ----------------------------------------------------------------------------------
     def coords(self, rank: int) -> dict:
-        return rank_coords(rank, self.dp, self.pp, self.tp, self.rank_order)
+        return rank_coords(rank, self.dp, self.pp, self.tp, self.rank_order, self.cp)
 
     def rank_of(self, coords: dict) -> int:
-        return rank_of(coords, self.dp, self.pp, self.tp, self.rank_order)
+        return rank_of(coords, self.dp, self.pp, self.tp, self.rank_order, self.cp)
 
-    def groups(self, axis: str) -> list[tuple]:
-        """Ranks of every group along ``axis`` (:func:`axis_groups`)."""
-        return axis_groups(self.dp, self.pp, self.tp, self.rank_order, axis)
+    def groups(self, axis) -> list[tuple]:
+        """Ranks of every group along ``axis`` (:func:`axis_groups`), or along several axes at
+        once when ``axis`` is a tuple (:func:`merged_groups`)."""
+        if isinstance(axis, tuple):
+            if len(axis) == 1:
+                axis = axis[0]
+            else:
+                return merged_groups(self.dp, self.pp, self.tp, self.rank_order, axis, self.cp)
+        return axis_groups(self.dp, self.pp, self.tp, self.rank_order, axis, self.cp)
 
     def stage_ranks(self) -> list[list[int]]:
         """The ranks of each pipeline stage, in rank order."""
         stride = 1
-        for a in self.rank_order.split("-"):
+        for a in full_order(self.rank_order):
             if a == "pp":
                 break
             stride *= self.size(a)

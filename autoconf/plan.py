@@ -43,7 +43,7 @@ from .cluster import ClusterSpec
 from .config import ParallelConfig, check
 from .errors import UserError
 from .model import ModelSpec
-from .placement import AXES, Placement
+from .placement import AXES, Placement, full_order
 
 PLAN_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -209,13 +209,17 @@ class LaunchPlan:
         return self.config.tp
 
     @property
+    def cp(self) -> int:
+        return self.config.cp
+
+    @property
     def rank_order(self) -> tuple:
-        """The axes from innermost (consecutive ranks) to outermost, e.g. ("tp", "dp", "pp")."""
-        return tuple(self.config.rank_order.split("-"))
+        """The axes from innermost (consecutive ranks) to outermost, e.g. ("tp", "cp", "dp", "pp")."""
+        return tuple(full_order(self.config.rank_order))
 
     @property
     def mesh(self) -> dict:
-        """{"dp": .., "pp": .., "tp": ..}: the degree of every axis."""
+        """{"tp": .., "cp": .., "dp": .., "pp": ..}: the degree of every axis."""
         return {a: getattr(self.config, a) for a in AXES}
 
     @property
@@ -240,7 +244,7 @@ class LaunchPlan:
         return self.placement.rank_on(process_rank)
 
     def coords(self, rank: int | None = None) -> dict:
-        """{"dp": i, "pp": j, "tp": k} of plan rank ``rank``; None: of this process (the rank it
+        """{"tp": i, "cp": j, "dp": k, "pp": l} of plan rank ``rank``; None: of this process (the rank it
         plays, from torchrun's ``RANK``)."""
         if rank is None:
             rank = self.rank_on(_env_rank())
@@ -248,7 +252,7 @@ class LaunchPlan:
         return self.placement.coords(rank)
 
     def groups(self, axis: str) -> list[tuple]:
-        """Every group along ``axis`` ("dp", "pp" or "tp") as torchrun ranks (the processes that
+        """Every group along ``axis`` ("tp", "cp", "dp" or "pp") as torchrun ranks (the processes that
         play its ranks), each ordered by its coordinate on the axis: the ``ranks`` to give
         ``torch.distributed.new_group`` (every process must create every group, in this order)."""
         if axis not in AXES:

@@ -34,7 +34,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .config import ParallelConfig, check, inner_choices, make_config, outer_space
+from .config import ParallelConfig, check, cp_choices, inner_choices, make_config, outer_space
 from .cost import comm
 from .cost.data_parallel import reduction_collective
 from .cost.estimate import Estimate, _estimate
@@ -42,7 +42,7 @@ from .cost.system import System
 from .errors import UserError
 from .procs import deferred_signals
 
-PARAMS = ("tp", "pp", "dp", "micro_batch_size", "pipeline")
+PARAMS = ("tp", "pp", "dp", "micro_batch_size", "pipeline", "cp")
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def _pipeline_label(sched: str, v: int, layered: bool) -> str:
 def outer_params(c: ParallelConfig) -> dict:
     """The study parameters of the outer point a configuration belongs to (its trial's ``params``)."""
     return {"tp": c.tp, "pp": c.pp, "dp": c.dp, "micro_batch_size": c.micro_batch_size,
-            "pipeline": _pipeline_label(c.schedule, c.virtual_stages, c.layered_grad_accum)}
+            "pipeline": _pipeline_label(c.schedule, c.virtual_stages, c.layered_grad_accum), "cp": c.cp}
 
 
 def _parse_pipeline(label: str) -> tuple[str, int, bool]:
@@ -121,8 +121,11 @@ class _Evaluator:
     among the ``top`` fastest is simulated: the runners-up are the model's, not whatever the
     search happened to meet before the winner."""
 
-    def __init__(self, ctx: System, global_batch: int, valid_per_point: dict, placer=None, top: int = 1):
+    def __init__(self, ctx: System, global_batch: int, valid_per_point: dict, placer=None, top: int = 1,
+                 precisions=(("bf16", "tensorwise"),)):
         self.ctx = ctx
+        self.precisions = tuple(precisions)
+        """(precision, FP8 recipe) pairs tried per configuration (:func:`precision_choices`)."""
         self.placer = placer
         """``place.Placer``: every configuration is estimated with its heuristic placement."""
         self.valid_per_point = valid_per_point
@@ -175,20 +178,24 @@ class _Evaluator:
         """Whether even the least work of this point is slower than the incumbent: then no inner
         choice can beat it. Least work: no recomputation, ZeRO-1 (ZeRO-0's compute and traffic
         during the pipeline, with the optimizer step sharded), either sequence-parallel setting."""
-        dp, pp, tp, mbs, sched, v, layered = point
+        dp, pp, tp, mbs, sched, v, layered, cp = point
         fw = self.ctx.framework
         for sp in ((False, True) if tp > 1 else (False,)):
-            c = make_config(dp, pp, tp, mbs, sched, v, layered, 1 if dp > 1 else 0, "none", sp, self.global_batch)
+            c = make_config(dp, pp, tp, mbs, sched, v, layered, 1 if dp * cp > 1 else 0, "none", sp,
+                            self.global_batch, cp)
             # the switchable knobs at their cheapest (overlap on), so the bound stays a lower bound
             c = dataclasses.replace(c, **{k: (sp if k == "tp_comm_overlap" else True) for k in fw.knobs})
-            if check(c, self.ctx.model) is None and _estimate(self._placed(c), self.ctx, bound=self.incumbent) is not None:
-                return False
+            for prec in self.precisions:  # the cheapest precision is not known in advance
+                cc = dataclasses.replace(c, precision=prec[0], fp8_recipe=prec[1])
+                if check(cc, self.ctx.model) is None and _estimate(self._placed(cc), self.ctx,
+                                                                   bound=self.incumbent) is not None:
+                    return False
         return True
 
     def __call__(self, point) -> tuple[list, Estimate | None]:
         """(the fitting estimates of this point that can be among the ``top`` fastest, fastest
         first; the least-memory estimate). ``([], None)`` when the bound dominated it whole."""
-        dp, pp, tp, mbs, sched, v, layered = point
+        dp, pp, tp, mbs, sched, v, layered, cp = point
         fits: list = []
         least = None
         self.bound_used = None
@@ -197,7 +204,7 @@ class _Evaluator:
             self.bound_used = self.incumbent
             return [], None
         for c in framework_inner(self.ctx.framework, dp, pp, tp, mbs, sched, v, layered, self.global_batch,
-                                 dp_hierarchical(self.ctx, dp, pp, tp)):
+                                 dp_hierarchical(self.ctx, dp, pp, tp), cp, self.precisions):
             if check(c, self.ctx.model):
                 continue
             # memory first (no simulation when it cannot fit); skip the schedule simulation when
@@ -245,7 +252,7 @@ class _Repair:
     def __init__(self, key_of: dict):
         self.tree: dict = {}
         for k in key_of:
-            self.tree.setdefault(k[0], {}).setdefault(k[1], {}).setdefault(k[3], []).append(k)
+            self.tree.setdefault(k[0], {}).setdefault(k[5], {}).setdefault(k[1], {}).setdefault(k[3], []).append(k)
         self.memo: dict = {}
 
     @staticmethod
@@ -254,11 +261,12 @@ class _Repair:
         return min(options, key=lambda o: (abs(math.log2(o) - math.log2(want)), o))
 
     def __call__(self, params: dict) -> tuple:
-        sig = (params["tp"], params["pp"], params["micro_batch_size"], params["pipeline"])
+        sig = (params["tp"], params["pp"], params["micro_batch_size"], params["pipeline"], params.get("cp", 1))
         if sig in self.memo:
             return self.memo[sig]
         by_tp = self.tree[self._nearest(self.tree, params["tp"])]
-        by_pp = by_tp[self._nearest(list(by_tp), params["pp"])]
+        by_cp = by_tp[self._nearest(list(by_tp), params.get("cp", 1))]
+        by_pp = by_cp[self._nearest(list(by_cp), params["pp"])]
         keys = by_pp[self._nearest(list(by_pp), params["micro_batch_size"])]
         sched, v, layered = _parse_pipeline(params["pipeline"])
 
@@ -282,7 +290,8 @@ def dp_hierarchical(system: System, dp: int, pp: int, tp: int) -> bool:
     return any(hierarchical_runs(g) for g in axis_links(system, c, "dp"))
 
 
-def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hier: bool = False):
+def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hier: bool = False, cp: int = 1,
+                    precisions=(("bf16", "tensorwise"),)):
     """The inner configurations of an outer point that framework ``fw`` can run: ZeRO stages it
     has, every recompute mode, sequence parallelism, and both values of each knob it lets a user
     switch where the knob matters (overlap_grad_reduce with dp > 1, overlap_param_gather with
@@ -290,14 +299,16 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
     ``dp_hier`` (:func:`dp_hierarchical`): the data-parallel all-reduce is tried flat and
     hierarchical too, for the ZeRO stages whose modelled reduction is an all-reduce
     (``data_parallel.reduction_collective``: ZeRO-0; the trainer's ZeRO-1 all-reduce is modelled
-    as a reduce-scatter, which the choice does not change)."""
-    for zero, rc, sp in inner_choices(dp, tp):
-        c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch)
+    as a reduce-scatter, which the choice does not change). ``precisions``: the (precision, FP8
+    recipe) pairs to try (:func:`precision_choices`)."""
+    for zero, rc, sp in inner_choices(dp, tp, cp):
+        c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch, cp)
         if fw.check(c):
             continue
-        matters = {"overlap_grad_reduce": dp > 1, "overlap_param_gather": dp > 1 and zero >= 1,
-                   "tp_comm_overlap": sp}
-        variants = [{}]
+        matters = {"overlap_grad_reduce": dp * cp > 1, "overlap_param_gather": dp * cp > 1 and zero >= 1,
+                   "tp_comm_overlap": sp, "torch_compile": True}
+        variants = [{}] if tuple(precisions) == (("bf16", "tensorwise"),) else [
+            {"precision": p, "fp8_recipe": r} for p, r in precisions]
         for knob in fw.knobs:
             if matters[knob]:
                 variants = [{**v_, knob: val} for v_ in variants for val in (False, True)]
@@ -307,7 +318,8 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
             yield dataclasses.replace(c, **kw) if kw else c
 
 
-def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=None, dp_hier=None):
+def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=None, dp_hier=None, cps=(1,),
+                precisions=(("bf16", "tensorwise"),)):
     """(outer points, total configs, valid configs, rejected reason counts).
 
     ZeRO, recomputation and sequence parallelism only add reasons to an outer point's own, so an
@@ -321,12 +333,12 @@ def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=N
     fw = fw or framework_model(None)
     rejected: dict = {}
     points = []
-    for point in outer_space(model, world, global_batch, max_micro_batch, rejected):
-        dp, pp, tp, mbs, sched, v, layered = point
-        why = fw.check(make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, global_batch))
+    for point in outer_space(model, world, global_batch, max_micro_batch, rejected, cps):
+        dp, pp, tp, mbs, sched, v, layered, cp = point
+        why = fw.check(make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, global_batch, cp))
         if why:
             key = f"{fw.name} cannot run it"
-            rejected[key] = rejected.get(key, 0) + len(inner_choices(dp, tp))
+            rejected[key] = rejected.get(key, 0) + len(inner_choices(dp, tp, cp))
             continue
         points.append(point)
     total = sum(rejected.values())
@@ -338,11 +350,11 @@ def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=N
 
     valid_per_point: dict = {}
     for point in points:
-        dp, pp, tp, mbs, sched, v, layered = point
+        dp, pp, tp, mbs, sched, v, layered, cp = point
         inner = list(framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch,
-                                     bool(dp_hier and dp_hier(dp, pp, tp))))
+                                     bool(dp_hier and dp_hier(dp, pp, tp)), cp, precisions))
         total += len(inner)
-        base = check(make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, global_batch), model)
+        base = check(make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, global_batch, cp), model)
         if base:
             count(base, len(inner))
             continue
@@ -494,9 +506,10 @@ class _Study:
             "dp": CategoricalDistribution(sorted({p[0] for p in points})),
             "micro_batch_size": CategoricalDistribution(sorted({p[3] for p in points})),
             "pipeline": CategoricalDistribution(sorted({_pipeline_label(p[4], p[5], p[6]) for p in points})),
+            "cp": CategoricalDistribution(sorted({p[7] for p in points})),
         }
         self.sample_dists = {k: v for k, v in self.dists.items() if k != "dp"}  # dp = world / (pp x tp)
-        self.key_of = {(p[2], p[1], p[0], p[3], _pipeline_label(p[4], p[5], p[6])): p for p in points}
+        self.key_of = {(p[2], p[1], p[0], p[3], _pipeline_label(p[4], p[5], p[6]), p[7]): p for p in points}
         self.results: dict = {}
         """outer key -> (best fitting estimate or None, least-memory estimate or None)"""
         self.fits: dict = {}
@@ -629,7 +642,7 @@ class _Study:
 
     @staticmethod
     def _key(point) -> tuple:
-        return (point[2], point[1], point[0], point[3], _pipeline_label(point[4], point[5], point[6]))
+        return (point[2], point[1], point[0], point[3], _pipeline_label(point[4], point[5], point[6]), point[7])
 
     def record(self, k, fits, least, phase: str):
         """Keep the outcome of an outer point and queue its trial; None when it was dominated.

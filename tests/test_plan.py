@@ -106,14 +106,14 @@ def test_mesh_coords_groups_and_layers_follow_the_placement(monkeypatch):
                        device_order=(7, 6, 5, 4, 3, 2, 1, 0))
     model = dataclasses.replace(preset("gpt2"), num_layers=8)
     plan = LaunchPlan(c, model)
-    assert plan.mesh == {"tp": 2, "dp": 2, "pp": 2} and plan.rank_order == ("tp", "dp", "pp")
-    assert plan.mesh_dim_names == ("pp", "dp", "tp") and plan.mesh_shape == (2, 2, 2)
+    assert plan.mesh == {"tp": 2, "cp": 1, "dp": 2, "pp": 2} and plan.rank_order == ("tp", "cp", "dp", "pp")
+    assert plan.mesh_dim_names == ("pp", "dp", "cp", "tp") and plan.mesh_shape == (2, 2, 1, 2)
     for r in range(8):
         assert plan.coords(r) == rank_coords(r, 2, 2, 2, "tp-dp-pp")
     # the process on device d plays the rank whose device it is
     assert [plan.rank_on(d) for d in range(8)] == [7, 6, 5, 4, 3, 2, 1, 0]
     monkeypatch.setenv("RANK", "0")
-    assert plan.coords() == plan.coords(7) == {"tp": 1, "dp": 1, "pp": 1}
+    assert plan.coords() == plan.coords(7) == {"tp": 1, "cp": 0, "dp": 1, "pp": 1}
     # groups are torchrun ranks: plan ranks 0,1 (tp group) run on devices 7,6
     assert plan.groups("tp")[0] == (7, 6) and plan.groups("pp")[0] == (7, 3)
     assert plan.chunks(0) == [[0, 1], [5]] and plan.layers(1) == [2, 3, 4, 6, 7]

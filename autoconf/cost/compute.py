@@ -157,38 +157,122 @@ class LayerTimes:
     """Seconds the host needs to issue the backward's (and the recomputed forward's)."""
 
 
+@dataclass(frozen=True)
+class Fp8:
+    """How a block's linear layers run their GEMMs in FP8 (``config.ParallelConfig.precision``).
+
+    ``rf``: the roofline at the device's FP8 rate (MXFP8 on Blackwell) with its own efficiency.
+    Every quantised operand is first scaled and cast (memory-bound kernels, :data:`QUANT_BYTES`):
+    the input X and weight W of each linear in the forward, the output gradient dY in the backward
+    (and X again along the other axis where the recipe needs it). ``host_ops``: the operations the
+    framework issues from Python per linear for that (forward, backward).
+    """
+
+    rf: Roofline
+    recipe: str = "tensorwise"
+    host_ops: tuple = (0, 0)
+
+
+# Bytes moved per element quantised (read the 16-bit source, write 1-byte FP8 copies), by recipe:
+# (X or W in the forward, dY in the backward, X again in the backward). tensorwise (current
+# scaling): an amax pass (read 2) then a fused cast + transpose (read 2, write 1 + 1: Hopper's FP8
+# tensor cores take only the TN layout, so the wgrad GEMM needs the transposed copy; Transformer
+# Engine's cast_transpose). delayed: the amax comes from the history, computed inside the cast
+# (read 2, write 2). rowwise (torchao): amax per row then cast (read 2 + 2, write 1), and in the
+# backward X and dY are cast again along the other axis. mxfp8: one pass writes both layouts with
+# an E8M0 scale per 32 elements (read 2, write 2 + 2/32).
+QUANT_BYTES = {"tensorwise": (6.0, 6.0, 0.0), "delayed": (4.0, 4.0, 0.0), "rowwise": (5.0, 10.0, 5.0),
+               "mxfp8": (4.0625, 4.0625, 0.0)}
+QUANT_KERNELS = {"tensorwise": (2, 2, 0), "delayed": (1, 1, 0), "rowwise": (2, 4, 2), "mxfp8": (1, 1, 0)}
+
+
+def fp8_gemm(rf: Roofline, m: float, n: float, k: float) -> float:
+    """One FP8 GEMM: 1-byte operands, 16-bit output."""
+    flops = 2.0 * m * n * k
+    eff = rf.gemm_eff(m, n, k) if rf.gemm_eff is not None else None
+    eff = eff or rf.gemm_efficiency * tile_efficiency(m, n, k, 1, rf.sm_count)
+    nbytes = m * k + k * n + 2 * m * n
+    return max(flops / (rf.peak_flop_per_s * eff),
+               nbytes / (rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency)) + rf.kernel_launch_s
+
+
+def quantize_times(gemms, fp8: Fp8, rf: Roofline, compiled: bool = False) -> tuple[float, float]:
+    """(forward, backward) seconds of the FP8 scaling and casting kernels of a block's linears
+    (``gemms``: their (m, n, k)), memory-bound at ``rf``'s bandwidth. Compiled (torch.compile),
+    the cast of an input produced by an element-wise kernel (the norms' outputs, the activation's)
+    is fused into it: only the FP8 writes remain (half the forward bytes of X), and no launch."""
+    xb, dyb, xrb = QUANT_BYTES[fp8.recipe]
+    xk, dyk, xrk = QUANT_KERNELS[fp8.recipe]
+    fwd_bytes = bwd_bytes = 0.0
+    kf = kb = 0
+    for i, (m, n, k) in enumerate(gemms):
+        fused = compiled and i != 1  # qkv (norm), fc1 (norm), fc2 (activation); not the projection
+        fwd_bytes += m * k * (xb / 2 if fused else xb) + k * n * xb
+        kf += (0 if fused else xk) + xk
+        bwd_bytes += m * n * dyb + m * k * xrb
+        kb += dyk + xrk
+    return rf.elementwise(fwd_bytes, kf), rf.elementwise(bwd_bytes, kb)
+
+
 def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf: Roofline,
-                host: HostCost | None = None) -> LayerTimes:
+                host: HostCost | None = None, cp: int = 1, fp8: Fp8 | None = None,
+                compiled: bool = False) -> LayerTimes:
     """One transformer block shard (of a tp-way split) for a micro-batch of b sequences: device
-    times, and with ``host`` the host's time to issue the operations (``block_op_counts``)."""
+    times, and with ``host`` the host's time to issue the operations (``block_op_counts``).
+
+    ``cp``: the sequence is split over a context-parallel group; this rank holds s/cp tokens
+    (every GEMM and element-wise kernel works on them) and its queries attend over the whole
+    causal context: the load-balanced split gives each rank 1/cp of the causal attention work, run
+    as one attention call per key/value chunk it sees (``context_parallel``; the exchange is
+    priced there), each merged into the running output (read and write the fp32 output and
+    log-sum-exp). ``fp8``: the linear layers' GEMMs in FP8 with their scaling kernels (the
+    attention core stays in the model's dtype). ``compiled``: torch.compile fuses the element-wise
+    chains (a residual add into the norm that reads it; FP8 casts into their producers) and
+    issues the fused kernels instead of every eager operation."""
     s, h, f, a = model.seq_length, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
     q, kv, B = model.q_size, model.kv_size, model.dtype_bytes
-    T = b * s
+    s_loc = s / cp
+    T = b * s_loc
     T_rep = T / tp if sp else T  # tokens each rank touches in norms / dropout / residual
     # GEMMs: (m, n, k)
     gemms = [(T, (q + 2 * kv) / tp, h), (T, h, q / tp),
              (T, (2 * f if model.gated_mlp else f) / tp, h), (T, h, f / tp)]
-    g_fwd = sum(rf.gemm(m, n, k, B) for m, n, k in gemms)
-    g_bwd = sum(rf.gemm(m, k, n, B) + rf.gemm(n, k, m, B) for m, n, k in gemms)
+    if fp8 is None:
+        g_fwd = sum(rf.gemm(m, n, k, B) for m, n, k in gemms)
+        g_bwd = sum(rf.gemm(m, k, n, B) + rf.gemm(n, k, m, B) for m, n, k in gemms)
+        qf = qb = 0.0
+    else:
+        g_fwd = sum(fp8_gemm(fp8.rf, m, n, k) for m, n, k in gemms)
+        g_bwd = sum(fp8_gemm(fp8.rf, m, k, n) + fp8_gemm(fp8.rf, n, k, m) for m, n, k in gemms)
+        qf, qb = quantize_times(gemms, fp8, rf, compiled)
     # attention core
     heads = a / tp
+    calls = 1 if cp == 1 else cp  # ring attention: one call per key/value chunk
     if model.attention == "flash":
-        flops = 4.0 * b * heads * s * s * model.head_size * 0.5  # causal blocks skipped
+        flops = 4.0 * b * heads * s * s * model.head_size * 0.5 / cp  # causal blocks skipped
         io = (T * (q + 2 * kv) / tp + T * q / tp) * B
         eff_f, eff_b = rf.attention_efficiency or (rf.gemm_efficiency, rf.gemm_efficiency)
         if rf.gemm_eff is not None:  # a profile measured this device: scale by its large-GEMM rate
             eff_f, eff_b = (e * (rf.gemm_eff(8192, 8192, 8192) or rf.gemm_efficiency) / rf.gemm_efficiency
                             for e in (eff_f, eff_b))
         mem = io / (rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency)
-        att_f = max(flops / (rf.peak_flop_per_s * eff_f), mem) + rf.kernel_launch_s
-        att_b = max(2.5 * flops / (rf.peak_flop_per_s * eff_b), 2.5 * mem) + rf.kernel_launch_s
+        att_f = max(flops / (rf.peak_flop_per_s * eff_f), mem) + calls * rf.kernel_launch_s
+        att_b = max(2.5 * flops / (rf.peak_flop_per_s * eff_b), 2.5 * mem) + calls * rf.kernel_launch_s
     else:
-        bmm = 2 * rf.gemm(s, s, model.head_size, B, batch=b * heads)
-        probs = b * heads * s * s * B
+        # each query chunk against the key chunks it sees: at cp > 1 the rank's two of 2cp chunks
+        # (i and 2cp-1-i) attend over i+1 and 2cp-i chunks, blocks wholly above the diagonal
+        # skipped: (2cp+1) blocks of (s/2cp)^2 scores per head; at cp = 1 all s x s are computed
+        s_kv = s if cp == 1 else s / 2 + s_loc / 4
+        bmm = 2 * rf.gemm(s_loc, s_kv, model.head_size, B, batch=b * heads)
+        probs = b * heads * s_loc * s_kv * B
         drop = 2 if model.dropout > 0 else 0
         # scale, mask, max, exp, sum, divide: ~6 vector FLOPs per score (softmax backward ~4)
-        att_f = bmm + rf.elementwise(probs * (3 + drop), kernels=2 + drop // 2, flops=6 * probs / B)
-        att_b = 2 * bmm + rf.elementwise(probs * (4 + drop), kernels=2 + drop // 2, flops=4 * probs / B)
+        att_f = bmm + rf.elementwise(probs * (3 + drop), kernels=calls * (2 + drop // 2), flops=6 * probs / B)
+        att_b = 2 * bmm + rf.elementwise(probs * (4 + drop), kernels=calls * (2 + drop // 2), flops=4 * probs / B)
+    if cp > 1:  # merge each chunk's partial output: read and write the fp32 output and its lse
+        merge = (cp - 1) * T * q / tp * 4 * 2
+        att_f += rf.elementwise(merge, kernels=2 * (cp - 1))
+        att_b += rf.elementwise(merge, kernels=2 * (cp - 1))
     # element-wise: norms (read + write), residual adds, dropouts, activation, rope
     drop_k = 2 if model.dropout > 0 else 0
     norms = model.norms_per_block
@@ -198,18 +282,31 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
         ew_bytes += 2 * T * (q + kv) / tp * B
     ew_kernels = (norms + 2 + drop_k + (2 if model.gated_mlp else 1)
                   + (2 if model.position_embedding == "rope" else 0))
+    if compiled:
+        # residual add (and dropout) fused into the norm that reads the sum: its re-read is gone
+        ew_bytes -= min(norms, 2) * T_rep * h * B
+        ew_kernels = norms + 1 + (1 if model.position_embedding == "rope" else 0)
     # vector FLOPs: norms ~8 per element each, GeLU (tanh form) ~20, SwiGLU's SiLU and product ~6,
     # GeGLU's GeLU and product ~21
     act_flops = {"gelu": 20, "swiglu": 6, "geglu": 21}[model.activation]
     ew_flops = norms * 8 * T_rep * h + act_flops * T * f / tp
     ew_f = rf.elementwise(ew_bytes, ew_kernels, flops=ew_flops)
     ew_b = rf.elementwise(2 * ew_bytes, 2 * ew_kernels, flops=2 * ew_flops)
-    fwd = g_fwd + att_f + ew_f
-    bwd = g_bwd + att_b + ew_b
+    fwd = g_fwd + att_f + ew_f + qf
+    bwd = g_bwd + att_b + ew_b + qb
     rc = fwd if recompute == "full" else att_f if recompute == "selective" else 0.0
     host_f = host_b = 0.0
     if host is not None:
         ops_f, ops_b = block_op_counts(model, tp, sp)
+        if fp8 is not None:
+            linears = 2 + model.mlp_matrices
+            ops_f, ops_b = ops_f + linears * fp8.host_ops[0], ops_b + linears * fp8.host_ops[1]
+        if cp > 1:  # per extra chunk: the exchange (send, receive, wait), the attention call, the merge
+            ops_f += 6 * (cp - 1)
+            ops_b += 6 * (cp - 1)
+        if compiled:  # the compiled graph issues its kernels, not every eager operation
+            ops_f = len(gemms) + calls + ew_kernels + (len(gemms) * 2 if fp8 is not None else 0)
+            ops_b = 2 * ops_f
         host_f, host_b = ops_f * host.forward_op_s, ops_b * host.backward_op_s
         host_b += host_f if recompute == "full" else 0.0  # the recomputed forward is issued again
     return LayerTimes(forward_s=fwd, backward_s=bwd + rc, recompute_s=rc, host_forward_s=host_f, host_backward_s=host_b)

@@ -48,7 +48,7 @@ class Layout:
 
 def layout(system: System, c: ParallelConfig) -> Layout:
     m, topo = system.model, system.topology
-    stage_devs = system.cached(("stages", c.dp, c.pp, c.tp, c.rank_order, c.device_order), lambda: stage_devices(c))
+    stage_devs = system.cached(("stages", c.dp, c.pp, c.tp, c.cp, c.rank_order, c.device_order), lambda: stage_devices(c))
     stage_kinds = [sorted({topo.kind_of[d] for d in devs}) for devs in stage_devs]
     layered_pp1 = c.pp == 1 and c.layered_grad_accum
     v_sim = m.num_layers if layered_pp1 else c.virtual_stages

@@ -93,11 +93,12 @@ def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:
         by_stage: dict = {}
         for r in range(c.world_size):
             co = place.coords(r)
-            by_stage[(co["pp"], co["dp"], co["tp"])] = place.device(r)
+            by_stage[(co["pp"], co["dp"], co["tp"], co["cp"])] = place.device(r)
         links = []
         for s in range(c.pp):
             nxt = (s + 1) % c.pp
-            pairs = [(by_stage[(s, d, t)], by_stage[(nxt, d, t)]) for d in range(c.dp) for t in range(c.tp)]
+            pairs = [(by_stage[(s, d, t, k)], by_stage[(nxt, d, t, k)])
+                     for d in range(c.dp) for t in range(c.tp) for k in range(c.cp)]
             # every replica's pipeline crosses this boundary at the same time: the flows leaving
             # (entering) a host share its NICs
             out_of, into = {}, {}
@@ -115,7 +116,7 @@ def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:
                 worst = max(worst, (1.0 / (bw * eff), lat + tune.base_latency_s))
             links.append(worst)
         return links
-    links = system.cached(("p2p", c.dp, c.pp, c.tp, c.rank_order, c.device_order), make)
+    links = system.cached(("p2p", c.dp, c.pp, c.tp, c.cp, c.rank_order, c.device_order), make)
     return [lat + nbytes * inv_bw for inv_bw, lat in links]
 
 
@@ -128,7 +129,7 @@ def boundary_bytes(system: System, c: ParallelConfig) -> float:
     block input Korthikanti et al. count as 2sbh in 16 bit, arXiv 2205.05198 sec. 4).
     """
     m = system.model
-    tokens = c.micro_batch_size * m.seq_length / (c.tp if c.sequence_parallel else 1)
+    tokens = c.micro_batch_size * m.seq_length / c.cp / (c.tp if c.sequence_parallel else 1)
     return tokens * m.hidden_size * m.dtype_bytes
 
 

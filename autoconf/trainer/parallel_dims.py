@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..placement import AXES, axis_groups, rank_coords, rank_of
+from ..placement import AXES, axis_groups, merged_groups, order_reason, rank_coords, rank_of
 
 
 @dataclass(frozen=True)
@@ -20,11 +20,13 @@ class ParallelDims:
     pp: int
     tp: int
     rank_order: str = "tp-dp-pp"
-    """Axes from innermost to outermost."""
+    """Axes from innermost to outermost (cp, when left out, right after tp)."""
+    cp: int = 1
+    """Context-parallel degree."""
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
 
     @property
     def order(self) -> tuple[str, ...]:
@@ -34,22 +36,30 @@ class ParallelDims:
         return getattr(self, axis)
 
     def validate(self, world_size: int) -> None:
-        if sorted(self.order) != sorted(AXES):
-            raise ValueError(f"rank_order={self.rank_order!r} must order tp, dp, pp")
+        why = order_reason(self.rank_order)
+        if why:
+            raise ValueError(why)
         if self.world_size != world_size:
-            raise ValueError(f"dp({self.dp}) * pp({self.pp}) * tp({self.tp}) = {self.world_size} "
+            raise ValueError(f"dp({self.dp}) * pp({self.pp}) * tp({self.tp}) * cp({self.cp}) = {self.world_size} "
                              f"!= world_size({world_size})")
 
     def coords(self, rank: int) -> dict[str, int]:
         """{axis: index} of a global rank."""
-        return rank_coords(rank, self.dp, self.pp, self.tp, self.rank_order)
+        return rank_coords(rank, self.dp, self.pp, self.tp, self.rank_order, self.cp)
 
     def rank_of(self, coords: dict[str, int]) -> int:
-        return rank_of(coords, self.dp, self.pp, self.tp, self.rank_order)
+        return rank_of(coords, self.dp, self.pp, self.tp, self.rank_order, self.cp)
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group along ``axis``: ranks that differ only in that coordinate, in a fixed order."""
-        return [list(g) for g in axis_groups(self.dp, self.pp, self.tp, self.rank_order, axis)]
+        return [list(g) for g in axis_groups(self.dp, self.pp, self.tp, self.rank_order, axis, self.cp)]
+
+    def grad_groups(self) -> list[list[int]]:
+        """The groups that reduce gradients (and shard ZeRO state) together: dp x cp ranks (every
+        context-parallel rank holds the same parameters and a different part of the sequence)."""
+        if self.cp == 1:
+            return self.groups("dp")
+        return [list(g) for g in merged_groups(self.dp, self.pp, self.tp, self.rank_order, ("cp", "dp"), self.cp)]
 
     def embedding_groups(self) -> list[list[int]]:
         """First and last pipeline rank of each pipeline (for tied embeddings); pp > 1 only."""

@@ -37,6 +37,21 @@ class DeviceType:
     """Fraction of peak the fused (flash) attention kernel reaches, ``forward`` and ``backward``
     (FlashAttention-2 as PyTorch's SDPA runs it). None: the GEMM efficiency."""
 
+    dtype_gemm_efficiency: dict = None
+    """Fraction of a dtype's peak a large GEMM reaches where it differs from ``gemm_efficiency``
+    (FP8 GEMMs reach less of their doubled peak). None: ``gemm_efficiency`` for every dtype."""
+
+    def gemm_efficiency_of(self, dtype: str) -> float:
+        """The large-GEMM efficiency of ``dtype`` (FP8 and MXFP8 may differ from 16-bit)."""
+        eff = (self.dtype_gemm_efficiency or {}).get(dtype)
+        if eff is None and dtype == "mxfp8":
+            eff = (self.dtype_gemm_efficiency or {}).get("fp8")
+        return self.gemm_efficiency if eff is None else eff
+
+    def supports(self, dtype: str) -> bool:
+        """Whether the catalog has a dense peak for ``dtype`` on this device (FP8: tensor cores)."""
+        return dtype in self.peak_flop_per_s
+
     def collective_tuning(self):
         from .cost.comm import NEUTRAL, CollectiveTuning
         return CollectiveTuning(**self.collective) if self.collective else NEUTRAL

@@ -101,7 +101,8 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
 
 def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                            recompute: str = "none", mask_bytes: int = 1,
-                           norm_stat_bytes: int | None = None) -> dict[str, float]:
+                           norm_stat_bytes: int | None = None, cp: int = 1,
+                           fp8_inputs: bool = False) -> dict[str, float]:
     """Bytes one transformer block keeps for backward, per micro-batch and per TP rank.
 
     Korthikanti et al. (arXiv 2205.05198) eq. 1-5 and Table 2, generalised (see the module docstring).
@@ -111,11 +112,18 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
     "selective", the attention core's share. A schedule's peak adds it once (only one block is
     recomputed at a time). ``mask_bytes``: bytes per dropout-mask element, 1 on CUDA, the activation
     element size on CPU. ``norm_stat_bytes``: bytes per LayerNorm statistic (see _norm_stat_bytes).
+
+    ``cp``: the sequence is split over a context-parallel group: every part is per token of the
+    rank's s/cp tokens, and the attention core's s x s terms (eager attention) shrink the same way
+    (each rank's queries against the keys they see), so everything is divided by cp.
+    ``fp8_inputs``: the linear layers keep their inputs for the backward in FP8, 1 byte per
+    element (Transformer Engine): the qkv, projection, MLP and down-projection inputs.
     """
     _check(micro_batch_size, tp, recompute)
     sp = bool(sequence_parallel) and tp > 1
     b, t = micro_batch_size, tp
-    full = _no_recompute_parts(model, b, t, sp, mask_bytes, norm_stat_bytes, selective=False)
+    full = _fp8_saved(model, b, t, _no_recompute_parts(model, b, t, sp, mask_bytes, norm_stat_bytes, selective=False),
+                      fp8_inputs)
     full_total = sum(full.values())
     if recompute == "full":
         # only the block's input is kept (checkpoint stores it); sequence-sharded under SP
@@ -123,13 +131,28 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
         parts = {"block_input": model.dtype_bytes * rep * model.hidden_size}
         working = full_total
     elif recompute == "selective":
-        parts = _no_recompute_parts(model, b, t, sp, mask_bytes, norm_stat_bytes, selective=True)
+        parts = _fp8_saved(model, b, t, _no_recompute_parts(model, b, t, sp, mask_bytes, norm_stat_bytes,
+                                                             selective=True), fp8_inputs)
         working = full_total - sum(parts.values())
     else:
         parts, working = full, 0.0
+    out = {k: v / cp for k, v in parts.items()}
+    out["total"] = float(sum(parts.values())) / cp
+    out["recompute_working_bytes"] = float(working) / cp
+    return out
+
+
+def _fp8_saved(model: ModelSpec, b: int, t: int, parts: dict, fp8_inputs: bool) -> dict:
+    """``parts`` with the linear layers' saved inputs at 1 byte per element (``fp8_inputs``)."""
+    if not fp8_inputs:
+        return parts
+    e = model.dtype_bytes
     out = dict(parts)
-    out["total"] = float(sum(parts.values()))
-    out["recompute_working_bytes"] = float(working)
+    for k in ("qkv_input", "projection_input", "mlp_input"):
+        if k in out:
+            out[k] = out[k] / e
+    if "mlp_hidden" in out:  # the down projection's input (f wide) is one of the kept tensors
+        out["mlp_hidden"] -= (e - 1) * model.seq_length * b * model.ffn_hidden_size / t
     return out
 
 

@@ -15,6 +15,7 @@ from ..config import ParallelConfig
 from .data_parallel import per_micro_batch_s
 from .layout import Layout
 from .system import System
+from .context_parallel import CpTimes
 from .tensor_parallel import TpTimes
 
 
@@ -30,11 +31,15 @@ class ChunkTimes:
     """Without recomputation."""
     recompute_s: tuple
     tp_comm_s: tuple
+    cp_comm_s: tuple
+    """Context parallelism's exposed key/value exchange (``context_parallel``)."""
     dp_inline_s: tuple
     """ZeRO-2/3 traffic exposed during the micro-batch."""
     tp_comm_forward_s: tuple
+    cp_comm_forward_s: tuple
     dp_inline_forward_s: tuple
-    """The forward's share of ``tp_comm_s`` and ``dp_inline_s`` (the rest is the backward's)."""
+    """The forward's share of ``tp_comm_s``, ``cp_comm_s`` and ``dp_inline_s`` (the rest is the
+    backward's)."""
 
 
 def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tuple:
@@ -44,20 +49,22 @@ def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tu
     b, tp, nl = c.micro_batch_size, c.tp, lay.chunk_layers[ci]
     best = None
     for kind in lay.stage_kinds[ci % c.pp]:
-        lt = system.block(kind, b, tp, c.sequence_parallel, c.recompute)
+        lt = system.block_for(kind, c)
         f, bw_, rc = nl * lt.forward_s, nl * lt.backward_s, nl * lt.recompute_s
         hf, hb = nl * lt.host_forward_s, nl * lt.host_backward_s
         for which, here in (("embedding", ci == 0), ("head", ci == lay.num_chunks - 1)):
             if here:
-                e = system.edge(kind, b, tp, which)
+                e = system.edge(kind, b, tp, which, c.cp)
                 f, bw_, hf, hb = f + e.forward_s, bw_ + e.backward_s, hf + e.host_forward_s, hb + e.host_backward_s
         if best is None or max(f + bw_, hf + hb) > max(best[0] + best[1], best[3] + best[4]):
             best = (f, bw_, rc, hf, hb)
     return best
 
 
-def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, runtime_s: float) -> ChunkTimes:
-    """Every chunk's times per micro-batch; ``runtime_s``: the pipeline runtime's cost per action."""
+def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, runtime_s: float,
+                cpt: CpTimes = CpTimes()) -> ChunkTimes:
+    """Every chunk's times per micro-batch; ``runtime_s``: the pipeline runtime's cost per action;
+    ``cpt``: context parallelism's exposed exchange per layer."""
     cols = {k: [] for k in ChunkTimes.__dataclass_fields__}
     for ci, nl in enumerate(lay.chunk_layers):
         f, bw_, rc, host_f, host_b = chunk_compute(system, c, lay, ci)
@@ -67,6 +74,7 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
             # the all-gather / reduce-scatter pairs run in chunks under the GEMMs they feed
             # (Megatron's userbuffers, torch's asynchronous TP): only what outlasts them is exposed
             tpf, tpb = max(0.0, tpf - f), max(0.0, tpb - bw_)
+        cpf, cpb = nl * cpt.forward_per_layer_s, nl * cpt.backward_per_layer_s
         extra_f, extra_b = per_micro_batch_s(system, c, lay, ci, f, bw_)
         # the host issues a pass (forward; backward with its recomputation) ahead of the device:
         # the device waits where issuing the pass takes longer than computing it. The TP
@@ -74,17 +82,19 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
         # that wait: a host-bound pass takes the host's time, a device-bound one its compute plus
         # its exposed collectives. (On the GPU development set, bench/gpu_devset.py, a micro-batch
         # takes the same time at tp 1 and tp 2 while host-bound, collectives or not.)
-        ex_f, ex_b = max(0.0, host_f - f - tpf), max(0.0, host_b - bw_ - tpb)
+        ex_f, ex_b = max(0.0, host_f - f - tpf - cpf), max(0.0, host_b - bw_ - tpb - cpb)
         f, bw_ = f + ex_f, bw_ + ex_b
         cols["compute_forward_s"].append(f)
         cols["compute_backward_s"].append(bw_ - rc)
         cols["recompute_s"].append(rc)
         cols["tp_comm_s"].append(tpf + tpb)
+        cols["cp_comm_s"].append(cpf + cpb)
+        cols["cp_comm_forward_s"].append(cpf)
         cols["dp_inline_s"].append(extra_f + extra_b)
         cols["tp_comm_forward_s"].append(tpf)
         cols["dp_inline_forward_s"].append(extra_f)
-        cols["forward_s"].append(f + tpf + extra_f + runtime_s)
-        cols["backward_s"].append(bw_ + tpb + extra_b + runtime_s)
+        cols["forward_s"].append(f + tpf + cpf + extra_f + runtime_s)
+        cols["backward_s"].append(bw_ + tpb + cpb + extra_b + runtime_s)
     return ChunkTimes(**{k: tuple(v) for k, v in cols.items()})
 
 
@@ -93,6 +103,6 @@ def optimizer_step_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     from ZeRO-1 on), at the System's measured or memory-bound rate (``compute.optimizer_s``)."""
     opt = 0.0
     for dev in range(c.pp):
-        local = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev)) / (c.dp if c.zero_stage >= 1 else 1)
+        local = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev)) / (c.dp * c.cp if c.zero_stage >= 1 else 1)
         opt = max(opt, max(system.optimizer_time(k, local) for k in lay.stage_kinds[dev]))
     return opt

@@ -214,6 +214,43 @@ def quantize_times(gemms, fp8: Fp8, rf: Roofline, compiled: bool = False) -> tup
     return rf.elementwise(fwd_bytes, kf), rf.elementwise(bwd_bytes, kb)
 
 
+def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: int = 1) -> tuple[float, float]:
+    """(forward, backward) seconds of one block's attention core on a rank: its heads (a/tp), its
+    s/cp queries against the keys they see (``block_times`` explains the context-parallel split),
+    the partial outputs merged where cp > 1."""
+    s, q, kv, B, a = model.seq_length, model.q_size, model.kv_size, model.dtype_bytes, model.num_attention_heads
+    s_loc = s / cp
+    T = b * s_loc
+    heads = a / tp
+    calls = 1 if cp == 1 else cp  # ring attention: one call per key/value chunk
+    if model.attention == "flash":
+        flops = 4.0 * b * heads * s * s * model.head_size * 0.5 / cp  # causal blocks skipped
+        io = (T * (q + 2 * kv) / tp + T * q / tp) * B
+        eff_f, eff_b = rf.attention_efficiency or (rf.gemm_efficiency, rf.gemm_efficiency)
+        if rf.gemm_eff is not None:  # a profile measured this device: scale by its large-GEMM rate
+            eff_f, eff_b = (e * (rf.gemm_eff(8192, 8192, 8192) or rf.gemm_efficiency) / rf.gemm_efficiency
+                            for e in (eff_f, eff_b))
+        mem = io / (rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency)
+        att_f = max(flops / (rf.peak_flop_per_s * eff_f), mem) + calls * rf.kernel_launch_s
+        att_b = max(2.5 * flops / (rf.peak_flop_per_s * eff_b), 2.5 * mem) + calls * rf.kernel_launch_s
+    else:
+        # each query chunk against the key chunks it sees: at cp > 1 the rank's two of 2cp chunks
+        # (i and 2cp-1-i) attend over i+1 and 2cp-i chunks, blocks wholly above the diagonal
+        # skipped: (2cp+1) blocks of (s/2cp)^2 scores per head; at cp = 1 all s x s are computed
+        s_kv = s if cp == 1 else s / 2 + s_loc / 4
+        bmm = 2 * rf.gemm(s_loc, s_kv, model.head_size, B, batch=b * heads)
+        probs = b * heads * s_loc * s_kv * B
+        drop = 2 if model.dropout > 0 else 0
+        # scale, mask, max, exp, sum, divide: ~6 vector FLOPs per score (softmax backward ~4)
+        att_f = bmm + rf.elementwise(probs * (3 + drop), kernels=calls * (2 + drop // 2), flops=6 * probs / B)
+        att_b = 2 * bmm + rf.elementwise(probs * (4 + drop), kernels=calls * (2 + drop // 2), flops=4 * probs / B)
+    if cp > 1:  # merge each chunk's partial output: read and write the fp32 output and its lse
+        merge = (cp - 1) * T * q / tp * 4 * 2
+        att_f += rf.elementwise(merge, kernels=2 * (cp - 1))
+        att_b += rf.elementwise(merge, kernels=2 * (cp - 1))
+    return att_f, att_b
+
+
 def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf: Roofline,
                 host: HostCost | None = None, cp: int = 1, fp8: Fp8 | None = None,
                 compiled: bool = False) -> LayerTimes:
@@ -245,34 +282,8 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
         g_fwd = sum(fp8_gemm(fp8.rf, m, n, k) for m, n, k in gemms)
         g_bwd = sum(fp8_gemm(fp8.rf, m, k, n) + fp8_gemm(fp8.rf, n, k, m) for m, n, k in gemms)
         qf, qb = quantize_times(gemms, fp8, rf, compiled)
-    # attention core
-    heads = a / tp
+    att_f, att_b = attention_core_times(model, b, tp, rf, cp)
     calls = 1 if cp == 1 else cp  # ring attention: one call per key/value chunk
-    if model.attention == "flash":
-        flops = 4.0 * b * heads * s * s * model.head_size * 0.5 / cp  # causal blocks skipped
-        io = (T * (q + 2 * kv) / tp + T * q / tp) * B
-        eff_f, eff_b = rf.attention_efficiency or (rf.gemm_efficiency, rf.gemm_efficiency)
-        if rf.gemm_eff is not None:  # a profile measured this device: scale by its large-GEMM rate
-            eff_f, eff_b = (e * (rf.gemm_eff(8192, 8192, 8192) or rf.gemm_efficiency) / rf.gemm_efficiency
-                            for e in (eff_f, eff_b))
-        mem = io / (rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency)
-        att_f = max(flops / (rf.peak_flop_per_s * eff_f), mem) + calls * rf.kernel_launch_s
-        att_b = max(2.5 * flops / (rf.peak_flop_per_s * eff_b), 2.5 * mem) + calls * rf.kernel_launch_s
-    else:
-        # each query chunk against the key chunks it sees: at cp > 1 the rank's two of 2cp chunks
-        # (i and 2cp-1-i) attend over i+1 and 2cp-i chunks, blocks wholly above the diagonal
-        # skipped: (2cp+1) blocks of (s/2cp)^2 scores per head; at cp = 1 all s x s are computed
-        s_kv = s if cp == 1 else s / 2 + s_loc / 4
-        bmm = 2 * rf.gemm(s_loc, s_kv, model.head_size, B, batch=b * heads)
-        probs = b * heads * s_loc * s_kv * B
-        drop = 2 if model.dropout > 0 else 0
-        # scale, mask, max, exp, sum, divide: ~6 vector FLOPs per score (softmax backward ~4)
-        att_f = bmm + rf.elementwise(probs * (3 + drop), kernels=calls * (2 + drop // 2), flops=6 * probs / B)
-        att_b = 2 * bmm + rf.elementwise(probs * (4 + drop), kernels=calls * (2 + drop // 2), flops=4 * probs / B)
-    if cp > 1:  # merge each chunk's partial output: read and write the fp32 output and its lse
-        merge = (cp - 1) * T * q / tp * 4 * 2
-        att_f += rf.elementwise(merge, kernels=2 * (cp - 1))
-        att_b += rf.elementwise(merge, kernels=2 * (cp - 1))
     # element-wise: norms (read + write), residual adds, dropouts, activation, rope
     drop_k = 2 if model.dropout > 0 else 0
     norms = model.norms_per_block

@@ -25,6 +25,13 @@ from .system import System
 from .tensor_parallel import axis_links, collective_s
 
 
+def grad_group(c: ParallelConfig) -> tuple:
+    """(ranks, axis) of the groups that reduce gradients and shard ZeRO's state together: the
+    data-parallel ranks, times the context-parallel ones (they hold the same parameters and
+    different tokens: Megatron-LM's and torchtitan's gradient groups are dp x cp)."""
+    return c.dp * c.cp, (("cp", "dp") if c.cp > 1 else "dp")
+
+
 def bucket_traffic(c: ParallelConfig) -> float:
     """Memory traffic of one gradient-bucket reduction, in multiples of the bucket's bytes.
 
@@ -35,7 +42,7 @@ def bucket_traffic(c: ParallelConfig) -> float:
     """
     if c.zero_stage <= 1:
         return 6.0
-    return 2.0 + (3.0 if c.zero_stage == 2 else 2.0) / c.dp
+    return 2.0 + (3.0 if c.zero_stage == 2 else 2.0) / grad_group(c)[0]
 
 
 def reduction_collective(zero_stage: int):
@@ -59,9 +66,20 @@ def all_reduce_algorithms(system: System, c: ParallelConfig, fn):
 def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds) -> float:
     """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic."""
     g_bytes = system.grad_bytes
-    return (collective_s(system, axis_links(system, c, "dp"), fn, c.dp, lay.chunk_params[ci] * g_bytes,
+    n, axis = grad_group(c)
+    return (collective_s(system, axis_links(system, c, axis), fn, n, lay.chunk_params[ci] * g_bytes,
                          all_reduce_algorithms(system, c, fn))
             + system.copy_time(kinds, bucket_traffic(c) * lay.chunk_params[ci] * g_bytes))
+
+
+def gather_bytes(system: System, c: ParallelConfig) -> float:
+    """Bytes per parameter ZeRO-3 gathers: the model's dtype, or FP8 (1 byte) where the framework
+    gathers FP8 weights (``Framework.fp8_all_gather``; tensorwise scaling, the linear layers
+    being almost all of a block's parameters)."""
+    fw = system.framework
+    if c.precision == "fp8" and fw.fp8_all_gather and c.fp8_recipe == "tensorwise":
+        return 1.0
+    return float(system.model.dtype_bytes)
 
 
 def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f: float, b: float):
@@ -86,10 +104,11 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
       (``overlap_grad_reduce``), all of it otherwise.
     """
     m, n_mb, nl = system.model, c.num_micro_batches, max(lay.chunk_layers[ci], 1)
-    if c.dp == 1 or c.zero_stage < 2:
+    n, axis = grad_group(c)
+    if n == 1 or c.zero_stage < 2:
         return 0.0, 0.0
     kinds = lay.stage_kinds[ci % c.pp]
-    links = axis_links(system, c, "dp")
+    links = axis_links(system, c, axis)
     passes = 1 if lay.layered and c.pp == 1 else n_mb
     per_pass = n_mb / passes  # micro-batches per pass over the chunk
     f_l, b_l = f / nl * per_pass, b / nl * per_pass  # one layer's compute in one pass
@@ -98,12 +117,12 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
     if not lay.layered:  # standard accumulation: every micro-batch's gradients but the last
         grads = lay.chunk_params[ci] * g_bytes
         buckets = max(1, math.ceil(grads / BUCKET_BYTES))
-        rs = (buckets * collective_s(system, links, comm.reduce_scatter_s, c.dp, grads / buckets)
+        rs = (buckets * collective_s(system, links, comm.reduce_scatter_s, n, grads / buckets)
               + system.copy_time(kinds, bucket_traffic(c) * grads))
         rs_l = rs / nl * (n_mb - 1) / n_mb
     ag_l = 0.0
     if c.zero_stage == 3:
-        ag_l = collective_s(system, links, comm.all_gather_s, c.dp, lay.chunk_params[ci] / nl * m.dtype_bytes)
+        ag_l = collective_s(system, links, comm.all_gather_s, n, lay.chunk_params[ci] / nl * gather_bytes(system, c))
     first_f = ag_l if ci < c.pp else 0.0  # the first layer of a device's first pass
     first_b = ag_l if ci >= lay.num_chunks - c.pp else 0.0
     fwd = first_f + nl * max(0.0, ag_l - f_l) if lay.overlap_param_gather else nl * ag_l
@@ -134,11 +153,12 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
     layer, at most 25 MiB) can only go once its gradient exists. Without overlap every
     reduction adds its whole time to the step.
     """
-    if c.dp == 1:
+    n, axis = grad_group(c)
+    if n == 1:
         return [[] for _ in range(c.pp)]
     m = system.model
     red = reduction_collective(c.zero_stage)
-    links = axis_links(system, c, "dp")
+    links = axis_links(system, c, axis)
     last_bucket = min(BUCKET_BYTES, m.layer_params() / c.tp * system.grad_bytes)
     ends = sim.last_backward_end_s
     out = []
@@ -149,7 +169,7 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
             t = _reduction(system, c, lay, red, ci, lay.stage_kinds[dev])
             if lay.overlap_grad_reduce:
                 start = max(t_free, ends[ci] - bwd[ci] * (1 - 1 / max(lay.chunk_layers[ci], 1)))
-                t_free = max(start + t, ends[ci] + collective_s(system, links, red, c.dp, last_bucket,
+                t_free = max(start + t, ends[ci] + collective_s(system, links, red, n, last_bucket,
                                                                 all_reduce_algorithms(system, c, red)))
             else:
                 start = max(t_free, makespan)
@@ -164,14 +184,15 @@ def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     shard is flattened, sent and copied back into the parameters); 0 otherwise. With
     ``overlap_param_gather`` (Megatron's distributed optimizer) each layer's gather runs under the
     next step's forward, layer by layer: only the first layer's share waits."""
-    if c.dp == 1 or c.zero_stage not in (1, 2):
+    n, axis = grad_group(c)
+    if n == 1 or c.zero_stage not in (1, 2):
         return 0.0
-    links = axis_links(system, c, "dp")
+    links = axis_links(system, c, axis)
     post_ag = 0.0
     for dev in range(c.pp):
         nbytes = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev)) * system.model.dtype_bytes
-        post_ag = max(post_ag, collective_s(system, links, comm.all_gather_s, c.dp, nbytes)
-                      + system.copy_time(lay.stage_kinds[dev], (4 - 2 / c.dp) * nbytes))
+        post_ag = max(post_ag, collective_s(system, links, comm.all_gather_s, n, nbytes)
+                      + system.copy_time(lay.stage_kinds[dev], (4 - 2 / n) * nbytes))
     if lay.overlap_param_gather:
         return post_ag / max(1, system.model.num_layers // c.pp)
     return post_ag

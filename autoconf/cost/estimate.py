@@ -26,6 +26,7 @@ from ..config import ParallelConfig, validate
 from ..errors import UserError
 from ..model import ModelSpec
 from .chunk_time import ChunkTimes, chunk_times, optimizer_step_s
+from .context_parallel import cp_times
 from .data_parallel import post_all_gather_s, reduction_tail_s
 from .layout import Layout, layout
 from .schedule_time import chunk_p2p_times, pipeline_floor, posted_receives, simulate_step
@@ -35,7 +36,7 @@ from .tensor_parallel import tp_times
 
 __all__ = ["Estimate", "StageMemory", "System", "TIME_TERMS", "MEMORY_TERMS", "estimate"]
 
-TIME_TERMS = ("compute", "recompute", "tp_comm", "bubble", "pp_comm", "dp_comm", "optimizer")
+TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "bubble", "pp_comm", "dp_comm", "optimizer")
 MEMORY_TERMS = ("parameters", "gradients", "optimizer", "activations", "other")
 
 
@@ -44,7 +45,7 @@ class Estimate:
     config: ParallelConfig
     step_time_s: float
     breakdown_s: dict
-    """compute, recompute, tp_comm, bubble, pp_comm, dp_comm, optimizer: they add up to the step."""
+    """compute, recompute, tp_comm, cp_comm, bubble, pp_comm, dp_comm, optimizer: they add up to the step."""
     memory_by_stage: tuple
     """Per pipeline stage (its most loaded device): a StageMemory."""
     peak_memory_bytes: float
@@ -76,7 +77,8 @@ def estimate(config: ParallelConfig, model: ModelSpec, cluster=None, profile=Non
     if ctx is None:
         ctx = System(model, cluster, profile, calibration, framework=framework)
     validate(config, model)
-    reason = ctx.framework.check(config)
+    reason = ctx.framework.check(config) or next(
+        (r for r in (ctx.supports(k, config) for k in sorted(set(ctx.topology.kind_of))) if r), None)
     if reason:
         raise UserError(f"invalid configuration ({config.short()}): {reason}")
     if config.world_size > ctx.num_devices:
@@ -91,7 +93,7 @@ def _estimate(c: ParallelConfig, ctx: System, bound: float | None = None,
     with ``time_if_oom=False``, a configuration that does not fit gets memory only (step time inf)."""
     lay = layout(ctx, c)
     runtime = ctx.pipeline_runtime(c, lay.stage_kinds)
-    ct = chunk_times(ctx, c, lay, tp_times(ctx, c, lay.stage_kinds), runtime)
+    ct = chunk_times(ctx, c, lay, tp_times(ctx, c, lay.stage_kinds), runtime, cp_times(ctx, c, lay.stage_kinds))
     opt = optimizer_step_s(ctx, c, lay)
     floor = pipeline_floor(c, ct.forward_s, ct.backward_s, lay.num_chunks)
     if bound is not None and _lower_bound(ctx, floor, opt) >= bound:
@@ -135,6 +137,7 @@ def _breakdown(c: ParallelConfig, lay: Layout, ct: ChunkTimes, sim, sim0, runtim
     return {"compute": sum((ct.compute_forward_s[ci] + ct.compute_backward_s[ci]) for ci in mine) * n_mb,
             "recompute": sum(ct.recompute_s[ci] for ci in mine) * n_mb,
             "tp_comm": sum(ct.tp_comm_s[ci] for ci in mine) * n_mb,
+            "cp_comm": sum(ct.cp_comm_s[ci] for ci in mine) * n_mb,
             "bubble": max(0.0, sim0.makespan_s - sim.busy_s[dev_busy]),
             "pp_comm": pp_t,
             "dp_comm": dp_in + dp_tail_s + post_gather_s,
@@ -145,7 +148,7 @@ def _lower_bound(ctx: System, floor: float, opt: float) -> float:
     """Lower bound on the step time (to skip dominated configurations in the search)."""
     cal = ctx.calibration
     if cal is not None:  # calibration scales the terms the floor is made of
-        floor_terms = ("compute", "recompute", "tp_comm", "dp_comm", "bubble", "pp_comm")
+        floor_terms = ("compute", "recompute", "tp_comm", "cp_comm", "dp_comm", "bubble", "pp_comm")
         return floor * min(cal.factor(k) for k in floor_terms) + opt * cal.factor("optimizer")
     return floor + opt
 

@@ -231,6 +231,13 @@ def gemm_efficiency(profile: Profile, m: int, n: int, k: int, dtype: str | None 
     return lo[1] + (hi[1] - lo[1]) * (x - lo[0]) / (hi[0] - lo[0])
 
 
+def fp8_gemm_efficiency(profile: Profile, recipe: str, m: int, n: int, k: int) -> float | None:
+    """Fraction of the catalog's FP8 peak an FP8 GEMM with ``recipe``'s scaling reaches, from the
+    profile's table (rows of dtype ``fp8_<recipe>``, as ``gemm_efficiency``); None when the
+    profile has none."""
+    return gemm_efficiency(profile, m, n, k, dtype=f"fp8_{recipe}")
+
+
 # -- activation memory -----------------------------------------------------------------------------------
 
 def activation_bytes(profile: Profile, model: ModelSpec, micro_batch_size: int, tp: int,

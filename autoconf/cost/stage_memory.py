@@ -49,7 +49,7 @@ class StageMemory:
 def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMemory]:
     """Memory of every pipeline stage for configuration ``c``."""
     m = system.model
-    st = state_bytes_per_param(m.dtype, c.zero_stage, c.dp,
+    st = state_bytes_per_param(m.dtype, c.zero_stage, c.dp * c.cp,
                                fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32")
     act_layer = system.layer_activations(c, _mask_bytes(system, lay))
     layered_pp1 = c.pp == 1 and c.layered_grad_accum
@@ -80,7 +80,7 @@ def _mask_bytes(system: System, lay: Layout) -> int:
 def _chunk_activation_bytes(system: System, c: ParallelConfig, lay: Layout, layer_bytes: float) -> list[float]:
     """Activations each chunk saves per micro-batch: its blocks (``System.layer_activations``),
     plus the embedding's on the first chunk and the output layer's on the last (``activations``)."""
-    m, mask, n_chunks = system.model_at(c.tp), _mask_bytes(system, lay), lay.num_chunks
+    m, mask, n_chunks = system.model_at(c.tp, c.cp), _mask_bytes(system, lay), lay.num_chunks
     per_chunk = []
     for ci in range(n_chunks):
         per_mb = lay.chunk_layers[ci] * layer_bytes
@@ -108,7 +108,7 @@ def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_byte
     grows = sched in ("gpipe", "breadth_first")
     ce_grad = loss_grad_bytes(system, c)
     in_flight = 0.0
-    if c.dp > 1 and c.zero_stage >= 2 and not c.layered_grad_accum:
+    if c.dp * c.cp > 1 and c.zero_stage >= 2 and not c.layered_grad_accum:
         in_flight = min(BUCKET_BYTES, m.layer_params() / c.tp * system.grad_bytes)
     return peak_memory(sched, c.pp, m_sim, lay.virtual_stages,
                        tuple(_chunk_activation_bytes(system, c, lay, layer_bytes)),
@@ -119,7 +119,7 @@ def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_byte
 
 def loss_grad_bytes(system: System, c: ParallelConfig) -> float:
     """The loss gradient of one micro-batch's logits: fp32, vocabulary-parallel (padded vocabulary)."""
-    m = system.model_at(c.tp)
+    m = system.model_at(c.tp, c.cp)
     return c.micro_batch_size * m.seq_length * (-(-m.vocab_size // c.tp)) * 4.0
 
 
@@ -138,13 +138,14 @@ def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: di
     Block and head inputs have a gradient (``schedule_time.boundary_bytes``), the token ids do not.
     """
     m, mask = system.model_at(c.tp), _mask_bytes(system, lay)
+    local = system.model_at(c.tp, c.cp)  # the rank's s/cp tokens
     b, t, sp = c.micro_batch_size, c.tp, c.sequence_parallel
     ce_grad = loss_grad_bytes(system, c)
     dx = schedule_time.boundary_bytes(system, c)
-    units = [(embedding_activation_bytes(m, b, t, sp, mask), m.embedding_params() / t * grad_bytes, 0.0, 0.0)]
-    block_transient = act_layer.get("recompute_working_bytes", 0.0) + block_backward_temporary_bytes(m, b, t)
+    units = [(embedding_activation_bytes(local, b, t, sp, mask), m.embedding_params() / t * grad_bytes, 0.0, 0.0)]
+    block_transient = act_layer.get("recompute_working_bytes", 0.0) + block_backward_temporary_bytes(local, b, t)
     units += [(act_layer["total"], m.layer_params() / t * grad_bytes, block_transient, dx) for _ in range(m.num_layers)]
-    units.append((head_activation_bytes(m, b, t, sp, mask), m.output_params() / t * grad_bytes, ce_grad, dx))
+    units.append((head_activation_bytes(local, b, t, sp, mask), m.output_params() / t * grad_bytes, ce_grad, dx))
     return _with_reduction_in_flight(system, c, units)
 
 
@@ -154,7 +155,7 @@ def _with_reduction_in_flight(system: System, c: ParallelConfig, units: list) ->
     unit k+1 (the whole unit, flattened by the reference trainer's GradSync) is in flight during
     unit k's backward, next to its activations -- not after them, as with standard
     accumulation (``_other_bytes``). ZeRO-3 (FSDP) reduce-scatters into its own shards."""
-    if c.dp == 1 or c.zero_stage == 3:
+    if c.dp * c.cp == 1 or c.zero_stage == 3:
         return units
     m = system.model_at(c.tp)
     params = [m.embedding_params()] + [m.layer_params()] * m.num_layers + [m.output_params()]
@@ -179,6 +180,12 @@ def _layered_peak(system: System, c: ParallelConfig, lay: Layout, act_layer: dic
                        transient, input_grads)
 
 
+def linear_params_per_layer(m) -> float:
+    """Weights of one block's linear layers (qkv, projection, MLP), the ones FP8 runs."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    return h * (m.q_size + 2 * m.kv_size) + m.q_size * h + m.mlp_matrices * h * f
+
+
 def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: float) -> tuple:
     """Everything but model states and activations on stage ``s``.
 
@@ -195,14 +202,24 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
     """
     m, chunks = system.model, lay.chunks_of(c, s)
     parts = [("runtime context", max(device_type(k).framework_overhead_bytes for k in lay.stage_kinds[s]))]
-    if c.zero_stage == 3 and c.dp > 1:
+    if c.zero_stage == 3 and c.dp * c.cp > 1:
         parts.append(("zero-3 gathered layers", zero3_working_bytes(m, c.tp)))
+    fw = system.framework
+    if c.precision == "fp8" and fw.fp8_weight_copy_bytes:
+        linear = sum(lay.chunk_layers[ci] for ci in chunks) * linear_params_per_layer(m) / c.tp
+        parts.append(("fp8 weight copies", linear * fw.fp8_weight_copy_bytes))
+    if c.cp > 1:
+        from .context_parallel import kv_chunk_bytes
+        kv = kv_chunk_bytes(system, c)
+        # ring: the chunk in hand and the one arriving, keys/values and (backward) their
+        # gradients; all-gather: every rank's keys and values, and their gradients
+        parts.append(("context-parallel exchange", (4 * kv) if fw.cp_comm != "all_gather" else 2 * c.cp * kv))
     if c.pp > 1 and system.framework.per_micro_batch_pipeline_buffers:
         act = schedule_time.boundary_bytes(system, c)  # an activation and its gradient have one shape
         buffers = sum((ci > 0) + (ci < lay.num_chunks - 1) for ci in chunks)
         parts.append(("pipeline receive buffers", buffers * c.num_micro_batches * act))
     layered_pp1 = c.pp == 1 and c.layered_grad_accum  # its units carry their copies already
-    if c.dp > 1 and c.zero_stage < 3 and not layered_pp1:
+    if c.dp * c.cp > 1 and c.zero_stage < 3 and not layered_pp1:
         bucket = min(BUCKET_BYTES, max(lay.chunk_params[ci] for ci in chunks) * system.grad_bytes)
         parts.append(("gradient bucket copy", max(0.0, bucket - acts)))
     return tuple((k, v) for k, v in parts if v > 0)

@@ -22,7 +22,7 @@ from ..model import ModelSpec
 from ..topology import Topology
 from . import comm
 from .activations import layer_activation_bytes
-from .compute import LayerTimes, Roofline, block_times, embedding_times, head_times, optimizer_s, with_host
+from .compute import Fp8, LayerTimes, Roofline, block_times, embedding_times, head_times, optimizer_s, with_host
 
 _OPS = {comm.all_reduce_s: "all_reduce", comm.all_gather_s: "all_gather", comm.reduce_scatter_s: "reduce_scatter"}
 """Profile name of each collective. ``comm.reduce_scatter_s`` *is* ``comm.all_gather_s`` (the same
@@ -80,14 +80,17 @@ class System:
         """Whether every pipeline stage runs on the profiled device kind alone."""
         return self.profile is not None and all(k == [self.profile_kind] for k in stage_kinds)
 
-    def model_at(self, tp: int) -> ModelSpec:
+    def model_at(self, tp: int, cp: int = 1) -> ModelSpec:
         """The model as the framework builds it at tensor-parallel degree ``tp``: Megatron pads the
         vocabulary to a multiple of 128 x tp (``Framework.padded_vocab``), which changes the
-        embedding and output layer's parameters, time and memory."""
+        embedding and output layer's parameters, time and memory. With ``cp`` > 1, as one
+        context-parallel rank sees it: ``seq_length`` is its s/cp tokens (for what scales with the
+        rank's tokens: embedding, output layer, loss, boundary tensors; not for parameters)."""
         vocab = self.framework.padded_vocab(self.model.vocab_size, tp)
-        if vocab == self.model.vocab_size:
+        if vocab == self.model.vocab_size and cp == 1:
             return self.model
-        return self.cached(("model_at", tp), lambda: dataclasses.replace(self.model, vocab_size=vocab))
+        return self.cached(("model_at", tp, cp), lambda: dataclasses.replace(
+            self.model, vocab_size=vocab, seq_length=self.model.seq_length // cp))
 
     def cached(self, key, fn):
         hit = self._cache.get(key)
@@ -135,53 +138,100 @@ class System:
         # PyTorch keeps dropout masks as bool (1 byte) on CUDA, at the activation's precision on CPU.
         return self.model.dtype_bytes if kind == "cpu" else 1
 
-    def block(self, kind: str, b: int, tp: int, sp: bool, recompute: str) -> LayerTimes:
+    def block(self, kind: str, b: int, tp: int, sp: bool, recompute: str, cp: int = 1, fp8: str | None = None,
+              compiled: bool = False) -> LayerTimes:
         """One transformer block shard per micro-batch on ``kind``: the profile's measured layer
-        times (``measured.block_times``), else the roofline per op (``compute.block_times``); at
-        the CPU time-share."""
+        times (``measured.block_times``; measured in the model's dtype over the whole sequence, so
+        only for cp = 1 without FP8), else the roofline per op (``compute.block_times``); at the
+        CPU time-share. ``fp8``: the FP8 recipe of the linear layers (None: the model's dtype)."""
         def make():
-            if self.measured_for(kind):
+            if self.measured_for(kind) and cp == 1 and fp8 is None and not compiled:
                 from .measured import block_times as measured_block
                 got = measured_block(self.profile, self.model, b, tp, recompute)
                 if got:
                     rc = got[0] if recompute == "full" else 0.0
                     return LayerTimes(got[0], got[1], rc)
-            return block_times(self.model, b, tp, sp, recompute, self.roofline(kind), self.host_cost(kind))
-        return self.cached(("block", kind, b, tp, sp, recompute), lambda: _shared(make(), self.cpu_share(kind)))
+            f8 = None if fp8 is None else Fp8(self.fp8_roofline(kind, fp8), fp8, self.framework.fp8_host_ops)
+            return block_times(self.model, b, tp, sp, recompute, self.roofline(kind), self.host_cost(kind),
+                               cp=cp, fp8=f8, compiled=compiled)
+        return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled),
+                           lambda: _shared(make(), self.cpu_share(kind)))
+
+    def block_for(self, kind: str, c) -> LayerTimes:
+        """:meth:`block` for configuration ``c`` (its micro-batch, tp, cp, precision, compile)."""
+        return self.block(kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
+                          c.fp8_recipe if c.precision == "fp8" else None,
+                          self.framework.knob(c, "torch_compile"))
+
+    def fp8_roofline(self, kind: str, recipe: str) -> Roofline:
+        """The roofline of FP8 GEMMs on ``kind``: the catalog's FP8 peak (MXFP8's for the mxfp8
+        recipe) at its FP8 GEMM efficiency; a profile's measured FP8 GEMM table where it has one.
+        A one-line error where the device has no such tensor cores."""
+        def make():
+            dev = device_type(kind)
+            dtype = "mxfp8" if recipe == "mxfp8" else "fp8"
+            if not dev.supports(dtype):
+                raise UserError(f"device {kind} has no {dtype.upper()} tensor cores (fp8_recipe={recipe}); "
+                                f"use precision bf16, or a device that has them")
+            eff = None
+            if self.measured_for(kind):
+                from .measured import fp8_gemm_efficiency
+                if fp8_gemm_efficiency(self.profile, recipe, 8192, 8192, 8192) is not None:
+                    eff = lambda m, n, k: fp8_gemm_efficiency(self.profile, recipe, m, n, k)  # noqa: E731
+            rf = Roofline.of(dev, dtype, eff)
+            return dataclasses.replace(rf, gemm_efficiency=dev.gemm_efficiency_of(dtype))
+        return self.cached(("rf8", kind, recipe), make)
+
+    def supports(self, kind: str, c) -> str | None:
+        """Why devices of ``kind`` cannot run configuration ``c`` (FP8 without FP8 tensor cores),
+        or None."""
+        if c.precision != "fp8":
+            return None
+        dtype = "mxfp8" if c.fp8_recipe == "mxfp8" else "fp8"
+        if not device_type(kind).supports(dtype):
+            return f"device {kind} has no {dtype.upper()} tensor cores (precision fp8, recipe {c.fp8_recipe})"
+        return None
 
     def host_cost(self, kind: str):
         """The framework's host cost per operation on an accelerator; None on CPU processes,
         where the host is the device (its dispatch cost is inside the measured or roofline time)."""
         return None if kind == "cpu" else self.framework.host
 
-    def edge(self, kind: str, b: int, tp: int, which: str) -> LayerTimes:
+    def edge(self, kind: str, b: int, tp: int, which: str, cp: int = 1) -> LayerTimes:
         """The embedding (``which="embedding"``) or output layer (``"head"``) shard per micro-batch,
-        measured or by roofline as :meth:`block`."""
+        measured or by roofline as :meth:`block` (on the rank's s/cp tokens; the output layer in
+        the model's dtype also under FP8, as the frameworks keep it by default)."""
         def make():
-            if self.measured_for(kind):
+            if self.measured_for(kind) and cp == 1:
                 from . import measured
                 fn = measured.embedding_times if which == "embedding" else measured.head_times
                 got = fn(self.profile, self.model, b, tp)
                 if got:
                     return LayerTimes(got[0], got[1])
             fn = embedding_times if which == "embedding" else head_times
-            return with_host(fn(self.model_at(tp), b, tp, self.roofline(kind)), which, self.host_cost(kind))
-        return self.cached((which, kind, b, tp), lambda: _shared(make(), self.cpu_share(kind)))
+            return with_host(fn(self.model_at(tp, cp), b, tp, self.roofline(kind)), which, self.host_cost(kind))
+        return self.cached((which, kind, b, tp, cp), lambda: _shared(make(), self.cpu_share(kind)))
 
     def layer_activations(self, c, mask: int) -> dict:
         """Activation bytes one block saves per micro-batch, by part (``activations``, after
         Korthikanti et al., arXiv 2205.05198); ``total`` replaced by the profile's measurement
         (``measured.activation_bytes``) when it has one."""
+        fp8_inputs = c.precision == "fp8" and self.framework.fp8_saves_inputs
+
         def make():
-            base = layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask)
+            base = layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask,
+                                          cp=c.cp, fp8_inputs=fp8_inputs)
             if self.measured_for():
                 from .measured import activation_bytes
                 got = activation_bytes(self.profile, self.model, c.micro_batch_size, c.tp, c.sequence_parallel,
                                        c.recompute)
-                if got:
-                    return {**base, "total": float(got)}
+                if got:  # measured over the whole sequence in the model's dtype: scaled as the formula is
+                    full = layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel,
+                                                  c.recompute, mask)["total"]
+                    return {**base, "total": float(got) * base["total"] / full if full else float(got)}
             return base
-        return self.cached(("act", c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask), make)
+        return self.cached(("act", c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask, c.cp, fp8_inputs),
+                           make)
 
     # -- memory-bound rates: optimizer step and bucket copies ---------------------------------
 
@@ -269,7 +319,7 @@ class System:
     def measured_tp_comm(self, c, stage_kinds) -> tuple[float, float] | None:
         """Per-layer (forward, backward) tp communication from the profile, if every stage's devices
         are of the profiled kind and the profile measured this tp in place."""
-        if not self.measured_everywhere(stage_kinds):
+        if not self.measured_everywhere(stage_kinds) or getattr(c, "cp", 1) > 1:
             return None
         from .measured import tp_comm_times
         return self.cached(("tpcomm", c.micro_batch_size, c.tp, c.sequence_parallel),

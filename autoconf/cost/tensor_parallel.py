@@ -85,7 +85,7 @@ def tp_times(system: System, c: ParallelConfig, stage_kinds) -> TpTimes:
     if c.tp == 1:
         return TpTimes()
     m, tp = system.model, c.tp
-    nbytes = c.micro_batch_size * m.seq_length * m.hidden_size * m.dtype_bytes
+    nbytes = c.micro_batch_size * (m.seq_length // c.cp) * m.hidden_size * m.dtype_bytes
     links = axis_links(system, c, "tp")
     if c.sequence_parallel:
         one = (collective_s(system, links, comm.all_gather_s, tp, nbytes)

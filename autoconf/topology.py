@@ -32,9 +32,9 @@ class GroupLinks:  # hashable: equal links dedupe
     size: int
     """Devices in the group, n."""
     num_hosts: int
-    """Hosts the group spans."""
+    """Hosts the group spans (an NVLink domain spanning hosts counts once: see the module doc)."""
     local_size: int
-    """Most group members on one host, k."""
+    """Most group members on one host (domain), k."""
     intra_bandwidth_bytes_per_s: float
     """Slowest link between members on the same host (inf if no two share a host)."""
     inter_bandwidth_bytes_per_s: float

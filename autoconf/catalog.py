@@ -14,7 +14,8 @@ from .errors import UserError
 class DeviceType:
     name: str
     peak_flop_per_s: dict
-    """Dense peak per dtype (bf16, fp16, fp32)."""
+    """Dense peak per dtype: bf16, fp16, fp32; fp8 where the device has FP8 tensor cores (Hopper,
+    Ada, Blackwell), mxfp8 and fp4 where it has microscaling ones (Blackwell)."""
     memory_bytes: float
     memory_bandwidth_bytes_per_s: float
     gemm_efficiency: float
@@ -56,7 +57,13 @@ class DeviceType:
         from .cost.comm import NEUTRAL, CollectiveTuning
         return CollectiveTuning(**self.collective) if self.collective else NEUTRAL
 
+    def supports(self, dtype: str) -> bool:
+        """Whether :meth:`peak` serves ``dtype`` (bf16 on a device without bf16 units, V100, counts:
+        PyTorch runs it there at fp32 speed)."""
+        return dtype in self.peak_flop_per_s or (dtype == "bf16" and "fp16" in self.peak_flop_per_s)
+
     def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s of ``dtype``; a UserError naming the valid ones where the device has none."""
         if dtype in self.peak_flop_per_s:
             return self.peak_flop_per_s[dtype]
         if dtype == "bf16" and "fp16" in self.peak_flop_per_s:

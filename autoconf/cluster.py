@@ -7,7 +7,13 @@ hosts (``("host", n)``) and whose edges carry ``bandwidth_bytes_per_s`` and ``la
 - device -- device inside a host: the intra-node fabric (NVLink/NVSwitch; shared memory on CPU);
 - device -- host: one NIC's bandwidth, the most a single device can push off the host;
 - host -- ("group", g): all the host's NICs together;
-- ("group", g) -- ("group", g'): the optional inter-group cap.
+- ("group", g) -- ("group", g'): the optional inter-group cap;
+- device -- ("nvlink", k): where a node group's ``nvlink_domain`` joins several consecutive hosts
+  on one NVLink fabric (a GB200 NVL72 rack: 18 hosts of 4 GPUs), the intra-node fabric between
+  the devices of different hosts of domain k (k its first host); devices and hosts carry
+  ``domain`` = k. Devices of one domain talk at the intra-node bandwidth and latency, as inside a
+  host; between domains the NICs carry the traffic as between hosts. ``topology.Topology`` treats a
+  domain as one host for every bandwidth question; the launch files still see the real hosts.
 
 A profile replaces device--device edges with measured ones (``kind="measured"``).
 
@@ -44,6 +50,9 @@ class NodeGroup:
     """Overrides the catalog's device memory (e.g. a share of host RAM for CPU processes)."""
     hosts: tuple | None = None
     """Host names of the group's nodes, in rank order (``count`` of them); None: ``node-K``."""
+    nvlink_domain: int = 1
+    """Consecutive hosts of the group that share one NVLink fabric (18 in a GB200 NVL72 rack);
+    1: each host's fabric is its own. Divides ``count``."""
 
     @property
     def device_memory_bytes(self) -> float:
@@ -84,6 +93,15 @@ class ClusterSpec:
             out += list(grp.hosts) if grp.hosts else [f"node-{k + i}" for i in range(grp.count)]
         return out
 
+    def domains(self) -> list[int]:
+        """Each host's NVLink domain in rank order, numbered by the domain's first host (the host
+        itself where its group's ``nvlink_domain`` is 1)."""
+        out = []
+        for grp in self.node_groups:
+            k = len(out)
+            out += [k + i // grp.nvlink_domain * grp.nvlink_domain for i in range(grp.count)]
+        return out
+
     def graph(self):
         """The cluster as a networkx graph (built once per spec)."""
         if "g" not in self._graph_cache:
@@ -98,6 +116,8 @@ class ClusterSpec:
                 g.pop("hosts")
             else:
                 g["hosts"] = list(g["hosts"])
+            if g["nvlink_domain"] == 1:
+                g.pop("nvlink_domain")
         return d
 
     @classmethod
@@ -107,6 +127,7 @@ class ClusterSpec:
             d = SI_CLUSTER_SCHEMA(d)
             _check_devices(d["node_groups"])
             _check_hosts(d["node_groups"])
+            _check_domains(d["node_groups"])
         except UserError as e:
             raise UserError(f"cluster: {e}") from None
         d["node_groups"] = tuple(NodeGroup(**{**g, "hosts": tuple(g["hosts"]) if g.get("hosts") else None})
@@ -127,17 +148,23 @@ def _build_graph(spec: ClusterSpec):
             cap = spec.inter_group_bandwidth_bytes_per_s or float("inf")
             g.add_edge(("group", a), ("group", b), bandwidth_bytes_per_s=cap, latency_s=0.0, kind="inter_group")
     names = spec.host_names()
+    domains = spec.domains()
     for n, (gi, grp) in enumerate(spec.nodes()):
+        domain = domains[n]
         host = ("host", n)
         g.add_node(host, group=gi, name=names[n], nic_count=grp.nic_count, nic_bandwidth_bytes_per_s=grp.nic_bandwidth_bytes_per_s,
-                   nic_kind=grp.nic_kind, intra_node_bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s)
+                   nic_kind=grp.nic_kind, intra_node_bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s,
+                   domain=domain)
         g.add_edge(host, ("group", gi), bandwidth_bytes_per_s=grp.nic_count * grp.nic_bandwidth_bytes_per_s,
                    latency_s=spec.inter_node_latency_s / 2, kind="uplink")
         local = list(range(dev, dev + grp.gpus_per_node))
         for i in local:
-            g.add_node(i, node=n, group=gi, device=grp.device, memory_bytes=grp.device_memory_bytes)
+            g.add_node(i, node=n, group=gi, device=grp.device, memory_bytes=grp.device_memory_bytes, domain=domain)
             g.add_edge(i, host, bandwidth_bytes_per_s=grp.nic_bandwidth_bytes_per_s,
                        latency_s=spec.inter_node_latency_s / 2, kind="nic")
+            if grp.nvlink_domain > 1:  # the domain's switch fabric (one edge per device, not per pair)
+                g.add_edge(i, ("nvlink", domain), bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s,
+                           latency_s=spec.intra_node_latency_s / 2, kind="nvlink")
         for x in local:
             for y in local:
                 if x < y:
@@ -174,7 +201,8 @@ HOSTS_SCHEMA = List(Str(max_len=253, nonempty=True), min_len=1, max_len=MAX_DEVI
 GROUP_SCHEMA = Dict(
     required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=64), "gpus_per_node": Int(1, 1024),
               "intra_node_bandwidth": _quantity(*BANDWIDTH)},
-    optional={"nics": Null(NIC_SCHEMA), "memory": _quantity(*MEMORY), "hosts": Null(HOSTS_SCHEMA)},
+    optional={"nics": Null(NIC_SCHEMA), "memory": _quantity(*MEMORY), "hosts": Null(HOSTS_SCHEMA),
+              "nvlink_domain": Int(1, MAX_DEVICES)},
     what="a node group")
 LATENCY_SCHEMA = Dict(optional={"intra_node": _quantity(*LATENCY), "inter_node": _quantity(*LATENCY)},
                       what="latency, like {intra_node: 2 us, inter_node: 10 us}")
@@ -188,7 +216,7 @@ SI_GROUP_SCHEMA = Dict(
     required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=64), "gpus_per_node": Int(1, 1024),
               "intra_node_bandwidth_bytes_per_s": _si(*BANDWIDTH)},
     optional={"nic_count": Int(1, 256), "nic_bandwidth_bytes_per_s": _si(*BANDWIDTH), "nic_kind": Str(max_len=64),
-              "memory_bytes": Null(_si(*MEMORY)), "hosts": Null(HOSTS_SCHEMA)},
+              "memory_bytes": Null(_si(*MEMORY)), "hosts": Null(HOSTS_SCHEMA), "nvlink_domain": Int(1, MAX_DEVICES)},
     what="a node group")
 SI_CLUSTER_SCHEMA = Dict(
     required={"name": Str(max_len=200), "node_groups": List(SI_GROUP_SCHEMA, min_len=1, max_len=256)},
@@ -230,6 +258,20 @@ def _check_hosts(groups) -> None:
         k += g["count"]
 
 
+def _check_domains(groups) -> None:
+    """Each group's ``nvlink_domain``: hosts per NVLink fabric, dividing the group's ``count``;
+    only for accelerators (CPU processes of two hosts share no fabric)."""
+    for gi, g in enumerate(groups):
+        k = g.get("nvlink_domain", 1)
+        if g["count"] % k:
+            raise UserError(f"node_groups[{gi}].nvlink_domain={k} does not divide count {g['count']}; give a "
+                            "positive integer that divides it (hosts per NVLink fabric, e.g. 18 for GB200 NVL72; "
+                            "1: each host alone)")
+        if k > 1 and device_type(g["device"]).sm_count == 0:
+            raise UserError(f"node_groups[{gi}].nvlink_domain={k} on device {g['device']!r}: only GPUs share an "
+                            "NVLink fabric across hosts; use 1")
+
+
 def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
     """Build a ClusterSpec from the YAML schema (quantities with units), checked strictly."""
     if not isinstance(data, dict):
@@ -240,6 +282,7 @@ def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
         d = CLUSTER_SCHEMA(data)
         _check_devices(d["node_groups"])
         _check_hosts(d["node_groups"])
+        _check_domains(d["node_groups"])
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
     out = []
@@ -253,6 +296,7 @@ def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
             nic_kind=nics.get("kind", "infiniband"),
             memory_bytes=g.get("memory"),
             hosts=tuple(g["hosts"]) if g.get("hosts") else None,
+            nvlink_domain=g.get("nvlink_domain", 1),
         ))
     lat = d.get("latency") or {}
     return ClusterSpec(

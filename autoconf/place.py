@@ -87,7 +87,7 @@ def describe(system, config: ParallelConfig) -> list[StageInfo]:
     counts = place.chunk_layer_counts()
     out = []
     for s, devs in enumerate(place.stage_devices()):
-        hosts = list(dict.fromkeys(topo.host_name[topo.host_of[d]] for d in devs))
+        hosts = list(dict.fromkeys(topo.host_name[topo.node_of[d]] for d in devs))
         kinds: dict = {}
         for d in devs:
             kinds[topo.kind_of[d]] = kinds.get(topo.kind_of[d], 0) + 1

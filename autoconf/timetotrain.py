@@ -132,6 +132,8 @@ def cluster_yaml(cluster) -> str:
                   f"kind: {g.nic_kind}}}"]
         if g.memory_bytes is not None:
             lines.append(f"    memory: {g.memory_bytes / 2**30:g} GiB")
+        if g.nvlink_domain > 1:
+            lines.append(f"    nvlink_domain: {g.nvlink_domain}")
     lines.append(f"latency: {{intra_node: {cluster.intra_node_latency_s * 1e6:g} us, "
                  f"inter_node: {cluster.inter_node_latency_s * 1e6:g} us}}")
     if cluster.inter_group_bandwidth_bytes_per_s:
@@ -145,25 +147,28 @@ class _UniformTopology(Topology):
 
     def __init__(self, spec):
         (g,) = spec.node_groups
-        n, per = spec.num_devices, g.gpus_per_node
+        dom = g.nvlink_domain  # hosts per NVLink domain: the domain is the host for bandwidth
+        n, per = spec.num_devices, g.gpus_per_node * dom
         self.num_devices = n
-        self.host_of = [d // per for d in range(n)]
+        self.node_of = [d // g.gpus_per_node for d in range(n)]
+        self.host_of = [d // per * dom for d in range(n)]
         self.group_of = [0] * n
         self.kind_of = [g.device] * n
         self.memory_of = [float(g.device_memory_bytes)] * n
         self.intra_latency_s = float(spec.intra_node_latency_s)
         self.inter_latency_s = float(spec.inter_node_latency_s)
         names = spec.host_names()
-        hosts = range(g.count)
+        hosts = range(0, g.count, dom)
         self.host_nic_kind = {h: str(g.nic_kind) for h in hosts}
-        self.host_name = {h: names[h] for h in hosts}
+        self.host_name = {h: names[h] for h in range(g.count)}
         self.host_nic_bw = {h: float(g.nic_bandwidth_bytes_per_s) for h in hosts}
-        self.host_nic_total = {h: float(g.nic_bandwidth_bytes_per_s) * g.nic_count for h in hosts}
+        self.host_nic_total = {h: float(g.nic_bandwidth_bytes_per_s) * g.nic_count * dom for h in hosts}
         self.host_intra_bw = {h: float(g.intra_node_bandwidth_bytes_per_s) for h in hosts}
         self.group_cap = {}
         self.measured = {}
         self._group_cache = {}
         self.per_node = per
+        """Devices per host for bandwidth (per NVLink domain where domains span hosts)."""
 
 
 def planning_system(model, cluster, framework=None) -> System:

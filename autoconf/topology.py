@@ -5,6 +5,14 @@ The cost model asks three things of the links: the bandwidth and latency between
 the network at once (NIC sharing), and the slowest link a collective group's ring would use.
 Everything is read from the networkx graph once, into flat lists, so the search's hot path never
 walks the graph.
+
+NVLink domains: where consecutive hosts share one NVLink fabric (a GB200 NVL72 rack: 18 hosts of 4
+GPUs; the cluster file's ``nvlink_domain``, the graph's ``domain`` attribute), the domain is one
+*host* for every bandwidth question: ``host_of`` gives the domain (numbered by its first host),
+so two devices of one domain talk at the intra-node bandwidth and latency, a collective inside it
+runs at NVLink speed (``GroupLinks.num_hosts`` counts domains), and flows leaving it share all
+its hosts' NICs (``host_nic_total``). The real host stays in ``node_of`` (and ``host_name`` is
+keyed by it): where a device runs, not how fast it talks. Without domains both are the host.
 """
 
 from __future__ import annotations
@@ -24,9 +32,9 @@ class GroupLinks:  # hashable: equal links dedupe
     size: int
     """Devices in the group, n."""
     num_hosts: int
-    """Hosts the group spans."""
+    """Hosts the group spans (an NVLink domain spanning hosts counts once: see the module doc)."""
     local_size: int
-    """Most group members on one host, k."""
+    """Most group members on one host (domain), k."""
     intra_bandwidth_bytes_per_s: float
     """Slowest link between members on the same host (inf if no two share a host)."""
     inter_bandwidth_bytes_per_s: float
@@ -45,26 +53,35 @@ class Topology:
             raise ValueError("device nodes must be numbered 0..N-1")
         attrs = graph.nodes
         self.num_devices = len(devices)
-        self.host_of = [attrs[i]["node"] for i in devices]
+        self.node_of = [attrs[i]["node"] for i in devices]
+        """The device's host (its index in the cluster)."""
+        self.host_of = [attrs[i].get("domain", attrs[i]["node"]) for i in devices]
+        """The device's host for bandwidth: its NVLink domain, numbered by the domain's first host
+        (the host itself where no domain spans hosts)."""
         self.group_of = [attrs[i]["group"] for i in devices]
         self.kind_of = [attrs[i]["device"] for i in devices]
         self.memory_of = [float(attrs[i]["memory_bytes"]) for i in devices]
         self.intra_latency_s = float(graph.graph.get("intra_node_latency_s", 2e-6))
         self.inter_latency_s = float(graph.graph.get("inter_node_latency_s", 10e-6))
-        hosts = sorted({h for h in self.host_of})
         self.host_nic_bw = {}
         self.host_nic_total = {}
         self.host_intra_bw = {}
         self.host_nic_kind = {}
         self.host_name = {}
-        """A host's name: the graph's ``hostname`` or ``name`` (a profile's host), else node-K."""
-        for h in hosts:
-            a = attrs.get(("host", h), {})
-            self.host_nic_kind[h] = str(a.get("nic_kind", ""))
-            self.host_name[h] = str(a.get("hostname") or a.get("name") or f"node-{h}")
-            self.host_nic_bw[h] = float(a.get("nic_bandwidth_bytes_per_s", float("inf")))
-            self.host_nic_total[h] = self.host_nic_bw[h] * a.get("nic_count", 1)
-            self.host_intra_bw[h] = float(a.get("intra_node_bandwidth_bytes_per_s", float("inf")))
+        """A host's name (by ``node_of``): the graph's ``hostname`` or ``name`` (a profile's host),
+        else node-K."""
+        for n, h in sorted(set(zip(self.node_of, self.host_of))):
+            a = attrs.get(("host", n), {})
+            self.host_name[n] = str(a.get("hostname") or a.get("name") or f"node-{n}")
+            nic_bw = float(a.get("nic_bandwidth_bytes_per_s", float("inf")))
+            intra = float(a.get("intra_node_bandwidth_bytes_per_s", float("inf")))
+            if h not in self.host_nic_bw:  # the domain's first host
+                self.host_nic_kind[h] = str(a.get("nic_kind", ""))
+                self.host_nic_bw[h], self.host_nic_total[h], self.host_intra_bw[h] = nic_bw, 0.0, intra
+            # a domain: its slowest NIC and fabric figures, and all its hosts' NICs together
+            self.host_nic_bw[h] = min(self.host_nic_bw[h], nic_bw)
+            self.host_intra_bw[h] = min(self.host_intra_bw[h], intra)
+            self.host_nic_total[h] += nic_bw * a.get("nic_count", 1)
         self.group_cap = {}
         for u, v, d in graph.edges(data=True):
             if d.get("kind") == "inter_group":

@@ -49,10 +49,6 @@ class DeviceType:
             eff = (self.dtype_gemm_efficiency or {}).get("fp8")
         return self.gemm_efficiency if eff is None else eff
 
-    def supports(self, dtype: str) -> bool:
-        """Whether the catalog has a dense peak for ``dtype`` on this device (FP8: tensor cores)."""
-        return dtype in self.peak_flop_per_s
-
     def collective_tuning(self):
         from .cost.comm import NEUTRAL, CollectiveTuning
         return CollectiveTuning(**self.collective) if self.collective else NEUTRAL

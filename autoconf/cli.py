@@ -18,7 +18,7 @@ from profiler.cli import add_profile_parser
 
 from . import __version__
 from .argtypes import int_list, port, positive_int
-from .config import DP_ALL_REDUCE
+from .config import DP_ALL_REDUCE, FP8_RECIPES
 from .errors import UserError
 from .frameworks import FRAMEWORK_NAMES
 from .testbed import add_testbed_parser, cmd_testbed
@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     p.add_argument("--recompute", default="none", help="none, selective, full")
     p.add_argument("--sequence-parallel", action="store_true")
+    p.add_argument("--cp", type=positive_int, default=1,
+                   help="context-parallel degree: each sequence split over cp ranks (default 1)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"),
+                   help="bf16: GEMMs in the model's dtype; fp8: the linear layers' GEMMs in FP8 (default bf16)")
+    p.add_argument("--fp8-recipe", default="tensorwise", choices=FP8_RECIPES,
+                   help="FP8 scaling with --precision fp8 (default tensorwise)")
     p.add_argument("--rank-order", default="tp-dp-pp")
     p.add_argument("--stage-layers", type=int_list, metavar="N,N,...",
                    help="transformer blocks of each pipeline chunk (pp x virtual stages numbers; default: even)")
@@ -90,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the device each rank runs on (a permutation of 0..world-1; default: rank r on device r)")
     for knob, what in (("overlap-grad-reduce", "overlap the data-parallel gradient reduction with the backward"),
                        ("overlap-param-gather", "prefetch ZeRO's parameter gathers behind compute"),
-                       ("tp-comm-overlap", "overlap tensor-parallel communication with the GEMMs (needs SP)")):
+                       ("tp-comm-overlap", "overlap tensor-parallel communication with the GEMMs (needs SP)"),
+                       ("torch-compile", "compile each block with torch.compile (torchtitan)")):
         p.add_argument(f"--{knob}", action=argparse.BooleanOptionalAction, default=None,
                        help=f"{what} (default: the framework's)")
     p.add_argument("--dp-all-reduce", default="flat", choices=DP_ALL_REDUCE,
@@ -116,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--study-name", help="resume or share a study by name (default: one named after the inputs, "
                    "with a fingerprint of them: the same inputs resume it, changed ones start a new study)")
     p.add_argument("--max-micro-batch", type=positive_int, default=64)
+    p.add_argument("--max-cp", type=positive_int, default=None,
+                   help="largest context-parallel degree searched (default: seq_length / 4096, at least 1)")
+    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp8"),
+                   help="matmul precisions searched: auto tries FP8 too where every device and the framework "
+                        "run it (default auto)")
+    p.add_argument("--fp8-recipe", default=None, choices=FP8_RECIPES,
+                   help="the FP8 scaling searched (default: the framework's first that the devices run)")
     p.add_argument("--no-place", action="store_true",
                    help="no placement search: rank r on device r and layers split evenly (the default searches "
                    "which devices run each stage and group, and the layers per stage)")
@@ -209,7 +223,8 @@ def cmd_estimate(args) -> int:
                             overlap_grad_reduce=args.overlap_grad_reduce,
                             overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
                             dp_all_reduce=args.dp_all_reduce, device_order=args.device_order,
-                            stage_layers=args.stage_layers)
+                            stage_layers=args.stage_layers, cp=args.cp, precision=args.precision,
+                            fp8_recipe=args.fp8_recipe, torch_compile=args.torch_compile)
     e = estimate(config, model, cluster, profile, calibration, framework=args.framework)
     plots = []
     if args.plot:
@@ -277,6 +292,7 @@ def cmd_search(args) -> int:
                         trials=args.trials, exhaustive=not args.sample_only, storage=storage,
                         study_name=args.study_name, profile=profile, calibration=calibration,
                         max_micro_batch=args.max_micro_batch, framework=args.framework, place=not args.no_place,
+                        max_cp=args.max_cp, precision=args.precision, fp8_recipe=args.fp8_recipe,
                         progress=lambda done, total: bars.update(task, completed=done, total=total),
                         phase=lambda name: bars.update(task, completed=0, description=_PHASES.get(name, name)))
     if not result.top:

@@ -161,7 +161,7 @@ class Placer:
             return None
         m = self.system.model
         key = (c.pp, c.virtual_stages, c.tp, c.micro_batch_size, c.sequence_parallel, c.recompute, c.dp,
-               c.rank_order, device_order)
+               c.rank_order, device_order, c.cp, c.precision, c.fp8_recipe, c.torch_compile)
         hit = self._splits.get(key, False)
         if hit is not False:
             return hit
@@ -199,11 +199,11 @@ class Placer:
         return hit
 
     def _layer_s(self, kind: str, c: ParallelConfig) -> float:
-        lt = self.system.block(kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute)
+        lt = self.system.block_for(kind, c)
         return max(lt.forward_s + lt.backward_s, lt.host_forward_s + lt.host_backward_s)
 
     def _edge_s(self, kind: str, c: ParallelConfig, which: str) -> float:
-        lt = self.system.edge(kind, c.micro_batch_size, c.tp, which)
+        lt = self.system.edge(kind, c.micro_batch_size, c.tp, which, c.cp)
         return max(lt.forward_s + lt.backward_s, lt.host_forward_s + lt.host_backward_s)
 
     # -- the local search ---------------------------------------------------------------------

@@ -21,6 +21,7 @@ TERM_SOURCES = {
     "compute": "cost/compute.py: roofline per op, or the host's issue time where longer (cost/chunk_time.py); or the profile's measured layer times",
     "recompute": "cost/compute.py: forward recomputed in backward (full / selective)",
     "tp_comm": "cost/comm.py: Megatron all-reduces (SP: all-gather + reduce-scatter) per layer",
+    "cp_comm": "cost/context_parallel.py: key/value exchange of the sequence split, beyond the attention it hides behind",
     "bubble": "cost/pipeline.py: simulated schedule, idle time without transfers",
     "pp_comm": "cost/pipeline.py: simulated schedule, extra time from stage-to-stage transfers; the pipeline runtime per action (measured)",
     "dp_comm": "cost/data_parallel.py: gradient reduction not hidden behind backward; ZeRO gathers",
@@ -79,6 +80,8 @@ def options_label(c, placement: bool = False, framework: str | None = None) -> s
         parts.append({"selective": "rc-sel", "full": "rc-full"}.get(c.recompute, f"rc-{c.recompute}"))
     if c.sequence_parallel:
         parts.append("sp")
+    if getattr(c, "precision", "bf16") == "fp8":
+        parts.append("fp8" if c.fp8_recipe == "tensorwise" else f"fp8-{c.fp8_recipe}")
     parts += _extras(c, placement, framework)
     return " ".join(parts) or "-"
 
@@ -91,8 +94,9 @@ def _extras(c, placement: bool = True, framework: str | None = None) -> list[str
     if framework is not None:
         from .frameworks import framework as framework_model
         defaults = framework_model(framework).defaults
-    for knob, tag in (("overlap_grad_reduce", "ogr"), ("overlap_param_gather", "opg"), ("tp_comm_overlap", "tpo")):
-        v = getattr(c, knob)
+    for knob, tag in (("overlap_grad_reduce", "ogr"), ("overlap_param_gather", "opg"), ("tp_comm_overlap", "tpo"),
+                      ("torch_compile", "compile")):
+        v = getattr(c, knob, None)
         if v is not None and (knob not in defaults or bool(v) != defaults[knob]):
             parts.append(tag if v else f"no-{tag}")
     if placement and c.stage_layers is not None:
@@ -105,7 +109,9 @@ def _extras(c, placement: bool = True, framework: str | None = None) -> list[str
 def config_label(c) -> str:
     """One configuration in a few words: "dp2 pp2 tp1 mbs1 1f1b z1 rc-sel"."""
     opts = options_label(c, placement=True)
-    return f"dp{c.dp} pp{c.pp} tp{c.tp} mbs{c.micro_batch_size} {schedule_label(c)}" + ("" if opts == "-" else f" {opts}")
+    cp = f" cp{c.cp}" if getattr(c, "cp", 1) > 1 else ""
+    return (f"dp{c.dp} pp{c.pp} tp{c.tp}{cp} mbs{c.micro_batch_size} {schedule_label(c)}"
+            + ("" if opts == "-" else f" {opts}"))
 
 
 # -- models, devices -----------------------------------------------------------------------------
@@ -179,24 +185,29 @@ def search_table(r, wide: bool = False, rows: int | None = None) -> Table:
     """The best configurations, fastest first. Default: layout, schedule, options, step time, MFU
     and peak memory; ``wide``: every field in its own column, tokens/s and the time split."""
     t = _table()
+    top = r.top[:rows] if rows else r.top
+    cp = any(e.config.cp > 1 for e in top)  # a column only where context parallelism is chosen
     if wide:
-        _columns(t, [("#", "num"), ("dp", "num"), ("pp", "num"), ("tp", "num"), ("mbs", "num"), ("m", "num"),
+        _columns(t, [("#", "num"), ("dp", "num"), ("pp", "num"), ("tp", "num"), ("cp", "num"), ("mbs", "num"), ("m", "num"),
                      ("schedule", "wrap"), ("zero", "num"), ("recompute", "text"), ("sp", "text"), ("other", "wrap"),
                      ("step", "num"), ("tokens/s", "num"), ("MFU", "num"), ("peak mem", "num"), ("compute", "num"),
                      ("bubble", "num"), ("comm", "num")])
     else:
-        _columns(t, [("#", "num"), ("dp", "num"), ("pp", "num"), ("tp", "num"), ("mbs", "num"),
-                     ("schedule", "wrap"), ("options", "wrap"), ("step", "num"), ("MFU", "num"), ("memory", "num")])
-    for i, e in enumerate(r.top[:rows] if rows else r.top, 1):
+        _columns(t, [("#", "num"), ("dp", "num"), ("pp", "num"), ("tp", "num")] + ([("cp", "num")] if cp else [])
+                 + [("mbs", "num"), ("schedule", "wrap"), ("options", "wrap"), ("step", "num"), ("MFU", "num"),
+                    ("memory", "num")])
+    for i, e in enumerate(top, 1):
         c, b = e.config, e.breakdown_s
         if wide:
-            t.add_row(str(i), str(c.dp), str(c.pp), str(c.tp), str(c.micro_batch_size), str(c.num_micro_batches),
+            t.add_row(str(i), str(c.dp), str(c.pp), str(c.tp), str(c.cp), str(c.micro_batch_size), str(c.num_micro_batches),
                       schedule_label(c), str(c.zero_stage), c.recompute, "y" if c.sequence_parallel else "",
                       " ".join(_extras(c)), fmt_seconds(e.step_time_s), f"{e.tokens_per_s:,.0f}",
                       f"{100 * e.mfu:.1f}%", fmt_bytes(e.peak_memory_bytes), fmt_seconds(b["compute"] + b["recompute"]),
-                      fmt_seconds(b["bubble"]), fmt_seconds(b["tp_comm"] + b["pp_comm"] + b["dp_comm"]))
+                      fmt_seconds(b["bubble"]),
+                      fmt_seconds(b["tp_comm"] + b.get("cp_comm", 0.0) + b["pp_comm"] + b["dp_comm"]))
         else:
-            t.add_row(str(i), str(c.dp), str(c.pp), str(c.tp), str(c.micro_batch_size), schedule_label(c),
+            t.add_row(str(i), str(c.dp), str(c.pp), str(c.tp), *([str(c.cp)] if cp else []),
+                      str(c.micro_batch_size), schedule_label(c),
                       options_label(c, framework=e.framework), fmt_seconds(e.step_time_s), f"{100 * e.mfu:.1f}%",
                       fmt_bytes(e.peak_memory_bytes))
     return t
@@ -217,8 +228,8 @@ def search_tables(r, wide: bool = False, rows: int | None = None) -> list:
            Text(f"{r.trials_run} trials, {r.estimates:,} estimates, {r.sampler}, {r.elapsed_s:.1f} s", style="dim"),
            search_table(r, wide, rows)]
     if not wide:
-        out.append(Text("options: z ZeRO stage, rc recomputation, sp sequence parallelism, knobs (ogr, opg, "
-                        "tpo) where not the framework's default; --wide: all", style="dim"))
+        out.append(Text("options: z ZeRO stage, rc recomputation, sp sequence parallelism, fp8 FP8 linears, knobs "
+                        "(ogr, opg, tpo, compile) where not the framework's default; --wide: all", style="dim"))
     out += [Text(""), _heading(f"rejected ({r.space_size:,} configurations in the space)"), rejected_table(r)]
     return out
 

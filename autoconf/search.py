@@ -277,6 +277,40 @@ class _Repair:
         return out
 
 
+def precision_choices(system: System, precision: str = "auto", fp8_recipe: str | None = None) -> tuple:
+    """The (precision, FP8 recipe) pairs a search tries: bf16 (the model's dtype), and FP8 where
+    asked ("auto" or "fp8") and every device of the cluster and the framework run it, with
+    ``fp8_recipe`` or else the framework's first recipe the devices run (MXFP8 needs Blackwell).
+    A one-line error where "fp8" is asked and cannot run."""
+    from .config import FP8_RECIPES
+    if precision not in ("auto", "bf16", "fp8"):
+        raise UserError(f"--precision {precision!r}; valid: auto, bf16, fp8")
+    if fp8_recipe is not None and fp8_recipe not in FP8_RECIPES:
+        raise UserError(f"--fp8-recipe {fp8_recipe!r}; valid: {', '.join(FP8_RECIPES)}")
+    bf16 = ("bf16", "tensorwise")
+    if precision == "bf16":
+        return (bf16,)
+    fw = system.framework
+    kinds = sorted(set(system.topology.kind_of))
+    from .catalog import device_type
+
+    def runs(recipe):
+        dtype = "mxfp8" if recipe == "mxfp8" else "fp8"
+        return recipe in fw.fp8_recipes and all(device_type(k).supports(dtype) for k in kinds)
+    recipes = [fp8_recipe] if fp8_recipe else list(fw.fp8_recipes)
+    ok = [r for r in recipes if runs(r)]
+    if not ok:
+        if precision == "fp8":
+            why = (f"framework {fw.name} has no FP8" if not fw.fp8_recipes else
+                   f"framework {fw.name} runs {', '.join(fw.fp8_recipes)}" if fp8_recipe and fp8_recipe not in fw.fp8_recipes
+                   else f"device {', '.join(kinds)} has no {'MXFP8' if fp8_recipe == 'mxfp8' else 'FP8'} tensor cores")
+            raise UserError(f"--precision fp8{f' --fp8-recipe {fp8_recipe}' if fp8_recipe else ''}: {why}; "
+                            "use --precision bf16 or auto")
+        return (bf16,)
+    fp8 = ("fp8", ok[0])
+    return (fp8,) if precision == "fp8" else (bf16, fp8)
+
+
 def dp_hierarchical(system: System, dp: int, pp: int, tp: int) -> bool:
     """Whether ``dp_all_reduce="hierarchical"`` can change anything for (dp, pp, tp) in the
     default rank order: the framework runs one, and some data-parallel group spans several hosts
@@ -452,7 +486,8 @@ def default_study_name(model, world: int, global_batch: int, cluster_name: str, 
 
 _SIGNATURE_WHAT = {"model": "model", "global_batch": "global batch", "devices": "devices", "framework": "framework",
                    "max_micro_batch": "max micro-batch", "cluster": "cluster file", "profile": "profile",
-                   "calibration": "calibration", "placement": "placement search"}
+                   "calibration": "calibration", "placement": "placement search",
+                   "cp": "context-parallel degrees", "precisions": "precisions"}
 
 
 def _difference(stored: dict, now: dict) -> str:
@@ -777,7 +812,8 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
            trials: int | None = None, storage: str | None = None,
            study_name: str | None = None, profile=None, calibration=None, max_micro_batch: int = 64,
            seed: int = 0, exhaustive: bool = True, progress=None, framework=None,
-           place: bool = False, phase=None) -> SearchResult:
+           place: bool = False, phase=None, max_cp: int | None = None, precision: str = "auto",
+           fp8_recipe: str | None = None) -> SearchResult:
     """Search the space for the ``top`` fastest configurations that fit (exactly the model's
     ``top`` fastest, unless ``exhaustive=False``). ``storage``: an Optuna storage URL to keep the
     trials in (``sqlite:///file.db``; resumable), or None to keep them in memory only (no file
@@ -789,7 +825,9 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     offered, its switchable knobs are searched, and its behaviour is modelled. ``place``: search
     the placement too (``place``): every configuration is estimated with the graph heuristics'
     placement, and the ``top`` best are improved by a local search and ranked again; otherwise
-    rank r runs on device r with the layers split evenly."""
+    rank r runs on device r with the layers split evenly. ``max_cp``: the largest context-parallel
+    degree tried (``config.cp_choices``); ``precision`` ("auto", "bf16" or "fp8") and
+    ``fp8_recipe``: the matmul precisions tried (:func:`precision_choices`)."""
     t0 = time.perf_counter()
     if top < 1:
         raise UserError(f"--top {top}: must be a positive number of configurations")
@@ -799,9 +837,11 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         raise UserError(f"--gpus {world}: the cluster has only {ctx.num_devices} devices")
     if global_batch <= 0:
         raise UserError(f"--global-batch {global_batch}: must be a positive number of sequences")
+    cps = cp_choices(model, world, max_cp) if ctx.framework.cp_comm else (1,)
+    precisions = precision_choices(ctx, precision, fp8_recipe)
     points, total, valid, rejected, valid_per_point = count_space(
         model, world, global_batch, max_micro_batch, ctx.framework,
-        lambda dp, pp, tp: dp_hierarchical(ctx, dp, pp, tp))
+        lambda dp, pp, tp: dp_hierarchical(ctx, dp, pp, tp), cps, precisions)
     if not points or not valid:
         raise UserError(f"no valid configuration: global batch {global_batch} on {world} devices; "
                         f"rejected: {', '.join(f'{k} ({v})' for k, v in rejected.items())}")
@@ -811,7 +851,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         # other frameworks take rank = launch order, which the emitted files do not reorder yet
         from .place import Placer
         placer = Placer(ctx, world)
-    evaluate = _Evaluator(ctx, global_batch, valid_per_point, placer, top=top)
+    evaluate = _Evaluator(ctx, global_batch, valid_per_point, placer, top=top, precisions=precisions)
     budget = trials if trials is not None else 400
     signature = {"model": model.to_dict(), "global_batch": global_batch, "devices": world,
                  "framework": ctx.framework.name,
@@ -821,6 +861,10 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                  "calibration": _digest(calibration.to_dict()) if calibration is not None else None}
     if place:  # the stored step times are those of the placed configurations
         signature["placement"] = "searched"
+    if cps != (1,):  # (absent when the space has neither, so earlier studies keep their names)
+        signature["cp"] = list(cps)
+    if precisions != (("bf16", "tensorwise"),):
+        signature["precisions"] = [list(p) for p in precisions]
     name = study_name or default_study_name(model, world, global_batch,
                                             cluster.name if cluster is not None else "profile",
                                             ctx.framework.name, signature)

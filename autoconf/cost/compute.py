@@ -266,7 +266,7 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     attention core stays in the model's dtype). ``compiled``: torch.compile fuses the element-wise
     chains (a residual add into the norm that reads it; FP8 casts into their producers) and
     issues the fused kernels instead of every eager operation."""
-    s, h, f, a = model.seq_length, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+    s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
     q, kv, B = model.q_size, model.kv_size, model.dtype_bytes
     s_loc = s / cp
     T = b * s_loc

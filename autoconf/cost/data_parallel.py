@@ -103,7 +103,7 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
       max(0, gather + its share of the reduce-scatter - compute) when overlapped
       (``overlap_grad_reduce``), all of it otherwise.
     """
-    m, n_mb, nl = system.model, c.num_micro_batches, max(lay.chunk_layers[ci], 1)
+    n_mb, nl = c.num_micro_batches, max(lay.chunk_layers[ci], 1)
     n, axis = grad_group(c)
     if n == 1 or c.zero_stage < 2:
         return 0.0, 0.0

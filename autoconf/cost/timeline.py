@@ -24,6 +24,7 @@ from .layout import layout
 from .pipeline import Timeline, simulate, timeline
 from .schedule_time import chunk_p2p_times, pipeline_floor, posted_receives, run_schedule
 from .system import System
+from .context_parallel import cp_times
 from .tensor_parallel import tp_times
 
 __all__ = ["StepTimeline", "step_timeline"]
@@ -70,7 +71,7 @@ def step_timeline(config: ParallelConfig, system: System) -> StepTimeline:
     c, ctx = config, system
     lay = layout(ctx, c)
     runtime = ctx.pipeline_runtime(c, lay.stage_kinds)
-    ct = chunk_times(ctx, c, lay, tp_times(ctx, c, lay.stage_kinds), runtime)
+    ct = chunk_times(ctx, c, lay, tp_times(ctx, c, lay.stage_kinds), runtime, cp_times(ctx, c, lay.stage_kinds))
     p2p = chunk_p2p_times(ctx, c, lay.num_chunks)
     m, v = c.num_micro_batches, lay.virtual_stages
     posted = posted_receives(ctx)
@@ -85,10 +86,12 @@ def step_timeline(config: ParallelConfig, system: System) -> StepTimeline:
         return tuple((k, s) for k, s in named if s > 0.0)
 
     fwd = tuple(parts(("compute", ct.compute_forward_s[i]), ("tp_comm", ct.tp_comm_forward_s[i]),
-                      ("dp_comm", ct.dp_inline_forward_s[i]), ("runtime", runtime))
+                      ("cp_comm", ct.cp_comm_forward_s[i]), ("dp_comm", ct.dp_inline_forward_s[i]),
+                      ("runtime", runtime))
                 for i in range(lay.num_chunks))
     bwd = tuple(parts(("recompute", ct.recompute_s[i]), ("compute", ct.compute_backward_s[i]),
                       ("tp_comm", ct.tp_comm_s[i] - ct.tp_comm_forward_s[i]),
+                      ("cp_comm", ct.cp_comm_s[i] - ct.cp_comm_forward_s[i]),
                       ("dp_comm", ct.dp_inline_s[i] - ct.dp_inline_forward_s[i]), ("runtime", runtime))
                 for i in range(lay.num_chunks))
     return StepTimeline(config=c, schedule=lay.schedule, virtual_stages=v, pipeline=tl, forward_parts=fwd,

@@ -576,7 +576,8 @@ class PointOptimizer:
     def points(self, world: int, global_batch: int) -> list:
         fw = self.system.framework
         out = []
-        for p in outer_space(self.model, world, global_batch, self.max_micro_batch):
+        # (dp, pp, tp, mbs, schedule, v, layered): the planner does not split sequences (cp = 1)
+        for p in (q[:7] for q in outer_space(self.model, world, global_batch, self.max_micro_batch)):
             base = make_config(*p, 0, "none", False, global_batch)
             if fw.check(base) or check(base, self.model):
                 continue

@@ -202,7 +202,7 @@ FRAMEWORKS = {
         defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False,
                   "torch_compile": False},
         knobs=("tp_comm_overlap", "torch_compile"), all_reduce_algorithms=_NCCL_ALL_REDUCE,
-        cp_comm="all_gather", fp8_recipes=("tensorwise", "rowwise", "mxfp8"), fp8_host_ops=(16, 16),
+        cp_comm="all_gather", fp8_recipes=("rowwise", "tensorwise", "mxfp8"), fp8_host_ops=(16, 16),
         fp8_all_gather=True),
     "deepspeed": Framework(
         name="deepspeed", schedules=("1f1b",),

@@ -758,18 +758,23 @@ class _Study:
             return True
         return False
 
-    def sample(self, target: int, repair, progress) -> int:
-        """Constrained TPE over (tp, pp, micro-batch size, pipeline), each sample repaired to a
-        valid point; returns the number of new points evaluated."""
-        run = asks = 0
+    def sample(self, target: int, repair, progress, stall: float = float("inf")) -> int:
+        """Constrained TPE over (tp, pp, micro-batch size, pipeline, cp), each sample repaired to a
+        valid point; returns the number of new points evaluated. ``stall``: stop once that many
+        samples in a row were points already known, or after twice ``target`` samples (TPE has
+        settled; an exhaustive search's sweep decides the rest, and each sample costs more as the
+        study grows); without it, after five times ``target``."""
+        run = asks = repeats = 0
         if target > 0 and self.memory is None:
             self._memory_study()
-        while run < target and asks < 5 * target:
+        while run < target and asks < (2 if stall < float("inf") else 5) * target and repeats < stall:
             asks += 1
             trial = self.memory.ask(self.sample_dists)
             k = repair(trial.params)
             if self._tell_known(trial, k):
+                repeats += 1
                 continue
+            repeats = 0
             ft = self.record(k, *self.evaluate(self.key_of[k]), "sampled")
             if ft is None:
                 self.memory.tell(trial, state=self.optuna.trial.TrialState.PRUNED)
@@ -889,7 +894,8 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                 # count against the budget (a resumed search finishes the same search)
                 target = budget - study.earlier_sampled if exhaustive else budget
                 enter("sampling")
-                run = study.sample(min(max(target, 0), len(todo)), _Repair(study.key_of), progress)
+                run = study.sample(min(max(target, 0), len(todo)), _Repair(study.key_of), progress,
+                                   stall=20 if exhaustive else float("inf"))
                 if exhaustive:
                     enter("sweep")
                     run += study.sweep(todo, run, progress)

@@ -94,12 +94,24 @@ def _run(plan, hosts, visible, script) -> list[str]:
     return out
 
 
+def _shape(plan) -> str:
+    """The parallel shape: every axis's degree, and the matmul precision."""
+    c = plan.config
+    axes = " x ".join(f"{a} {getattr(c, a)}" for a in ("dp", "pp", "tp", "cp"))
+    seq = (f"; context parallelism splits each {plan.model.seq_length}-token sequence over {c.cp} ranks "
+           f"({plan.model.seq_length // c.cp} tokens each)" if c.cp > 1 else "")
+    precision = (f"linear layers' matmuls in FP8 with {c.fp8_recipe} scaling (attention and the output layer in "
+                 f"{plan.model.dtype})" if c.precision == "fp8" else f"matmuls in {plan.model.dtype}")
+    return f"Parallel shape: {axes} = {plan.world_size} ranks{seq}; precision: {precision}."
+
+
 def plan_markdown(plan, estimate, hosts, visible, script, runners_up) -> str:
     e = plan.expected
     lines = [f"# Plan: {comment(plan.model.name)} on {comment(plan.cluster.name)}", "",
              f"**`{plan.config.short()}`** for {plan.framework}: {plan.world_size} processes on {len(hosts)} "
              f"host{'s' if len(hosts) > 1 else ''}, global batch {plan.global_batch} "
              f"({plan.dp} replicas x {plan.micro_batch_size} sequences x {plan.num_micro_batches} micro-batches).", "",
+             _shape(plan), "",
              f"Predicted: {e.step_time_s:.4g} s per step, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, peak "
              f"memory {_gib(e.peak_memory_bytes)} per device.", ""]
     lines += _why(estimate)

@@ -6,11 +6,19 @@
   names). Any layer split is expressed: even splits by the layer counts, others by
   ``--pipeline-model-parallel-layout`` (one ``|``-separated entry per virtual stage, in
   megatron-core's order ``vp_rank * pp + pp_rank``, which is autoconf's chunk order).
+  Context parallelism: ``--context-parallel-size``, ``--cp-comm-type p2p`` (the ring the plan
+  priced); FP8: ``--fp8-format hybrid --fp8-recipe tensorwise|delayed|mxfp8`` (Transformer Engine).
 - **torchtitan**: 0.3 reads no file; its configuration is a Python function of a model module
   (``--module llama3 --config llama3_8b``) plus command-line overrides, which
   ``torchtitan_args.sh`` holds (``TORCHTITAN_ARGS``, ``TORCHTITAN_AC``). 0.2 read a TOML file
   (``--job.config_file``): ``torchtitan.toml`` has the same settings in that form. Layers per
   stage are given exactly as ``module_fqns_per_model_part`` (the Llama module names of that version).
+  Context parallelism: ``parallelism.context_parallel_degree`` (head-tail load balancing; 0.2 also
+  ``context_parallel_rotate_method = "allgather"``); ``compile.enable`` always set to the plan's
+  value. FP8: 0.2 by ``[model] converters`` and ``[quantize.linear.float8]`` / ``[quantize.linear.mx]``
+  (tensorwise with FSDP gathers the weights in FP8); 0.3 takes quantisation from the config function
+  only (its ``model_spec`` is not a command-line setting), so ``torchtitan_args.sh`` names the
+  converter that function must apply (:func:`torchtitan_converter`).
 - **DeepSpeed** (``ds_config.json``): batch sizes, ZeRO stage, precision, ``overlap_comm``,
   AutoTP's degree; ``"_autoconf"`` holds the notes (DeepSpeed ignores keys it does not know).
 
@@ -23,15 +31,25 @@ import json
 
 from .frameworks import framework as framework_model
 from .launch import comment, quote
+from .placement import full_order
 
 TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B",
                         "breadth_first": "LoopedBFS"}
-MEGATRON_RANK_ORDERS = {"tp-dp-pp": [], "tp-pp-dp": ["--use-tp-pp-dp-mapping"]}
+MEGATRON_RANK_ORDERS = {"tp-cp-dp-pp": [], "tp-cp-pp-dp": ["--use-tp-pp-dp-mapping"]}
+"""Megatron-LM's rank orders (megatron-core's "tp-cp-ep-dp-pp", or "tp-cp-ep-pp-dp" with
+--use-tp-pp-dp-mapping), as autoconf's full orders (``placement.full_order``)."""
+TORCHTITAN_RANK_ORDER = "tp-cp-dp-pp"
+"""torchtitan's device mesh: pp, dp (replicate, shard), cp, tp (tp innermost)."""
 
 
-def gaps(plan, name: str) -> list[str]:
+def _order(c) -> str:
+    return "-".join(full_order(c.rank_order))
+
+
+def gaps(plan, name: str, version: str = "0.3") -> list[str]:
     """The parts of ``plan`` framework ``name`` cannot express (one line each); [] for the
-    reference trainer, which runs every plan."""
+    reference trainer, which runs every plan. ``version``: torchtitan's (0.3, which the node
+    scripts run, or 0.2, ``torchtitan.toml``)."""
     if name == "reference":
         return []
     c, out = plan.config, []
@@ -39,10 +57,10 @@ def gaps(plan, name: str) -> list[str]:
         out.append(f"the per-GPU placement (device_order {','.join(map(str, c.device_order))}): {name} gives "
                    "rank r to the process on device r (launch order), so the plan's device order is not applied "
                    "and its predicted step time assumed it")
-    if name == "megatron" and c.rank_order not in MEGATRON_RANK_ORDERS:
-        out.append(f"rank order {c.rank_order}: Megatron-LM orders ranks tp-dp-pp (or tp-pp-dp)")
-    if name == "torchtitan" and c.rank_order != "tp-dp-pp":
-        out.append(f"rank order {c.rank_order}: torchtitan's device mesh is pp, dp, tp (tp innermost)")
+    if name == "megatron" and _order(c) not in MEGATRON_RANK_ORDERS:
+        out.append(f"rank order {c.rank_order}: Megatron-LM orders ranks tp-cp-dp-pp (or tp-cp-pp-dp)")
+    if name == "torchtitan" and _order(c) != TORCHTITAN_RANK_ORDER:
+        out.append(f"rank order {c.rank_order}: torchtitan's device mesh is pp, dp, cp, tp (tp innermost)")
     if name == "deepspeed" and c.stage_layers is not None and c.pp > 1:
         out.append(f"the layer split {'/'.join(map(str, c.stage_layers))}: DeepSpeed's PipelineModule partitions "
                    "by 'uniform', 'parameters' or layer type, not by given counts")
@@ -52,7 +70,34 @@ def gaps(plan, name: str) -> list[str]:
         out.append(f"the hierarchical data-parallel all-reduce: {name} runs NCCL's own")
     if c.schedule not in framework_model(name).schedules and c.pp > 1:
         out.append(f"the {c.schedule} schedule: {name} has {', '.join(framework_model(name).schedules)}")
+    fp8 = c.precision == "fp8"
+    if name == "megatron" and fp8 and c.fp8_recipe not in MEGATRON_FP8_RECIPES:
+        out.append(f"{c.fp8_recipe} FP8 scaling: Megatron-LM's --fp8-recipe has "
+                   f"{', '.join(MEGATRON_FP8_RECIPES)} (and blockwise); the run needs another recipe")
+    if name == "torchtitan" and fp8 and c.fp8_recipe not in TORCHTITAN_FP8_RECIPES[version]:
+        out.append(f"{c.fp8_recipe} FP8 scaling"
+                   + (" (and the FP8 all-gather of FSDP weights the plan assumed)"
+                      if c.fp8_recipe == "tensorwise" and c.zero_stage >= 2 else "")
+                   + f": torchtitan {version} has {', '.join(TORCHTITAN_FP8_RECIPES[version])}"
+                   + (" (its Float8LinearConverter's recipe_name is rowwise or rowwise_with_gw_hp); torchtitan 0.2 "
+                      "runs tensorwise (torchtitan.toml)" if version == "0.3" and c.fp8_recipe == "tensorwise" else ""))
+    if (name == "torchtitan" and version == "0.2" and fp8 and c.fp8_recipe == "mxfp8" and c.tp > 1
+            and _titan_compile(plan)):
+        out.append("MXFP8 with tensor parallelism under torch.compile: torchtitan 0.2's MX converter refuses "
+                   "the combination (TP not yet supported with torch.compile for mxfp8)")
+    if name == "torchtitan" and c.torch_compile is False and _knob(plan, name, "tp_comm_overlap"):
+        out.append("torch_compile off with tp_comm_overlap: torchtitan's asynchronous TP runs only compiled, "
+                   "so the files switch compile on")
+    if name in ("megatron", "deepspeed") and c.torch_compile:
+        out.append(f"torch.compile: {name} runs the model eagerly")
     if name == "deepspeed":
+        if c.cp > 1:
+            out.append(f"context parallelism (cp={c.cp}): ds_config.json has none (DeepSpeed's Ulysses sequence "
+                       "parallelism is another scheme, set up in the model's code), so each rank would hold whole "
+                       "sequences")
+        if fp8:
+            out.append(f"FP8 matmuls ({c.fp8_recipe} scaling): ds_config.json has no FP8 training; the linear "
+                       "layers run in the model's dtype unless the model itself uses Transformer Engine / torchao")
         if c.sequence_parallel:
             out.append("sequence parallelism: DeepSpeed's AutoTP shards the linear layers only")
         if c.recompute == "selective":
@@ -64,6 +109,20 @@ def gaps(plan, name: str) -> list[str]:
 def _knob(plan, name: str, knob: str) -> bool:
     """The knob's value in framework ``name``: the plan's own setting, else that framework's default."""
     return framework_model(name).knob(plan.config, knob)
+
+
+def _titan_compile(plan) -> bool:
+    """Whether the torchtitan run compiles: the plan's torch_compile, or asynchronous TP (which
+    torchtitan runs only compiled: ``CompileConfig`` refuses it without ``compile.enable``)."""
+    return _knob(plan, "torchtitan", "torch_compile") or _knob(plan, "torchtitan", "tp_comm_overlap")
+
+
+MEGATRON_FP8_RECIPES = ("tensorwise", "delayed", "mxfp8")
+"""megatron-core's TransformerConfig.fp8_recipe values autoconf prices (it also has blockwise, custom)."""
+TORCHTITAN_FP8_RECIPES = {"0.3": ("rowwise", "mxfp8"), "0.2": ("tensorwise", "rowwise", "mxfp8")}
+"""The FP8 recipes of each torchtitan version: 0.3's Float8LinearConverter takes recipe_name rowwise
+(or rowwise_with_gw_hp) only; 0.2's Float8Linear tensorwise (recipe_name unset) or rowwise; both
+have MXFP8 (its own converter)."""
 
 
 def _layout(plan) -> str:
@@ -82,12 +141,14 @@ def megatron_args(plan) -> list:
     c, m = plan.config, plan.model
     a = ["--tensor-model-parallel-size", c.tp, "--pipeline-model-parallel-size", c.pp,
          "--micro-batch-size", c.micro_batch_size, "--global-batch-size", c.global_batch]
+    if c.cp > 1:  # the ring (Transformer Engine's p2p), as the plan priced it
+        a += ["--context-parallel-size", c.cp, "--cp-comm-type", "p2p"]
     even = c.stage_layers is None and m.num_layers % c.num_chunks == 0
     if c.pp > 1 and not even:
         a += ["--pipeline-model-parallel-layout", _layout(plan)]
     elif c.virtual_stages > 1:
         a += ["--num-layers-per-virtual-pipeline-stage", m.num_layers // c.num_chunks]
-    a += MEGATRON_RANK_ORDERS.get(c.rank_order, [])
+    a += MEGATRON_RANK_ORDERS.get(_order(c), [])
     if c.sequence_parallel:
         a.append("--sequence-parallel")
     if c.recompute == "selective":
@@ -116,6 +177,8 @@ def megatron_args(plan) -> list:
     a += ["--attention-backend", "flash" if m.attention == "flash" else "unfused"]
     if m.dtype in ("bf16", "fp16"):
         a.append(f"--{m.dtype}")
+    if c.precision == "fp8" and c.fp8_recipe in MEGATRON_FP8_RECIPES:  # E4M3 forward, E5M2 gradients
+        a += ["--fp8-format", "hybrid", "--fp8-recipe", c.fp8_recipe]
     return a
 
 
@@ -149,6 +212,8 @@ def megatron_file(plan, header: str) -> str:
             "bash node-0.sh --data-path ... --tokenizer-type ... --lr ... --train-iters ...\n"
             + ("# --tp-comm-overlap runs on Transformer Engine's userbuffers: install transformer-engine.\n"
                if "--tp-comm-overlap" in megatron_args(plan) else "")
+            + ("# Context parallelism and FP8 run in Transformer Engine's layers: install transformer-engine.\n"
+               if {"--context-parallel-size", "--fp8-format"} & set(megatron_args(plan)) else "")
             + _notes(plan, "megatron") + _array("MEGATRON_ARGS", megatron_args(plan)))
 
 
@@ -180,6 +245,10 @@ def torchtitan_settings(plan, version: str = "0.3") -> dict:
     par = {**_titan_dp(c), "tensor_parallel_degree": c.tp, "pipeline_parallel_degree": c.pp}
     if version == "0.3" and c.tp > 1:
         par["enable_sequence_parallel"] = c.sequence_parallel
+    if c.cp > 1:  # head-tail: rank i holds chunks i and 2cp-1-i, the plan's split; keys and values all-gathered
+        par.update(context_parallel_degree=c.cp, context_parallel_load_balancer="headtail")
+        if version != "0.3":  # 0.3 has no rotate method setting (torch's default, allgather)
+            par["context_parallel_rotate_method"] = "allgather"
     training = {"seq_len": m.seq_length, "global_batch_size": c.global_batch}
     if c.pp > 1:  # the per-replica batch, split into the pipeline's micro-batches
         training["local_batch_size"] = c.micro_batch_size * c.num_micro_batches
@@ -191,16 +260,52 @@ def torchtitan_settings(plan, version: str = "0.3") -> dict:
     else:  # one micro-batch per forward, accumulated num_micro_batches times
         training["local_batch_size"] = c.micro_batch_size
     training["mixed_precision_param"] = "float32" if m.dtype == "fp32" else "bfloat16"
-    out = {"training": training, "parallelism": par}
+    out = {"training": training, "parallelism": par, "compile": {"enable": _titan_compile(plan)}}
     if _knob(plan, "torchtitan", "tp_comm_overlap"):
         if version == "0.3":
-            out["compile"] = {"enable": True, "enable_async_tensor_parallel": True}
+            out["compile"]["enable_async_tensor_parallel"] = True
         else:
-            out["compile"] = {"enable": True}
             par["enable_async_tensor_parallel"] = True
     if version != "0.3":
         out["activation_checkpoint"] = {"mode": c.recompute}
+        out.update(_titan02_fp8(c))
     return out
+
+
+def _titan02_fp8(c) -> dict:
+    """torchtitan 0.2's FP8 sections: the converter and its options (the output layer left in the
+    model's dtype, as the plan prices it). Tensorwise is Float8Linear without a recipe_name (0.2
+    refuses recipe_name with the FP8 all-gather), whose FSDP weights are gathered in FP8."""
+    if c.precision != "fp8" or c.fp8_recipe not in TORCHTITAN_FP8_RECIPES["0.2"]:
+        return {}
+    if c.fp8_recipe == "mxfp8":
+        return {"model": {"converters": ["quantize.linear.mx"]}, "quantize.linear.mx": {"filter_fqns": ["output"]}}
+    f8 = {"filter_fqns": ["output"]}
+    if c.fp8_recipe == "tensorwise":
+        fsdp = c.zero_stage >= 2
+        f8.update(enable_fsdp_float8_all_gather=fsdp, precompute_float8_dynamic_scale_for_fsdp=fsdp)
+    else:
+        f8["recipe_name"] = c.fp8_recipe
+    return {"model": {"converters": ["quantize.linear.float8"]}, "quantize.linear.float8": f8}
+
+
+def torchtitan_converter(plan) -> tuple[str, dict] | None:
+    """The converter torchtitan 0.3's config function must apply for the plan's FP8 (a class of
+    ``torchtitan.components.quantization`` and its ``Config`` fields), or None: 0.3 reads
+    quantisation from the model spec the config function builds, not from the command line. The
+    output layer (lm_head) stays in the model's dtype."""
+    c = plan.config
+    if c.precision != "fp8" or c.fp8_recipe not in TORCHTITAN_FP8_RECIPES["0.3"]:
+        return None
+    if c.fp8_recipe == "mxfp8":
+        return "MXFP8LinearConverter", {"fqns": ["layers"], "model_compile_enabled": _titan_compile(plan)}
+    return "Float8LinearConverter", {"recipe_name": c.fp8_recipe, "filter_fqns": ["lm_head"],
+                                     "model_compile_enabled": _titan_compile(plan)}
+
+
+def _converter_text(conv) -> str:
+    name, kw = conv
+    return f"{name}.Config({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
 
 
 def torchtitan_args(plan) -> tuple[list, str]:
@@ -226,6 +331,10 @@ def torchtitan_args_file(plan, header: str) -> str:
             '"${TORCHTITAN_ARGS[@]}" "$@" "$TORCHTITAN_AC"\n'
             f"# TORCHTITAN_CONFIG: a config function of the module with this model's shape ({comment(_shape(plan))}); "
             "the layer names below are torchtitan's Llama ones.\n"
+            + (f"# FP8 ({plan.config.fp8_recipe}): torchtitan 0.3 takes it from the config function, not the command "
+               "line: TORCHTITAN_CONFIG's model_registry(..., converters=[...]) must hold "
+               f"torchtitan.components.quantization.{_converter_text(torchtitan_converter(plan))}\n"
+               if torchtitan_converter(plan) else "")
             + _notes(plan, "torchtitan") + _array("TORCHTITAN_ARGS", words)
             + f"TORCHTITAN_AC={quote(ac)}\n")
 
@@ -241,7 +350,7 @@ def _toml_value(v) -> str:
 
 
 def torchtitan_toml(plan, header: str) -> str:
-    notes = gaps(plan, "torchtitan")
+    notes = gaps(plan, "torchtitan", "0.2")
     if plan.config.tp > 1 and not plan.config.sequence_parallel:
         notes.append("tensor parallelism without sequence parallelism: torchtitan 0.2 always shards the sequence "
                      "with tp (0.3 has parallelism.enable_sequence_parallel)")

@@ -73,6 +73,8 @@ MEGATRON_CASES = {
                   recompute="full"),
     "uneven-interleaved": cfg(dp=1, pp=2, tp=8, micro_batch_size=1, num_micro_batches=4, schedule="interleaved",
                               virtual_stages=2, stage_layers=(7, 9, 9, 7), sequence_parallel=True),
+    "cp-fp8": cfg(dp=2, pp=2, tp=4, cp=2, micro_batch_size=1, num_micro_batches=4, schedule="interleaved",
+                  virtual_stages=2, sequence_parallel=True, zero_stage=1, precision="fp8", fp8_recipe="tensorwise"),
 }
 
 
@@ -93,6 +95,9 @@ def test_megatron_args_parse_back_to_the_plan(tmp_path, case):
     assert int(o["num_layers"]) == 32 and o["num_query_groups"] == "8" and o["group_query_attention"] is True
     assert o["swiglu"] and o["normalization"] == "RMSNorm" and o["position_embedding_type"] == "rope"
     assert o["untie_embeddings_and_output_weights"] and o["disable_bias_linear"] and o["bf16"]
+    assert int(o.get("context_parallel_size", 1)) == c.cp and o.get("cp_comm_type") == ("p2p" if c.cp > 1 else None)
+    assert o.get("fp8_format") == ("hybrid" if c.precision == "fp8" else None)
+    assert o.get("fp8_recipe") == (c.fp8_recipe if c.precision == "fp8" else None)
     if c.stage_layers is None:
         assert o["num_layers_per_virtual_pipeline_stage"] == str(32 // (c.pp * c.virtual_stages))
     else:
@@ -101,6 +106,8 @@ def test_megatron_args_parse_back_to_the_plan(tmp_path, case):
     node = open(files["node-0.sh"]).read()
     assert 'source ./megatron_args.sh' in node and '/pretrain_gpt.py" "${MEGATRON_ARGS[@]}" "$@"' in node
     assert f"--nnodes={c.world_size // 8}" in node and "--node-rank=0" in node  # 8 GPUs per a100-4x8 host
+    # Megatron's data-parallel size is world / (tp x pp x cp): the global batch splits into the plan's micro-batches
+    assert int(o["global_batch_size"]) == c.world_size // (c.tp * c.pp * c.cp) * c.micro_batch_size * c.num_micro_batches
 
 
 @pytest.mark.parametrize("case", MEGATRON_CASES)
@@ -126,6 +133,10 @@ def test_megatron_core_builds_its_configs_from_the_emitted_args(tmp_path, case):
     for k, v in o.items():
         if k in names:
             kw[k] = v if v is True or not v.replace(".", "").isdigit() else (float(v) if "." in v else int(v))
+    fields = {f.name: f for f in dataclasses.fields(TransformerConfig)}  # --fp8-format sets TransformerConfig.fp8
+    assert fields["fp8"].metadata["argparse_meta"]["arg_names"] == ["--fp8-format"] and "fp8" not in o
+    if "fp8_format" in o:
+        kw["fp8"] = o["fp8_format"]
     kw["attention_backend"] = AttnBackend[o["attention_backend"]]
     kw["gated_linear_unit"], kw["activation_func"] = True, F.silu
     kw["add_bias_linear"] = not o.get("disable_bias_linear", False)
@@ -137,6 +148,13 @@ def test_megatron_core_builds_its_configs_from_the_emitted_args(tmp_path, case):
         kw["virtual_pipeline_model_parallel_size"] = len(o["pipeline_model_parallel_layout"].split("|")) // c.pp
     tc = TransformerConfig(**kw)
     assert tc.virtual_pipeline_model_parallel_size == (c.virtual_stages if c.virtual_stages > 1 else None)
+    assert (tc.context_parallel_size, tc.cp_comm_type) == (c.cp, "p2p" if c.cp > 1 else None)
+    if c.precision == "fp8":
+        from megatron.core.enums import Fp8Recipe
+
+        assert tc.fp8 == "hybrid" and Fp8Recipe(tc.fp8_recipe).value == c.fp8_recipe
+    else:
+        assert tc.fp8 is None
     if c.stage_layers is not None:  # the layout megatron-core parsed gives each chunk the plan's blocks
         layout = tc.pipeline_model_parallel_layout.layout
         got = [layout[i % c.pp][i // c.pp].count(LayerType.decoder) for i in range(c.num_chunks)]
@@ -162,6 +180,14 @@ def test_megatron_says_what_it_cannot_express(tmp_path):
     assert all(line.startswith("#") for line in text.split("MEGATRON_ARGS=(")[0].splitlines())
     assert gaps(LaunchPlan(cfg(dp=2, micro_batch_size=1, num_micro_batches=2), LLAMA, A100,
                            framework="megatron"), "megatron") == []
+    # cp with the rank order written in full is Megatron's own; rowwise FP8 is not among its recipes
+    assert gaps(LaunchPlan(cfg(dp=2, cp=2, micro_batch_size=1, num_micro_batches=2, rank_order="tp-cp-dp-pp",
+                               precision="fp8", fp8_recipe="delayed"), LLAMA, framework="megatron"),
+                "megatron") == []
+    rowwise = LaunchPlan(cfg(dp=2, micro_batch_size=1, num_micro_batches=2, precision="fp8", fp8_recipe="rowwise"),
+                         LLAMA)
+    assert [g for g in gaps(rowwise, "megatron") if g.startswith("rowwise FP8")]
+    assert "--fp8-recipe" not in megatron_file(rowwise, "header\n").split("MEGATRON_ARGS=(")[1]
 
 
 # -- torchtitan ----------------------------------------------------------------------------------
@@ -174,6 +200,11 @@ TITAN_CASES = {
                        virtual_stages=2, stage_layers=(1, 2, 2, 1), zero_stage=2, recompute="selective"),
     "looped-bfs": cfg(dp=1, pp=3, micro_batch_size=2, num_micro_batches=3, schedule="breadth_first",
                       virtual_stages=2, layered_grad_accum=True),
+    "cp-rowwise-async-tp": cfg(dp=2, tp=2, cp=2, micro_batch_size=1, num_micro_batches=2, zero_stage=3,
+                               sequence_parallel=True, tp_comm_overlap=True, torch_compile=True,
+                               precision="fp8", fp8_recipe="rowwise"),
+    "cp-tensorwise-fsdp": cfg(dp=2, pp=2, cp=2, micro_batch_size=1, num_micro_batches=2, zero_stage=3,
+                              precision="fp8", fp8_recipe="tensorwise"),
 }
 
 
@@ -195,13 +226,32 @@ def test_torchtitan_files_hold_the_plan(tmp_path, case):
     assert par["tensor_parallel_degree"] == c.tp and par["pipeline_parallel_degree"] == c.pp
     assert tr["global_batch_size"] == c.global_batch and tr["seq_len"] == DEBUG.seq_length
     assert doc["activation_checkpoint"]["mode"] == c.recompute
+    assert par.get("context_parallel_degree", 1) == c.cp
+    if c.cp > 1:  # the plan's load-balanced split, keys and values all-gathered
+        assert (par["context_parallel_load_balancer"], par["context_parallel_rotate_method"]) == ("headtail", "allgather")
+    assert doc["compile"]["enable"] == bool(c.torch_compile or c.tp_comm_overlap)
+    assert par.get("enable_async_tensor_parallel", False) == bool(c.tp_comm_overlap)
+    if c.precision == "fp8":  # 0.2: the float8 converter; tensorwise with FSDP gathers the weights in FP8
+        assert doc["model"]["converters"] == ["quantize.linear.float8"]
+        f8 = doc["quantize"]["linear"]["float8"]
+        assert f8["filter_fqns"] == ["output"] and f8.get("recipe_name") == (
+            None if c.fp8_recipe == "tensorwise" else c.fp8_recipe)
+        fsdp = c.fp8_recipe == "tensorwise" and c.zero_stage >= 2
+        assert f8.get("enable_fsdp_float8_all_gather", False) == f8.get("precompute_float8_dynamic_scale_for_fsdp",
+                                                                         False) == fsdp
+    else:
+        assert "model" not in doc and "quantize" not in doc
+    notes = open(files["torchtitan_args.sh"]).read().split("TORCHTITAN_ARGS=(")[0]
+    assert ("tensorwise FP8 scaling" in notes) == (c.precision == "fp8" and c.fp8_recipe == "tensorwise")
+    assert ("Float8LinearConverter.Config(recipe_name='rowwise'" in notes) == (c.fp8_recipe == "rowwise"
+                                                                               and c.precision == "fp8")
     # torchtitan's arithmetic gives back the plan's micro-batches: accumulation steps x pipeline micro-batches
     accumulation = tr["global_batch_size"] // (tr["local_batch_size"] * c.dp)
     per_forward = par.get("pipeline_parallel_microbatch_size", tr["local_batch_size"])
     assert per_forward == c.micro_batch_size
     assert accumulation * (tr["local_batch_size"] // per_forward) == c.num_micro_batches
     if c.pp > 1:
-        assert par["pipeline_parallel_schedule"] == {"interleaved": "Interleaved1F1B",
+        assert par["pipeline_parallel_schedule"] == {"interleaved": "Interleaved1F1B", "1f1b": "1F1B",
                                                      "breadth_first": "LoopedBFS"}[c.schedule]
         parts = par["module_fqns_per_model_part"]
         assert len(parts) == c.num_chunks and parts[0][0] == "tok_embeddings" and parts[-1][-2:] == ["norm", "output"]
@@ -227,6 +277,9 @@ def test_torchtitan_03_config_manager_reads_the_overrides(tmp_path, case):
     import torch
     from torchtitan.config import ConfigManager
 
+    from autoconf.plan import LaunchPlan
+    from autoconf.stacks import torchtitan_converter
+
     c, files = _titan(tmp_path, case)
     words = bash_array(files["torchtitan_args.sh"], "TORCHTITAN_ARGS", "TORCHTITAN_AC")
     got = ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel", *words])
@@ -236,6 +289,20 @@ def test_torchtitan_03_config_manager_reads_the_overrides(tmp_path, case):
     assert (t.global_batch_size, t.seq_len) == (c.global_batch, DEBUG.seq_length)
     assert type(got.activation_checkpoint).__qualname__ == {"none": "NoneType", "selective": "SelectiveAC.Config",
                                                             "full": "FullAC.Config"}[c.recompute]
+    assert (p.context_parallel_degree, p.context_parallel_load_balancer) == (c.cp, "headtail")
+    assert got.compile.enable == bool(c.torch_compile or c.tp_comm_overlap) and "model" in got.compile.components
+    assert got.compile.enable_async_tensor_parallel == bool(c.tp_comm_overlap)
+    assert p.enable_sequence_parallel == (c.sequence_parallel or c.tp == 1)
+    conv = torchtitan_converter(LaunchPlan(c, DEBUG, framework="torchtitan"))
+    if conv is not None:  # what the config function must apply: torchtitan 0.3's own converter config takes it
+        import torchtitan.components.quantization as q
+
+        name, kw = conv
+        made = getattr(q, name).Config(**kw)
+        assert all(getattr(made, k) == v for k, v in kw.items())
+        assert (made.recipe_name if name == "Float8LinearConverter" else "mxfp8") == c.fp8_recipe
+    else:
+        assert c.precision != "fp8" or c.fp8_recipe == "tensorwise"
     if c.pp > 1:
         assert p.pipeline_parallel_microbatch_size == c.micro_batch_size
         assert t.local_batch_size // p.pipeline_parallel_microbatch_size == c.num_micro_batches
@@ -260,6 +327,12 @@ def test_torchtitan_02_job_config_reads_the_toml(tmp_path, case):
     got = ConfigManager().parse_args(["--job.config_file", files["torchtitan.toml"]])
     assert got.parallelism.tensor_parallel_degree == c.tp and got.parallelism.pipeline_parallel_degree == c.pp
     assert got.activation_checkpoint.mode == c.recompute and got.training.global_batch_size == c.global_batch
+    assert got.parallelism.context_parallel_degree == c.cp
+    assert got.compile.enable == bool(c.torch_compile or c.tp_comm_overlap)
+    if c.precision == "fp8":
+        assert got.model.converters == ["quantize.linear.float8"]
+        f8 = got.quantize.linear.float8
+        assert f8.enable_fsdp_float8_all_gather == (c.fp8_recipe == "tensorwise" and c.zero_stage >= 2)
     if c.pp > 1:
         assert len(got.parallelism.module_fqns_per_model_part) == c.num_chunks
 
@@ -286,6 +359,19 @@ def test_ds_config_holds_the_plan(tmp_path, case):
         assert f"num_stages={c.pp}" in notes and doc["tensor_parallel"] == {"autotp_size": c.tp}
     node = open(files["node-0.sh"]).read()
     assert "--deepspeed_config ds_config.json" in node and "DEEPSPEED_SCRIPT" in node
+
+
+def test_deepspeed_says_it_has_no_context_parallelism_or_fp8(tmp_path):
+    from autoconf.plan import LaunchPlan
+    from autoconf.stacks import ds_config, gaps
+
+    plan = LaunchPlan(cfg(dp=4, cp=2, micro_batch_size=1, num_micro_batches=2, precision="fp8"), LLAMA)
+    missing = gaps(plan, "deepspeed")
+    assert [g for g in missing if g.startswith("context parallelism (cp=2)")]
+    assert [g for g in missing if g.startswith("FP8 matmuls (tensorwise")]
+    notes = ds_config(plan, "header\n")["_autoconf"]["notes"]
+    assert all(f"cannot express: {g}" in notes for g in missing)
+    assert gaps(LaunchPlan(cfg(dp=8, micro_batch_size=1, num_micro_batches=2), LLAMA), "deepspeed") == []
 
 
 @pytest.mark.parametrize("case", DS_CASES)

@@ -21,6 +21,7 @@ from autoconf.model import ModelSpec, preset
 from autoconf.plan import load as load_plan
 
 A100 = load_cluster("examples/clusters/a100-4x8.yaml")
+H100 = load_cluster("examples/clusters/h100-8x8.yaml")  # FP8 plans: A100 has no FP8 tensor cores
 LLAMA = preset("llama-3-8b")
 # torchtitan's llama3 debugmodel shape (6 layers, dim 256): its module names can be checked on the real model
 DEBUG = ModelSpec(num_layers=6, hidden_size=256, num_attention_heads=16, num_kv_heads=16, ffn_hidden_size=768,
@@ -32,7 +33,8 @@ def cfg(**kw) -> ParallelConfig:
     return ParallelConfig(**{"dp": 1, "pp": 1, "tp": 1, "micro_batch_size": 1, "num_micro_batches": 1, **kw})
 
 
-def emitted(tmp_path, config, framework, model=LLAMA, cluster=A100, **kw) -> dict:
+def emitted(tmp_path, config, framework, model=LLAMA, cluster=None, **kw) -> dict:
+    cluster = cluster or (H100 if config.precision == "fp8" else A100)
     files = emit(estimate(config, model, cluster, framework=framework), model, cluster, str(tmp_path), **kw)
     return {os.path.basename(f): f for f in files}
 

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from . import fp8 as fp8_mm
 from .model import ModelSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -129,23 +130,33 @@ class _GatherLinear(torch.autograd.Function):
 
     Saves only the sequence shard of x (not the gathered input) and gathers it again in backward, as
     Megatron-LM does, so the saved bytes are those of Korthikanti et al. (arXiv 2205.05198, sec. 4.2.2).
+    ``fp8``: None, or an FP8 recipe (``autoconf.fp8``) for the three GEMMs (bias in high precision).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, tp):
+    def forward(ctx, x, weight, bias, group, tp, fp8=None):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.tp, ctx.has_bias = group, tp, bias is not None
-        return F.linear(_gather_seq(x, group, tp), weight, bias)
+        ctx.group, ctx.tp, ctx.has_bias, ctx.fp8 = group, tp, bias is not None, fp8
+        full = _gather_seq(x, group, tp)
+        if fp8 is None:
+            return F.linear(full, weight, bias)
+        y = fp8_mm.forward(full.reshape(-1, full.shape[-1]), weight, fp8).view(*full.shape[:-1], weight.shape[0])
+        return y + bias if bias is not None else y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         full = _gather_seq(x, ctx.group, ctx.tp)
-        grad_x = _reduce_scatter_seq(grad.matmul(weight), ctx.group, ctx.tp)
         g2 = grad.reshape(-1, grad.shape[-1])
-        grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+        if ctx.fp8 is None:
+            grad_full = grad.matmul(weight)
+            grad_w = g2.t().matmul(full.reshape(-1, full.shape[-1]))
+        else:
+            gx2, grad_w = fp8_mm.backward(g2, full.reshape(-1, full.shape[-1]), weight, ctx.fp8)
+            grad_full = gx2.view_as(full)
+        grad_x = _reduce_scatter_seq(grad_full, ctx.group, ctx.tp)
         grad_b = g2.sum(0) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def _mark_sequence_parallel(*params) -> None:
@@ -194,11 +205,15 @@ def _param(t: torch.Tensor, dtype) -> nn.Parameter:
 
 
 class ColumnLinear(nn.Module):
-    """y = x W^T + b with W split by output rows over TP (fused sections split separately)."""
+    """y = x W^T + b with W split by output rows over TP (fused sections split separately).
 
-    def __init__(self, in_f, sections, bias, key, seed, tp, group, sp, dtype, device, std=INIT_STD):
+    ``fp8``: None (GEMMs in the parameters' dtype) or an FP8 recipe (``autoconf.fp8.RECIPES``).
+    """
+
+    def __init__(self, in_f, sections, bias, key, seed, tp, group, sp, dtype, device, std=INIT_STD, fp8=None):
         super().__init__()
         self.tp, self.group, self.sp = tp, group, sp
+        self.fp8 = None if fp8 is None else fp8_mm.check_recipe(fp8)
         rank = _rank(group)
         full = _randn((sum(sections), in_f), std, key + ".weight", seed, device)
         self.weight = _param(_shard(full, sections, 0, rank, tp), dtype)
@@ -207,18 +222,24 @@ class ColumnLinear(nn.Module):
 
     def forward(self, x):
         if self.sp:
-            return _GatherLinear.apply(x, self.weight, self.bias, self.group, self.tp)
+            return _GatherLinear.apply(x, self.weight, self.bias, self.group, self.tp, self.fp8)
         if self.tp > 1 and self.group is not None:
             x = _CopyToTP.apply(x, self.group)
+        if self.fp8 is not None:
+            return fp8_mm.linear(x, self.weight, self.bias, self.fp8)
         return F.linear(x, self.weight, self.bias)
 
 
 class RowLinear(nn.Module):
-    """y = x W^T + b with W split by input columns over TP; partial sums reduced (or reduce-scattered)."""
+    """y = x W^T + b with W split by input columns over TP; partial sums reduced (or reduce-scattered).
 
-    def __init__(self, in_f, out_f, bias, key, seed, tp, group, sp, dtype, device, std=INIT_STD):
+    ``fp8``: None or an FP8 recipe, as ColumnLinear; the bias is added after the reduction, in high precision.
+    """
+
+    def __init__(self, in_f, out_f, bias, key, seed, tp, group, sp, dtype, device, std=INIT_STD, fp8=None):
         super().__init__()
         self.tp, self.group, self.sp = tp, group, sp
+        self.fp8 = None if fp8 is None else fp8_mm.check_recipe(fp8)
         full = _randn((out_f, in_f), std, key + ".weight", seed, device)
         self.weight = _param(_shard(full, [in_f], 1, _rank(group), tp), dtype)
         self.bias = _param(torch.zeros(out_f, device=device), dtype) if bias else None
@@ -226,7 +247,7 @@ class RowLinear(nn.Module):
             _mark_sequence_parallel(self.bias)
 
     def forward(self, x):
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.fp8 is None else fp8_mm.linear(x, self.weight, None, self.fp8)
         if self.sp:
             y = _ReduceScatterSeq.apply(y, self.group, self.tp)
         elif self.tp > 1 and self.group is not None:
@@ -315,11 +336,13 @@ class Block(nn.Module):
     Input and output: [b, s, h], or [b, s/tp, h] under sequence parallelism. ``recompute``: "full"
     checkpoints the whole block, "selective" only the attention core (QK^T, softmax, dropout, AV, or
     the fused SDPA call). ``layer_index`` and ``seed`` pick the deterministic initial weights.
+    ``fp8_recipe``: None, or the FP8 recipe of the four linear layers' GEMMs (``autoconf.fp8``); the
+    attention core and the norms stay in ``dtype``.
     """
 
     def __init__(self, model: ModelSpec, tp_size: int = 1, tp_group=None, sequence_parallel: bool = False,
                  recompute: str = "none", dtype=torch.float32, layer_index: int = 0, seed: int = 0,
-                 device=None):
+                 device=None, fp8_recipe: str | None = None):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
@@ -331,7 +354,7 @@ class Block(nn.Module):
         self.n_heads, self.n_kv = model.num_attention_heads // tp_size, model.num_kv_heads // tp_size
         key = f"blocks.{layer_index}"
         out_std = INIT_STD / math.sqrt(2 * model.num_layers)
-        lin = dict(seed=seed, tp=tp_size, group=tp_group, sp=self.sp, dtype=dtype, device=device)
+        lin = dict(seed=seed, tp=tp_size, group=tp_group, sp=self.sp, dtype=dtype, device=device, fp8=fp8_recipe)
         self.norm1 = Norm(model, dtype, device, self.sp)
         self.qkv = ColumnLinear(h, [q, kv, kv], model.bias or model.qkv_bias, key + ".qkv", **lin)
         self.proj = RowLinear(q, h, model.bias, key + ".proj", std=out_std, **lin)
@@ -563,14 +586,15 @@ class Stage(nn.Module):
 
     def __init__(self, model: ModelSpec, layer_indices, has_embedding: bool, has_head: bool,
                  tp_size: int = 1, tp_group=None, sequence_parallel: bool = False, recompute: str = "none",
-                 dtype=torch.float32, seed: int = 0, device=None):
+                 dtype=torch.float32, seed: int = 0, device=None, fp8_recipe: str | None = None):
         super().__init__()
         common = dict(tp_size=tp_size, tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
                       seed=seed, device=device)
         self.model = model
         self.layer_indices = list(layer_indices)
         self.embedding = Embedding(model, **common) if has_embedding else None
-        self.blocks = nn.ModuleDict({str(i): Block(model, recompute=recompute, layer_index=i, **common)
+        self.blocks = nn.ModuleDict({str(i): Block(model, recompute=recompute, layer_index=i, fp8_recipe=fp8_recipe,
+                                                   **common)
                                      for i in self.layer_indices})
         self.head = Head(model, embedding=self.embedding, **common) if has_head else None
 
@@ -587,7 +611,8 @@ class Stage(nn.Module):
 def build_stage(model: ModelSpec, layer_indices, has_embedding: bool, has_head: bool, **tp_kwargs) -> Stage:
     """A pipeline stage module; see Stage for inputs and outputs.
 
-    tp_kwargs: tp_size, tp_group, sequence_parallel, recompute, dtype, seed, device.
+    tp_kwargs: tp_size, tp_group, sequence_parallel, recompute, dtype, seed, device, fp8_recipe (None, or
+    the FP8 recipe of the blocks' linear layers; embedding and head stay in dtype).
     """
     return Stage(model, layer_indices, has_embedding, has_head, **tp_kwargs)
 

@@ -95,6 +95,19 @@ def _store(world: int, timeout):
     return dist.PrefixStore("default_pg", store)
 
 
+def fp8_recipe(config: ParallelConfig) -> str | None:
+    """The FP8 recipe of the blocks' linear layers (None: every GEMM in the model's dtype); a recipe
+    ``autoconf.fp8`` does not implement is a TrainerError naming the valid ones."""
+    if config.precision != "fp8":
+        return None
+    from ..fp8 import RECIPES
+
+    if config.fp8_recipe not in RECIPES:
+        raise TrainerError(f"fp8_recipe={config.fp8_recipe!r} is not implemented by the reference trainer; "
+                           f"valid: {', '.join(RECIPES)}")
+    return config.fp8_recipe
+
+
 def chunk_layers(model: ModelSpec, config: ParallelConfig) -> list[list[int]]:
     """Global layer indices of each pipeline chunk: the placement's ``stage_layers``, else as even
     as possible (``placement.Placement.chunk_layers``)."""
@@ -119,7 +132,8 @@ def train(args, rank: int, watchdog) -> dict:
     dtype = gpt.TORCH_DTYPES[model.dtype]
     tp_group = groups.tp if config.tp > 1 else None
     common = dict(tp_size=config.tp, tp_group=tp_group, sequence_parallel=config.sequence_parallel,
-                  recompute=config.recompute, dtype=dtype, seed=seed, device=device)
+                  recompute=config.recompute, dtype=dtype, seed=seed, device=device,
+                  fp8_recipe=fp8_recipe(config))
 
     layers = chunk_layers(model, config)
     if config.pp == 1:

@@ -26,6 +26,7 @@ HF_DIR = os.path.join(ROOT, "tests", "data", "hf")
 PUBLISHED = {
     "Llama-2-7b-hf": 6_738_415_616,
     "Meta-Llama-3-8B": 8_030_261_248,
+    "Llama-3.1-8B": 8_030_261_248,
     "Mistral-7B-v0.1": 7_241_732_096,
     "Qwen2-7B": 7_615_616_512,
     "Qwen2-0.5B": 494_032_768,
@@ -44,6 +45,8 @@ EXPECTED = {
     "Llama-2-7b-hf": dict(activation="swiglu", num_kv_heads=32, norm="rmsnorm", position_embedding="rope",
                           tied_embeddings=False, bias=False, dtype="fp16", seq_length=4096),
     "Meta-Llama-3-8B": dict(activation="swiglu", num_kv_heads=8, tied_embeddings=False, seq_length=8192),
+    # a long max_position_embeddings (rope_scaling extends rope; it changes no shape)
+    "Llama-3.1-8B": dict(activation="swiglu", num_kv_heads=8, tied_embeddings=False, seq_length=131072),
     "Mistral-7B-v0.1": dict(activation="swiglu", num_kv_heads=8, seq_length=4096),  # its sliding window
     "Qwen2-7B": dict(activation="swiglu", num_kv_heads=4, qkv_bias=True, bias=False, tied_embeddings=False),
     "Qwen2-0.5B": dict(num_kv_heads=2, qkv_bias=True, tied_embeddings=True),
@@ -435,3 +438,14 @@ def test_tensor_parallel_gloo_matches_single_process():
     for _, worst in results:
         assert len(worst) == 16
         assert max(worst.values()) < 1e-5, worst
+
+
+def test_long_context_config_searches_with_context_parallelism():
+    from autoconf.cluster import load_cluster
+    from autoconf.cost.estimate import estimate
+    m = load_model(hf("Llama-3.1-8B"))
+    h100 = load_cluster(os.path.join(ROOT, "examples", "clusters", "h100-8x8.yaml"))
+    c = ParallelConfig(dp=1, pp=1, tp=8, cp=8, micro_batch_size=1, num_micro_batches=4, sequence_parallel=True)
+    assert check(c, m) is None
+    e = estimate(c, m, h100, framework="megatron")
+    assert e.fits and e.breakdown_s["cp_comm"] >= 0.0

@@ -32,6 +32,18 @@ stacks. What differs, and is modelled here from each framework's own code and do
   reference trainer's own two-level all-reduce
   (``trainer/collectives.py``) runs where a configuration sets ``dp_all_reduce="hierarchical"``.
 
+- **context parallelism**: how keys and values move (``cp_comm``): Megatron-LM / Transformer
+  Engine's ring (``--cp-comm-type p2p``, its default), torch's ``context_parallel`` (torchtitan)
+  all-gathering them (its default rotation), the reference trainer's ring over gloo; DeepSpeed's
+  engine has none (Ulysses is another scheme, not modelled);
+- **FP8**: the recipes each runs (Transformer Engine in Megatron: tensorwise, delayed, MXFP8;
+  torchao in torchtitan: rowwise, tensorwise (0.2), MXFP8; the reference trainer's
+  ``autoconf.fp8``: tensorwise, rowwise), what they keep (Transformer Engine caches FP8 weights
+  and transposes and saves linear inputs in FP8; torchao keeps the high-precision tensors and
+  gathers FSDP weights in FP8), and the host operations the scaling costs per linear;
+- **torch.compile** (torchtitan's ``compile.enable``, a knob): fused element-wise kernels, fewer
+  host dispatches.
+
 A knob set to None in a :class:`~autoconf.config.ParallelConfig` takes the framework's default.
 """
 

@@ -308,7 +308,8 @@ def _check_cp(model: ModelSpec, cp: int, group, tp: int, sp: bool) -> None:
     if model.seq_length % (2 * cp):
         raise ValueError(f"cp({cp}): seq_length({model.seq_length}) must be divisible by 2 x cp = {2 * cp}")
     if sp and (model.seq_length // cp) % tp:
-        raise ValueError(f"sequence_parallel: tp_size={tp} does not divide seq_length / cp = {model.seq_length // cp}")
+        raise ValueError(f"sequence_parallel: tp_size={tp} does not divide seq_length / cp = "
+                         f"{model.seq_length // cp}")
 
 
 def cp_positions(model: ModelSpec, cp: int, group, device=None):
@@ -345,7 +346,8 @@ class Block(nn.Module):
     Input and output: [b, s, h], or [b, s/tp, h] under sequence parallelism (s/cp instead of s under
     context parallelism). ``recompute``: "full" checkpoints the whole block, "selective" only the
     attention core (QK^T, softmax, dropout, AV, or the fused SDPA call; not under cp > 1, whose ring
-    attention keeps only q, k, v, output and log-sum-exp anyway). ``layer_index`` and ``seed`` pick the deterministic initial weights.
+    attention keeps only q, k, v, output and log-sum-exp anyway). ``layer_index`` and ``seed`` pick
+    the deterministic initial weights; ``cp_size`` / ``cp_group``: context parallelism.
     """
 
     def __init__(self, model: ModelSpec, tp_size: int = 1, tp_group=None, sequence_parallel: bool = False,

@@ -150,7 +150,8 @@ def test_cp_gradients_match_single_process():
 
 CASES = [
     ("cp2-llama-full", LLAMA, cfg(cp=2, mbs=2, recompute="full")),
-    ("cp2-zero3-layered-selective", TINY, cfg(cp=2, mbs=2, zero_stage=3, layered_grad_accum=True, recompute="selective")),
+    ("cp2-zero3-layered-selective", TINY,
+     cfg(cp=2, mbs=2, zero_stage=3, layered_grad_accum=True, recompute="selective")),
     ("dp2-cp2-zero2", TINY, cfg(dp=2, cp=2, mbs=2, zero_stage=2)),
     ("tp2-cp2-sp", TINY, cfg(tp=2, cp=2, mbs=2, sequence_parallel=True)),
     ("pp2-cp2-1f1b-llama", LLAMA, cfg(pp=2, cp=2, mbs=2, schedule="1f1b")),

@@ -1,11 +1,11 @@
 """pp > 1: this rank's pipeline chunks as torch.distributed.pipelining stages, ZeRO 0-3, tied
 embeddings kept in sync between the first and the last stage.
 
-A stage's gradients are reduced over dp (dp x cp under context parallelism) once its backward has seen every micro-batch, except
-ZeRO-2 without layered accumulation, which reduces every unit's gradients to their owners after
-each micro-batch's backward (GradSync.reduce_every_backward; the tied weights still go once, after
-their sum over the first and last stage); sequence-parallel gradients are then summed over tp at
-the end of the step."""
+A stage's gradients are reduced over dp (dp x cp under context parallelism) once its backward has
+seen every micro-batch, except ZeRO-2 without layered accumulation, which reduces every unit's
+gradients to their owners after each micro-batch's backward (GradSync.reduce_every_backward; the
+tied weights still go once, after their sum over the first and last stage); sequence-parallel
+gradients are then summed over tp at the end of the step."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """pp = 1: the whole model on every rank, standard or layered gradient accumulation, ZeRO 0-3.
 
-Gradients are reduced over dp (dp x cp under context parallelism) once they are final (after the last micro-batch; per unit when
-layered), except ZeRO-2 with standard accumulation, which reduces every unit's gradients to their
-owners after each micro-batch (GradSync.reduce_every_backward); sequence-parallel gradients are
-then summed over tp on the owners' averaged gradients, at the end of the step."""
+Gradients are reduced over dp (dp x cp under context parallelism) once they are final (after the
+last micro-batch; per unit when layered), except ZeRO-2 with standard accumulation, which reduces
+every unit's gradients to their owners after each micro-batch (GradSync.reduce_every_backward);
+sequence-parallel gradients are then summed over tp on the owners' averaged gradients, at the end
+of the step."""
 
 from __future__ import annotations
 

@@ -22,6 +22,12 @@ Local-width mode (the profiler's): ``tp_size > 1`` with ``tp_group=None`` builds
 its local width and skips every collective (an all-gather becomes a repeat of the local shard, a
 reduce-scatter takes the first chunk), so compute and saved activations are those of one TP rank.
 
+Context parallelism (``cp_size > 1`` with its ``cp_group``): each cp rank holds s/cp tokens of every
+sequence, chunks i and 2cp-1-i of 2 x cp (``ring_attention.split_load_balanced``); attention is
+:func:`ring_attention.ring_attention` over the group, rope and learned positions are taken at the
+rank's global positions, everything else works on the local tokens (under sequence parallelism, the
+shards are of the local s/cp tokens). Attention-probability dropout is refused with cp > 1.
+
 Initialisation is deterministic from ``seed`` and identical for every tp: each full weight is drawn
 from a generator seeded by (seed, parameter name), and the rank's shard is sliced from it.
 """
@@ -39,6 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import fp8 as fp8_mm
 from .model import ModelSpec
+from .ring_attention import load_balanced_indices, ring_attention
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 INIT_STD = 0.02
@@ -309,6 +316,30 @@ def _check_tp(model: ModelSpec, tp: int, group, sp: bool) -> None:
         raise ValueError(f"sequence_parallel: tp_size={tp} does not divide seq_length={model.seq_length}")
 
 
+def _check_cp(model: ModelSpec, cp: int, group, tp: int, sp: bool) -> None:
+    if cp == 1:
+        return
+    if model.dropout > 0 and model.attention == "eager":
+        raise ValueError(f"context parallelism (cp={cp}) does not support attention dropout "
+                         f"(dropout={model.dropout} with eager attention): set dropout to 0")
+    if group is None:
+        raise ValueError(f"cp_size={cp} needs its cp_group (ring attention has no local emulation)")
+    if dist.get_world_size(group) != cp:
+        raise ValueError(f"cp_size={cp} but the cp_group has {dist.get_world_size(group)} ranks")
+    if model.seq_length % (2 * cp):
+        raise ValueError(f"cp({cp}): seq_length({model.seq_length}) must be divisible by 2 x cp = {2 * cp}")
+    if sp and (model.seq_length // cp) % tp:
+        raise ValueError(f"sequence_parallel: tp_size={tp} does not divide seq_length / cp = "
+                         f"{model.seq_length // cp}")
+
+
+def cp_positions(model: ModelSpec, cp: int, group, device=None):
+    """Global positions of this cp rank's tokens (None when cp = 1)."""
+    if cp == 1:
+        return None
+    return load_balanced_indices(model.seq_length, cp, _rank(group)).to(device)
+
+
 def _rope_tables(model: ModelSpec, dtype, device):
     d = model.rotary_dim
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
@@ -333,20 +364,24 @@ class Block(nn.Module):
     ``model.parallel_attention`` x + drop(attn(norm1(x))) + drop(mlp(norm2(x))), one norm for both
     with ``model.shared_norm``. Q is num_attention_heads x head_size wide (``model.q_size``).
 
-    Input and output: [b, s, h], or [b, s/tp, h] under sequence parallelism. ``recompute``: "full"
-    checkpoints the whole block, "selective" only the attention core (QK^T, softmax, dropout, AV, or
-    the fused SDPA call). ``layer_index`` and ``seed`` pick the deterministic initial weights.
+    Input and output: [b, s, h], or [b, s/tp, h] under sequence parallelism (s/cp instead of s under
+    context parallelism). ``recompute``: "full" checkpoints the whole block, "selective" only the
+    attention core (QK^T, softmax, dropout, AV, or the fused SDPA call; not under cp > 1, whose ring
+    attention keeps only q, k, v, output and log-sum-exp anyway). ``layer_index`` and ``seed`` pick
+    the deterministic initial weights; ``cp_size`` / ``cp_group``: context parallelism.
     ``fp8_recipe``: None, or the FP8 recipe of the four linear layers' GEMMs (``autoconf.fp8``); the
     attention core and the norms stay in ``dtype``.
     """
 
     def __init__(self, model: ModelSpec, tp_size: int = 1, tp_group=None, sequence_parallel: bool = False,
                  recompute: str = "none", dtype=torch.float32, layer_index: int = 0, seed: int = 0,
-                 device=None, fp8_recipe: str | None = None):
+                 device=None, cp_size: int = 1, cp_group=None, fp8_recipe: str | None = None):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
         _check_tp(model, tp_size, tp_group, sequence_parallel)
+        _check_cp(model, cp_size, cp_group, tp_size, bool(sequence_parallel) and tp_size > 1)
+        self.cp, self.cp_group = cp_size, cp_group
         self.model, self.tp, self.group, self.recompute = model, tp_size, tp_group, recompute
         self.sp = bool(sequence_parallel) and tp_size > 1
         self.p = model.dropout
@@ -364,6 +399,9 @@ class Block(nn.Module):
         self.fc2 = RowLinear(f, h, model.bias, key + ".fc2", std=out_std, **lin)
         if model.position_embedding == "rope":
             cos, sin = _rope_tables(model, dtype, device)
+            pos = cp_positions(model, cp_size, cp_group, device)
+            if pos is not None:  # the rows of this cp rank's tokens, in their local order
+                cos, sin = cos[pos], sin[pos]
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -397,7 +435,9 @@ class Block(nn.Module):
             q, k = _rope(q, self.rope_cos, self.rope_sin), _rope(k, self.rope_cos, self.rope_sin)
             v = v.contiguous()  # so that the qkv output itself is not kept alive through a view of v
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if self.recompute == "selective" and torch.is_grad_enabled():
+        if self.cp > 1:
+            o = ring_attention(q, k, v, self.cp_group)
+        elif self.recompute == "selective" and torch.is_grad_enabled():
             o = checkpoint(self.attention_core, q, k, v, use_reentrant=False)
         else:
             o = self.attention_core(q, k, v)
@@ -452,7 +492,7 @@ class Embedding(nn.Module):
     WEIGHT_KEY = "embedding.weight"
 
     def __init__(self, model: ModelSpec, tp_size: int = 1, tp_group=None, sequence_parallel: bool = False,
-                 dtype=torch.float32, seed: int = 0, device=None):
+                 dtype=torch.float32, seed: int = 0, device=None, cp_size: int = 1, cp_group=None):
         super().__init__()
         self.tp, self.group, self.sp = tp_size, tp_group, bool(sequence_parallel) and tp_size > 1
         self.vocab_start = _rank(tp_group) * padded_vocab(model, tp_size) // tp_size
@@ -463,6 +503,10 @@ class Embedding(nn.Module):
                                           "embedding.position", seed, device), dtype)
             if self.sp:
                 _mark_sequence_parallel(self.position)
+            pos = cp_positions(model, cp_size, cp_group, device)  # this cp rank's positions, or None
+            if pos is not None:
+                self.register_buffer("position_index", pos, persistent=False)
+        self.cp = cp_size
 
     def forward(self, tokens):
         if self.tp > 1:
@@ -475,7 +519,10 @@ class Embedding(nn.Module):
         if self.position is not None:
             s = x.shape[1]
             start = _rank(self.group) * s if self.sp else 0
-            x = x + self.position[start:start + s]
+            if self.cp > 1:
+                x = x + self.position[self.position_index[start:start + s]]
+            else:
+                x = x + self.position[start:start + s]
         return x
 
 
@@ -574,6 +621,8 @@ class Stage(nn.Module):
     """A pipeline stage: optional Embedding, the blocks ``layer_indices``, optional Head.
 
     forward(x, target=None):
+      (under context parallelism s is the rank's s/cp tokens, in the load-balanced order; the loss is
+      the mean over those tokens)
       x: token ids [b, s] (int64) if the stage has the embedding, else hidden states [b, s, h]
          ([b, s/tp, h], this rank's sequence chunk, under sequence parallelism);
       returns: hidden states (same layout as the input hidden states) if the stage has no head;
@@ -586,15 +635,17 @@ class Stage(nn.Module):
 
     def __init__(self, model: ModelSpec, layer_indices, has_embedding: bool, has_head: bool,
                  tp_size: int = 1, tp_group=None, sequence_parallel: bool = False, recompute: str = "none",
-                 dtype=torch.float32, seed: int = 0, device=None, fp8_recipe: str | None = None):
+                 dtype=torch.float32, seed: int = 0, device=None, cp_size: int = 1, cp_group=None,
+                 fp8_recipe: str | None = None):
         super().__init__()
         common = dict(tp_size=tp_size, tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
                       seed=seed, device=device)
+        cp = dict(cp_size=cp_size, cp_group=cp_group)
         self.model = model
         self.layer_indices = list(layer_indices)
-        self.embedding = Embedding(model, **common) if has_embedding else None
+        self.embedding = Embedding(model, **common, **cp) if has_embedding else None
         self.blocks = nn.ModuleDict({str(i): Block(model, recompute=recompute, layer_index=i, fp8_recipe=fp8_recipe,
-                                                   **common)
+                                                   **common, **cp)
                                      for i in self.layer_indices})
         self.head = Head(model, embedding=self.embedding, **common) if has_head else None
 
@@ -611,8 +662,8 @@ class Stage(nn.Module):
 def build_stage(model: ModelSpec, layer_indices, has_embedding: bool, has_head: bool, **tp_kwargs) -> Stage:
     """A pipeline stage module; see Stage for inputs and outputs.
 
-    tp_kwargs: tp_size, tp_group, sequence_parallel, recompute, dtype, seed, device, fp8_recipe (None, or
-    the FP8 recipe of the blocks' linear layers; embedding and head stay in dtype).
+    tp_kwargs: tp_size, tp_group, sequence_parallel, recompute, dtype, seed, device, cp_size, cp_group,
+    fp8_recipe (None, or the FP8 recipe of the blocks' linear layers; embedding and head stay in dtype).
     """
     return Stage(model, layer_indices, has_embedding, has_head, **tp_kwargs)
 

@@ -1,4 +1,4 @@
-"""Ranks, coordinates and process groups for a (dp, pp, tp) split in a given rank order.
+"""Ranks, coordinates and process groups for a (dp, pp, tp, cp) split in a given rank order.
 
 ``rank_order`` lists the axes from innermost (consecutive ranks) to outermost, as Megatron's
 ``RankGenerator(order=...)``: with "tp-dp-pp", ranks 0..tp-1 form the first tensor-parallel group.
@@ -82,8 +82,15 @@ class Groups:
     embedding: object = None
     """Group of the first and last pipeline rank (tied embeddings, pp > 1); None elsewhere."""
     embedding_ranks: list | None = None
+    cp: object = None
+    """This rank's context-parallel group (ring attention); a one-rank group when cp = 1."""
+    cp_ranks: list | None = None
+    grad: object = None
+    """The group that reduces gradients and shards ZeRO state: dp x cp ranks (``ParallelDims.grad_groups``);
+    the dp group itself when cp = 1."""
+    grad_ranks: list | None = None
     dp_all_reduce: object = None
-    """ZeRO-0/1's gradient all-reduce over this rank's dp group: a
+    """ZeRO-0/1's gradient all-reduce over this rank's gradient (dp x cp) group: a
     ``collectives.HierarchicalAllReduce``, or None for the flat one."""
     dp_all_reduce_note: str = "flat"
     """What runs: "flat", "hierarchical (H hosts x k)", or why a hierarchical one asked for stays flat."""
@@ -99,6 +106,15 @@ class Groups:
     @property
     def pp_rank(self) -> int:
         return self.coords["pp"]
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coords["cp"]
+
+    @property
+    def grad_rank(self) -> int:
+        """This rank's index in its gradient group (``grad_ranks``)."""
+        return self.grad_ranks.index(self.rank)
 
 
 def build_groups(dims: ParallelDims, rank: int, timeout) -> Groups:
@@ -117,7 +133,14 @@ def build_groups(dims: ParallelDims, rank: int, timeout) -> Groups:
         g = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             emb, emb_ranks = g, ranks
+    grad, grad_ranks = mine["dp"]
+    if dims.cp > 1:  # the merged dp x cp groups, after every axis group (same order on every rank)
+        for ranks in dims.grad_groups():
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                grad, grad_ranks = g, ranks
     return Groups(dims=dims, rank=rank, coords=dims.coords(rank),
                   tp=mine["tp"][0], dp=mine["dp"][0], pp=mine["pp"][0],
                   tp_ranks=mine["tp"][1], dp_ranks=mine["dp"][1], pp_ranks=mine["pp"][1],
-                  embedding=emb, embedding_ranks=emb_ranks)
+                  embedding=emb, embedding_ranks=emb_ranks, cp=mine["cp"][0], cp_ranks=mine["cp"][1],
+                  grad=grad, grad_ranks=list(grad_ranks))

@@ -1,11 +1,11 @@
 """pp > 1: this rank's pipeline chunks as torch.distributed.pipelining stages, ZeRO 0-3, tied
 embeddings kept in sync between the first and the last stage.
 
-A stage's gradients are reduced over dp once its backward has seen every micro-batch, except
-ZeRO-2 without layered accumulation, which reduces every unit's gradients to their owners after
-each micro-batch's backward (GradSync.reduce_every_backward; the tied weights still go once, after
-their sum over the first and last stage); sequence-parallel gradients are then summed over tp at
-the end of the step."""
+A stage's gradients are reduced over dp (dp x cp under context parallelism) once its backward has
+seen every micro-batch, except ZeRO-2 without layered accumulation, which reduces every unit's
+gradients to their owners after each micro-batch's backward (GradSync.reduce_every_backward; the
+tied weights still go once, after their sum over the first and last stage); sequence-parallel
+gradients are then summed over tp at the end of the step."""
 
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ class Piped:
         self.partitioned = False  # ZeRO-2 reducing every micro-batch's gradients
         if config.zero_stage == 3:
             for mod in self.chunks.values():
-                data_parallel.apply_fsdp(_units(mod), mod, groups.dp, device.type)
+                data_parallel.apply_fsdp(_units(mod), mod, groups.grad, device.type)
         else:
-            self.grad_sync = data_parallel.GradSync(self.parameters(), config.zero_stage, groups.dp,
-                                                    groups.dp_ranks, groups.dp_rank,
+            self.grad_sync = data_parallel.GradSync(self.parameters(), config.zero_stage, groups.grad,
+                                                    groups.grad_ranks, groups.grad_rank,
                                                     all_reduce=groups.dp_all_reduce)
             if not config.layered_grad_accum:
                 buckets = [[p for p in u.parameters() if id(p) not in self.tied_ids]

@@ -59,7 +59,7 @@ def setup(config: ParallelConfig, timeout_s: float):
         dist.init_process_group(backend, timeout=timeout, store=_store(world, timeout), rank=rank,
                                 world_size=world)
     groups = build_groups(dims, rank, timeout)
-    if config.dp_all_reduce == "hierarchical" and config.dp > 1:
+    if config.dp_all_reduce == "hierarchical" and config.dp * config.cp > 1:
         add_hierarchical(groups, rank, timeout)
     return device, backend, groups
 
@@ -76,7 +76,7 @@ def add_hierarchical(groups, rank: int, timeout, host_mapping=None) -> None:
         host_of = collectives.rank_hosts(host_mapping)
     except ValueError as e:
         raise TrainerError(str(e)) from None
-    groups.dp_all_reduce, groups.dp_all_reduce_note = collectives.build(groups.dims.groups("dp"), host_of, rank,
+    groups.dp_all_reduce, groups.dp_all_reduce_note = collectives.build(groups.dims.grad_groups(), host_of, rank,
                                                                         timeout)
     if groups.dp_all_reduce is None:
         print(f"rank {rank}: dp_all_reduce: {groups.dp_all_reduce_note}", file=sys.stderr, flush=True)
@@ -108,6 +108,13 @@ def fp8_recipe(config: ParallelConfig) -> str | None:
     return config.fp8_recipe
 
 
+def refuse_cp(model: ModelSpec, config: ParallelConfig) -> None:
+    """The context-parallel combinations this trainer cannot run, as a TrainerError (one line)."""
+    if config.cp > 1 and model.dropout > 0 and model.attention == "eager":
+        raise TrainerError(f"cp={config.cp} with attention dropout ({model.dropout}, eager attention) is not "
+                           "supported by this trainer's ring attention: set dropout to 0")
+
+
 def chunk_layers(model: ModelSpec, config: ParallelConfig) -> list[list[int]]:
     """Global layer indices of each pipeline chunk: the placement's ``stage_layers``, else as even
     as possible (``placement.Placement.chunk_layers``)."""
@@ -125,6 +132,7 @@ def train(args, rank: int, watchdog) -> dict:
     if model.tied_embeddings and config.zero_stage == 3:
         raise TrainerError("tied embeddings with zero_stage=3 are not supported by this trainer "
                            "(FSDP2 cannot shard one weight used by two units)")
+    refuse_cp(model, config)
     watchdog.start("rendezvous")
     device, backend, groups = setup(config, args.step_timeout)
     watchdog.stop()
@@ -133,7 +141,7 @@ def train(args, rank: int, watchdog) -> dict:
     tp_group = groups.tp if config.tp > 1 else None
     common = dict(tp_size=config.tp, tp_group=tp_group, sequence_parallel=config.sequence_parallel,
                   recompute=config.recompute, dtype=dtype, seed=seed, device=device,
-                  fp8_recipe=fp8_recipe(config))
+                  fp8_recipe=fp8_recipe(config), cp_size=config.cp, cp_group=groups.cp if config.cp > 1 else None)
 
     layers = chunk_layers(model, config)
     if config.pp == 1:
@@ -150,6 +158,7 @@ def train(args, rank: int, watchdog) -> dict:
     for step in range(steps):
         x, y = data.replica_batch(step, config.global_batch, model.seq_length, model.vocab_size, seed,
                                   groups.dp_rank, config.dp)
+        x, y = data.cp_shard(x, y, config.cp, groups.cp_rank)
         x, y = x.to(device), y.to(device)
         watchdog.start(f"step {step}")
         torch.distributed.barrier(group=None)
@@ -232,7 +241,7 @@ def _make_optimizer(runner, config, groups, data_parallel):
 
     params = runner.parameters()
     if config.zero_stage in (1, 2):
-        opt = data_parallel.ShardedAdamW(params, groups.dp, groups.dp_ranks, groups.dp_rank,
+        opt = data_parallel.ShardedAdamW(params, groups.grad, groups.grad_ranks, groups.grad_rank,
                                          runner.grad_sync.owner, **ADAMW)
         return opt, opt.tracked()
     opt = torch.optim.AdamW(params, **ADAMW)
@@ -240,11 +249,13 @@ def _make_optimizer(runner, config, groups, data_parallel):
 
 
 def _global_loss(local: list, runner, groups, config, device) -> float:
-    """Mean loss over the global batch: the last stage's tp-rank-0 losses summed over the world / dp."""
+    """Mean loss over the global batch: the last stage's tp-rank-0 losses summed over the world / (dp x cp)
+    (each cp rank's loss is the mean over its s/cp tokens of every sequence: their mean is the mean
+    over all tokens)."""
     import torch
     import torch.distributed as dist
 
     mine = runner.is_last and groups.tp_rank == 0 and local
     t = torch.tensor([sum(local) / len(local) if mine else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(t)
-    return float(t.item()) / config.dp
+    return float(t.item()) / (config.dp * config.cp)

@@ -1,9 +1,10 @@
 """pp = 1: the whole model on every rank, standard or layered gradient accumulation, ZeRO 0-3.
 
-Gradients are reduced over dp once they are final (after the last micro-batch; per unit when
-layered), except ZeRO-2 with standard accumulation, which reduces every unit's gradients to their
-owners after each micro-batch (GradSync.reduce_every_backward); sequence-parallel gradients are
-then summed over tp on the owners' averaged gradients, at the end of the step."""
+Gradients are reduced over dp (dp x cp under context parallelism) once they are final (after the
+last micro-batch; per unit when layered), except ZeRO-2 with standard accumulation, which reduces
+every unit's gradients to their owners after each micro-batch (GradSync.reduce_every_backward);
+sequence-parallel gradients are then summed over tp on the owners' averaged gradients, at the end
+of the step."""
 
 from __future__ import annotations
 
@@ -33,14 +34,14 @@ class SingleStage:
             if config.layered_grad_accum:
                 # each unit its own FSDP root: gathered once for all micro-batches' forward,
                 # once for their backward (arXiv 2106.02679, sec. 3)
-                mesh = DeviceMesh.from_group(groups.dp, device.type, mesh_dim_names=("dp",))
+                mesh = DeviceMesh.from_group(groups.grad, device.type, mesh_dim_names=("dp",))
                 for _, u in self.units:
                     fully_shard(u, mesh=mesh, reshard_after_forward=False)
             else:
-                data_parallel.apply_fsdp([u for _, u in self.units], s, groups.dp, device.type)
+                data_parallel.apply_fsdp([u for _, u in self.units], s, groups.grad, device.type)
         else:
-            self.grad_sync = data_parallel.GradSync(self.parameters(), config.zero_stage, groups.dp,
-                                                    groups.dp_ranks, groups.dp_rank,
+            self.grad_sync = data_parallel.GradSync(self.parameters(), config.zero_stage, groups.grad,
+                                                    groups.grad_ranks, groups.grad_rank,
                                                     all_reduce=groups.dp_all_reduce)
             if not config.layered_grad_accum:
                 self.partitioned = self.grad_sync.reduce_every_backward([list(u.parameters()) for _, u in self.units])

@@ -9,6 +9,7 @@ A profile holds, for one ModelSpec on one set of ranks:
   micro-batch size, tensor-parallel degree and recompute mode, medians of repeats with spreads;
   backward includes the recomputed forward when recompute is not 'none';
 - GEMM efficiency: achieved FLOP/s of (m, n, k, dtype) matmuls and their fraction of catalog peak;
+  dtype is the model's, or ``fp8_tensorwise`` / ``fp8_rowwise`` for FP8 GEMMs (of the fp8 peak);
 - memory: saved-activation bytes per layer kind, micro-batch size, tp, sequence parallelism and
   recompute; parameter bytes per layer kind and tp; the framework overhead of one rank;
 - links: alpha (latency_s) and beta (bandwidth_bytes_per_s) per ordered pair of ranks, fit to the
@@ -35,6 +36,9 @@ PROFILE_VERSION = 1
 LAYER_KINDS = ("embedding", "block", "head")
 RECOMPUTE_MODES = ("none", "selective", "full")
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+GEMM_FP8_DTYPES = ("fp8_tensorwise", "fp8_rowwise")
+"""GEMM-table dtypes beyond the model's: FP8 ``torch._scaled_mm`` with that recipe's scaling
+(``fp8_gemm_efficiency``); valid for ``gemm`` entries only, not as ``compute_dtype``."""
 
 # Shape fields a layer kind's compute time depends on. Fields outside these (name, num_layers,
 # tied_embeddings, ...) may differ between the profiled model and the one being planned.
@@ -122,7 +126,8 @@ class GemmEntry:
     time_s: float
     flop_per_s: float
     fraction_of_peak: float | None
-    """flop_per_s / catalog peak for the dtype; None for devices outside the catalog."""
+    """flop_per_s / catalog peak for the dtype (the fp8 peak for ``fp8_*`` rows); None for devices
+    outside the catalog."""
     device_kind: str | None
 
 
@@ -363,7 +368,7 @@ PROFILE_SCHEMA = Dict(
                                 "backward_spread_s": _SECONDS, "repeats": _REPEATS, "device_kind": _KIND,
                                 "rank": _RANK}, what="a layer timing")),
         "gemm": List(_entry({"m": Int(1, 1 << 30), "n": Int(1, 1 << 30), "k": Int(1, 1 << 30),
-                             "dtype": Str(DTYPES), "time_s": _POS_SECONDS, "flop_per_s": Num(0.0, 1e20, lo_open=True),
+                             "dtype": Str(DTYPES + GEMM_FP8_DTYPES), "time_s": _POS_SECONDS, "flop_per_s": Num(0.0, 1e20, lo_open=True),
                              "fraction_of_peak": Null(Num(0.0, 1e3)), "device_kind": _KIND}, what="a GEMM entry")),
         "activations": List(_entry({"layer": Str(LAYER_KINDS), "micro_batch_size": _MBS, "tp": _TP,
                                     "sequence_parallel": Bool(), "recompute": Str(RECOMPUTE_MODES),

@@ -17,8 +17,11 @@ from .links import merge_collectives
 
 
 def _peak(kind: str | None, dtype: str) -> float | None:
+    """The catalog's peak for a GEMM row's dtype (``fp8_<recipe>`` rows: the fp8 peak)."""
     if kind is None:
         return None
+    if dtype.startswith("fp8_"):
+        dtype = "fp8"
     try:
         return device_type(kind).peak(dtype)
     except UserError:
@@ -76,6 +79,7 @@ def assemble(args, model, everyone: list[dict], gathered: list[dict], backend: s
         "rank 0 phases ended at (s since start): " + ", ".join(f"{k} {v:.1f}" for k, v in gathered[0]["phases"].items()),
         f"python {platform.python_version()}",
     ]
+    notes += list(dict.fromkeys(x for g in gathered for x in g.get("notes", ())))
     prov = Provenance(hosts=tuple(hosts), device_names=tuple(sorted({r.device_name for r in ranks})),
                       torch_version=torch.__version__, backend=backend,
                       date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -84,7 +88,7 @@ def assemble(args, model, everyone: list[dict], gathered: list[dict], backend: s
     return Profile(
         version=PROFILE_VERSION, provenance=prov, model=model, ranks=ranks, compute_dtype=model.dtype,
         compute=tuple(sorted(compute, key=lambda c: (order[c.layer], c.tp, c.micro_batch_size, c.recompute))),
-        gemm=tuple(sorted(gemm, key=lambda e: (e.m * e.n * e.k, e.m, e.n))),
+        gemm=tuple(sorted(gemm, key=lambda e: (e.m * e.n * e.k, e.m, e.n, e.k, e.dtype.startswith("fp8_"), e.dtype))),
         activations=tuple(sorted(acts.values(), key=lambda a: (order[a.layer], a.tp, a.sequence_parallel,
                                                                a.micro_batch_size, a.recompute))),
         parameters=tuple(sorted(params.values(), key=lambda p: (order[p.layer], p.tp))),

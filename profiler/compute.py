@@ -190,14 +190,11 @@ def gemm_shapes(model: ModelSpec, micro_batch_sizes, tps, quick: bool, cuda: boo
     return sorted(shapes, key=lambda s: s[0] * s[1] * s[2])
 
 
-def time_gemm(m: int, n: int, k: int, dtype_name: str, device, repeats: int, min_sample_s: float = 0.01) -> float:
-    """Median seconds of one (m x k) @ (k x n) matmul; each sample loops until min_sample_s."""
-    dtype = acnn.TORCH_DTYPES[dtype_name]
-    a = torch.randn(m, k, device=device).to(dtype)
-    b = torch.randn(k, n, device=device).to(dtype)
+def _time_call(fn, device, repeats: int, min_sample_s: float) -> float:
+    """Median seconds of ``fn()`` after one untimed call; each sample loops until min_sample_s."""
     _sync(device)
     t0 = time.perf_counter()
-    torch.matmul(a, b)
+    fn()
     _sync(device)
     first = max(time.perf_counter() - t0, 1e-7)
     inner = max(1, min(1000, int(min_sample_s / first)))
@@ -206,10 +203,56 @@ def time_gemm(m: int, n: int, k: int, dtype_name: str, device, repeats: int, min
         _sync(device)
         t0 = time.perf_counter()
         for _ in range(inner):
-            torch.matmul(a, b)
+            fn()
         _sync(device)
         samples.append((time.perf_counter() - t0) / inner)
     return statistics.median(samples)
+
+
+def time_gemm(m: int, n: int, k: int, dtype_name: str, device, repeats: int, min_sample_s: float = 0.01) -> float:
+    """Median seconds of one (m x k) @ (k x n) matmul; each sample loops until min_sample_s."""
+    dtype = acnn.TORCH_DTYPES[dtype_name]
+    a = torch.randn(m, k, device=device).to(dtype)
+    b = torch.randn(k, n, device=device).to(dtype)
+    return _time_call(lambda: torch.matmul(a, b), device, repeats, min_sample_s)
+
+
+FP8_RECIPES = ("tensorwise", "rowwise")
+"""The FP8 scalings whose GEMMs are measured (profile rows of dtype ``fp8_<recipe>``)."""
+FP8_ALIGN = 16
+
+
+def fp8_gemm_shapes(shapes) -> list[tuple[int, int, int]]:
+    """The GEMM shapes to time in FP8: m, n and k all multiples of 16 (cuBLASLt's FP8 kernels need
+    K and N so; the same subset everywhere keeps CPU and CUDA tables alike)."""
+    return [s for s in shapes if all(x >= FP8_ALIGN and x % FP8_ALIGN == 0 for x in s)]
+
+
+def fp8_out_dtype(model_dtype: str, recipe: str, device) -> str:
+    """The output dtype of a measured FP8 GEMM: the model's when it is bf16 or fp16, else bf16 (the
+    frameworks' FP8 layers run in a 16-bit model); rowwise on CUDA always bf16 (its only kernel)."""
+    if recipe == "rowwise" and device.type == "cuda":
+        return "bf16"
+    return model_dtype if model_dtype in ("bf16", "fp16") else "bf16"
+
+
+def time_fp8_gemm(m: int, n: int, k: int, recipe: str, out_dtype_name: str, device, repeats: int,
+                  min_sample_s: float = 0.01) -> float:
+    """Median seconds of one FP8 (m x k) @ (k x n) ``torch._scaled_mm`` on float8_e4m3fn operands
+    quantised beforehand (the casts are not timed), scaled per ``recipe`` as ``autoconf.fp8`` does:
+    tensorwise one fp32 scale per operand, rowwise (m, 1) and (1, n); A row-major, B column-major."""
+    from autoconf.fp8 import FWD_DTYPE, check_recipe, quantize
+
+    rowwise = check_recipe(recipe) == "rowwise"
+    a = torch.randn(m, k, device=device)
+    b = torch.randn(k, n, device=device)
+    qa, sa = quantize(a, FWD_DTYPE, -1 if rowwise else None)
+    qb, sb = quantize(b, FWD_DTYPE, 0 if rowwise else None)
+    qa, qb = qa.contiguous(), qb.t().contiguous().t()
+    del a, b
+    out = acnn.TORCH_DTYPES[out_dtype_name]
+    return _time_call(lambda: torch._scaled_mm(qa, qb, scale_a=sa, scale_b=sb, out_dtype=out), device, repeats,
+                      min_sample_s)
 
 
 def time_tp_block(model: ModelSpec, mbs: int, tp: int, sp: bool, group, device, warmup: int, repeats: int) -> dict:

@@ -162,6 +162,8 @@ def run(args) -> int:
     my_items = items[mine[0]::mine[1]] if mine else []
     my_acts = act_items[mine[0]::mine[1]] if mine else []
     my_gemms = gemms[mine[0]::mine[1]] if mine else []
+    fp8_notes: list[str] = []
+    my_fp8 = _fp8_items(me["device_kind"], my_gemms, fp8_notes)
     p2p_sizes = links.P2P_SIZES_QUICK if quick else links.P2P_SIZES
     coll_sizes = links.COLLECTIVE_SIZES_QUICK if quick else links.COLLECTIVE_SIZES
     hosts = [r["host"] for r in ranks]  # ranks is sorted by rank
@@ -171,7 +173,8 @@ def run(args) -> int:
     phases: dict = {}  # phase -> seconds since the start when it ended
     bars = report.Bars(enabled=rank == 0 and report.wanted(getattr(args, "quiet", False)))
     with bars:
-        t_compute = bars.task("compute (this rank's share)", len(my_items) * rounds + len(my_acts) + len(my_gemms))
+        t_compute = bars.task("compute (this rank's share)", len(my_items) * rounds + len(my_acts) + len(my_gemms)
+                             + len(my_fp8))
         acts, gemm_rows = [], []
         samples: list[list[dict]] = [[] for _ in my_items]
         for r in range(rounds):  # the repeats are split between rounds; later rounds warm up once
@@ -192,6 +195,8 @@ def run(args) -> int:
             gemm_rows.append({"m": m, "n": n, "k": k, "dtype": model.dtype,
                               "time_s": compute.time_gemm(m, n, k, model.dtype, device, repeats)})
             bars.advance(t_compute)
+        gemm_rows += _time_fp8_gemms(my_fp8, model.dtype, device, repeats, fp8_notes, rank,
+                                     lambda what: bars.describe(t_compute, what), lambda: bars.advance(t_compute))
         opt_rows = [compute.time_optimizer(model, t, device, warmup, repeats) for t in tps] \
             if my_items and mine[0] == 0 else []
         compute.release()
@@ -239,7 +244,7 @@ def run(args) -> int:
 
     phases["pipeline runtime"] = time.perf_counter() - t_start
     mine_all = {"pipeline": pipe_rows, "phases": phases, "timings": timings, "tp_blocks": tp_rows, "optimizer": opt_rows, "acts": acts, "gemm": gemm_rows, "links": my_links, "coll": my_coll,
-                "kind": me["device_kind"]}
+                "kind": me["device_kind"], "notes": fp8_notes}
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(mine_all, gathered, dst=0)
     if rank == 0:
@@ -253,6 +258,54 @@ def run(args) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _fp8_items(kind: str | None, gemms: list, notes: list) -> list[tuple]:
+    """(m, n, k, recipe) of the FP8 GEMMs to time: the shapes of ``gemms`` that suit FP8
+    (``compute.fp8_gemm_shapes``) in each recipe, where the catalog has an FP8 peak for ``kind``."""
+    from autoconf.catalog import device_type
+
+    from . import compute
+
+    if not gemms:
+        return []
+    try:
+        ok = kind is not None and device_type(kind).supports("fp8")
+    except UserError:
+        ok = False
+    if not ok:
+        notes.append(f"fp8 GEMMs not measured: device kind {kind} has no FP8 peak in the catalog")
+        return []
+    return [(m, n, k, r) for m, n, k in compute.fp8_gemm_shapes(gemms) for r in compute.FP8_RECIPES]
+
+
+def _time_fp8_gemms(items: list, model_dtype: str, device, repeats: int, notes: list, rank: int,
+                    describe, advance) -> list[dict]:
+    """Profile ``gemm`` rows of dtype ``fp8_<recipe>`` for ``items`` (``_fp8_items``); a shape and
+    recipe that ``torch._scaled_mm`` refuses on this device is left out with a note."""
+    from . import compute
+
+    rows, failed = [], {}
+    outs = sorted({compute.fp8_out_dtype(model_dtype, r, device) for *_, r in items})
+    for m, n, k, recipe in items:
+        describe(f"GEMM {m}x{n}x{k} fp8 {recipe}")
+        try:
+            t = compute.time_fp8_gemm(m, n, k, recipe, compute.fp8_out_dtype(model_dtype, recipe, device), device,
+                                      repeats)
+        except Exception as e:  # noqa: BLE001 - an unsupported kernel must not end the profile
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            failed.setdefault(f"{type(e).__name__}: {first}", []).append(f"{recipe} {m}x{n}x{k}")
+        else:
+            rows.append({"m": m, "n": n, "k": k, "dtype": f"fp8_{recipe}", "time_s": t})
+        advance()
+    if items:
+        notes.append("fp8 GEMMs: torch._scaled_mm on float8_e4m3fn operands quantised beforehand (not timed), "
+                     f"out_dtype {'/'.join(outs)}; tensorwise one scale per operand, rowwise (m,1) and (1,n); "
+                     "fraction_of_peak relative to the catalog's fp8 peak")
+    for why, what in failed.items():
+        notes.append(f"fp8 GEMMs left out on rank {rank} ({len(what)}: {', '.join(what[:6])}"
+                     + (", ..." if len(what) > 6 else "") + f"): {why}")
+    return rows
 
 
 def _measurers(ranks: list[dict], split: str) -> dict:

@@ -1,6 +1,6 @@
 """FP8 linear layers for the reference trainer: every GEMM of ``y = x W^T + b`` via ``torch._scaled_mm``.
 
-Imported only by ``autoconf.nn`` (it imports torch). Current ("dynamic") scaling, as torchao's
+Imported by ``autoconf.nn`` and the profiler (it imports torch). Current ("dynamic") scaling, as torchao's
 Float8Linear does: each operand is scaled just before its GEMM from its own absolute maximum,
 ``scale = amax / fmax`` (fmax = 448 for E4M3, 57344 for E5M2), quantised as ``(t / scale)``
 saturated to +-fmax, and the GEMM multiplies the scales back in (``scale_a``, ``scale_b``).

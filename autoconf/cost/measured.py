@@ -329,14 +329,14 @@ def topology_graph(profile: Profile):
         ranks = [r.rank for r in by_host[h]]
         nics = [_nic_bandwidth(profile, r, pair, iface_speed.get(h, 0.0)) for r in ranks]
         intra_bw = [v["bandwidth_bytes_per_s"] for (a, b), v in pair.items() if a in ranks and b in ranks]
-        g.add_node(("host", n), group=group_of[h], name=h, nic_count=1,
+        g.add_node(("host", n), group=group_of[h], name=h, nic_count=1, domain=n,
                    nic_bandwidth_bytes_per_s=max(nics), nic_kind="measured",
                    intra_node_bandwidth_bytes_per_s=statistics.median(intra_bw) if intra_bw else float("inf"))
         g.add_edge(("host", n), ("group", group_of[h]), bandwidth_bytes_per_s=max(nics),
                    latency_s=inter_lat / 2, kind="uplink")
         for r, nic in zip(ranks, nics):
             info = profile.rank(r)
-            g.add_node(r, node=n, group=group_of[h], device=info.device_kind or info.device_name,
+            g.add_node(r, node=n, domain=n, group=group_of[h], device=info.device_kind or info.device_name,
                        memory_bytes=info.memory_bytes, host=h, local_rank=info.local_rank)
             g.add_edge(r, ("host", n), bandwidth_bytes_per_s=nic, latency_s=inter_lat / 2, kind="nic")
     for (a, b), v in pair.items():

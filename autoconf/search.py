@@ -279,7 +279,8 @@ class _Repair:
 
 def precision_choices(system: System, precision: str = "auto", fp8_recipe: str | None = None) -> tuple:
     """The (precision, FP8 recipe) pairs a search tries: bf16 (the model's dtype), and FP8 where
-    asked ("auto" or "fp8") and every device of the cluster and the framework run it, with
+    asked ("auto" or "fp8") and every device of the cluster and the framework run it (with "auto"
+    only where the devices' FP8 rate beats the model dtype's: not on CPUs, which emulate it), with
     ``fp8_recipe`` or else the framework's first recipe the devices run (MXFP8 needs Blackwell).
     A one-line error where "fp8" is asked and cannot run."""
     from .config import FP8_RECIPES
@@ -294,11 +295,15 @@ def precision_choices(system: System, precision: str = "auto", fp8_recipe: str |
     kinds = sorted(set(system.topology.kind_of))
     from .catalog import device_type
 
-    def runs(recipe):
+    def runs(recipe, faster: bool):
         dtype = "mxfp8" if recipe == "mxfp8" else "fp8"
-        return recipe in fw.fp8_recipes and all(device_type(k).supports(dtype) for k in kinds)
+        return recipe in fw.fp8_recipes and all(
+            device_type(k).supports(dtype)
+            and (not faster or device_type(k).peak(dtype) > device_type(k).peak(system.model.dtype)) for k in kinds)
     recipes = [fp8_recipe] if fp8_recipe else list(fw.fp8_recipes)
-    ok = [r for r in recipes if runs(r)]
+    # auto: only where FP8 can be faster (tensor cores above the model dtype's rate; a CPU
+    # emulates FP8 at its fp32 rate); asked for, wherever it runs
+    ok = [r for r in recipes if runs(r, precision == "auto")]
     if not ok:
         if precision == "fp8":
             why = (f"framework {fw.name} has no FP8" if not fw.fp8_recipes else

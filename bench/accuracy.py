@@ -108,6 +108,8 @@ def main(argv=None) -> int:
                     help="a profile JSON from `autoconf profile`, 'fresh' (default: profile the model now, with "
                     "the same number of processes) or 'none' (catalog prediction only)")
     ap.add_argument("--passes", type=int, default=2, help="run every configuration this many times (mean)")
+    ap.add_argument("--cp-fp8", action="store_true",
+                    help="only configurations that split the sequence (cp = world) or run FP8 linears")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     if args.passes < 1:
@@ -123,6 +125,11 @@ def main(argv=None) -> int:
     steps = args.steps or (4 if args.quick else 6)
     valid = [c for c, reason in enumerate_space(model, args.world, args.global_batch, max_micro_batch=8)
              if reason is None]
+    if args.cp_fp8:  # sequences split over every process, or the linear layers in FP8 (tensorwise)
+        import dataclasses
+        split = [c for c, reason in enumerate_space(model, args.world, args.global_batch, max_micro_batch=8,
+                                                    cps=(args.world,)) if reason is None]
+        valid = split + [dataclasses.replace(c, precision="fp8") for c in valid]
     chosen = spread(valid, n_max)
     try:
         from autoconf.cost.estimate import estimate

@@ -171,6 +171,10 @@ class Fp8:
     rf: Roofline
     recipe: str = "tensorwise"
     host_ops: tuple = (0, 0)
+    recast: bool = False
+    """The backward casts X and W again (transposed) from the high-precision tensors it kept
+    (torchao, the reference trainer), instead of using transposed FP8 copies written in the
+    forward (Transformer Engine's cast-transpose)."""
 
 
 # Bytes moved per element quantised (read the 16-bit source, write 1-byte FP8 copies), by recipe:
@@ -203,14 +207,18 @@ def quantize_times(gemms, fp8: Fp8, rf: Roofline, compiled: bool = False) -> tup
     is fused into it: only the FP8 writes remain (half the forward bytes of X), and no launch."""
     xb, dyb, xrb = QUANT_BYTES[fp8.recipe]
     xk, dyk, xrk = QUANT_KERNELS[fp8.recipe]
+    if fp8.recast and fp8.recipe in ("tensorwise", "delayed"):
+        # no transposed copy in the forward (one write less); the backward casts X and W again
+        # along the other axis with the forward's scales (read 2, write 1)
+        xb, xrb, xrk = xb - 1.0, 3.0, 1
     fwd_bytes = bwd_bytes = 0.0
     kf = kb = 0
     for i, (m, n, k) in enumerate(gemms):
         fused = compiled and i != 1  # qkv (norm), fc1 (norm), fc2 (activation); not the projection
         fwd_bytes += m * k * (xb / 2 if fused else xb) + k * n * xb
         kf += (0 if fused else xk) + xk
-        bwd_bytes += m * n * dyb + m * k * xrb
-        kb += dyk + xrk
+        bwd_bytes += m * n * dyb + m * k * xrb + (k * n * xrb if fp8.recast else 0.0)
+        kb += dyk + xrk * (2 if fp8.recast else 1)
     return rf.elementwise(fwd_bytes, kf), rf.elementwise(bwd_bytes, kb)
 
 

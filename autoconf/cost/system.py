@@ -151,7 +151,8 @@ class System:
                 if got:
                     rc = got[0] if recompute == "full" else 0.0
                     return LayerTimes(got[0], got[1], rc)
-            f8 = None if fp8 is None else Fp8(self.fp8_roofline(kind, fp8), fp8, self.framework.fp8_host_ops)
+            f8 = None if fp8 is None else Fp8(self.fp8_roofline(kind, fp8), fp8, self.framework.fp8_host_ops,
+                                              recast=not self.framework.fp8_saves_inputs)
             return block_times(self.model, b, tp, sp, recompute, self.roofline(kind), self.host_cost(kind),
                                cp=cp, fp8=f8, compiled=compiled)
         return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled),

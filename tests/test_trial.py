@@ -90,7 +90,7 @@ def test_rank_order_tp_innermost_like_megatron():
         assert d.rank_of(d.coords(r)) == r
     d2 = ParallelDims(dp=2, pp=1, tp=2, rank_order="dp-tp-pp")
     assert sorted(d2.groups("dp")) == [[0, 1], [2, 3]] and sorted(d2.groups("tp")) == [[0, 2], [1, 3]]
-    with pytest.raises(ValueError, match=r"dp\(2\) \* pp\(1\) \* tp\(2\) = 4 != world_size\(2\)"):
+    with pytest.raises(ValueError, match=r"dp\(2\) \* pp\(1\) \* tp\(2\) \* cp\(1\) = 4 != world_size\(2\)"):
         d2.validate(2)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from .errors import UserError
 from .model import ModelSpec
 from .placement import check_placement, even_layers, order_reason
-from .schema import Bool, Dict, Int, List, Null, Str
+from .schema import Bool, Dict, Int, List, Null, Num, Str
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 RECOMPUTE = ("none", "selective", "full")
@@ -30,7 +30,7 @@ CONFIG_SCHEMA = Dict(
     required={"dp": _DEGREE, "pp": _DEGREE, "tp": _DEGREE, "micro_batch_size": Int(1, 1 << 20),
               "num_micro_batches": Int(1, 1 << 20)},
     optional={"cp": _DEGREE, "precision": Str(PRECISIONS), "fp8_recipe": Str(FP8_RECIPES),
-              "torch_compile": Null(Bool()),
+              "torch_compile": Null(Bool()), "ep": _DEGREE, "moe_capacity_factor": Null(Num(0.0, 64.0, lo_open=True)),
               "schedule": Str(SCHEDULES), "virtual_stages": Int(1, 1 << 10), "layered_grad_accum": Bool(),
               "zero_stage": Int(0, 3), "recompute": Str(RECOMPUTE), "sequence_parallel": Bool(),
               "rank_order": Str(max_len=32), "overlap_grad_reduce": Null(Bool()),
@@ -107,6 +107,17 @@ class ParallelConfig:
     torch_compile: bool | None = None
     """Compile each block with ``torch.compile`` (torchtitan ``--compile.enable``): element-wise
     kernels fused, Python dispatch gone. None: the framework's default."""
+    ep: int = 1
+    """Expert-parallel degree (mixture-of-experts models): the routed experts of each MoE layer are
+    split over ep ranks, which exchange tokens with two all-to-alls per layer (dispatch, combine).
+    As Megatron-LM folds it, the expert-parallel group lies inside the dp x cp ranks (ep divides
+    dp x cp; the ranks of a pipeline stage and tensor-parallel rank that hold different tokens):
+    attention is replicated over them as usual, the experts are not. Expert weights are reduced,
+    and ZeRO-sharded, over the dp x cp / ep ranks holding the same experts."""
+    moe_capacity_factor: float | None = None
+    """Token dropping: each expert takes at most capacity_factor x (tokens x top-k / experts)
+    tokens per micro-batch, the rest skip it. None: dropless routing (every token reaches its
+    top-k experts; an expert's load is what the router gives it)."""
 
     @property
     def world_size(self) -> int:
@@ -138,6 +149,10 @@ class ParallelConfig:
             s += " sp"
         if self.dp_all_reduce != "flat":
             s += " hier-ar"
+        if self.ep > 1:
+            s += f" ep{self.ep}"
+        if self.moe_capacity_factor is not None:
+            s += f" cf{self.moe_capacity_factor:g}"
         if self.precision == "fp8":
             s += f" fp8-{self.fp8_recipe}"
         for knob, tag in (("overlap_grad_reduce", "ogr"), ("overlap_param_gather", "opg"), ("tp_comm_overlap", "tpo"),
@@ -182,7 +197,7 @@ layers_per_chunk = even_layers
 def check(config: ParallelConfig, model: ModelSpec) -> str | None:
     """The reason this configuration is invalid for the model, or None if it is valid."""
     c = config
-    for name in ("dp", "pp", "tp", "cp", "micro_batch_size", "num_micro_batches", "virtual_stages"):
+    for name in ("dp", "pp", "tp", "cp", "ep", "micro_batch_size", "num_micro_batches", "virtual_stages"):
         v = getattr(c, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             return f"{name}={v!r} must be a positive integer"
@@ -199,6 +214,15 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return f"precision={c.precision!r}; valid: {', '.join(PRECISIONS)}"
     if c.fp8_recipe not in FP8_RECIPES:
         return f"fp8_recipe={c.fp8_recipe!r}; valid: {', '.join(FP8_RECIPES)}"
+    if c.ep > 1 and not model.is_moe:
+        return f"ep({c.ep}) splits experts: model {model.name} has none (num_experts = 0)"
+    if c.ep > 1 and (c.dp * c.cp) % c.ep:
+        return f"ep({c.ep}) must divide dp x cp ({c.dp} x {c.cp} = {c.dp * c.cp}): the expert group lies inside them"
+    if c.ep > 1 and model.num_experts % c.ep:
+        return f"ep({c.ep}) does not divide num_experts({model.num_experts})"
+    cf = c.moe_capacity_factor
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0):
+        return f"moe_capacity_factor={cf!r} must be a positive number or absent (dropless)"
     if c.cp > 1 and model.seq_length % (2 * c.cp):
         return (f"cp({c.cp}): seq_length({model.seq_length}) must be divisible by 2 x cp = {2 * c.cp} "
                 "(the load-balanced causal split gives each rank two of 2 x cp chunks)")
@@ -258,6 +282,8 @@ def reason_key(reason: str) -> str:
                         ("sequence_parallel", "sequence parallel indivisible"),
                         ("exceeds num_layers", "more chunks than layers"),
                         ("load-balanced causal split", "cp does not divide the sequence"),
+                        ("the expert group lies inside", "ep does not divide dp x cp"),
+                        ("does not divide num_experts", "ep does not divide the experts"),
                         ("with dp=1 shards nothing", "zero with dp=1"),
                         ("dp_all_reduce=", "hierarchical all-reduce inapplicable"),
                         ("one micro-batch", "layered with one micro-batch")):

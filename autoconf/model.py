@@ -36,7 +36,12 @@ HEAD_DIM_LIMITS = (1, 1 << 14)
 # defaults are the block every earlier document described, and to_dict leaves them out at their
 # defaults, so that those documents (and the search's cache signatures) are unchanged.
 LATER_FIELDS = {"head_dim": None, "qkv_bias": False, "parallel_attention": False, "shared_norm": False,
-                "rotary_fraction": 1.0}
+                "rotary_fraction": 1.0, "num_experts": 0, "experts_per_token": 0, "expert_ffn_hidden_size": None,
+                "num_shared_experts": 0, "shared_expert_ffn_hidden_size": None, "first_dense_layers": 0,
+                "moe_layer_freq": 1, "router": "softmax"}
+ROUTERS = ("softmax", "sigmoid")
+"""How a mixture-of-experts layer scores its experts: softmax over the experts, then the top k
+(Mixtral, Qwen-MoE, GPT-OSS), or a sigmoid per expert, top k, renormalised (DeepSeek-V3)."""
 
 MODEL_SCHEMA = Dict(
     required={k: Int(lo, hi) for k, (lo, hi) in LIMITS.items()},
@@ -44,7 +49,11 @@ MODEL_SCHEMA = Dict(
               "norm": Str(NORMS), "position_embedding": Str(POSITION_EMBEDDINGS), "bias": Bool(),
               "dropout": Num(0.0, 1.0, hi_open=True), "attention": Str(ATTENTIONS),
               "head_dim": Null(Int(*HEAD_DIM_LIMITS)), "qkv_bias": Bool(), "parallel_attention": Bool(),
-              "shared_norm": Bool(), "rotary_fraction": Num(0.0, 1.0, lo_open=True), "name": Str(max_len=200)},
+              "shared_norm": Bool(), "rotary_fraction": Num(0.0, 1.0, lo_open=True), "name": Str(max_len=200),
+              "num_experts": Int(0, 1 << 14), "experts_per_token": Int(0, 1 << 10),
+              "expert_ffn_hidden_size": Null(Int(1, 1 << 20)), "num_shared_experts": Int(0, 1 << 10),
+              "shared_expert_ffn_hidden_size": Null(Int(1, 1 << 20)), "first_dense_layers": Int(0, 4096),
+              "moe_layer_freq": Int(1, 4096), "router": Str(ROUTERS)},
     what="a model")
 
 
@@ -100,6 +109,22 @@ class ModelSpec:
     rotary_fraction: float = 1.0
     """Share of each head's dimensions that the rotary embedding rotates (GPT-NeoX's rotary_pct,
     0.25); the others pass through. Rotated: int(head_size x rotary_fraction), even, at least 2."""
+    num_experts: int = 0
+    """Routed experts of each mixture-of-experts layer (0: a dense model)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to, the top k."""
+    expert_ffn_hidden_size: int | None = None
+    """Inner width of one expert's MLP (gated like ``activation``); None: ``ffn_hidden_size``."""
+    num_shared_experts: int = 0
+    """Experts every token goes through besides its routed ones (DeepSeek, Qwen2-MoE)."""
+    shared_expert_ffn_hidden_size: int | None = None
+    """Inner width of one shared expert; None: ``expert_ffn_hidden_size``."""
+    first_dense_layers: int = 0
+    """The first k blocks are dense, with an MLP of ``ffn_hidden_size`` (DeepSeek-V3: 3)."""
+    moe_layer_freq: int = 1
+    """After the dense ones, every n-th block is a mixture of experts (the others dense)."""
+    router: str = "softmax"
+    """'softmax' or 'sigmoid' scoring (``ROUTERS``); the router is an h x E matrix."""
     name: str = "custom"
     """A label for tables and files."""
 
@@ -140,6 +165,7 @@ class ModelSpec:
         if self.shared_norm and not self.parallel_attention:
             raise UserError(f"model {self.name}: shared_norm=true needs parallel_attention=true (a sequential "
                             "block's second norm reads the attention's output)")
+        self._validate_moe()
         r = self.rotary_fraction
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 < r <= 1.0):
             raise UserError(f"model {self.name}: rotary_fraction={r!r} must be a number in (0, 1]")
@@ -149,6 +175,68 @@ class ModelSpec:
         if self.position_embedding == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
             raise UserError(f"model {self.name}: rotary_fraction={r!r} rotates {self.rotary_dim} of the "
                             f"{self.head_size} dimensions of a head; valid: an even count of at least 2")
+
+    def _validate_moe(self) -> None:
+        e, k = self.num_experts, self.experts_per_token
+        for field in ("num_experts", "experts_per_token", "num_shared_experts", "first_dense_layers",
+                      "moe_layer_freq"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (1 if field == "moe_layer_freq" else 0):
+                raise UserError(f"model {self.name}: {field}={v!r} must be a "
+                                f"{'positive' if field == 'moe_layer_freq' else 'non-negative'} integer")
+        for field in ("expert_ffn_hidden_size", "shared_expert_ffn_hidden_size"):
+            v = getattr(self, field)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise UserError(f"model {self.name}: {field}={v!r} must be null or a positive integer")
+        if self.router not in ROUTERS:
+            raise UserError(f"model {self.name}: router={self.router!r}; valid: {', '.join(ROUTERS)}")
+        if e == 0:
+            if k or self.num_shared_experts or self.expert_ffn_hidden_size or self.first_dense_layers:
+                raise UserError(f"model {self.name}: experts_per_token, num_shared_experts, expert_ffn_hidden_size "
+                                "and first_dense_layers describe a mixture of experts: set num_experts too")
+            return
+        if not 1 <= k <= e:
+            raise UserError(f"model {self.name}: experts_per_token={k} must be in 1..num_experts ({e})")
+        if self.first_dense_layers >= self.num_layers:
+            raise UserError(f"model {self.name}: first_dense_layers={self.first_dense_layers} leaves no "
+                            f"mixture-of-experts block of {self.num_layers}")
+
+    # -- mixture of experts -------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether block ``i`` (0-based) is a mixture of experts."""
+        return (self.is_moe and i >= self.first_dense_layers
+                and (i - self.first_dense_layers) % self.moe_layer_freq == 0)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def expert_ffn(self) -> int:
+        """Inner width of one routed expert."""
+        return self.expert_ffn_hidden_size or self.ffn_hidden_size
+
+    @property
+    def shared_expert_ffn(self) -> int:
+        """Inner width of one shared expert."""
+        return self.shared_expert_ffn_hidden_size or self.expert_ffn
+
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (its gated or two-matrix MLP, biases with ``bias``)."""
+        h, f = self.hidden_size, self.expert_ffn
+        return self.mlp_matrices * h * f + (((self.mlp_matrices - 1) * f + h) if self.bias else 0)
+
+    def shared_expert_params(self) -> int:
+        h, f = self.hidden_size, self.shared_expert_ffn
+        return self.num_shared_experts * (self.mlp_matrices * h * f + (((self.mlp_matrices - 1) * f + h)
+                                                                        if self.bias else 0))
+
+    def router_params(self) -> int:
+        return self.hidden_size * self.num_experts
 
     # -- derived shapes -----------------------------------------------------------------------
     @property
@@ -193,17 +281,45 @@ class ModelSpec:
     def norm_params(self) -> int:
         return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
 
-    def layer_params(self) -> int:
-        """Parameters of one transformer block."""
-        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.q_size, self.kv_size
+    def attention_params(self) -> int:
+        """Parameters of one block's attention (projections and their biases)."""
+        h, q, kv = self.hidden_size, self.q_size, self.kv_size
         attn = h * (q + 2 * kv) + q * h
-        mlp = self.mlp_matrices * h * f
         if self.bias:
             attn += (q + 2 * kv) + h
-            mlp += (self.mlp_matrices - 1) * f + h
         elif self.qkv_bias:
             attn += q + 2 * kv
-        return attn + mlp + self.norms_per_block * self.norm_params()
+        return attn
+
+    def layer_params(self, i: int | None = None) -> int:
+        """Parameters of block ``i`` (None: a dense block, the shape of every block of a dense model).
+        A mixture-of-experts block holds its router, every routed expert and the shared ones."""
+        h, f = self.hidden_size, self.ffn_hidden_size
+        norms = self.norms_per_block * self.norm_params()
+        if i is not None and self.is_moe_layer(i):
+            return (self.attention_params() + self.router_params() + self.num_experts * self.expert_params()
+                    + self.shared_expert_params() + norms)
+        mlp = self.mlp_matrices * h * f + (((self.mlp_matrices - 1) * f + h) if self.bias else 0)
+        return self.attention_params() + mlp + norms
+
+    def active_layer_params(self, i: int | None = None) -> int:
+        """Parameters of block ``i`` one token goes through (its top-k experts, not all of them)."""
+        if i is None or not self.is_moe_layer(i):
+            return self.layer_params(i)
+        return (self.attention_params() + self.router_params() + self.experts_per_token * self.expert_params()
+                + self.shared_expert_params() + self.norms_per_block * self.norm_params())
+
+    def blocks_params(self) -> int:
+        """Parameters of all blocks."""
+        if not self.is_moe:
+            return self.num_layers * self.layer_params()
+        return sum(self.layer_params(i) for i in range(self.num_layers))
+
+    def active_params(self) -> int:
+        """Parameters one token goes through (a dense model: all of them)."""
+        blocks = sum(self.active_layer_params(i) for i in range(self.num_layers)) if self.is_moe else \
+            self.num_layers * self.layer_params()
+        return self.embedding_params() + blocks + self.output_params()
 
     def embedding_params(self) -> int:
         pos = self.seq_length * self.hidden_size if self.position_embedding == "learned" else 0
@@ -214,7 +330,8 @@ class ModelSpec:
         return self.norm_params() + (0 if self.tied_embeddings else self.vocab_size * self.hidden_size)
 
     def num_params(self) -> int:
-        return self.embedding_params() + self.num_layers * self.layer_params() + self.output_params()
+        """Total parameters (every expert of a mixture of experts; see :meth:`active_params`)."""
+        return self.embedding_params() + self.blocks_params() + self.output_params()
 
     # -- FLOPs ----------------------------------------------------------------------------------
     def layer_forward_flops_per_token(self) -> float:
@@ -227,12 +344,24 @@ class ModelSpec:
         h, f, q, kv, s = self.hidden_size, self.ffn_hidden_size, self.q_size, self.kv_size, self.seq_length
         return 2.0 * (h * (q + 2 * kv) + q * h + self.mlp_matrices * h * f) + 4.0 * s * q
 
+    def moe_layer_forward_flops_per_token(self) -> float:
+        """A mixture-of-experts block's forward FLOPs per token: attention, the router, its top-k
+        experts and the shared ones (active work only)."""
+        h, q, kv, s = self.hidden_size, self.q_size, self.kv_size, self.seq_length
+        experts = (self.experts_per_token * self.expert_ffn + self.num_shared_experts * self.shared_expert_ffn)
+        return (2.0 * (h * (q + 2 * kv) + q * h + self.mlp_matrices * h * experts + h * self.num_experts)
+                + 4.0 * s * q)
+
     def model_flops_per_token(self) -> float:
-        """Forward + backward model FLOPs per token (no recomputation): 3x the forward.
+        """Forward + backward model FLOPs per token (no recomputation): 3x the forward; a mixture of
+        experts counts the active experts only.
 
         For GPT shapes this is 72*l*h^2*(1 + s/6h + V/12hl) per token (arXiv 2104.04473).
         """
-        fwd = self.num_layers * self.layer_forward_flops_per_token() + 2.0 * self.vocab_size * self.hidden_size
+        moe = self.num_moe_layers
+        fwd = ((self.num_layers - moe) * self.layer_forward_flops_per_token()
+               + moe * (self.moe_layer_forward_flops_per_token() if moe else 0.0)
+               + 2.0 * self.vocab_size * self.hidden_size)
         return 3.0 * fwd
 
     # -- (de)serialisation ----------------------------------------------------------------------

@@ -92,6 +92,19 @@ def merged_groups(dp: int, pp: int, tp: int, order: str, axes: tuple, cp: int = 
     return sorted(tuple(g) for g in by_key.values())
 
 
+def expert_groups(dp: int, pp: int, tp: int, order: str, ep: int, cp: int = 1) -> tuple[list[tuple], list[tuple]]:
+    """(expert-parallel groups, expert-data-parallel groups) of ranks. The expert-parallel group
+    lies inside the dp x cp ranks that hold the same layers and tensor shard (Megatron-LM folds it
+    there): each such group, in rank order, is cut into consecutive runs of ep ranks; the ranks at
+    the same position of every run hold the same experts and reduce their gradients together."""
+    ep_groups, edp_groups = [], []
+    for g in merged_groups(dp, pp, tp, order, ("cp", "dp"), cp):
+        runs = [g[i:i + ep] for i in range(0, len(g), ep)]
+        ep_groups += [tuple(r) for r in runs]
+        edp_groups += [tuple(r[j] for r in runs) for j in range(ep)]
+    return sorted(ep_groups), sorted(edp_groups)
+
+
 def even_layers(num_layers: int, num_chunks: int) -> list[int]:
     """Split layers as evenly as possible over chunks; earlier chunks take the remainder."""
     base, extra = divmod(num_layers, num_chunks)
@@ -136,12 +149,13 @@ class Placement:
     device_order: tuple | None = None
     stage_layers: tuple | None = None
     cp: int = 1
+    ep: int = 1
 
     @classmethod
     def of(cls, config, num_layers: int) -> "Placement":
         """The placement a ParallelConfig describes, for a model of ``num_layers`` blocks."""
         return cls(config.dp, config.pp, config.tp, config.rank_order, config.virtual_stages, num_layers,
-                   config.device_order, config.stage_layers, getattr(config, "cp", 1))
+                   config.device_order, config.stage_layers, getattr(config, "cp", 1), getattr(config, "ep", 1))
 
     @property
     def world_size(self) -> int:
@@ -163,7 +177,11 @@ class Placement:
 
     def groups(self, axis) -> list[tuple]:
         """Ranks of every group along ``axis`` (:func:`axis_groups`), or along several axes at
-        once when ``axis`` is a tuple (:func:`merged_groups`)."""
+        once when ``axis`` is a tuple (:func:`merged_groups`); "ep" / "edp": the expert-parallel
+        and expert-data-parallel groups (:func:`expert_groups`)."""
+        if axis in ("ep", "edp"):
+            eg, edg = expert_groups(self.dp, self.pp, self.tp, self.rank_order, self.ep, self.cp)
+            return eg if axis == "ep" else edg
         if isinstance(axis, tuple):
             if len(axis) == 1:
                 axis = axis[0]

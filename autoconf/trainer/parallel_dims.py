@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..placement import AXES, axis_groups, merged_groups, order_reason, rank_coords, rank_of
+from ..placement import AXES, axis_groups, expert_groups, merged_groups, order_reason, rank_coords, rank_of
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class ParallelDims:
     """Axes from innermost to outermost (cp, when left out, right after tp)."""
     cp: int = 1
     """Context-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree (inside the dp x cp ranks)."""
 
     @property
     def world_size(self) -> int:
@@ -53,6 +55,11 @@ class ParallelDims:
     def groups(self, axis: str) -> list[list[int]]:
         """Every group along ``axis``: ranks that differ only in that coordinate, in a fixed order."""
         return [list(g) for g in axis_groups(self.dp, self.pp, self.tp, self.rank_order, axis, self.cp)]
+
+    def expert_groups(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(expert-parallel groups, expert-data-parallel groups): ``placement.expert_groups``."""
+        eg, edg = expert_groups(self.dp, self.pp, self.tp, self.rank_order, self.ep, self.cp)
+        return [list(g) for g in eg], [list(g) for g in edg]
 
     def grad_groups(self) -> list[list[int]]:
         """The groups that reduce gradients (and shard ZeRO state) together: dp x cp ranks (every

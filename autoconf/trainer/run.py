@@ -43,7 +43,7 @@ def setup(config: ParallelConfig, timeout_s: float):
         device, backend = torch.device("cuda", local), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dims = ParallelDims(config.dp, config.pp, config.tp, config.rank_order, config.cp)
+    dims = ParallelDims(config.dp, config.pp, config.tp, config.rank_order, config.cp, config.ep)
     if config.device_order is None:
         dist.init_process_group(backend, timeout=timeout)
         world, rank = dist.get_world_size(), dist.get_rank()

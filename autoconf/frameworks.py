@@ -42,7 +42,11 @@ stacks. What differs, and is modelled here from each framework's own code and do
   and transposes and saves linear inputs in FP8; torchao keeps the high-precision tensors and
   gathers FSDP weights in FP8), and the host operations the scaling costs per linear;
 - **torch.compile** (torchtitan's ``compile.enable``, a knob): fused element-wise kernels, fewer
-  host dispatches.
+  host dispatches;
+- **mixtures of experts**: expert parallelism (Megatron-LM's ``--expert-model-parallel-size``,
+  torchtitan's ``expert_parallel_degree``, the reference trainer); token dropping by a capacity
+  factor (Megatron-LM, the reference trainer; torchtitan routes dropless). DeepSpeed's MoE layer
+  is configured in the model code, which the emitted files cannot set: not offered.
 
 A knob set to None in a :class:`~autoconf.config.ParallelConfig` takes the framework's default.
 """
@@ -94,6 +98,9 @@ class Framework:
     "all_gather" (keys and values gathered once per layer, gradients reduce-scattered: torch's
     ``context_parallel``, which torchtitan uses, rotates with ``allgather`` by default); None:
     no context parallelism."""
+    ring_math: bool = False
+    """Its ring attention computes each block with explicit tensor operations and recomputes
+    them in the backward (the reference trainer's ``ring_attention``), not with a fused kernel."""
     fp8_recipes: tuple = ()
     """The FP8 scaling recipes it runs (``config.FP8_RECIPES``); empty: no FP8."""
     fp8_host_ops: tuple = (0, 0)
@@ -107,6 +114,10 @@ class Framework:
     fp8_saves_inputs: bool = False
     """Whether a linear layer keeps its input for the backward in FP8 (Transformer Engine saves
     the quantised input); else in the model's dtype (torchao saves the high-precision tensors)."""
+    expert_parallel: bool = False
+    """Whether it splits a mixture of experts' experts over ranks (``config.ParallelConfig.ep``)."""
+    capacity_factor: bool = False
+    """Whether its router can drop tokens beyond an expert capacity (else dropless only)."""
     fp8_all_gather: bool = False
     """ZeRO-3 / FSDP gathers linear weights in FP8 (torchao's float8 all-gather with tensorwise
     scaling, which the emitted torchtitan files switch on): half the bytes."""
@@ -150,6 +161,10 @@ class Framework:
         for k in KNOBS:
             if getattr(c, k, None) is not None and k not in self.knobs and bool(getattr(c, k)) != self.defaults[k]:
                 return f"framework {self.name} cannot switch {k} (always {self.defaults[k]})"
+        if getattr(c, "ep", 1) > 1 and not self.expert_parallel:
+            return f"framework {self.name} has no expert parallelism (ep={c.ep})"
+        if getattr(c, "moe_capacity_factor", None) is not None and not self.capacity_factor:
+            return f"framework {self.name} routes dropless only (moe_capacity_factor={c.moe_capacity_factor})"
         if getattr(c, "cp", 1) > 1 and self.cp_comm is None:
             return f"framework {self.name} has no context parallelism (cp={c.cp})"
         if getattr(c, "precision", "bf16") == "fp8" and c.fp8_recipe not in self.fp8_recipes:
@@ -197,7 +212,9 @@ FRAMEWORKS = {
         defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False,
                   "torch_compile": False},
         knobs=(), all_reduce_algorithms={"flat": ("ring", "tree"), "hierarchical": ("hierarchical",)},
-        cp_comm="ring", fp8_recipes=("tensorwise", "rowwise"), fp8_host_ops=(16, 16)),
+        cp_comm="ring", ring_math=True, fp8_recipes=("tensorwise", "rowwise"), fp8_host_ops=(16, 16),
+        expert_parallel=True,
+        capacity_factor=True),
     "megatron": Framework(
         name="megatron", schedules=("1f1b", "interleaved"),
         zero_stages=(0, 1), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
@@ -206,7 +223,8 @@ FRAMEWORKS = {
                   "torch_compile": False},
         knobs=("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"), vocab_multiple=128,
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
-        fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True),
+        fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
+        capacity_factor=True),
     "torchtitan": Framework(
         name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 2, 3), zero_stages_with_pp=(0, 2, 3), layered_grad_accum=False,
@@ -215,7 +233,7 @@ FRAMEWORKS = {
                   "torch_compile": False},
         knobs=("tp_comm_overlap", "torch_compile"), all_reduce_algorithms=_NCCL_ALL_REDUCE,
         cp_comm="all_gather", fp8_recipes=("rowwise", "tensorwise", "mxfp8"), fp8_host_ops=(16, 16),
-        fp8_all_gather=True),
+        fp8_all_gather=True, expert_parallel=True),
     "deepspeed": Framework(
         name="deepspeed", schedules=("1f1b",),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1), layered_grad_accum=False,

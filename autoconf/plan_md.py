@@ -9,6 +9,7 @@ from .stacks import gaps
 _TERMS = (("compute", "compute (forward + backward)"), ("recompute", "recomputation"),
           ("bubble", "pipeline bubble"), ("tp_comm", "tensor-parallel communication (exposed)"),
           ("cp_comm", "context-parallel key/value exchange (exposed)"),
+          ("ep_comm", "mixture-of-experts all-to-alls (dispatch and combine)"),
           ("pp_comm", "pipeline transfers (exposed)"), ("dp_comm", "data-parallel communication (exposed)"),
           ("optimizer", "optimizer step"))
 _MEMORY = ("parameters", "gradients", "optimizer", "activations", "other")

@@ -27,7 +27,8 @@ INSTALL_HINT = "pip install 'autoconf-parallel[plot]' (or pip install 'matplotli
 # forward blues and backward oranges (a device's second chunk lighter; more chunks: a ramp)
 _FORWARD = ("#3b6fb6", "#8db3e2")
 _BACKWARD = ("#e07b39", "#f4b183")
-_PART_COLOR = {"tp_comm": "#7b5ea7", "cp_comm": "#c77dff", "dp_comm": "#2a9d8f", "runtime": "#9a9a9a"}
+_PART_COLOR = {"tp_comm": "#7b5ea7", "cp_comm": "#c77dff", "ep_comm": "#e76f51", "dp_comm": "#2a9d8f",
+               "runtime": "#9a9a9a"}
 _TRANSFER = "#333333"
 _REDUCTION = "#c0392b"
 _GATHER = "#d98cb3"
@@ -286,6 +287,7 @@ def timeline_figure(estimate, ctx, where: str = ""):
     if "recompute" in present:
         legend.append(Patch(facecolor=_BACKWARD[0], hatch="//", edgecolor="white", label="recompute"))
     for part, label in (("tp_comm", "TP comm (exposed)"), ("cp_comm", "CP key/value exchange (exposed)"),
+                        ("ep_comm", "MoE all-to-alls"),
                         ("dp_comm", "ZeRO comm per micro-batch (exposed)"),
                         ("runtime", "pipeline runtime")):
         if part in present:

@@ -22,6 +22,7 @@ TERM_SOURCES = {
     "recompute": "cost/compute.py: forward recomputed in backward (full / selective)",
     "tp_comm": "cost/comm.py: Megatron all-reduces (SP: all-gather + reduce-scatter) per layer",
     "cp_comm": "cost/context_parallel.py: key/value exchange of the sequence split, beyond the attention it hides behind",
+    "ep_comm": "cost/moe.py: the MoE blocks' dispatch and combine all-to-alls over the expert-parallel group",
     "bubble": "cost/pipeline.py: simulated schedule, idle time without transfers",
     "pp_comm": "cost/pipeline.py: simulated schedule, extra time from stage-to-stage transfers; the pipeline runtime per action (measured)",
     "dp_comm": "cost/data_parallel.py: gradient reduction not hidden behind backward; ZeRO gathers",
@@ -205,7 +206,8 @@ def search_table(r, wide: bool = False, rows: int | None = None) -> Table:
                       " ".join(_extras(c)), fmt_seconds(e.step_time_s), f"{e.tokens_per_s:,.0f}",
                       f"{100 * e.mfu:.1f}%", fmt_bytes(e.peak_memory_bytes), fmt_seconds(b["compute"] + b["recompute"]),
                       fmt_seconds(b["bubble"]),
-                      fmt_seconds(b["tp_comm"] + b.get("cp_comm", 0.0) + b["pp_comm"] + b["dp_comm"]))
+                      fmt_seconds(b["tp_comm"] + b.get("cp_comm", 0.0) + b.get("ep_comm", 0.0) + b["pp_comm"]
+                                  + b["dp_comm"]))
         else:
             t.add_row(str(i), str(c.dp), str(c.pp), str(c.tp), *([str(c.cp)] if cp else []),
                       str(c.micro_batch_size), schedule_label(c),

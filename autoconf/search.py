@@ -177,7 +177,8 @@ class _Evaluator:
     def _dominated(self, point) -> bool:
         """Whether even the least work of this point is slower than the incumbent: then no inner
         choice can beat it. Least work: no recomputation, ZeRO-1 (ZeRO-0's compute and traffic
-        during the pipeline, with the optimizer step sharded), either sequence-parallel setting."""
+        during the pipeline, with the optimizer step sharded), either sequence-parallel setting,
+        every precision and expert-parallel degree tried."""
         dp, pp, tp, mbs, sched, v, layered, cp = point
         fw = self.ctx.framework
         for sp in ((False, True) if tp > 1 else (False,)):
@@ -185,12 +186,20 @@ class _Evaluator:
                             self.global_batch, cp)
             # the switchable knobs at their cheapest (overlap on), so the bound stays a lower bound
             c = dataclasses.replace(c, **{k: (sp if k == "tp_comm_overlap" else True) for k in fw.knobs})
-            for prec in self.precisions:  # the cheapest precision is not known in advance
-                cc = dataclasses.replace(c, precision=prec[0], fp8_recipe=prec[1])
+            # the cheapest precision and expert-parallel degree are not known in advance
+            for prec, ep in ((p_, e) for p_ in self.precisions for e in self._eps(dp * cp)):
+                cc = dataclasses.replace(c, precision=prec[0], fp8_recipe=prec[1], ep=ep)
                 if check(cc, self.ctx.model) is None and _estimate(self._placed(cc), self.ctx,
                                                                    bound=self.incumbent) is not None:
                     return False
         return True
+
+    def _eps(self, ranks: int) -> tuple:
+        """Expert-parallel degrees of a point whose dp x cp is ``ranks`` (1 for dense models)."""
+        e = self.ctx.model.num_experts
+        if not e or not self.ctx.framework.expert_parallel:
+            return (1,)
+        return tuple(k for k in range(1, ranks + 1) if ranks % k == 0 and e % k == 0)
 
     def __call__(self, point) -> tuple[list, Estimate | None]:
         """(the fitting estimates of this point that can be among the ``top`` fastest, fastest
@@ -204,7 +213,8 @@ class _Evaluator:
             self.bound_used = self.incumbent
             return [], None
         for c in framework_inner(self.ctx.framework, dp, pp, tp, mbs, sched, v, layered, self.global_batch,
-                                 dp_hierarchical(self.ctx, dp, pp, tp), cp, self.precisions):
+                                 dp_hierarchical(self.ctx, dp, pp, tp), cp, self.precisions,
+                                 self.ctx.model.num_experts):
             if check(c, self.ctx.model):
                 continue
             # memory first (no simulation when it cannot fit); skip the schedule simulation when
@@ -330,7 +340,7 @@ def dp_hierarchical(system: System, dp: int, pp: int, tp: int) -> bool:
 
 
 def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hier: bool = False, cp: int = 1,
-                    precisions=(("bf16", "tensorwise"),)):
+                    precisions=(("bf16", "tensorwise"),), moe_experts: int = 0):
     """The inner configurations of an outer point that framework ``fw`` can run: ZeRO stages it
     has, every recompute mode, sequence parallelism, and both values of each knob it lets a user
     switch where the knob matters (overlap_grad_reduce with dp > 1, overlap_param_gather with
@@ -339,9 +349,15 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
     hierarchical too, for the ZeRO stages whose modelled reduction is an all-reduce
     (``data_parallel.reduction_collective``: ZeRO-0; the trainer's ZeRO-1 all-reduce is modelled
     as a reduce-scatter, which the choice does not change). ``precisions``: the (precision, FP8
-    recipe) pairs to try (:func:`precision_choices`)."""
-    for zero, rc, sp in inner_choices(dp, tp, cp):
+    recipe) pairs to try (:func:`precision_choices`). ``moe_experts``: a mixture of experts' expert
+    count: every expert-parallel degree dividing dp x cp and the experts is tried (the framework's
+    own where it has expert parallelism)."""
+    eps = (1,) if not moe_experts or not fw.expert_parallel else tuple(
+        e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and moe_experts % e == 0)
+    for (zero, rc, sp), ep in ((z, e) for z in inner_choices(dp, tp, cp) for e in eps):
         c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch, cp)
+        if ep > 1:
+            c = dataclasses.replace(c, ep=ep)
         if fw.check(c):
             continue
         matters = {"overlap_grad_reduce": dp * cp > 1, "overlap_param_gather": dp * cp > 1 and zero >= 1,
@@ -391,7 +407,7 @@ def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=N
     for point in points:
         dp, pp, tp, mbs, sched, v, layered, cp = point
         inner = list(framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch,
-                                     bool(dp_hier and dp_hier(dp, pp, tp)), cp, precisions))
+                                     bool(dp_hier and dp_hier(dp, pp, tp)), cp, precisions, model.num_experts))
         total += len(inner)
         base = check(make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, global_batch, cp), model)
         if base:
@@ -823,7 +839,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
            study_name: str | None = None, profile=None, calibration=None, max_micro_batch: int = 64,
            seed: int = 0, exhaustive: bool = True, progress=None, framework=None,
            place: bool = False, phase=None, max_cp: int | None = None, precision: str = "auto",
-           fp8_recipe: str | None = None) -> SearchResult:
+           fp8_recipe: str | None = None, moe_imbalance: float = 1.0) -> SearchResult:
     """Search the space for the ``top`` fastest configurations that fit (exactly the model's
     ``top`` fastest, unless ``exhaustive=False``). ``storage``: an Optuna storage URL to keep the
     trials in (``sqlite:///file.db``; resumable), or None to keep them in memory only (no file
@@ -841,7 +857,10 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     t0 = time.perf_counter()
     if top < 1:
         raise UserError(f"--top {top}: must be a positive number of configurations")
-    ctx = System(model, cluster, profile, calibration, framework=framework)
+    if not (isinstance(moe_imbalance, (int, float)) and 1.0 <= moe_imbalance <= 64.0):
+        raise UserError(f"--moe-imbalance {moe_imbalance!r}: the busiest expert rank's load over the balanced "
+                        "share, a number from 1.0 (balanced) to 64")
+    ctx = System(model, cluster, profile, calibration, framework=framework, moe_imbalance=float(moe_imbalance))
     world = gpus or ctx.num_devices
     if world > ctx.num_devices:
         raise UserError(f"--gpus {world}: the cluster has only {ctx.num_devices} devices")
@@ -875,6 +894,8 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         signature["cp"] = list(cps)
     if precisions != (("bf16", "tensorwise"),):
         signature["precisions"] = [list(p) for p in precisions]
+    if moe_imbalance != 1.0:
+        signature["moe_imbalance"] = moe_imbalance
     name = study_name or default_study_name(model, world, global_batch,
                                             cluster.name if cluster is not None else "profile",
                                             ctx.framework.name, signature)

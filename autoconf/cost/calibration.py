@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "bubble", "optimizer")
+TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm", "bubble", "optimizer")
 MEMORY_TERMS = ("activations", "other")
 MODEL_STATE_PARTS = ("parameters", "gradients", "optimizer")
 

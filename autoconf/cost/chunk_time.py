@@ -33,6 +33,9 @@ class ChunkTimes:
     tp_comm_s: tuple
     cp_comm_s: tuple
     """Context parallelism's exposed key/value exchange (``context_parallel``)."""
+    ep_comm_s: tuple
+    """Expert parallelism's dispatch and combine all-to-alls (``moe``)."""
+    ep_comm_forward_s: tuple
     dp_inline_s: tuple
     """ZeRO-2/3 traffic exposed during the micro-batch."""
     tp_comm_forward_s: tuple
@@ -47,11 +50,17 @@ def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tu
     ``ci``'s layers on the slowest device kind of its stage: its blocks, the embedding on the
     first chunk, the output layer on the last; device times, then the host's issue times."""
     b, tp, nl = c.micro_batch_size, c.tp, lay.chunk_layers[ci]
+    n_moe = lay.chunk_moe_layers[ci] if lay.chunk_moe_layers else 0
     best = None
     for kind in lay.stage_kinds[ci % c.pp]:
         lt = system.block_for(kind, c)
-        f, bw_, rc = nl * lt.forward_s, nl * lt.backward_s, nl * lt.recompute_s
-        hf, hb = nl * lt.host_forward_s, nl * lt.host_backward_s
+        n = nl - n_moe
+        f, bw_, rc = n * lt.forward_s, n * lt.backward_s, n * lt.recompute_s
+        hf, hb = n * lt.host_forward_s, n * lt.host_backward_s
+        if n_moe:
+            mt = system.block_for(kind, c, moe=True)
+            f, bw_, rc = f + n_moe * mt.forward_s, bw_ + n_moe * mt.backward_s, rc + n_moe * mt.recompute_s
+            hf, hb = hf + n_moe * mt.host_forward_s, hb + n_moe * mt.host_backward_s
         for which, here in (("embedding", ci == 0), ("head", ci == lay.num_chunks - 1)):
             if here:
                 e = system.edge(kind, b, tp, which, c.cp)
@@ -64,7 +73,10 @@ def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tu
 def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, runtime_s: float,
                 cpt: CpTimes = CpTimes()) -> ChunkTimes:
     """Every chunk's times per micro-batch; ``runtime_s``: the pipeline runtime's cost per action;
-    ``cpt``: context parallelism's exposed exchange per layer."""
+    ``cpt``: context parallelism's exposed exchange per layer; a mixture of experts' all-to-alls
+    per MoE block (``moe.a2a_times``)."""
+    from .moe import a2a_times
+    a2a = a2a_times(system, c) if lay.chunk_moe_layers else (0.0, 0.0)
     cols = {k: [] for k in ChunkTimes.__dataclass_fields__}
     for ci, nl in enumerate(lay.chunk_layers):
         f, bw_, rc, host_f, host_b = chunk_compute(system, c, lay, ci)
@@ -75,6 +87,8 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
             # (Megatron's userbuffers, torch's asynchronous TP): only what outlasts them is exposed
             tpf, tpb = max(0.0, tpf - f), max(0.0, tpb - bw_)
         cpf, cpb = nl * cpt.forward_per_layer_s, nl * cpt.backward_per_layer_s
+        n_moe = lay.chunk_moe_layers[ci] if lay.chunk_moe_layers else 0
+        epf, epb = n_moe * a2a[0], n_moe * a2a[1]
         extra_f, extra_b = per_micro_batch_s(system, c, lay, ci, f, bw_)
         # the host issues a pass (forward; backward with its recomputation) ahead of the device:
         # the device waits where issuing the pass takes longer than computing it. The TP
@@ -82,7 +96,7 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
         # that wait: a host-bound pass takes the host's time, a device-bound one its compute plus
         # its exposed collectives. (On the GPU development set, bench/gpu_devset.py, a micro-batch
         # takes the same time at tp 1 and tp 2 while host-bound, collectives or not.)
-        ex_f, ex_b = max(0.0, host_f - f - tpf - cpf), max(0.0, host_b - bw_ - tpb - cpb)
+        ex_f, ex_b = max(0.0, host_f - f - tpf - cpf - epf), max(0.0, host_b - bw_ - tpb - cpb - epb)
         f, bw_ = f + ex_f, bw_ + ex_b
         cols["compute_forward_s"].append(f)
         cols["compute_backward_s"].append(bw_ - rc)
@@ -90,11 +104,13 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
         cols["tp_comm_s"].append(tpf + tpb)
         cols["cp_comm_s"].append(cpf + cpb)
         cols["cp_comm_forward_s"].append(cpf)
+        cols["ep_comm_s"].append(epf + epb)
+        cols["ep_comm_forward_s"].append(epf)
         cols["dp_inline_s"].append(extra_f + extra_b)
         cols["tp_comm_forward_s"].append(tpf)
         cols["dp_inline_forward_s"].append(extra_f)
-        cols["forward_s"].append(f + tpf + cpf + extra_f + runtime_s)
-        cols["backward_s"].append(bw_ + tpb + cpb + extra_b + runtime_s)
+        cols["forward_s"].append(f + tpf + cpf + epf + extra_f + runtime_s)
+        cols["backward_s"].append(bw_ + tpb + cpb + epb + extra_b + runtime_s)
     return ChunkTimes(**{k: tuple(v) for k, v in cols.items()})
 
 
@@ -103,6 +119,11 @@ def optimizer_step_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     from ZeRO-1 on), at the System's measured or memory-bound rate (``compute.optimizer_s``)."""
     opt = 0.0
     for dev in range(c.pp):
-        local = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev)) / (c.dp * c.cp if c.zero_stage >= 1 else 1)
+        params = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev))
+        experts = sum(lay.chunk_expert_params[ci] for ci in lay.chunks_of(c, dev)) if lay.chunk_expert_params else 0.0
+        if c.zero_stage >= 1:  # the experts are sharded over the ranks holding the same experts
+            local = (params - experts) / (c.dp * c.cp) + experts / max(1, c.dp * c.cp // c.ep)
+        else:
+            local = params
         opt = max(opt, max(system.optimizer_time(k, local) for k in lay.stage_kinds[dev]))
     return opt

@@ -222,10 +222,32 @@ def quantize_times(gemms, fp8: Fp8, rf: Roofline, compiled: bool = False) -> tup
     return rf.elementwise(fwd_bytes, kf), rf.elementwise(bwd_bytes, kb)
 
 
-def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: int = 1) -> tuple[float, float]:
+@dataclass(frozen=True)
+class Moe:
+    """A mixture-of-experts block's MLP on one rank (``cost.moe.moe_shape``): ``local_experts``
+    experts, each running a GEMM over ``rows`` tokens (grouped GEMM: many small GEMMs, their tiles
+    scheduled together), ``shared_ffn`` inner width of the shared experts (every token), the
+    router over ``num_experts``, and ``assignments`` (token, expert) pairs permuted in and out."""
+
+    local_experts: int
+    rows: float
+    expert_ffn: int
+    shared_ffn: int
+    num_experts: int
+    assignments: float
+
+
+def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: int = 1,
+                         ring_math: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one block's attention core on a rank: its heads (a/tp), its
     s/cp queries against the keys they see (``block_times`` explains the context-parallel split),
-    the partial outputs merged where cp > 1."""
+    the partial outputs merged where cp > 1. ``ring_math``: with cp > 1 the ring's blocks run as
+    explicit tensor operations (scores, softmax, weighted sum; the reference trainer's
+    ``ring_attention``), recomputed in the backward, whatever the model's attention kind."""
+    if ring_math and cp > 1 and model.attention == "flash":
+        import dataclasses
+        f, b_ = attention_core_times(dataclasses.replace(model, attention="eager", dropout=0.0), b, tp, rf, cp)
+        return f, b_ + f
     s, q, kv, B, a = model.seq_length, model.q_size, model.kv_size, model.dtype_bytes, model.num_attention_heads
     s_loc = s / cp
     T = b * s_loc
@@ -261,7 +283,7 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
 
 def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf: Roofline,
                 host: HostCost | None = None, cp: int = 1, fp8: Fp8 | None = None,
-                compiled: bool = False) -> LayerTimes:
+                compiled: bool = False, moe: Moe | None = None, ring_math: bool = False) -> LayerTimes:
     """One transformer block shard (of a tp-way split) for a micro-batch of b sequences: device
     times, and with ``host`` the host's time to issue the operations (``block_op_counts``).
 
@@ -273,7 +295,11 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     log-sum-exp). ``fp8``: the linear layers' GEMMs in FP8 with their scaling kernels (the
     attention core stays in the model's dtype). ``compiled``: torch.compile fuses the element-wise
     chains (a residual add into the norm that reads it; FP8 casts into their producers) and
-    issues the fused kernels instead of every eager operation."""
+    issues the fused kernels instead of every eager operation. ``moe``: the MLP is a mixture of
+    experts (``Moe``): the router's GEMM and softmax, the tokens permuted to their experts and back
+    (memory-bound), the routed experts as a grouped GEMM (``local_experts`` GEMMs of ``rows``
+    tokens each, the tile model applied to the whole group), the shared experts on every token; the
+    all-to-alls are priced in ``cost.moe``."""
     s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
     q, kv, B = model.q_size, model.kv_size, model.dtype_bytes
     s_loc = s / cp
@@ -282,21 +308,42 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     # GEMMs: (m, n, k)
     gemms = [(T, (q + 2 * kv) / tp, h), (T, h, q / tp),
              (T, (2 * f if model.gated_mlp else f) / tp, h), (T, h, f / tp)]
+    grouped = []  # (m, n, k, batch): the routed experts' grouped GEMMs
+    mlp_tokens_f = T * f / tp  # elements of the MLP's hidden activation (per matrix)
+    moe_f = moe_b = 0.0
+    if moe is not None:
+        fe = moe.expert_ffn
+        gemms = gemms[:2] + ([(T, (2 * moe.shared_ffn if model.gated_mlp else moe.shared_ffn) / tp, h),
+                              (T, h, moe.shared_ffn / tp)] if moe.shared_ffn else [])
+        if moe.rows > 0:
+            grouped = [(moe.rows, (2 * fe if model.gated_mlp else fe) / tp, h, moe.local_experts),
+                       (moe.rows, h, fe / tp, moe.local_experts)]
+        mlp_tokens_f = (moe.rows * moe.local_experts * fe + T * moe.shared_ffn) / tp
+        # router: an h x E GEMM and its softmax / top-k in fp32; permute and unpermute: read and
+        # write every assignment's hidden vector, forward, and again in the backward
+        router = rf.gemm(T, moe.num_experts, h, B) + rf.elementwise(T * moe.num_experts * 4 * 3, kernels=3)
+        perm = rf.elementwise(2 * 2 * moe.assignments * h * B, kernels=4)
+        moe_f = router + perm
+        moe_b = 2 * rf.gemm(T, moe.num_experts, h, B) + rf.elementwise(T * moe.num_experts * 4 * 3, kernels=3) + perm
     if fp8 is None:
         g_fwd = sum(rf.gemm(m, n, k, B) for m, n, k in gemms)
         g_bwd = sum(rf.gemm(m, k, n, B) + rf.gemm(n, k, m, B) for m, n, k in gemms)
+        g_fwd += sum(rf.gemm(m, n, k, B, batch=nb) for m, n, k, nb in grouped)
+        g_bwd += sum(rf.gemm(m, k, n, B, batch=nb) + rf.gemm(n, k, m, B, batch=nb) for m, n, k, nb in grouped)
         qf = qb = 0.0
     else:
         g_fwd = sum(fp8_gemm(fp8.rf, m, n, k) for m, n, k in gemms)
         g_bwd = sum(fp8_gemm(fp8.rf, m, k, n) + fp8_gemm(fp8.rf, n, k, m) for m, n, k in gemms)
-        qf, qb = quantize_times(gemms, fp8, rf, compiled)
-    att_f, att_b = attention_core_times(model, b, tp, rf, cp)
+        g_fwd += sum(nb * fp8_gemm(fp8.rf, m, n, k) for m, n, k, nb in grouped)
+        g_bwd += sum(nb * (fp8_gemm(fp8.rf, m, k, n) + fp8_gemm(fp8.rf, n, k, m)) for m, n, k, nb in grouped)
+        qf, qb = quantize_times(gemms + [(m * nb, n, k) for m, n, k, nb in grouped], fp8, rf, compiled)
+    att_f, att_b = attention_core_times(model, b, tp, rf, cp, ring_math)
     calls = 1 if cp == 1 else cp  # ring attention: one call per key/value chunk
     # element-wise: norms (read + write), residual adds, dropouts, activation, rope
     drop_k = 2 if model.dropout > 0 else 0
     norms = model.norms_per_block
     ew_bytes = (norms * 2 + 2 * 2 + drop_k * 2) * T_rep * h * B
-    ew_bytes += (3 if model.gated_mlp else 2) * T * f / tp * B
+    ew_bytes += (3 if model.gated_mlp else 2) * mlp_tokens_f * B
     if model.position_embedding == "rope":
         ew_bytes += 2 * T * (q + kv) / tp * B
     ew_kernels = (norms + 2 + drop_k + (2 if model.gated_mlp else 1)
@@ -308,11 +355,11 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     # vector FLOPs: norms ~8 per element each, GeLU (tanh form) ~20, SwiGLU's SiLU and product ~6,
     # GeGLU's GeLU and product ~21
     act_flops = {"gelu": 20, "swiglu": 6, "geglu": 21}[model.activation]
-    ew_flops = norms * 8 * T_rep * h + act_flops * T * f / tp
+    ew_flops = norms * 8 * T_rep * h + act_flops * mlp_tokens_f
     ew_f = rf.elementwise(ew_bytes, ew_kernels, flops=ew_flops)
     ew_b = rf.elementwise(2 * ew_bytes, 2 * ew_kernels, flops=2 * ew_flops)
-    fwd = g_fwd + att_f + ew_f + qf
-    bwd = g_bwd + att_b + ew_b + qb
+    fwd = g_fwd + att_f + ew_f + qf + moe_f
+    bwd = g_bwd + att_b + ew_b + qb + moe_b
     rc = fwd if recompute == "full" else att_f if recompute == "selective" else 0.0
     host_f = host_b = 0.0
     if host is not None:
@@ -320,6 +367,8 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
         if fp8 is not None:
             linears = 2 + model.mlp_matrices
             ops_f, ops_b = ops_f + linears * fp8.host_ops[0], ops_b + linears * fp8.host_ops[1]
+        if moe is not None:  # router, top-k, sort, counts, permute, the grouped GEMM calls, unpermute
+            ops_f, ops_b = ops_f + 20, ops_b + 15
         if cp > 1:  # per extra chunk: the exchange (send, receive, wait), the attention call, the merge
             ops_f += 6 * (cp - 1)
             ops_b += 6 * (cp - 1)

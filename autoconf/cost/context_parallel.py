@@ -71,7 +71,8 @@ def cp_times(system: System, c: ParallelConfig, stage_kinds) -> CpTimes:
     kinds = sorted({k for ks in stage_kinds for k in ks})
     att_f = att_b = float("inf")
     for kind in kinds:  # the fastest attention hides the least
-        f, b = attention_core_times(system.model, c.micro_batch_size, c.tp, system.roofline(kind), c.cp)
+        f, b = attention_core_times(system.model, c.micro_batch_size, c.tp, system.roofline(kind), c.cp,
+                                    system.framework.ring_math)
         att_f, att_b = min(att_f, f), min(att_b, b)
     kv = kv_chunk_bytes(system, c)
     mode = system.framework.cp_comm or "ring"

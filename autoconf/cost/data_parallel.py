@@ -67,9 +67,15 @@ def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kind
     """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic."""
     g_bytes = system.grad_bytes
     n, axis = grad_group(c)
-    return (collective_s(system, axis_links(system, c, axis), fn, n, lay.chunk_params[ci] * g_bytes,
-                         all_reduce_algorithms(system, c, fn))
-            + system.copy_time(kinds, bucket_traffic(c) * lay.chunk_params[ci] * g_bytes))
+    experts = lay.chunk_expert_params[ci] if lay.chunk_expert_params else 0.0
+    t = (collective_s(system, axis_links(system, c, axis), fn, n, (lay.chunk_params[ci] - experts) * g_bytes,
+                      all_reduce_algorithms(system, c, fn))
+         + system.copy_time(kinds, bucket_traffic(c) * lay.chunk_params[ci] * g_bytes))
+    edp = c.dp * c.cp // c.ep
+    if experts and edp > 1:  # the routed experts: over the ranks holding the same experts
+        t += collective_s(system, axis_links(system, c, "edp"), fn, edp, experts * g_bytes,
+                          all_reduce_algorithms(system, c, fn))
+    return t
 
 
 def gather_bytes(system: System, c: ParallelConfig) -> float:

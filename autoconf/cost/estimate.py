@@ -36,7 +36,7 @@ from .tensor_parallel import tp_times
 
 __all__ = ["Estimate", "StageMemory", "System", "TIME_TERMS", "MEMORY_TERMS", "estimate"]
 
-TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "bubble", "pp_comm", "dp_comm", "optimizer")
+TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "bubble", "pp_comm", "dp_comm", "optimizer")
 MEMORY_TERMS = ("parameters", "gradients", "optimizer", "activations", "other")
 
 
@@ -45,7 +45,8 @@ class Estimate:
     config: ParallelConfig
     step_time_s: float
     breakdown_s: dict
-    """compute, recompute, tp_comm, cp_comm, bubble, pp_comm, dp_comm, optimizer: they add up to the step."""
+    """compute, recompute, tp_comm, cp_comm, ep_comm, bubble, pp_comm, dp_comm, optimizer: they add up
+    to the step."""
     memory_by_stage: tuple
     """Per pipeline stage (its most loaded device): a StageMemory."""
     peak_memory_bytes: float
@@ -71,11 +72,12 @@ class Estimate:
 
 
 def estimate(config: ParallelConfig, model: ModelSpec, cluster=None, profile=None, calibration=None,
-             ctx: System | None = None, framework=None) -> Estimate:
+             ctx: System | None = None, framework=None, moe_imbalance: float = 1.0) -> Estimate:
     """Estimate one configuration. Pass ``ctx`` (a System) when estimating many; ``framework``
-    (a name from ``frameworks.FRAMEWORK_NAMES``; default the reference trainer) without one."""
+    (a name from ``frameworks.FRAMEWORK_NAMES``; default the reference trainer) and
+    ``moe_imbalance`` (``System.moe_imbalance``) without one."""
     if ctx is None:
-        ctx = System(model, cluster, profile, calibration, framework=framework)
+        ctx = System(model, cluster, profile, calibration, framework=framework, moe_imbalance=moe_imbalance)
     validate(config, model)
     reason = ctx.framework.check(config) or next(
         (r for r in (ctx.supports(k, config) for k in sorted(set(ctx.topology.kind_of))) if r), None)
@@ -138,6 +140,7 @@ def _breakdown(c: ParallelConfig, lay: Layout, ct: ChunkTimes, sim, sim0, runtim
             "recompute": sum(ct.recompute_s[ci] for ci in mine) * n_mb,
             "tp_comm": sum(ct.tp_comm_s[ci] for ci in mine) * n_mb,
             "cp_comm": sum(ct.cp_comm_s[ci] for ci in mine) * n_mb,
+            "ep_comm": sum(ct.ep_comm_s[ci] for ci in mine) * n_mb,
             "bubble": max(0.0, sim0.makespan_s - sim.busy_s[dev_busy]),
             "pp_comm": pp_t,
             "dp_comm": dp_in + dp_tail_s + post_gather_s,
@@ -148,7 +151,7 @@ def _lower_bound(ctx: System, floor: float, opt: float) -> float:
     """Lower bound on the step time (to skip dominated configurations in the search)."""
     cal = ctx.calibration
     if cal is not None:  # calibration scales the terms the floor is made of
-        floor_terms = ("compute", "recompute", "tp_comm", "cp_comm", "dp_comm", "bubble", "pp_comm")
+        floor_terms = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "bubble", "pp_comm")
         return floor * min(cal.factor(k) for k in floor_terms) + opt * cal.factor("optimizer")
     return floor + opt
 

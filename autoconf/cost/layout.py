@@ -27,7 +27,7 @@ class Layout:
     """Chunks per device in the simulation."""
     chunk_layers: tuple
     chunk_params: tuple
-    """Parameters of each chunk's tp shard."""
+    """Parameters of each chunk's tp shard (its share of the experts included)."""
     layered: bool
     """Gradients of a chunk become final progressively (layered / breadth-first), not at the end."""
     overlaps: bool
@@ -36,6 +36,11 @@ class Layout:
     """The data-parallel reduction overlaps the backward (the framework's knob, and overlaps)."""
     overlap_param_gather: bool
     """ZeRO-3's parameter gathers are prefetched behind compute (the knob, and overlaps)."""
+    chunk_moe_layers: tuple = ()
+    """Mixture-of-experts blocks of each chunk (empty: a dense model)."""
+    chunk_expert_params: tuple = ()
+    """Routed-expert parameters of each chunk on one rank (E/ep experts of each MoE block, over
+    tp): reduced and ZeRO-sharded over the expert-data-parallel ranks, not dp x cp."""
 
     @property
     def num_chunks(self) -> int:
@@ -55,12 +60,18 @@ def layout(system: System, c: ParallelConfig) -> Layout:
     n_chunks = c.pp * v_sim
     # the placement's blocks per chunk (pp=1 layered accumulation: one block per simulated chunk)
     chunk_layers = [1] * n_chunks if layered_pp1 else Placement.of(c, m.num_layers).chunk_layer_counts()
+    moe_layers, expert_params = (), ()
+    if m.is_moe:
+        indices = [[i] for i in range(m.num_layers)] if layered_pp1 else Placement.of(c, m.num_layers).chunk_layers()
+        moe_layers = tuple(sum(m.is_moe_layer(i) for i in idx) for idx in indices)
+        expert_params = tuple(n * (m.num_experts // c.ep) * m.expert_params() / c.tp for n in moe_layers)
     # Communication overlaps computation only where a copy engine / NIC does the work; CPU
     # processes run their collectives on the same cores as their compute, so nothing is hidden.
     overlaps = not any("cpu" in k for k in stage_kinds)
     return Layout(stage_devices=tuple(stage_devs), stage_kinds=tuple(stage_kinds),
                   schedule="breadth_first" if layered_pp1 else c.schedule, virtual_stages=v_sim,
                   chunk_layers=tuple(chunk_layers), chunk_params=tuple(chunk_params(system, c, chunk_layers)),
+                  chunk_moe_layers=moe_layers, chunk_expert_params=expert_params,
                   layered=c.layered_grad_accum or c.schedule == "breadth_first", overlaps=overlaps,
                   overlap_grad_reduce=overlaps and system.framework.knob(c, "overlap_grad_reduce"),
                   overlap_param_gather=overlaps and system.framework.knob(c, "overlap_param_gather"))
@@ -71,8 +82,14 @@ def chunk_params(system: System, c: ParallelConfig, chunk_layers) -> list[float]
     on the last (plus a copy of the tied embedding when it sits on another chunk)."""
     m, n_chunks = system.model_at(c.tp), len(chunk_layers)
     out = []
+    indices = (Placement.of(c, m.num_layers).chunk_layers() if m.is_moe and sum(chunk_layers) == m.num_layers
+               and len(chunk_layers) == c.num_chunks else [[i] for i in range(m.num_layers)] if m.is_moe else None)
     for ci, nl in enumerate(chunk_layers):
-        p = nl * m.layer_params()
+        if indices is None:
+            p = nl * m.layer_params()
+        else:  # a mixture of experts: its blocks differ; the rank holds E/ep of each MoE block's experts
+            p = sum(m.layer_params(i) - (m.is_moe_layer(i) * (m.num_experts - m.num_experts // c.ep)
+                                         * m.expert_params()) for i in indices[ci])
         if ci == 0:
             p += m.embedding_params()
         if ci == n_chunks - 1:

@@ -10,6 +10,7 @@ buffers and DDP's bucket copy.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..catalog import device_type
@@ -57,18 +58,33 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         peaks = _layered_peak(system, c, lay, act_layer, st.gradients)
     else:
         peaks = _activation_peaks(system, c, lay, act_layer["total"], st.gradients)
+    # a mixture of experts' routed experts: sharded by ZeRO over the ranks holding the same experts
+    st_e = state_bytes_per_param(m.dtype, c.zero_stage, max(1, c.dp * c.cp // c.ep),
+                                 fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32")
     out = []
     for s in range(c.pp):
         params = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, s))
+        experts = sum(lay.chunk_expert_params[ci] for ci in lay.chunks_of(c, s)) if lay.chunk_expert_params else 0.0
+        dense = params - experts
         acts, grads = peaks[s]
+        if experts:  # the peak's gradients were counted at the dense sharding: the experts' differ
+            grads += experts * (st_e.gradients - st.gradients)
         if c.recompute == "full" and not layered_pp1:  # layered: inside _layered_peak
-            acts += act_layer.get("recompute_working_bytes", 0.0)
+            acts += max(act_layer.get("recompute_working_bytes", 0.0), _moe_working(system, c, lay))
         other = _other_bytes(system, c, lay, s, acts)
-        out.append(StageMemory(parameters=params * st.parameters, gradients=grads,
-                               optimizer=params * st.optimizer, activations=acts,
+        out.append(StageMemory(parameters=dense * st.parameters + experts * st_e.parameters, gradients=grads,
+                               optimizer=dense * st.optimizer + experts * st_e.optimizer, activations=acts,
                                other=sum(v for _, v in other), other_parts=other,
                                capacity=min(system.capacity_bytes(d) for d in lay.stage_devices[s])))
     return out
+
+
+def _moe_working(system: System, c: ParallelConfig, lay: Layout) -> float:
+    """Under full recomputation, what one recomputed MoE block materialises (0 for dense models)."""
+    if not lay.chunk_moe_layers or not any(lay.chunk_moe_layers):
+        return 0.0
+    from .moe import moe_activation_bytes
+    return moe_activation_bytes(system, dataclasses.replace(c, recompute="none"), _mask_bytes(system, lay))["total"]
 
 
 def _mask_bytes(system: System, lay: Layout) -> int:
@@ -81,9 +97,14 @@ def _chunk_activation_bytes(system: System, c: ParallelConfig, lay: Layout, laye
     """Activations each chunk saves per micro-batch: its blocks (``System.layer_activations``),
     plus the embedding's on the first chunk and the output layer's on the last (``activations``)."""
     m, mask, n_chunks = system.model_at(c.tp, c.cp), _mask_bytes(system, lay), lay.num_chunks
+    moe_bytes = 0.0
+    if lay.chunk_moe_layers and any(lay.chunk_moe_layers):
+        from .moe import moe_activation_bytes
+        moe_bytes = moe_activation_bytes(system, c, mask)["total"]
     per_chunk = []
     for ci in range(n_chunks):
-        per_mb = lay.chunk_layers[ci] * layer_bytes
+        n_moe = lay.chunk_moe_layers[ci] if lay.chunk_moe_layers else 0
+        per_mb = (lay.chunk_layers[ci] - n_moe) * layer_bytes + n_moe * moe_bytes
         if ci == 0:
             per_mb += embedding_activation_bytes(m, c.micro_batch_size, c.tp, c.sequence_parallel, mask)
         if ci == n_chunks - 1:

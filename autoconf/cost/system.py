@@ -42,6 +42,10 @@ class System:
     framework: object = None
     """The training framework's behaviour (``frameworks.Framework``, or its name; None: the
     reference trainer)."""
+    moe_imbalance: float = 1.0
+    """Mixture-of-experts load imbalance: the busiest expert rank's tokens over the balanced share
+    (1.0: perfectly balanced, as forced-balance benchmarks run; give a measured figure otherwise).
+    ``cost.moe``."""
     _cache: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -154,12 +158,27 @@ class System:
             f8 = None if fp8 is None else Fp8(self.fp8_roofline(kind, fp8), fp8, self.framework.fp8_host_ops,
                                               recast=not self.framework.fp8_saves_inputs)
             return block_times(self.model, b, tp, sp, recompute, self.roofline(kind), self.host_cost(kind),
-                               cp=cp, fp8=f8, compiled=compiled)
+                               cp=cp, fp8=f8, compiled=compiled, ring_math=self.framework.ring_math)
         return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled),
                            lambda: _shared(make(), self.cpu_share(kind)))
 
-    def block_for(self, kind: str, c) -> LayerTimes:
-        """:meth:`block` for configuration ``c`` (its micro-batch, tp, cp, precision, compile)."""
+    def block_for(self, kind: str, c, moe: bool = False) -> LayerTimes:
+        """:meth:`block` for configuration ``c`` (its micro-batch, tp, cp, precision, compile);
+        ``moe``: a mixture-of-experts block (its experts over ``c.ep``, ``cost.moe``)."""
+        if moe:
+            from .moe import moe_shape
+            shape = moe_shape(self, c)
+            fp8 = c.fp8_recipe if c.precision == "fp8" else None
+            compiled = self.framework.knob(c, "torch_compile")
+
+            def make():
+                f8 = None if fp8 is None else Fp8(self.fp8_roofline(kind, fp8), fp8, self.framework.fp8_host_ops,
+                                                  recast=not self.framework.fp8_saves_inputs)
+                return block_times(self.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute,
+                                   self.roofline(kind), self.host_cost(kind), cp=c.cp, fp8=f8, compiled=compiled,
+                                   moe=shape, ring_math=self.framework.ring_math)
+            return self.cached(("moeblock", kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
+                                fp8, compiled, shape), lambda: _shared(make(), self.cpu_share(kind)))
         return self.block(kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
                           c.fp8_recipe if c.precision == "fp8" else None,
                           self.framework.knob(c, "torch_compile"))

@@ -86,12 +86,14 @@ def step_timeline(config: ParallelConfig, system: System) -> StepTimeline:
         return tuple((k, s) for k, s in named if s > 0.0)
 
     fwd = tuple(parts(("compute", ct.compute_forward_s[i]), ("tp_comm", ct.tp_comm_forward_s[i]),
-                      ("cp_comm", ct.cp_comm_forward_s[i]), ("dp_comm", ct.dp_inline_forward_s[i]),
+                      ("cp_comm", ct.cp_comm_forward_s[i]), ("ep_comm", ct.ep_comm_forward_s[i]),
+                      ("dp_comm", ct.dp_inline_forward_s[i]),
                       ("runtime", runtime))
                 for i in range(lay.num_chunks))
     bwd = tuple(parts(("recompute", ct.recompute_s[i]), ("compute", ct.compute_backward_s[i]),
                       ("tp_comm", ct.tp_comm_s[i] - ct.tp_comm_forward_s[i]),
                       ("cp_comm", ct.cp_comm_s[i] - ct.cp_comm_forward_s[i]),
+                      ("ep_comm", ct.ep_comm_s[i] - ct.ep_comm_forward_s[i]),
                       ("dp_comm", ct.dp_inline_s[i] - ct.dp_inline_forward_s[i]), ("runtime", runtime))
                 for i in range(lay.num_chunks))
     return StepTimeline(config=c, schedule=lay.schedule, virtual_stages=v, pipeline=tl, forward_parts=fwd,

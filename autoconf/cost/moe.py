@@ -1,0 +1,121 @@
+"""Mixture-of-experts layers: expert parallelism, the token all-to-alls, expert states and memory.
+
+An MoE block's MLP is a router (an h x E matrix scoring the experts), the tokens' top-k routed
+experts and the shared experts every token goes through (``model``). With expert parallelism the E
+routed experts of each MoE block are split over the ep ranks of an expert-parallel group, which
+lies inside the dp x cp ranks holding the same layers (``config.ParallelConfig.ep``, as Megatron-LM
+folds it). Per MoE block and micro-batch, on each rank (T = b x s / cp tokens, k = top-k):
+
+- **dispatch / combine**: two all-to-alls over the EP group (``Megatron's alltoall token
+  dispatcher``, torchtitan's): each rank sends every (token, expert) pair whose expert lives on
+  another rank, T x k x (ep - 1)/ep hidden vectors under uniform routing, and receives as many; the
+  backward sends the gradients back the same way (two more). On the links the group spans (NVLink
+  inside a host or an NVLink domain, the NICs across), at the collective library's efficiency.
+  Exposed: none of the frameworks modelled overlaps them with computation by default (Megatron's
+  ``--overlap-moe-expert-parallel-comm`` and DeepSeek's DualPipe do; not modelled);
+- **expert work**: each rank's E/ep experts take T x k assignments together (each expert
+  T x k x ep / E rows: a grouped GEMM of many small GEMMs), times the **load imbalance** of the
+  busiest rank (``System.moe_imbalance``: 1.0 is perfect balance, as forced-balance benchmarks
+  run; a measured or user-given factor otherwise), capped by the capacity factor when tokens are
+  dropped (``moe_capacity_factor``: no expert takes more than cf x its balanced share);
+- **states**: expert weights are split over ep (and over tp: the expert tensor-parallel size is
+  tp, Megatron's default), and their gradients reduced, and ZeRO-sharded, over the dp x cp / ep
+  ranks holding the same experts (``expert_dp``);
+- **activations**: the permuted tokens (k per token, both directions), the experts' hidden
+  activations for their T x k rows and the router's fp32 probabilities (``moe_activation_bytes``).
+"""
+
+from __future__ import annotations
+
+from ..config import ParallelConfig
+from . import comm
+from .compute import Moe
+from .system import System
+from .tensor_parallel import axis_links
+
+
+def expert_dp(c: ParallelConfig) -> int:
+    """Ranks holding the same experts (they reduce the experts' gradients together)."""
+    return c.dp * c.cp // c.ep
+
+
+def load_factor(system: System, c: ParallelConfig) -> float:
+    """The busiest expert rank's assignments over the balanced share: the load imbalance, capped
+    by the capacity factor where tokens are dropped."""
+    f = max(1.0, system.moe_imbalance)
+    return min(f, c.moe_capacity_factor) if c.moe_capacity_factor is not None else f
+
+
+def moe_shape(system: System, c: ParallelConfig) -> Moe:
+    """The MoE MLP one rank runs per micro-batch (``compute.Moe``)."""
+    m = system.model
+    T = c.micro_batch_size * m.seq_length / c.cp
+    local = m.num_experts // c.ep
+    assignments = T * m.experts_per_token * load_factor(system, c)
+    return Moe(local_experts=local, rows=assignments / local, expert_ffn=m.expert_ffn,
+               shared_ffn=m.num_shared_experts * m.shared_expert_ffn if m.num_shared_experts else 0,
+               num_experts=m.num_experts, assignments=assignments)
+
+
+def a2a_bytes(system: System, c: ParallelConfig) -> float:
+    """Bytes one rank sends in one all-to-all (dispatch or combine) of one MoE block and
+    micro-batch: its T x k (token, expert) pairs whose expert lives on another of the ep ranks,
+    hidden vectors at the activation's precision, uniform routing (times the load factor: the
+    busiest rank receives that much more)."""
+    m = system.model
+    if c.ep == 1:
+        return 0.0
+    T = c.micro_batch_size * m.seq_length / c.cp
+    return T * m.experts_per_token * (c.ep - 1) / c.ep * m.hidden_size * m.dtype_bytes * load_factor(system, c)
+
+
+def all_to_all_s(nbytes: float, g, tune: comm.CollectiveTuning) -> float:
+    """An all-to-all in which every member sends ``nbytes`` spread evenly over the other n - 1:
+    the share for members on its own host (domain) over the intra-node fabric, the rest over the
+    NICs (each device's share of them), the two at once; n - 1 messages' latency."""
+    n = g.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    local_peers = g.local_size - 1
+    remote = (n - 1 - local_peers) / (n - 1)
+    intra = (1 - remote) * nbytes / (g.intra_bandwidth_bytes_per_s * tune.intra(g.local_size)) if local_peers else 0.0
+    inter = remote * nbytes / (g.inter_bandwidth_bytes_per_s * tune.inter_efficiency) if remote else 0.0
+    lat = g.inter_latency_s if remote else g.intra_latency_s
+    return tune.base_latency_s + max(intra, inter) + (n - 1) * lat
+
+
+def a2a_times(system: System, c: ParallelConfig) -> tuple[float, float]:
+    """(forward, backward) seconds of one MoE block's all-to-alls per micro-batch (dispatch and
+    combine; the backward's two carry the gradients), on the slowest EP group; exposed. Full
+    recomputation runs the forward's again in the backward."""
+    if c.ep == 1:
+        return 0.0, 0.0
+    nbytes = a2a_bytes(system, c)
+    tune = system.collective_tuning
+    one = max(all_to_all_s(nbytes, g, tune) for g in axis_links(system, c, "ep"))
+    fwd = 2 * one
+    return fwd, 2 * one + (fwd if c.recompute == "full" else 0.0)
+
+
+def moe_activation_bytes(system: System, c: ParallelConfig, mask: int) -> dict:
+    """Bytes one MoE block keeps for the backward per micro-batch and rank, in place of a dense
+    block's (``System.layer_activations``): the dense formula's MLP hidden activations replaced by
+    the experts' (T x k x load rows of the expert width, and the shared experts' T rows), plus the
+    permuted tokens (dispatched inputs and the experts' outputs before combine: 2 x T x k x h) and
+    the router's fp32 probabilities (T x E); everything else (attention, norms) as a dense block."""
+    m = system.model
+    dense = system.layer_activations(c, mask)
+    if c.recompute == "full":
+        return dense  # only the block's input is kept; the working set is recomputed
+    e, tp = m.dtype_bytes, c.tp
+    T = c.micro_batch_size * m.seq_length / c.cp
+    hidden_per_row = (4 if m.gated_mlp else 2)
+    dense_mlp = e * T * hidden_per_row * m.ffn_hidden_size / tp
+    sh = moe_shape(system, c)
+    expert_mlp = e * hidden_per_row * (sh.assignments * m.expert_ffn + T * sh.shared_ffn) / tp
+    extra = 2 * e * sh.assignments * m.hidden_size + 4.0 * T * m.num_experts
+    out = dict(dense)
+    out["mlp_hidden"] = out.get("mlp_hidden", 0.0) - dense_mlp + expert_mlp
+    out["moe_permuted_and_router"] = extra
+    out["total"] = dense["total"] - dense_mlp + expert_mlp + extra
+    return out

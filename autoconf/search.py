@@ -125,6 +125,7 @@ class _Evaluator:
                  precisions=(("bf16", "tensorwise"),)):
         self.ctx = ctx
         self.precisions = tuple(precisions)
+        self._ep_cache: dict = {}
         """(precision, FP8 recipe) pairs tried per configuration (:func:`precision_choices`)."""
         self.placer = placer
         """``place.Placer``: every configuration is estimated with its heuristic placement."""
@@ -187,19 +188,38 @@ class _Evaluator:
             # the switchable knobs at their cheapest (overlap on), so the bound stays a lower bound
             c = dataclasses.replace(c, **{k: (sp if k == "tp_comm_overlap" else True) for k in fw.knobs})
             # the cheapest precision and expert-parallel degree are not known in advance
-            for prec, ep in ((p_, e) for p_ in self.precisions for e in self._eps(dp * cp)):
+            for prec, ep in ((p_, e) for p_ in self.precisions for e in self._eps_of(point)):
                 cc = dataclasses.replace(c, precision=prec[0], fp8_recipe=prec[1], ep=ep)
                 if check(cc, self.ctx.model) is None and _estimate(self._placed(cc), self.ctx,
                                                                    bound=self.incumbent) is not None:
                     return False
         return True
 
-    def _eps(self, ranks: int) -> tuple:
-        """Expert-parallel degrees of a point whose dp x cp is ``ranks`` (1 for dense models)."""
-        e = self.ctx.model.num_experts
-        if not e or not self.ctx.framework.expert_parallel:
+    def _eps_of(self, point) -> tuple:
+        """The expert-parallel degrees tried at an outer point (1 for dense models): of those
+        dividing dp x cp and the experts, the one whose step is fastest with the plainest memory
+        savers (ZeRO-1 where dp x cp > 1, no recomputation, the first precision) and the largest
+        (the least expert memory), so ep is weighed against tp and dp without multiplying every
+        inner choice by every degree."""
+        m, fw = self.ctx.model, self.ctx.framework
+        dp, pp, tp, mbs, sched, v, layered, cp = point
+        if not m.num_experts or not fw.expert_parallel:
             return (1,)
-        return tuple(k for k in range(1, ranks + 1) if ranks % k == 0 and e % k == 0)
+        hit = self._ep_cache.get(point)
+        if hit is not None:
+            return hit
+        eps = [k for k in range(1, dp * cp + 1) if (dp * cp) % k == 0 and m.num_experts % k == 0]
+        base = make_config(dp, pp, tp, mbs, sched, v, layered, 1 if dp * cp > 1 else 0, "none", False,
+                           self.global_batch, cp)
+        base = dataclasses.replace(base, precision=self.precisions[0][0], fp8_recipe=self.precisions[0][1])
+        timed = []
+        for k in eps:
+            c = dataclasses.replace(base, ep=k)
+            if check(c, m) is None and fw.check(c) is None:
+                timed.append((_estimate(c, self.ctx).step_time_s, k))
+        out = tuple(sorted({min(timed)[1], eps[-1]})) if timed else (eps[-1],)
+        self._ep_cache[point] = out
+        return out
 
     def __call__(self, point) -> tuple[list, Estimate | None]:
         """(the fitting estimates of this point that can be among the ``top`` fastest, fastest
@@ -214,7 +234,7 @@ class _Evaluator:
             return [], None
         for c in framework_inner(self.ctx.framework, dp, pp, tp, mbs, sched, v, layered, self.global_batch,
                                  dp_hierarchical(self.ctx, dp, pp, tp), cp, self.precisions,
-                                 self.ctx.model.num_experts):
+                                 self.ctx.model.num_experts, self._eps_of(point)):
             if check(c, self.ctx.model):
                 continue
             # memory first (no simulation when it cannot fit); skip the schedule simulation when
@@ -340,7 +360,7 @@ def dp_hierarchical(system: System, dp: int, pp: int, tp: int) -> bool:
 
 
 def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hier: bool = False, cp: int = 1,
-                    precisions=(("bf16", "tensorwise"),), moe_experts: int = 0):
+                    precisions=(("bf16", "tensorwise"),), moe_experts: int = 0, eps=None):
     """The inner configurations of an outer point that framework ``fw`` can run: ZeRO stages it
     has, every recompute mode, sequence parallelism, and both values of each knob it lets a user
     switch where the knob matters (overlap_grad_reduce with dp > 1, overlap_param_gather with
@@ -350,10 +370,11 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
     (``data_parallel.reduction_collective``: ZeRO-0; the trainer's ZeRO-1 all-reduce is modelled
     as a reduce-scatter, which the choice does not change). ``precisions``: the (precision, FP8
     recipe) pairs to try (:func:`precision_choices`). ``moe_experts``: a mixture of experts' expert
-    count: every expert-parallel degree dividing dp x cp and the experts is tried (the framework's
-    own where it has expert parallelism)."""
-    eps = (1,) if not moe_experts or not fw.expert_parallel else tuple(
-        e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and moe_experts % e == 0)
+    count: every expert-parallel degree dividing dp x cp and the experts is tried (where the
+    framework has expert parallelism), or those of ``eps``."""
+    if eps is None:
+        eps = (1,) if not moe_experts or not fw.expert_parallel else tuple(
+            e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and moe_experts % e == 0)
     for (zero, rc, sp), ep in ((z, e) for z in inner_choices(dp, tp, cp) for e in eps):
         c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch, cp)
         if ep > 1:

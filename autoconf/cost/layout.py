@@ -84,12 +84,16 @@ def chunk_params(system: System, c: ParallelConfig, chunk_layers) -> list[float]
     out = []
     indices = (Placement.of(c, m.num_layers).chunk_layers() if m.is_moe and sum(chunk_layers) == m.num_layers
                and len(chunk_layers) == c.num_chunks else [[i] for i in range(m.num_layers)] if m.is_moe else None)
+    if indices is not None:  # per block: (its parameters without routed experts, is it MoE), once
+        per_layer = system.cached(("layerparams", c.tp), lambda: [
+            (m.layer_params(i) - m.is_moe_layer(i) * m.num_experts * m.expert_params(), m.is_moe_layer(i))
+            for i in range(m.num_layers)])
+        local_experts = (m.num_experts // c.ep) * m.expert_params()
     for ci, nl in enumerate(chunk_layers):
         if indices is None:
             p = nl * m.layer_params()
         else:  # a mixture of experts: its blocks differ; the rank holds E/ep of each MoE block's experts
-            p = sum(m.layer_params(i) - (m.is_moe_layer(i) * (m.num_experts - m.num_experts // c.ep)
-                                         * m.expert_params()) for i in indices[ci])
+            p = sum(per_layer[i][0] + per_layer[i][1] * local_experts for i in indices[ci])
         if ci == 0:
             p += m.embedding_params()
         if ci == n_chunks - 1:

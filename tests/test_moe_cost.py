@@ -1,0 +1,128 @@
+"""The cost model of mixture-of-experts blocks and expert parallelism against closed forms (no torch)."""
+
+import dataclasses
+
+import pytest
+
+from autoconf.cluster import load_cluster
+from autoconf.config import ParallelConfig, check
+from autoconf.cost.estimate import TIME_TERMS, estimate
+from autoconf.cost.layout import layout
+from autoconf.cost.moe import a2a_bytes, a2a_times, all_to_all_s, moe_activation_bytes, moe_shape
+from autoconf.cost.system import System
+from autoconf.cost.tensor_parallel import axis_links
+from autoconf.errors import UserError
+from autoconf.model import ModelSpec
+from autoconf.placement import expert_groups
+from autoconf.search import search
+
+H100 = load_cluster("examples/clusters/h100-8x8.yaml")
+
+MIXTRAL = ModelSpec(name="mixtral-8x7b", num_layers=32, hidden_size=4096, num_attention_heads=32, num_kv_heads=8,
+                    ffn_hidden_size=14336, vocab_size=32000, seq_length=4096, activation="swiglu", norm="rmsnorm",
+                    position_embedding="rope", num_experts=8, experts_per_token=2)
+SMALL_MOE = ModelSpec(name="moe-small", num_layers=8, hidden_size=2048, num_attention_heads=16, num_kv_heads=4,
+                      ffn_hidden_size=8192, vocab_size=32000, seq_length=4096, activation="swiglu", norm="rmsnorm",
+                      position_embedding="rope", num_experts=64, experts_per_token=8, expert_ffn_hidden_size=768,
+                      num_shared_experts=1, first_dense_layers=1)
+
+
+def cfg(**kw):
+    base = dict(dp=8, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4)
+    base.update(kw)
+    return ParallelConfig(**base)
+
+
+def test_parameter_counts_and_active_flops():
+    m = MIXTRAL
+    assert m.num_params() == pytest.approx(46.70e9, rel=2e-3)  # Mixtral-8x7B: 46.7B total
+    assert m.active_params() == pytest.approx(12.88e9, rel=2e-3)  # 12.9B active
+    h, f, q, kv, s = 4096, 14336, 4096, 1024, 4096
+    per_token = 2 * (h * (q + 2 * kv) + q * h + 3 * h * 2 * f + h * 8) + 4 * s * q
+    assert m.model_flops_per_token() == pytest.approx(3 * (32 * per_token + 2 * 32000 * h))
+    assert [SMALL_MOE.is_moe_layer(i) for i in range(3)] == [False, True, True]
+
+
+def test_validity_of_ep():
+    assert check(cfg(ep=4), MIXTRAL) is None
+    assert "ep(3) must divide dp x cp" in check(cfg(ep=3, dp=8), MIXTRAL)
+    assert "does not divide num_experts(8)" in check(cfg(dp=16, ep=16), MIXTRAL)
+    dense = dataclasses.replace(MIXTRAL, num_experts=0, experts_per_token=0)
+    assert "has none" in check(cfg(ep=2), dense)
+    with pytest.raises(UserError, match="deepspeed has no expert parallelism"):
+        estimate(cfg(ep=2), MIXTRAL, H100, framework="deepspeed")
+    with pytest.raises(UserError, match="torchtitan routes dropless only"):
+        estimate(cfg(moe_capacity_factor=1.25), MIXTRAL, H100, framework="torchtitan")
+
+
+def test_expert_groups_lie_inside_dp_times_cp():
+    ep, edp = expert_groups(dp=4, pp=1, tp=2, order="tp-dp-pp", ep=2)
+    assert ep == [(0, 2), (1, 3), (4, 6), (5, 7)] and edp == [(0, 4), (1, 5), (2, 6), (3, 7)]
+
+
+def test_all_to_all_bytes_and_time_closed_forms():
+    c = cfg(dp=8, ep=8, tp=1)
+    s = System(MIXTRAL, H100, framework="megatron")
+    T, k, h = 4096, 2, 4096
+    assert a2a_bytes(s, c) == T * k * 7 / 8 * h * 2
+    [g] = set(axis_links(s, c, "ep"))
+    assert g.num_hosts == 1 and g.size == 8
+    tune = s.collective_tuning
+    one = tune.base_latency_s + a2a_bytes(s, c) / (g.intra_bandwidth_bytes_per_s * tune.intra(8)) + 7 * g.intra_latency_s
+    assert all_to_all_s(a2a_bytes(s, c), g, tune) == pytest.approx(one)
+    assert a2a_times(s, c) == pytest.approx((2 * one, 2 * one))
+    # across hosts the NICs carry the remote share and dominate
+    c2 = cfg(dp=8, tp=8, ep=8)
+    [g2] = set(axis_links(s, c2, "ep"))
+    assert g2.num_hosts == 8 and all_to_all_s(a2a_bytes(s, c2), g2, tune) > 4 * one
+    assert a2a_times(s, cfg(ep=1)) == (0.0, 0.0)
+
+
+def test_expert_shape_imbalance_and_capacity():
+    c = cfg(ep=4)
+    s = System(MIXTRAL, H100, framework="megatron")
+    sh = moe_shape(s, c)
+    assert (sh.local_experts, sh.assignments, sh.rows) == (2, 4096 * 2, 4096 * 2 / 2)
+    skew = System(MIXTRAL, H100, framework="megatron", moe_imbalance=1.5)
+    assert moe_shape(skew, c).assignments == 1.5 * 4096 * 2
+    assert moe_shape(skew, dataclasses.replace(c, moe_capacity_factor=1.25)).assignments == 1.25 * 4096 * 2
+    slow = estimate(c, MIXTRAL, H100, framework="megatron", moe_imbalance=1.5)
+    even = estimate(c, MIXTRAL, H100, framework="megatron")
+    assert slow.breakdown_s["compute"] > even.breakdown_s["compute"]
+    assert slow.breakdown_s["ep_comm"] > even.breakdown_s["ep_comm"]
+
+
+def test_expert_states_split_over_ep_and_sharded_over_expert_dp():
+    m, s = MIXTRAL, System(MIXTRAL, H100, framework="megatron")
+    for ep in (1, 2, 8):
+        lay = layout(s, cfg(ep=ep))
+        assert lay.chunk_expert_params == (32 * (8 // ep) * m.expert_params(),)
+        dense = m.num_params() - 32 * 8 * m.expert_params()
+        assert lay.chunk_params[0] == dense + 32 * (8 // ep) * m.expert_params()
+    # ZeRO-1: the optimizer's 12 bytes over dp x cp for the rest, over dp x cp / ep for the experts
+    for ep in (1, 2, 8):
+        e = estimate(cfg(ep=ep, zero_stage=1), m, H100, framework="megatron")
+        experts = 32 * (8 // ep) * m.expert_params()
+        dense = m.num_params() - 32 * 8 * m.expert_params()
+        assert e.memory_by_stage[0].optimizer == pytest.approx(dense * 12 / 8 + experts * 12 / (8 // ep))
+
+
+def test_moe_activation_memory_closed_form():
+    c = cfg(ep=2, tp=2, sequence_parallel=True)
+    s = System(SMALL_MOE, H100, framework="megatron")
+    dense = s.layer_activations(c, 1)
+    got = moe_activation_bytes(s, c, 1)
+    T, e, k, h = 4096, 2, 8, 2048
+    dense_mlp = e * T * 4 * 8192 / 2
+    expert = e * 4 * (T * k * 768 + T * 768) / 2  # routed rows (T x k) and the shared expert's T rows
+    extra = 2 * e * T * k * h + 4 * T * 64
+    assert got["total"] == pytest.approx(dense["total"] - dense_mlp + expert + extra)
+
+
+def test_estimate_has_ep_term_and_search_weighs_ep():
+    e = estimate(cfg(ep=8, tp=8), MIXTRAL, H100, framework="megatron")
+    assert set(e.breakdown_s) == set(TIME_TERMS) and e.breakdown_s["ep_comm"] > 0
+    assert sum(e.breakdown_s.values()) == pytest.approx(e.step_time_s)
+    r = search(SMALL_MOE, H100, 32, gpus=16, top=3, framework="megatron", precision="bf16", trials=60)
+    assert r.top and all(check(t.config, SMALL_MOE) is None for t in r.top)
+    assert any(t.config.ep > 1 for t in r.top)

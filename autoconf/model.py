@@ -14,7 +14,7 @@ from functools import lru_cache
 from importlib import resources
 
 from .errors import UserError
-from .schema import Bool, Dict, Int, Null, Num, Str, check_kind, parse_json, parse_yaml, read_text
+from .schema import Bool, Dict, Int, List, Null, Num, Str, check_kind, parse_json, parse_yaml, read_text
 
 ACTIVATIONS = ("gelu", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")
@@ -31,6 +31,8 @@ LIMITS = {"num_layers": (1, 4096), "hidden_size": (1, 1 << 18), "num_attention_h
           "num_kv_heads": (1, 1 << 14), "ffn_hidden_size": (1, 1 << 20), "vocab_size": (1, 1 << 24),
           "seq_length": (1, 1 << 22)}
 HEAD_DIM_LIMITS = (1, 1 << 14)
+LORA_RANK_LIMITS = (1, 1 << 20)
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
 
 # Fields added after the first model documents (presets, YAML files, profiles, trial documents): their
 # defaults are the block every earlier document described, and to_dict leaves them out at their
@@ -38,7 +40,10 @@ HEAD_DIM_LIMITS = (1, 1 << 14)
 LATER_FIELDS = {"head_dim": None, "qkv_bias": False, "parallel_attention": False, "shared_norm": False,
                 "rotary_fraction": 1.0, "num_experts": 0, "experts_per_token": 0, "expert_ffn_hidden_size": None,
                 "num_shared_experts": 0, "shared_expert_ffn_hidden_size": None, "first_dense_layers": 0,
-                "moe_layer_freq": 1, "router": "softmax"}
+                "moe_layer_freq": 1, "router": "softmax", "router_bias": False, "shared_expert_gate": False,
+                "qk_norm": False, "q_lora_rank": None, "kv_lora_rank": None, "qk_rope_head_dim": None,
+                "qk_nope_head_dim": None, "v_head_dim": None, "sliding_window": None, "full_attention_every": 0,
+                "attention_sinks": False}
 ROUTERS = ("softmax", "sigmoid")
 """How a mixture-of-experts layer scores its experts: softmax over the experts, then the top k
 (Mixtral, Qwen-MoE, GPT-OSS), or a sigmoid per expert, top k, renormalised (DeepSeek-V3)."""
@@ -53,7 +58,12 @@ MODEL_SCHEMA = Dict(
               "num_experts": Int(0, 1 << 14), "experts_per_token": Int(0, 1 << 10),
               "expert_ffn_hidden_size": Null(Int(1, 1 << 20)), "num_shared_experts": Int(0, 1 << 10),
               "shared_expert_ffn_hidden_size": Null(Int(1, 1 << 20)), "first_dense_layers": Int(0, 4096),
-              "moe_layer_freq": Int(1, 4096), "router": Str(ROUTERS)},
+              "moe_layer_freq": Int(1, 4096), "router": Str(ROUTERS), "router_bias": Bool(),
+              "shared_expert_gate": Bool(), "qk_norm": Bool(), "q_lora_rank": Null(Int(*LORA_RANK_LIMITS)),
+              "kv_lora_rank": Null(Int(*LORA_RANK_LIMITS)), "qk_rope_head_dim": Null(Int(*HEAD_DIM_LIMITS)),
+              "qk_nope_head_dim": Null(Int(*HEAD_DIM_LIMITS)), "v_head_dim": Null(Int(*HEAD_DIM_LIMITS)),
+              "sliding_window": Null(Int(*LIMITS["seq_length"])), "full_attention_every": Int(0, 4096),
+              "attention_sinks": Bool()},
     what="a model")
 
 
@@ -125,6 +135,39 @@ class ModelSpec:
     """After the dense ones, every n-th block is a mixture of experts (the others dense)."""
     router: str = "softmax"
     """'softmax' or 'sigmoid' scoring (``ROUTERS``); the router is an h x E matrix."""
+    router_bias: bool = False
+    """The router carries E more parameters per mixture-of-experts block: a bias on its logits (GPT-OSS)
+    or DeepSeek-V3's e_score_correction_bias (added to the scores for the top-k choice only)."""
+    shared_expert_gate: bool = False
+    """Each mixture-of-experts block scales its shared experts' output by sigmoid(x . g), g an h-vector
+    (Qwen2-MoE's shared_expert_gate): h parameters, counted in :meth:`shared_expert_params`."""
+    qk_norm: bool = False
+    """A norm of one head's width on each query head and each key head (Qwen3): 2 x head_size weights
+    per block (twice that for LayerNorm), counted in :meth:`attention_params`."""
+    q_lora_rank: int | None = None
+    """Multi-head latent attention (DeepSeek-V2/V3; set with ``kv_lora_rank``): queries go through a
+    low-rank h -> q_lora_rank projection, a norm and q_lora_rank -> heads x (nope + rope). None: one
+    h -> heads x (nope + rope) projection."""
+    kv_lora_rank: int | None = None
+    """Multi-head latent attention: width of the compressed key/value latent (h -> kv_lora_rank + rope,
+    a norm, then kv_lora_rank -> heads x (nope + v)). None: standard attention. With it set, the
+    three head widths below are required, num_kv_heads equals num_attention_heads, and :attr:`head_size`
+    is qk_nope_head_dim + qk_rope_head_dim."""
+    qk_rope_head_dim: int | None = None
+    """MLA: the rotary part of each query/key head (the key's is shared by all heads)."""
+    qk_nope_head_dim: int | None = None
+    """MLA: the part of each query/key head without positions."""
+    v_head_dim: int | None = None
+    """MLA: width of each value head (and of each head of the attention's output)."""
+    sliding_window: int | None = None
+    """Windowed blocks attend to the last ``sliding_window`` positions only (GPT-OSS: 128). None: every
+    block attends to the whole sequence. Which blocks are windowed: ``full_attention_every``."""
+    full_attention_every: int = 0
+    """With ``sliding_window``: every n-th block (blocks n-1, 2n-1, ... 0-based) attends to the whole
+    sequence, the others are windowed (GPT-OSS alternates: 2). 0: every block is windowed."""
+    attention_sinks: bool = False
+    """One learned logit per query head and block that joins each softmax (GPT-OSS's sinks):
+    num_attention_heads parameters per block."""
     name: str = "custom"
     """A label for tables and files."""
 
@@ -144,7 +187,7 @@ class ModelSpec:
                                or not HEAD_DIM_LIMITS[0] <= hd <= HEAD_DIM_LIMITS[1]):
             raise UserError(f"model {self.name}: head_dim={hd!r} must be null or an integer in "
                             f"[{HEAD_DIM_LIMITS[0]}, {HEAD_DIM_LIMITS[1]}]")
-        if hd is None and self.hidden_size % self.num_attention_heads:
+        if hd is None and self.kv_lora_rank is None and self.hidden_size % self.num_attention_heads:
             raise UserError(f"model {self.name}: hidden_size({self.hidden_size}) is not divisible by "
                             f"num_attention_heads({self.num_attention_heads}) (set head_dim for heads of "
                             "another width)")
@@ -156,7 +199,8 @@ class ModelSpec:
             if getattr(self, field) not in allowed:
                 raise UserError(f"model {self.name}: {field}={getattr(self, field)!r}; "
                                 f"valid: {', '.join(allowed)}")
-        for field in ("tied_embeddings", "bias", "qkv_bias", "parallel_attention", "shared_norm"):
+        for field in ("tied_embeddings", "bias", "qkv_bias", "parallel_attention", "shared_norm", "router_bias",
+                      "shared_expert_gate", "qk_norm", "attention_sinks"):
             if not isinstance(getattr(self, field), bool):
                 raise UserError(f"model {self.name}: {field}={getattr(self, field)!r} must be true or false")
         d = self.dropout
@@ -166,6 +210,7 @@ class ModelSpec:
             raise UserError(f"model {self.name}: shared_norm=true needs parallel_attention=true (a sequential "
                             "block's second norm reads the attention's output)")
         self._validate_moe()
+        self._validate_attention()
         r = self.rotary_fraction
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 < r <= 1.0):
             raise UserError(f"model {self.name}: rotary_fraction={r!r} must be a number in (0, 1]")
@@ -194,12 +239,58 @@ class ModelSpec:
             if k or self.num_shared_experts or self.expert_ffn_hidden_size or self.first_dense_layers:
                 raise UserError(f"model {self.name}: experts_per_token, num_shared_experts, expert_ffn_hidden_size "
                                 "and first_dense_layers describe a mixture of experts: set num_experts too")
+            if self.router_bias:
+                raise UserError(f"model {self.name}: router_bias=true needs a router: set num_experts too; "
+                                "valid: false")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise UserError(f"model {self.name}: shared_expert_gate=true gates shared experts: set "
+                            "num_shared_experts too; valid: false")
+        if e == 0:
             return
         if not 1 <= k <= e:
             raise UserError(f"model {self.name}: experts_per_token={k} must be in 1..num_experts ({e})")
         if self.first_dense_layers >= self.num_layers:
             raise UserError(f"model {self.name}: first_dense_layers={self.first_dense_layers} leaves no "
                             f"mixture-of-experts block of {self.num_layers}")
+
+    def _validate_attention(self) -> None:
+        """Multi-head latent attention, Q/K norms, sliding windows and sinks."""
+        for field in MLA_FIELDS:
+            v = getattr(self, field)
+            lo, hi = LORA_RANK_LIMITS if field.endswith("rank") else HEAD_DIM_LIMITS
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+                raise UserError(f"model {self.name}: {field}={v!r} must be null or an integer in [{lo}, {hi}]")
+        if self.kv_lora_rank is None:
+            for field in MLA_FIELDS:
+                if getattr(self, field) is not None:
+                    raise UserError(f"model {self.name}: {field}={getattr(self, field)!r} describes multi-head "
+                                    "latent attention: set kv_lora_rank too (or leave it null)")
+        else:
+            for field in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+                if getattr(self, field) is None:
+                    raise UserError(f"model {self.name}: {field}=null; multi-head latent attention (kv_lora_rank="
+                                    f"{self.kv_lora_rank}) needs it: a positive integer")
+            for field, ok, valid in (("head_dim", self.head_dim is None, "null (MLA heads are qk_nope_head_dim + "
+                                      "qk_rope_head_dim wide)"),
+                                     ("num_kv_heads", self.num_kv_heads == self.num_attention_heads,
+                                      f"num_attention_heads ({self.num_attention_heads})"),
+                                     ("bias", not self.bias, "false"), ("qkv_bias", not self.qkv_bias, "false"),
+                                     ("qk_norm", not self.qk_norm, "false"),
+                                     ("position_embedding", self.position_embedding == "rope", "'rope'"),
+                                     ("rotary_fraction", self.rotary_fraction == 1.0,
+                                      "1.0 (qk_rope_head_dim sets the rotary part)")):
+                if not ok:
+                    raise UserError(f"model {self.name}: {field}={getattr(self, field)!r} with multi-head latent "
+                                    f"attention (kv_lora_rank={self.kv_lora_rank}); valid: {valid}")
+        w, n = self.sliding_window, self.full_attention_every
+        lo, hi = LIMITS["seq_length"]
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or not lo <= w <= hi):
+            raise UserError(f"model {self.name}: sliding_window={w!r} must be null or an integer in [{lo}, {hi}]")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise UserError(f"model {self.name}: full_attention_every={n!r} must be a non-negative integer")
+        if n and w is None:
+            raise UserError(f"model {self.name}: full_attention_every={n} picks the full-attention blocks among "
+                            "windowed ones: set sliding_window too; valid: 0")
 
     # -- mixture of experts -------------------------------------------------------------------
     @property
@@ -233,33 +324,84 @@ class ModelSpec:
     def shared_expert_params(self) -> int:
         h, f = self.hidden_size, self.shared_expert_ffn
         return self.num_shared_experts * (self.mlp_matrices * h * f + (((self.mlp_matrices - 1) * f + h)
-                                                                        if self.bias else 0))
+                                                                        if self.bias else 0)) + \
+            (h if self.shared_expert_gate else 0)
 
     def router_params(self) -> int:
-        return self.hidden_size * self.num_experts
+        """The h x E router, and its E biases with ``router_bias``."""
+        return self.hidden_size * self.num_experts + (self.num_experts if self.router_bias else 0)
 
     # -- derived shapes -----------------------------------------------------------------------
     @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (``kv_lora_rank`` set)."""
+        return self.kv_lora_rank is not None
+
+    @property
     def head_size(self) -> int:
-        """Width of one attention head: ``head_dim``, or hidden_size / num_attention_heads."""
+        """Width of one attention head as the scores see it (Q and K): ``head_dim``, or hidden_size /
+        num_attention_heads; with multi-head latent attention qk_nope_head_dim + qk_rope_head_dim."""
+        if self.kv_lora_rank is not None:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_attention_heads
 
     @property
     def q_size(self) -> int:
-        """Width of Q (and of the attention's output): num_attention_heads x head_size (hidden_size
-        unless ``head_dim`` says otherwise)."""
+        """Width of Q as the attention core sees it: num_attention_heads x head_size (hidden_size unless
+        ``head_dim`` or MLA says otherwise). Without MLA also the width of the attention's output
+        (:attr:`attn_out_size`)."""
         return self.num_attention_heads * self.head_size
 
     @property
     def kv_size(self) -> int:
-        """Width of K (and of V): num_kv_heads x head_size."""
+        """Width of K (and, without MLA, of V): num_kv_heads x head_size. With MLA the core's K is
+        heads x (nope + rope) wide and V heads x v_head_dim: use :attr:`k_size` and :attr:`v_size` where
+        K and V are priced apart (2 x kv_size is k_size + v_size only without MLA)."""
         return self.num_kv_heads * self.head_size
+
+    @property
+    def k_size(self) -> int:
+        """Width of K as the attention core sees it (= :attr:`kv_size`)."""
+        return self.kv_size
+
+    @property
+    def v_size(self) -> int:
+        """Width of V as the attention core sees it: :attr:`kv_size`, or with MLA heads x v_head_dim."""
+        return self.num_attention_heads * self.v_head_dim if self.kv_lora_rank is not None else self.kv_size
+
+    @property
+    def attn_out_size(self) -> int:
+        """Width of the attention core's output, the input of the output projection: :attr:`q_size`, or
+        with MLA heads x v_head_dim."""
+        return self.num_attention_heads * self.v_head_dim if self.kv_lora_rank is not None else self.q_size
 
     @property
     def rotary_dim(self) -> int:
         """Dimensions of each head the rotary embedding rotates (0 without rope), as Hugging Face
-        computes them: int(head_size x rotary_fraction)."""
-        return int(self.head_size * self.rotary_fraction) if self.position_embedding == "rope" else 0
+        computes them: int(head_size x rotary_fraction); with MLA qk_rope_head_dim."""
+        if self.position_embedding != "rope":
+            return 0
+        if self.kv_lora_rank is not None:
+            return self.qk_rope_head_dim
+        return int(self.head_size * self.rotary_fraction)
+
+    def is_windowed_layer(self, i: int) -> bool:
+        """Whether block ``i`` (0-based) attends to the last ``sliding_window`` positions only."""
+        if self.sliding_window is None:
+            return False
+        n = self.full_attention_every
+        return n == 0 or (i + 1) % n != 0
+
+    @property
+    def num_windowed_layers(self) -> int:
+        return sum(self.is_windowed_layer(i) for i in range(self.num_layers))
+
+    def attention_span(self, i: int | None = None) -> int:
+        """Keys each query of block ``i`` attends to, as the FLOPs count them: the sequence, or
+        min(sequence, window) in a windowed block. None: a full-attention block."""
+        if i is not None and self.is_windowed_layer(i):
+            return min(self.seq_length, self.sliding_window)
+        return self.seq_length
 
     @property
     def gated_mlp(self) -> bool:
@@ -281,14 +423,43 @@ class ModelSpec:
     def norm_params(self) -> int:
         return 2 * self.hidden_size if self.norm == "layernorm" else self.hidden_size
 
+    def _norm_of(self, width: int) -> int:
+        return 2 * width if self.norm == "layernorm" else width
+
+    def attention_matmul_params(self) -> int:
+        """Weights of one block's attention projections (no biases, norms or sinks): the matrices
+        each token multiplies by, 2 FLOPs per weight.
+
+        Without MLA: h x (q + 2 kv) + q x h. With MLA (DeepSeek-V2/V3): queries h x q_lora_rank +
+        q_lora_rank x heads x (nope + rope), or h x heads x (nope + rope) without q_lora_rank; keys
+        and values h x (kv_lora_rank + rope) + kv_lora_rank x heads x (nope + v); output heads x v x h.
+        """
+        h = self.hidden_size
+        if self.kv_lora_rank is None:
+            q, kv = self.q_size, self.kv_size
+            return h * (q + 2 * kv) + q * h
+        a, qk, r, v = self.num_attention_heads, self.head_size, self.kv_lora_rank, self.v_head_dim
+        ql = self.q_lora_rank
+        q = h * a * qk if ql is None else h * ql + ql * a * qk
+        return q + h * (r + self.qk_rope_head_dim) + r * a * (self.qk_nope_head_dim + v) + a * v * h
+
     def attention_params(self) -> int:
-        """Parameters of one block's attention (projections and their biases)."""
+        """Parameters of one block's attention: projections and their biases; with MLA the norms of
+        its latents; with ``qk_norm`` the Q and K head norms; with ``attention_sinks`` a logit per head."""
         h, q, kv = self.hidden_size, self.q_size, self.kv_size
-        attn = h * (q + 2 * kv) + q * h
-        if self.bias:
-            attn += (q + 2 * kv) + h
-        elif self.qkv_bias:
-            attn += q + 2 * kv
+        if self.kv_lora_rank is not None:
+            attn = self.attention_matmul_params() + self._norm_of(self.kv_lora_rank) + \
+                (self._norm_of(self.q_lora_rank) if self.q_lora_rank is not None else 0)
+        else:
+            attn = h * (q + 2 * kv) + q * h
+            if self.bias:
+                attn += (q + 2 * kv) + h
+            elif self.qkv_bias:
+                attn += q + 2 * kv
+        if self.qk_norm:
+            attn += 2 * self._norm_of(self.head_size)
+        if self.attention_sinks:
+            attn += self.num_attention_heads
         return attn
 
     def layer_params(self, i: int | None = None) -> int:
@@ -334,22 +505,42 @@ class ModelSpec:
         return self.embedding_params() + self.blocks_params() + self.output_params()
 
     # -- FLOPs ----------------------------------------------------------------------------------
-    def layer_forward_flops_per_token(self) -> float:
-        """Matrix-multiply FLOPs of one block's forward, per token (2 per multiply-add).
+    def layer_forward_flops_per_token(self, i: int | None = None) -> float:
+        """Matrix-multiply FLOPs of one dense block's forward, per token (2 per multiply-add).
 
         Attention scores and weighted sum count 2*s*q each (q = heads x head width, h unless
         ``head_dim`` says otherwise), without exploiting causality, as in Narayanan et al. (arXiv
-        2104.04473, eq. 3) so that MFU matches published numbers.
+        2104.04473, eq. 3) so that MFU matches published numbers. In a windowed block (``i`` given,
+        see :meth:`is_windowed_layer`) s is min(s, sliding_window); None: a full-attention block.
+        With MLA the projections are :meth:`attention_matmul_params` and the core
+        :meth:`attention_core_flops`.
         """
-        h, f, q, kv, s = self.hidden_size, self.ffn_hidden_size, self.q_size, self.kv_size, self.seq_length
+        h, f, q, kv = self.hidden_size, self.ffn_hidden_size, self.q_size, self.kv_size
+        s = self.attention_span(i)
+        if self.kv_lora_rank is not None:
+            return 2.0 * (self.attention_matmul_params() + self.mlp_matrices * h * f) + self.attention_core_flops(i)
         return 2.0 * (h * (q + 2 * kv) + q * h + self.mlp_matrices * h * f) + 4.0 * s * q
 
-    def moe_layer_forward_flops_per_token(self) -> float:
+    def attention_core_flops(self, i: int | None = None) -> float:
+        """Forward FLOPs per token of block ``i``'s attention core (None: a full-attention block):
+        scores 2 x span x q_size and the weighted sum 2 x span x attn_out_size, span the sequence or
+        min(sequence, window) in a windowed block (:meth:`attention_span`); 4 x span x q without MLA."""
+        s = self.attention_span(i)
+        if self.kv_lora_rank is not None:
+            return 2.0 * s * (self.q_size + self.attn_out_size)
+        return 4.0 * s * self.q_size
+
+    def moe_layer_forward_flops_per_token(self, i: int | None = None) -> float:
         """A mixture-of-experts block's forward FLOPs per token: attention, the router, its top-k
-        experts and the shared ones (active work only)."""
-        h, q, kv, s = self.hidden_size, self.q_size, self.kv_size, self.seq_length
+        experts and the shared ones (active work only), and the shared experts' gate. ``i``: the
+        block, for its attention span (None: a full-attention block)."""
+        h, q, kv, s = self.hidden_size, self.q_size, self.kv_size, self.attention_span(i)
         experts = (self.experts_per_token * self.expert_ffn + self.num_shared_experts * self.shared_expert_ffn)
-        return (2.0 * (h * (q + 2 * kv) + q * h + self.mlp_matrices * h * experts + h * self.num_experts)
+        gate = h if self.shared_expert_gate else 0
+        if self.kv_lora_rank is not None:
+            return (2.0 * (self.attention_matmul_params() + self.mlp_matrices * h * experts + h * self.num_experts
+                           + gate) + self.attention_core_flops(i))
+        return (2.0 * (h * (q + 2 * kv) + q * h + self.mlp_matrices * h * experts + h * self.num_experts + gate)
                 + 4.0 * s * q)
 
     def model_flops_per_token(self) -> float:
@@ -358,6 +549,10 @@ class ModelSpec:
 
         For GPT shapes this is 72*l*h^2*(1 + s/6h + V/12hl) per token (arXiv 2104.04473).
         """
+        if self.sliding_window is not None:  # block by block: windowed blocks attend to fewer keys
+            blocks = sum(self.moe_layer_forward_flops_per_token(i) if self.is_moe_layer(i)
+                         else self.layer_forward_flops_per_token(i) for i in range(self.num_layers))
+            return 3.0 * (blocks + 2.0 * self.vocab_size * self.hidden_size)
         moe = self.num_moe_layers
         fwd = ((self.num_layers - moe) * self.layer_forward_flops_per_token()
                + moe * (self.moe_layer_forward_flops_per_token() if moe else 0.0)
@@ -414,7 +609,15 @@ HF_KEYS = {
                              "num_kv_heads", "intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size",
                              "vocab_size", "max_position_embeddings", "n_positions", "n_ctx", "seq_length",
                              "head_dim", "sliding_window", "num_ln_in_parallel_attn")},
-    **{k: Null(Int(0, 1 << 24)) for k in ("num_local_experts", "num_experts", "n_routed_experts")},
+    **{k: Null(Int(0, 1 << 24)) for k in ("num_local_experts", "num_experts", "n_routed_experts",
+                                           "num_experts_per_tok", "experts_per_token", "n_shared_experts",
+                                           "shared_expert_intermediate_size", "first_k_dense_replace",
+                                           "num_nextn_predict_layers")},
+    **{k: _HF_INT for k in ("moe_intermediate_size", "decoder_sparse_step", "moe_layer_freq", "q_lora_rank",
+                             "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")},
+    "mlp_only_layers": Null(List(Int(0, 1 << 24), max_len=1 << 16)),
+    "layer_types": Null(List(Str(max_len=100), max_len=1 << 16)), "scoring_func": Null(Str(max_len=100)),
+    "qkv_bias": Null(Bool()),
     **{k: Null(Str(max_len=100)) for k in ("hidden_act", "hidden_activation", "activation_function", "activation",
                                            "model_type")},
     **{k: Null(Bool()) for k in ("tie_word_embeddings", "attention_bias", "mlp_bias", "bias", "alibi",
@@ -430,7 +633,13 @@ HF_KEYS = {
 HF_FAMILIES = {"gpt2": "gpt2", "gpt_bigcode": "gpt2", "gpt_neox": "gpt_neox",
                "falcon": "falcon", "RefinedWeb": "falcon", "RefinedWebModel": "falcon"}
 _FAMILY_NAMES = {"llama": "Llama-like", "gpt2": "GPT-2", "gpt_neox": "GPT-NeoX", "falcon": "Falcon"}
-HF_SUPPORTED = "llama, mistral, qwen2, gemma, gpt2, gpt_bigcode, gpt_neox, falcon (or another Llama-like model_type)"
+HF_SUPPORTED = ("llama, mistral, qwen2, qwen3, gemma, gpt2, gpt_bigcode, gpt_neox, falcon, mixtral, qwen2_moe, "
+                "qwen3_moe, deepseek_v3, gpt_oss (or another Llama-like model_type)")
+# Mixture-of-experts model_types read (each with its own keys); experts in any other type are refused.
+HF_MOE = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "gpt_oss")
+# model_types (substrings) with state-space (Mamba) layers beside or instead of attention: refused.
+HF_STATE_SPACE = ("mamba", "jamba", "nemotron_h", "zamba", "bamba", "falcon_h1", "granitemoehybrid")
+HF_LAYER_TYPES = ("full_attention", "sliding_attention")
 # model_types that look Llama-like enough to load but are not: refused rather than mispriced.
 HF_REFUSED = {
     "gptj": "its MLP has biases but its attention has none, and its output layer has a bias",
@@ -468,13 +677,21 @@ def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -
     ``head_dim``, tied embeddings), any other Llama-like type; GPT-2 and GPT-BigCode (multi-query);
     GPT-NeoX / Pythia (parallel residual, partial rotary ``rotary_pct``, untied); Falcon (multi-query or
     ``num_kv_heads`` with ``new_decoder_architecture``, ``parallel_attn`` with one or two norms,
-    ``bias``). Absent keys take the defaults of the family's transformers config class.
+    ``bias``). Mixtures of experts: Mixtral, Qwen2-MoE (one shared expert with a sigmoid gate,
+    ``decoder_sparse_step`` / ``mlp_only_layers``), Qwen3-MoE (and dense Qwen3: per-head Q/K norms),
+    DeepSeek-V3 (multi-head latent attention, sigmoid scores with e_score_correction_bias,
+    ``first_k_dense_replace`` / ``moe_layer_freq``; the multi-token-prediction module of
+    ``num_nextn_predict_layers`` is left out, as in the published 671B), GPT-OSS (biases everywhere,
+    a router bias, attention sinks, ``sliding_window`` in the ``layer_types`` marked so). Absent keys
+    take the defaults of the family's transformers config class.
 
     The training sequence is ``seq_length`` when given, else ``max_position_embeddings`` (Falcon
-    without it: 2048). A model with a ``sliding_window`` shorter than that trains at the window: the
-    sliding-window attention is then the full causal attention that autoconf models and builds, and a
-    longer ``seq_length`` is refused. Mixture-of-experts, ALiBi and encoder-decoder configs are refused.
-    The keys read are type-checked (:data:`HF_KEYS`); near-misses of them are refused.
+    without it: 2048). Except for GPT-OSS, whose windows are a field of the spec, a model with a
+    ``sliding_window`` shorter than that trains at the window: the sliding-window attention is then the
+    full causal attention that autoconf models and builds, and a longer ``seq_length`` is refused.
+    Experts in other model types, hybrid state-space layers (Mamba, Jamba, Nemotron-H...), ALiBi and
+    encoder-decoder configs are refused. The keys read are type-checked (:data:`HF_KEYS`); near-misses
+    of them are refused.
     """
     if not isinstance(cfg, dict):
         raise UserError(f"model {name}: a config.json must hold a JSON object")
@@ -501,9 +718,20 @@ def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -
         refuse("model_type", f"{model_type} is not supported ({HF_REFUSED[model_type]})", HF_SUPPORTED)
     if get("is_encoder_decoder"):
         refuse("is_encoder_decoder", "encoder-decoder models are not modelled (decoder-only transformers)", "false")
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if get(key, 0) > 1:
-            refuse(key, "mixture-of-experts layers are not modelled (dense MLPs only)", "absent, 0 or 1")
+    if any(t in model_type.lower() for t in HF_STATE_SPACE):
+        refuse("model_type", "hybrid state-space (Mamba) layers are out of scope (attention blocks only)",
+               HF_SUPPORTED)
+    for j, t in enumerate(get("layer_types", [])):
+        if t not in HF_LAYER_TYPES:
+            why = ("hybrid state-space (Mamba) layers are out of scope (attention blocks only)" if "mamba" in t
+                   else "only attention blocks are modelled")
+            raise UserError(f"model {name}: layer_types[{j}]={json.dumps(t)}: {why}; valid: "
+                            f"{', '.join(HF_LAYER_TYPES)}")
+    if model_type not in HF_MOE:
+        for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+            if get(key, 0) > 1:
+                refuse(key, f"mixture-of-experts layers are not modelled for model_type {model_type or '(absent)'}",
+                       f"absent, 0 or 1 (experts are read for {', '.join(HF_MOE)})")
     if get("alibi"):
         refuse("alibi", "ALiBi attention biases are not modelled", "false (rotary positions)")
     if get("apply_residual_connection_post_layernorm"):
@@ -564,17 +792,25 @@ def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -
         head_dim = get("head_dim")
         if head_dim is not None and not (hidden % heads == 0 and head_dim == hidden // heads):
             spec["head_dim"] = head_dim
-        attn_bias, mlp_bias = get("attention_bias", False), get("mlp_bias", False)
+        attn_bias = get("attention_bias", model_type == "gpt_oss")
+        mlp_bias = get("mlp_bias", attn_bias if model_type == "gpt_oss" else False)
         if attn_bias != mlp_bias:
             refuse("attention_bias" if attn_bias else "mlp_bias",
                    "biases on the attention or on the MLP alone are not modelled", "attention_bias and mlp_bias "
                    "both false, or both true")
+        qkv_bias = (model_type == "qwen2" or (model_type == "qwen2_moe" and get("qkv_bias", True))) and not attn_bias
         spec.update(num_kv_heads=pick("num_key_value_heads", default=heads), ffn_hidden_size=pick("intermediate_size"),
                     activation=activation, tied_embeddings=get("tie_word_embeddings", gemma), norm="rmsnorm",
-                    position_embedding="rope", bias=attn_bias, qkv_bias=model_type == "qwen2" and not attn_bias,
-                    rotary_fraction=get("partial_rotary_factor", 1.0))
+                    position_embedding="rope", bias=attn_bias, qkv_bias=qkv_bias,
+                    rotary_fraction=get("partial_rotary_factor", 1.0), qk_norm=model_type in ("qwen3", "qwen3_moe"))
+        if model_type in HF_MOE:
+            spec.update(_hf_moe(cfg, model_type, layers, get, pick, refuse))
         seq = pick("max_position_embeddings")
-    window = get("sliding_window") if get("use_sliding_window", True) else None
+    if model_type == "gpt_oss":  # sliding windows in alternate blocks: a field of the spec, not a bound on s
+        spec.update(_hf_windows(get("sliding_window", 128), get("layer_types"), layers, refuse))
+        window = None
+    else:
+        window = get("sliding_window") if get("use_sliding_window", True) else None
     if seq_length is not None:
         if window is not None and seq_length > window:
             raise UserError(f"model {name}: sequence length {seq_length} exceeds sliding_window={window}: "
@@ -583,6 +819,82 @@ def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -
     elif window is not None:
         seq = min(seq, window)
     return ModelSpec(seq_length=seq, **spec)
+
+
+def _fit_moe_layers(moe: list[bool], key: str, refuse) -> dict:
+    """first_dense_layers and moe_layer_freq that mark exactly the blocks ``moe`` marks."""
+    idx = [i for i, m in enumerate(moe) if m]
+    if not idx:
+        refuse(key, "no block is a mixture of experts", "a layout with at least one mixture-of-experts block")
+    first = idx[0]
+    freq = idx[1] - idx[0] if len(idx) > 1 else 1
+    if any(m != (i >= first and (i - first) % freq == 0) for i, m in enumerate(moe)):
+        refuse(key, "the mixture-of-experts blocks are not every n-th block after the first dense ones",
+               "a leading run of dense blocks, then a mixture of experts every n-th block")
+    return dict(first_dense_layers=first, moe_layer_freq=freq)
+
+
+def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse) -> dict:
+    """The mixture-of-experts fields of a Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 or GPT-OSS config,
+    with the defaults of transformers' config classes."""
+    if model_type in ("mixtral", "gpt_oss"):
+        experts = pick("num_local_experts", default=8 if model_type == "mixtral" else 128)
+        k = pick("num_experts_per_tok", "experts_per_token", default=2 if model_type == "mixtral" else 4)
+        # every block; the experts' inner width is intermediate_size (ffn_hidden_size)
+        return dict(num_experts=experts, experts_per_token=k, router_bias=model_type == "gpt_oss",
+                    attention_sinks=model_type == "gpt_oss")
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        qwen2 = model_type == "qwen2_moe"
+        experts = pick("num_experts", default=60 if qwen2 else 128)
+        k = pick("num_experts_per_tok", default=4 if qwen2 else 8)
+        step = get("decoder_sparse_step", 1)
+        dense = set(get("mlp_only_layers", []))
+        # transformers: block i is sparse when i is not in mlp_only_layers and (i + 1) % step == 0
+        fit = _fit_moe_layers([i not in dense and (i + 1) % step == 0 for i in range(layers)],
+                              "mlp_only_layers" if dense else "decoder_sparse_step", refuse)
+        out = dict(num_experts=experts, experts_per_token=k,
+                   expert_ffn_hidden_size=pick("moe_intermediate_size", default=1408 if qwen2 else 768), **fit)
+        shared = get("shared_expert_intermediate_size", 5632) if qwen2 else 0
+        if shared:  # one shared expert, scaled by sigmoid(x . g)
+            out.update(num_shared_experts=1, shared_expert_ffn_hidden_size=shared, shared_expert_gate=True)
+        return out
+    # deepseek_v3: multi-head latent attention; sigmoid scores with a correction bias (selection only).
+    # The multi-token-prediction module (num_nextn_predict_layers) is not part of the model counted.
+    scoring = get("scoring_func", "sigmoid")
+    if scoring not in ROUTERS:
+        refuse("scoring_func", "routers score experts with a softmax or a sigmoid", ", ".join(ROUTERS))
+    freq, first_k = get("moe_layer_freq", 1), get("first_k_dense_replace", 3)
+    # transformers: block i is sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
+    fit = _fit_moe_layers([i >= first_k and i % freq == 0 for i in range(layers)], "first_k_dense_replace", refuse)
+    shared = get("n_shared_experts", 1)
+    out = dict(num_experts=pick("n_routed_experts", default=256), experts_per_token=pick("num_experts_per_tok",
+                                                                                         default=8),
+               expert_ffn_hidden_size=pick("moe_intermediate_size", default=2048), num_shared_experts=shared,
+               router=scoring, router_bias=True, **fit,
+               # q_lora_rank null: one query projection (DeepSeek-V2-Lite); absent: transformers' 1536
+               q_lora_rank=cfg["q_lora_rank"] if "q_lora_rank" in cfg else 1536,
+               kv_lora_rank=pick("kv_lora_rank", default=512), qk_rope_head_dim=pick("qk_rope_head_dim", default=64),
+               qk_nope_head_dim=pick("qk_nope_head_dim", default=128), v_head_dim=pick("v_head_dim", default=128))
+    return out
+
+
+def _hf_windows(window: int, layer_types, layers: int, refuse) -> dict:
+    """sliding_window and full_attention_every from a window and a list of 'sliding_attention' /
+    'full_attention' blocks (None: transformers' GPT-OSS default, alternating from a windowed one)."""
+    if layer_types is None:
+        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if len(layer_types) != layers:
+        refuse("layer_types", f"{len(layer_types)} entries for {layers} blocks", f"{layers} entries")
+    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    if not full:
+        return dict(sliding_window=window, full_attention_every=0)
+    if len(full) == layers:
+        return {}
+    n = full[0] + 1
+    if any((t == "full_attention") != ((i + 1) % n == 0) for i, t in enumerate(layer_types)):
+        refuse("layer_types", "the full-attention blocks are not every n-th block", "every n-th block full "
+               "(blocks n-1, 2n-1, ...), the others sliding_attention")
+    return dict(sliding_window=window, full_attention_every=n)
 
 
 def load_model(ref: str, seq_length: int | None = None) -> ModelSpec:

@@ -57,7 +57,7 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
                         norm_stat_bytes: int | None, selective: bool) -> dict[str, float]:
     """Korthikanti et al. section 4.1 (attention 11sbh + 5as^2b, MLP 19sbh, norms 4sbh), generalised."""
     e, s, h, a = model.dtype_bytes, model.seq_length, model.hidden_size, model.num_attention_heads
-    q, kv, f = model.q_size, model.kv_size, model.ffn_hidden_size
+    q, f = model.q_size, model.ffn_hidden_size
     tok = s * b  # tokens of tensor-parallel (head- or ffn-sharded) tensors, whose width is divided by t
     rep = tok / t if sp else tok  # tokens of full-width tensors: replicated over TP, or sequence-sharded
     drop = model.dropout > 0
@@ -71,7 +71,7 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
     p["qkv_input"] = e * rep * h
     # q, k, v as the attention core keeps them: eager expands k, v to all heads (GQA) before QK^T and AV;
     # fused attention, and selective recompute (the core's inputs), keep them at kv width
-    qkv_width = (3 * q) if (eager and not selective) else (q + 2 * kv)
+    qkv_width = (3 * q) if (eager and not selective) else (q + model.k_size + model.v_size)
     p["qkv"] = e * tok * qkv_width / t
     if not selective:
         if eager:
@@ -83,7 +83,7 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
         else:
             # fused attention keeps its output (shared with the projection's input) and fp32 logsumexp
             p["attention_logsumexp"] = LSE_BYTES * b * a * s / t
-    p["projection_input"] = e * tok * q / t
+    p["projection_input"] = e * tok * model.attn_out_size / t
     if drop:
         p["attention_dropout_mask_out"] = mask_bytes * rep * h
     if not model.shared_norm:  # a shared norm's output is the qkv input, kept once

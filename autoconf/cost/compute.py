@@ -237,6 +237,18 @@ class Moe:
     assignments: float
 
 
+def window_work(model: ModelSpec) -> float:
+    """The attention core's work per block relative to full causal attention, averaged over the
+    blocks: 1 without sliding windows; a windowed block (window w < s) computes s x w - w^2 / 2
+    query-key pairs against the causal s^2 / 2."""
+    if model.sliding_window is None or model.sliding_window >= model.seq_length:
+        return 1.0
+    s, w = model.seq_length, model.sliding_window
+    windowed = model.num_windowed_layers
+    frac = (s * w - w * w / 2) / (s * s / 2)
+    return ((model.num_layers - windowed) + windowed * frac) / model.num_layers
+
+
 def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: int = 1,
                          ring_math: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one block's attention core on a rank: its heads (a/tp), its
@@ -248,14 +260,17 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
         import dataclasses
         f, b_ = attention_core_times(dataclasses.replace(model, attention="eager", dropout=0.0), b, tp, rf, cp)
         return f, b_ + f
-    s, q, kv, B, a = model.seq_length, model.q_size, model.kv_size, model.dtype_bytes, model.num_attention_heads
+    s, q, B, a = model.seq_length, model.q_size, model.dtype_bytes, model.num_attention_heads
+    k_w, v_w, out_w = model.k_size, model.v_size, model.attn_out_size
     s_loc = s / cp
     T = b * s_loc
     heads = a / tp
     calls = 1 if cp == 1 else cp  # ring attention: one call per key/value chunk
     if model.attention == "flash":
-        flops = 4.0 * b * heads * s * s * model.head_size * 0.5 / cp  # causal blocks skipped
-        io = (T * (q + 2 * kv) / tp + T * q / tp) * B
+        # causal blocks skipped; scores over the Q/K width, the weighted sum over V's (they differ
+        # under multi-head latent attention); windowed blocks see fewer keys (window_work)
+        flops = 2.0 * b * s * s * (q + out_w) / tp * 0.5 / cp * window_work(model)
+        io = (T * (q + k_w + v_w) / tp + T * out_w / tp) * B
         eff_f, eff_b = rf.attention_efficiency or (rf.gemm_efficiency, rf.gemm_efficiency)
         if rf.gemm_eff is not None:  # a profile measured this device: scale by its large-GEMM rate
             eff_f, eff_b = (e * (rf.gemm_eff(8192, 8192, 8192) or rf.gemm_efficiency) / rf.gemm_efficiency
@@ -268,6 +283,7 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
         # (i and 2cp-1-i) attend over i+1 and 2cp-i chunks, blocks wholly above the diagonal
         # skipped: (2cp+1) blocks of (s/2cp)^2 scores per head; at cp = 1 all s x s are computed
         s_kv = s if cp == 1 else s / 2 + s_loc / 4
+        s_kv *= window_work(model)
         bmm = 2 * rf.gemm(s_loc, s_kv, model.head_size, B, batch=b * heads)
         probs = b * heads * s_loc * s_kv * B
         drop = 2 if model.dropout > 0 else 0
@@ -306,14 +322,23 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     T = b * s_loc
     T_rep = T / tp if sp else T  # tokens each rank touches in norms / dropout / residual
     # GEMMs: (m, n, k)
-    gemms = [(T, (q + 2 * kv) / tp, h), (T, h, q / tp),
-             (T, (2 * f if model.gated_mlp else f) / tp, h), (T, h, f / tp)]
+    if model.is_mla:  # low-rank Q and KV projections, then the heads' up-projections
+        nope_rope, a_tp = model.qk_nope_head_dim + model.qk_rope_head_dim, model.num_attention_heads / tp
+        attn = ([(T, model.q_lora_rank, h), (T, a_tp * nope_rope, model.q_lora_rank)] if model.q_lora_rank
+                else [(T, a_tp * nope_rope, h)])
+        attn += [(T, model.kv_lora_rank + model.qk_rope_head_dim, h),
+                 (T, a_tp * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank)]
+    else:
+        attn = [(T, (q + 2 * kv) / tp, h)]
+    gemms = attn + [(T, h, model.attn_out_size / tp),
+                    (T, (2 * f if model.gated_mlp else f) / tp, h), (T, h, f / tp)]
+    n_attn = len(attn) + 1  # the attention's GEMMs come first, then the MLP's two
     grouped = []  # (m, n, k, batch): the routed experts' grouped GEMMs
     mlp_tokens_f = T * f / tp  # elements of the MLP's hidden activation (per matrix)
     moe_f = moe_b = 0.0
     if moe is not None:
         fe = moe.expert_ffn
-        gemms = gemms[:2] + ([(T, (2 * moe.shared_ffn if model.gated_mlp else moe.shared_ffn) / tp, h),
+        gemms = gemms[:n_attn] + ([(T, (2 * moe.shared_ffn if model.gated_mlp else moe.shared_ffn) / tp, h),
                               (T, h, moe.shared_ffn / tp)] if moe.shared_ffn else [])
         if moe.rows > 0:
             grouped = [(moe.rows, (2 * fe if model.gated_mlp else fe) / tp, h, moe.local_experts),

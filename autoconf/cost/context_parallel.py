@@ -48,7 +48,7 @@ class CpTimes:
 def kv_chunk_bytes(system: System, c: ParallelConfig) -> float:
     """Bytes of the keys and values of one rank's s/cp tokens, per micro-batch and TP rank."""
     m = system.model
-    return c.micro_batch_size * (m.seq_length / c.cp) * 2 * m.kv_size / c.tp * m.dtype_bytes
+    return c.micro_batch_size * (m.seq_length / c.cp) * (m.k_size + m.v_size) / c.tp * m.dtype_bytes
 
 
 def ring_step_s(system: System, c: ParallelConfig, nbytes: float) -> float:

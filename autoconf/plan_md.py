@@ -106,6 +106,20 @@ def _shape(plan) -> str:
     return f"Parallel shape: {axes} = {plan.world_size} ranks{seq}; precision: {precision}."
 
 
+def _moe(plan) -> str:
+    """The mixture-of-experts shape: experts, top-k, shared experts, expert parallelism, routing."""
+    c, m = plan.config, plan.model
+    shared = f" + {m.num_shared_experts} shared" if m.num_shared_experts else ""
+    blocks = (f"in all {m.num_layers} blocks" if m.num_moe_layers == m.num_layers
+              else f"in {m.num_moe_layers} of {m.num_layers} blocks")
+    ep = (f"expert parallelism ep {c.ep} ({m.num_experts // c.ep} experts per rank)" if c.ep > 1
+          else "no expert parallelism (every rank holds all experts)")
+    routing = ("dropless routing" if c.moe_capacity_factor is None
+               else f"capacity factor {c.moe_capacity_factor:g} (tokens beyond an expert's capacity skip it)")
+    return (f"Mixture of experts: {m.num_experts} experts{shared}, top-{m.experts_per_token} ({m.router} router), "
+            f"{blocks}; {ep}; {routing}.")
+
+
 def plan_markdown(plan, estimate, hosts, visible, script, runners_up) -> str:
     e = plan.expected
     lines = [f"# Plan: {comment(plan.model.name)} on {comment(plan.cluster.name)}", "",
@@ -113,6 +127,7 @@ def plan_markdown(plan, estimate, hosts, visible, script, runners_up) -> str:
              f"host{'s' if len(hosts) > 1 else ''}, global batch {plan.global_batch} "
              f"({plan.dp} replicas x {plan.micro_batch_size} sequences x {plan.num_micro_batches} micro-batches).", "",
              _shape(plan), "",
+             *([_moe(plan), ""] if plan.model.is_moe else []),
              f"Predicted: {e.step_time_s:.4g} s per step, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, peak "
              f"memory {_gib(e.peak_memory_bytes)} per device.", ""]
     lines += _why(estimate)

@@ -8,6 +8,13 @@
   megatron-core's order ``vp_rank * pp + pp_rank``, which is autoconf's chunk order).
   Context parallelism: ``--context-parallel-size``, ``--cp-comm-type p2p`` (the ring the plan
   priced); FP8: ``--fp8-format hybrid --fp8-recipe tensorwise|delayed|mxfp8`` (Transformer Engine).
+  Mixture of experts (:func:`megatron_moe_args`): ``--num-experts`` (TransformerConfig.num_moe_experts),
+  ``--moe-router-topk``, ``--moe-ffn-hidden-size``, ``--moe-shared-expert-intermediate-size``,
+  ``--moe-layer-freq`` (an int, or megatron-core's 0/1 list when the first blocks are dense),
+  ``--moe-router-score-function``, ``--moe-token-dispatcher-type alltoall``, ``--moe-grouped-gemm``,
+  ``--expert-model-parallel-size``, ``--moe-expert-capacity-factor``. megatron-core's wheel has no
+  ``arguments.py``: these names are its TransformerConfig fields with dashes (Megatron-LM's
+  convention), --num-experts being Megatron-LM's name for ``num_moe_experts``.
 - **torchtitan**: 0.3 reads no file; its configuration is a Python function of a model module
   (``--module llama3 --config llama3_8b``) plus command-line overrides, which
   ``torchtitan_args.sh`` holds (``TORCHTITAN_ARGS``, ``TORCHTITAN_AC``). 0.2 read a TOML file
@@ -18,9 +25,16 @@
   value. FP8: 0.2 by ``[model] converters`` and ``[quantize.linear.float8]`` / ``[quantize.linear.mx]``
   (tensorwise with FSDP gathers the weights in FP8); 0.3 takes quantisation from the config function
   only (its ``model_spec`` is not a command-line setting), so ``torchtitan_args.sh`` names the
-  converter that function must apply (:func:`torchtitan_converter`).
+  converter that function must apply (:func:`torchtitan_converter`). Mixture of experts:
+  ``parallelism.expert_parallel_degree`` (0.2 also ``expert_tensor_parallel_degree`` = tp, the
+  plan's experts split tp ways); the MoE blocks themselves (experts, top-k, router, shared
+  experts, dense first blocks) come from the config function / model flavor, which the files
+  name (:func:`torchtitan_moe_text`). torchtitan routes dropless (no capacity factor); 0.3's
+  experts are not tensor-parallel under EP (its ep group takes the tp ranks first).
 - **DeepSpeed** (``ds_config.json``): batch sizes, ZeRO stage, precision, ``overlap_comm``,
   AutoTP's degree; ``"_autoconf"`` holds the notes (DeepSpeed ignores keys it does not know).
+  Its mixture of experts is a layer of the model code (``deepspeed.moe.layer.MoE(..., ep_size,
+  k)``), nothing in ds_config.json: a gap line says what that layer must be given.
 
 No import of any of these libraries here.
 """
@@ -90,6 +104,8 @@ def gaps(plan, name: str, version: str = "0.3") -> list[str]:
                    "so the files switch compile on")
     if name in ("megatron", "deepspeed") and c.torch_compile:
         out.append(f"torch.compile: {name} runs the model eagerly")
+    if plan.model.is_moe:
+        out += _moe_gaps(plan, name, version)
     if name == "deepspeed":
         if c.cp > 1:
             out.append(f"context parallelism (cp={c.cp}): ds_config.json has none (DeepSpeed's Ulysses sequence "
@@ -104,6 +120,63 @@ def gaps(plan, name: str, version: str = "0.3") -> list[str]:
             out.append("selective recomputation: DeepSpeed recomputes what the model wraps in "
                        "deepspeed.checkpointing.checkpoint (whole blocks); recompute the attention core there")
     return out
+
+
+def _moe_gaps(plan, name: str, version: str) -> list[str]:
+    """What framework ``name`` cannot express of the plan's mixture of experts."""
+    c, m, out = plan.config, plan.model, []
+    cf = c.moe_capacity_factor
+    if name == "megatron" and m.bias and c.tp > 1:
+        out.append("expert biases with tp > 1: megatron-core's MoE has biases only with expert_tensor_parallel_size "
+                   "1, and the plan splits the experts tp ways")
+    if name == "torchtitan":
+        if cf is not None:
+            out.append(f"the capacity factor {cf:g}: torchtitan's token-choice router is dropless (every token "
+                       "reaches its top-k experts), so no token is dropped and expert loads are the router's")
+        shard = c.dp if c.zero_stage >= 1 else 1  # data_parallel_shard_degree (_titan_dp)
+        if c.ep > 1 and version == "0.3" and c.tp > 1:
+            out.append(f"expert parallelism with tp={c.tp}: torchtitan 0.3's experts are not tensor-parallel under "
+                       "EP and its expert-parallel group takes the tp ranks first (efsdp = dp_shard x cp x tp / ep); "
+                       "the plan's lies inside dp x cp with each expert split tp ways (torchtitan 0.2: "
+                       "expert_tensor_parallel_degree = tp)")
+        elif c.ep > 1 and (shard * c.cp) % c.ep:
+            out.append(f"expert parallelism ep={c.ep} over dp x cp with zero_stage {c.zero_stage}: torchtitan's "
+                       f"expert-parallel ranks lie inside data_parallel_shard_degree x cp ({shard} x {c.cp}); "
+                       "replicated (DDP) data-parallel ranks cannot hold different experts")
+    if name == "deepspeed":
+        moe = (f"deepspeed.moe.layer.MoE(hidden_size={m.hidden_size}, expert=<an MLP of width {m.expert_ffn}>, "
+               f"num_experts={m.num_experts}, ep_size={c.ep}, k={m.experts_per_token}, "
+               + (f"capacity_factor={cf:g}" if cf is not None else "drop_tokens=False")
+               + (", enable_expert_tensor_parallelism=True" if c.tp > 1 else "") + ")")
+        out.append(f"the mixture-of-experts blocks ({_moe_blocks(m)}): ds_config.json has no MoE section; DeepSpeed's "
+                   f"MoE is a layer of the model code, so build each MoE block's MLP as {moe} and give the optimizer "
+                   "deepspeed.moe.utils.split_params_into_different_moe_groups_for_optimizer")
+        if m.router == "sigmoid":
+            out.append("the sigmoid router: DeepSpeed's TopKGate scores experts with a softmax")
+        if m.num_shared_experts:
+            out.append(f"the {m.num_shared_experts} shared expert(s): DeepSpeed's MoE has none (its use_residual is "
+                       "PR-MoE's residual MLP mixed by a learned coefficient); add them in the model code")
+    return out
+
+
+def _moe_blocks(m) -> str:
+    """Which blocks are mixtures of experts, in words."""
+    if m.num_moe_layers == m.num_layers:
+        return f"all {m.num_layers} blocks"
+    return f"{m.num_moe_layers} of {m.num_layers} blocks: {_moe_pattern_words(m)}"
+
+
+def _moe_pattern_words(m) -> str:
+    parts = []
+    if m.first_dense_layers:
+        parts.append(f"blocks 0..{m.first_dense_layers - 1} dense")
+    parts.append(f"every {'' if m.moe_layer_freq == 1 else _ordinal(m.moe_layer_freq) + ' '}block from "
+                 f"{m.first_dense_layers} on a mixture of experts")
+    return ", ".join(parts)
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 < 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 def _knob(plan, name: str, knob: str) -> bool:
@@ -179,6 +252,37 @@ def megatron_args(plan) -> list:
         a.append(f"--{m.dtype}")
     if c.precision == "fp8" and c.fp8_recipe in MEGATRON_FP8_RECIPES:  # E4M3 forward, E5M2 gradients
         a += ["--fp8-format", "hybrid", "--fp8-recipe", c.fp8_recipe]
+    return a + megatron_moe_args(plan)
+
+
+def moe_layer_pattern(m) -> list[int]:
+    """megatron-core's moe_layer_freq list: 1 for a mixture-of-experts block, 0 for a dense one."""
+    return [int(m.is_moe_layer(i)) for i in range(m.num_layers)]
+
+
+def megatron_moe_args(plan) -> list:
+    """The mixture-of-experts arguments ([] for a dense model). megatron-core's integer
+    moe_layer_freq N makes block i an MoE block when i % N == 0, so dense first blocks need its
+    list form (``--moe-layer-freq`` takes a Python list expression in Megatron-LM). Tokens go
+    through the all-to-all dispatcher (the two all-to-alls per layer the plan priced) and each
+    rank's experts run as one grouped GEMM. Without a capacity factor megatron-core is dropless;
+    with one it drops the lowest-probability tokens beyond each expert's capacity (its default
+    policy) without padding to it. The experts' tensor-parallel size is megatron-core's default,
+    tp, as the plan splits them."""
+    c, m = plan.config, plan.model
+    if not m.is_moe:
+        return []
+    a = ["--num-experts", m.num_experts, "--moe-router-topk", m.experts_per_token, "--moe-ffn-hidden-size", m.expert_ffn]
+    if m.num_shared_experts:  # megatron-core's one shared MLP of num_shared x width
+        a += ["--moe-shared-expert-intermediate-size", m.num_shared_experts * m.shared_expert_ffn]
+    freq = m.moe_layer_freq if m.first_dense_layers == 0 else \
+        "[" + ",".join(map(str, moe_layer_pattern(m))) + "]"
+    a += ["--moe-layer-freq", freq, "--moe-router-score-function", m.router,
+          "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
+    if c.ep > 1:
+        a += ["--expert-model-parallel-size", c.ep]
+    if c.moe_capacity_factor is not None:
+        a += ["--moe-expert-capacity-factor", f"{c.moe_capacity_factor:g}"]
     return a
 
 
@@ -214,6 +318,8 @@ def megatron_file(plan, header: str) -> str:
                if "--tp-comm-overlap" in megatron_args(plan) else "")
             + ("# Context parallelism and FP8 run in Transformer Engine's layers: install transformer-engine.\n"
                if {"--context-parallel-size", "--fp8-format"} & set(megatron_args(plan)) else "")
+            + ("# --moe-grouped-gemm runs the experts in Transformer Engine's grouped linear layers: install "
+               "transformer-engine.\n" if plan.model.is_moe else "")
             + _notes(plan, "megatron") + _array("MEGATRON_ARGS", megatron_args(plan)))
 
 
@@ -249,6 +355,10 @@ def torchtitan_settings(plan, version: str = "0.3") -> dict:
         par.update(context_parallel_degree=c.cp, context_parallel_load_balancer="headtail")
         if version != "0.3":  # 0.3 has no rotate method setting (torch's default, allgather)
             par["context_parallel_rotate_method"] = "allgather"
+    if c.ep > 1:  # 0.2's experts are tensor-parallel only with etp = tp (its default etp is 1)
+        par["expert_parallel_degree"] = c.ep
+        if version != "0.3":
+            par["expert_tensor_parallel_degree"] = c.tp
     training = {"seq_len": m.seq_length, "global_batch_size": c.global_batch}
     if c.pp > 1:  # the per-replica batch, split into the pipeline's micro-batches
         training["local_batch_size"] = c.micro_batch_size * c.num_micro_batches
@@ -303,6 +413,32 @@ def torchtitan_converter(plan) -> tuple[str, dict] | None:
                                      "model_compile_enabled": _titan_compile(plan)}
 
 
+def torchtitan_moe_text(plan, version: str = "0.3") -> str:
+    """What the config function (0.3) or model flavor (0.2) must build for the plan's mixture of
+    experts ("" for a dense model): torchtitan reads the MoE shape from the model's own config,
+    not from the command line or the TOML."""
+    m = plan.model
+    if not m.is_moe:
+        return ""
+    shared = (f"{m.num_shared_experts} shared expert(s) of width {m.shared_expert_ffn}" if m.num_shared_experts
+              else "no shared experts")
+    what = (f"{m.num_experts} experts of width {m.expert_ffn}, top-{m.experts_per_token}, {m.router} router, {shared}; "
+            f"{_moe_blocks(m)}")
+    if version == "0.3":
+        return (f"mixture of experts ({what}): TORCHTITAN_CONFIG's blocks must hold torchtitan.models.common.moe."
+                f"MoE.Config(num_experts={m.num_experts}, router=TokenChoiceTopKRouter.Config(top_k="
+                f"{m.experts_per_token}, score_func={m.router!r}, ...), routed experts' GroupedExperts.Config(hidden_dim="
+                f"{m.expert_ffn}), shared_experts="
+                + (f"FeedForward.Config(hidden_dim={m.num_shared_experts * m.shared_expert_ffn})" if m.num_shared_experts
+                   else "None")
+                + "); torchtitan's MoE modules: qwen3 (softmax, no shared experts, every block), deepseek_v3 "
+                  "(n_dense_layers, num_shared_experts, router_score_func; MLA attention)")
+    return (f"mixture of experts ({what}): [model] name / flavor must be a torchtitan MoE model whose MoEArgs has "
+            f"num_experts = {m.num_experts}, top_k = {m.experts_per_token}, score_func = {json.dumps(m.router)}, "
+            f"num_shared_experts = {m.num_shared_experts}, moe_inter_dim = {m.expert_ffn} "
+            f"(deepseek_v3: n_dense_layers = {m.first_dense_layers}; llama4: interleave_moe_layer_step)")
+
+
 def _converter_text(conv) -> str:
     name, kw = conv
     return f"{name}.Config({', '.join(f'{k}={v!r}' for k, v in kw.items())})"
@@ -331,6 +467,7 @@ def torchtitan_args_file(plan, header: str) -> str:
             '"${TORCHTITAN_ARGS[@]}" "$@" "$TORCHTITAN_AC"\n'
             f"# TORCHTITAN_CONFIG: a config function of the module with this model's shape ({comment(_shape(plan))}); "
             "the layer names below are torchtitan's Llama ones.\n"
+            + (f"# {comment(torchtitan_moe_text(plan))}\n" if plan.model.is_moe else "")
             + (f"# FP8 ({plan.config.fp8_recipe}): torchtitan 0.3 takes it from the config function, not the command "
                "line: TORCHTITAN_CONFIG's model_registry(..., converters=[...]) must hold "
                f"torchtitan.components.quantization.{_converter_text(torchtitan_converter(plan))}\n"
@@ -357,6 +494,7 @@ def torchtitan_toml(plan, header: str) -> str:
     text = (f"# torchtitan 0.2 job config (--job.config_file torchtitan.toml). {header}"
             "# torchtitan 0.3 reads no TOML: use torchtitan_args.sh (the node scripts do).\n"
             f"# [model] name / flavor: a torchtitan model with this shape ({comment(_shape(plan))}).\n"
+            + (f"# {comment(torchtitan_moe_text(plan, '0.2'))}\n" if plan.model.is_moe else "")
             + ("".join(f"# cannot express: {comment(n)}\n" for n in notes) if notes else
                "# torchtitan expresses the whole plan.\n"))
     for section, keys in torchtitan_settings(plan, "0.2").items():

@@ -192,6 +192,174 @@ def test_megatron_says_what_it_cannot_express(tmp_path):
     assert "--fp8-recipe" not in megatron_file(rowwise, "header\n").split("MEGATRON_ARGS=(")[1]
 
 
+# -- mixture of experts ------------------------------------------------------------------------------
+
+import dataclasses as _dc  # noqa: E402
+
+MOE = _dc.replace(LLAMA, num_experts=8, experts_per_token=2, expert_ffn_hidden_size=2048, name="llama-moe")
+MOE_CASES = {  # (model, config)
+    "dropless": (MOE, cfg(dp=4, tp=2, micro_batch_size=1, num_micro_batches=2, zero_stage=1, ep=4)),
+    "deepseek-like": (_dc.replace(MOE, num_shared_experts=2, shared_expert_ffn_hidden_size=1024, first_dense_layers=3,
+                                  router="sigmoid"),
+                      cfg(dp=2, pp=2, tp=2, cp=2, micro_batch_size=1, num_micro_batches=4, ep=2,
+                          moe_capacity_factor=1.25, rank_order="tp-cp-dp-pp")),
+    "every-other": (_dc.replace(MOE, moe_layer_freq=2), cfg(dp=8, micro_batch_size=1, num_micro_batches=2)),
+}
+
+
+def _moe_plan(case, framework):
+    from autoconf.plan import LaunchPlan
+
+    m, c = MOE_CASES[case]
+    if framework == "torchtitan" and c.zero_stage == 1:  # torchtitan has no ZeRO-1: FSDP
+        c = _dc.replace(c, zero_stage=3)
+    return m, c, LaunchPlan(c, m, A100, framework=framework)
+
+
+def _megatron_moe_options(tmp_path, case):
+    from autoconf.stacks import megatron_file
+
+    m, c, plan = _moe_plan(case, "megatron")
+    path = tmp_path / "megatron_args.sh"
+    path.write_text(megatron_file(plan, "header\n"))
+    bash_n(path)
+    return m, c, plan, options(bash_array(path, "MEGATRON_ARGS"))
+
+
+def _layer_freq(text: str):
+    """--moe-layer-freq as Megatron-LM reads it: an int, or a list expression (literal here)."""
+    import ast
+
+    return ast.literal_eval(text) if "[" in text else int(text)
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_megatron_moe_args_parse_back_to_the_plan(tmp_path, case):
+    m, c, plan, o = _megatron_moe_options(tmp_path, case)
+    assert (int(o["num_experts"]), int(o["moe_router_topk"]), int(o["moe_ffn_hidden_size"])) == \
+        (m.num_experts, m.experts_per_token, m.expert_ffn)
+    assert int(o.get("moe_shared_expert_intermediate_size", 0)) == m.num_shared_experts * m.shared_expert_ffn
+    assert o["moe_router_score_function"] == m.router and o["moe_token_dispatcher_type"] == "alltoall"
+    assert o["moe_grouped_gemm"] is True and int(o.get("expert_model_parallel_size", 1)) == c.ep
+    assert o.get("moe_expert_capacity_factor") == (None if c.moe_capacity_factor is None else f"{c.moe_capacity_factor:g}")
+    freq = _layer_freq(o["moe_layer_freq"])
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(m.num_layers)]
+    assert pattern == [int(m.is_moe_layer(i)) for i in range(m.num_layers)]  # megatron-core's reading of an int
+    from autoconf.stacks import gaps
+
+    assert gaps(plan, "megatron") == []  # Megatron-LM expresses all of it
+
+
+@pytest.mark.parametrize("case", MOE_CASES)
+def test_megatron_core_accepts_the_moe_args(tmp_path, case):
+    """megatron-core's TransformerConfig takes the MoE values (as Megatron-LM maps them:
+    --num-experts to num_moe_experts, the others by their field names) and its own layer-spec
+    builder makes MoE blocks exactly where the model has them."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    m, c, plan, o = _megatron_moe_options(tmp_path, case)
+    names = {f.name for f in _dc.fields(TransformerConfig)}
+    kw = {"num_moe_experts": int(o["num_experts"]), "moe_layer_freq": _layer_freq(o["moe_layer_freq"])}
+    for k, v in o.items():
+        if k.startswith(("moe_", "expert_")) and k != "moe_layer_freq":
+            assert k in names, k
+            kw[k] = v if v is True or not v.replace(".", "").isdigit() else (float(v) if "." in v else int(v))
+    for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
+              "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+        if k in o:
+            kw[k] = int(o[k])
+    tc = TransformerConfig(**kw, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+                           params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True)
+    assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size) == \
+        (m.num_experts, m.experts_per_token, m.expert_ffn)
+    assert tc.moe_router_score_function == m.router and tc.moe_token_dispatcher_type == "alltoall"
+    assert tc.expert_model_parallel_size == c.ep and tc.expert_tensor_parallel_size == c.tp  # experts split tp ways
+    assert tc.moe_expert_capacity_factor == c.moe_capacity_factor
+    specs = get_gpt_decoder_layer_specs(tc, use_transformer_engine=False, normalization="RMSNorm")
+    specs = getattr(specs, "layer_specs", specs)
+    got = [int(s.submodules.mlp.module is MoELayer) for s in specs]
+    assert got == [int(m.is_moe_layer(i)) for i in range(m.num_layers)]
+
+
+def test_torchtitan_moe_files_and_gaps(tmp_path):
+    from autoconf.stacks import gaps, torchtitan_args_file, torchtitan_settings, torchtitan_toml
+
+    m, c, plan = _moe_plan("every-other", "torchtitan")
+    assert torchtitan_settings(plan)["parallelism"].get("expert_parallel_degree", 1) == c.ep == 1
+    text = torchtitan_args_file(plan, "header\n")
+    assert "MoE.Config(num_experts=8" in text and "top_k=2" in text and gaps(plan, "torchtitan") == []
+    m, c, plan = _moe_plan("deepseek-like", "torchtitan")
+    for version in ("0.3", "0.2"):
+        par = torchtitan_settings(plan, version)["parallelism"]
+        assert par["expert_parallel_degree"] == c.ep
+        assert par.get("expert_tensor_parallel_degree") == (c.tp if version == "0.2" else None)
+        missing = gaps(plan, "torchtitan", version)
+        assert [g for g in missing if g.startswith("the capacity factor 1.25")]
+        assert bool([g for g in missing if g.startswith("expert parallelism with tp=2")]) == (version == "0.3")
+    doc = tomllib.loads(torchtitan_toml(plan, "header\n"))
+    assert doc["parallelism"]["expert_tensor_parallel_degree"] == c.tp
+    assert "score_func = \"sigmoid\"" in torchtitan_toml(plan, "header\n")
+    # DDP replicas cannot hold different experts in torchtitan: ep must fit in dp_shard x cp
+    from autoconf.plan import LaunchPlan
+
+    ddp = LaunchPlan(cfg(dp=4, micro_batch_size=1, num_micro_batches=2, ep=4), MOE, A100, framework="torchtitan")
+    assert [g for g in gaps(ddp, "torchtitan") if g.startswith("expert parallelism ep=4")]
+
+
+@pytest.mark.parametrize("case", ["dropless", "deepseek-like"])
+def test_torchtitan_config_manager_reads_the_expert_parallel_degree(tmp_path, case):
+    """torchtitan's own ConfigManager reads expert_parallel_degree (0.3: the override; 0.2: the
+    TOML, with expert_tensor_parallel_degree)."""
+    version = _titan_version()
+    from torchtitan.config import ConfigManager
+
+    from autoconf.stacks import torchtitan_args, torchtitan_toml
+
+    m, c, plan = _moe_plan(case, "torchtitan")
+    if version.startswith("0.3"):
+        words, ac = torchtitan_args(plan)
+        got = ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel", *map(str, words), ac])
+        assert got.parallelism.expert_parallel_degree == c.ep
+    else:
+        path = tmp_path / "torchtitan.toml"
+        path.write_text(torchtitan_toml(plan, "header\n"))
+        got = ConfigManager().parse_args(["--job.config_file", str(path)])
+        assert (got.parallelism.expert_parallel_degree, got.parallelism.expert_tensor_parallel_degree) == (c.ep, c.tp)
+
+
+def test_deepspeed_says_its_moe_is_model_code(tmp_path):
+    from autoconf.stacks import ds_config, gaps
+
+    m, c, plan = _moe_plan("deepseek-like", "reference")  # cp=2: DeepSpeed's plans have none, its gaps say so
+    missing = gaps(plan, "deepspeed")
+    moe = [g for g in missing if g.startswith("the mixture-of-experts blocks")]
+    assert moe and "deepspeed.moe.layer.MoE(" in moe[0] and f"ep_size={c.ep}, k=2, capacity_factor=1.25" in moe[0]
+    assert [g for g in missing if g.startswith("the sigmoid router")]
+    assert [g for g in missing if g.startswith("the 2 shared expert(s)")]
+    doc = ds_config(plan, "header\n")
+    assert not any("moe" in k.lower() for k in doc if k != "_autoconf")  # nothing in ds_config itself
+    assert all(f"cannot express: {g}" in doc["_autoconf"]["notes"] for g in missing)
+    m, c, plan = _moe_plan("every-other", "deepspeed")
+    (moe,) = gaps(plan, "deepspeed")
+    assert "drop_tokens=False" in moe and "ep_size=1" in moe and "16 of 32 blocks" in moe
+
+
+def test_plan_md_states_the_moe_shape(tmp_path):
+    m, c = MOE_CASES["dropless"]
+    files = emitted(tmp_path, c, "megatron", model=m)
+    md = open(files["PLAN.md"]).read()
+    assert ("Mixture of experts: 8 experts, top-2 (softmax router), in all 32 blocks; expert parallelism ep 4 "
+            "(2 experts per rank); dropless routing.") in md
+    assert "Mixture of experts" not in open(emitted(tmp_path / "dense", cfg(dp=8, micro_batch_size=1,
+                                                                          num_micro_batches=2), "megatron")
+                                             ["PLAN.md"]).read()
+
+
 # -- torchtitan ----------------------------------------------------------------------------------
 
 TITAN_CASES = {

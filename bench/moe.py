@@ -2,17 +2,17 @@
 
     python bench/moe.py
 
-A DeepSeek-V3-sized model on 256 H100 and a Qwen3-30B-A3B-sized model on 16 H100 (H100 SXM hosts
+DeepSeek-V3 (the preset) on 256 H100 and Qwen3-30B-A3B on 16 H100 (H100 SXM hosts
 of 8, NVLink 450 GB/s per direction, 8 x 400 Gbit/s InfiniBand), Megatron-LM, BF16 and FP8 both
 allowed (the search's default): the wall time of the whole exhaustive search (in memory), the best
 configuration and the all-to-all share of its step (``ep_comm``: dispatch and combine over the
 expert-parallel group). Load balance is assumed perfect (``--moe-imbalance 1.0``; forced-balance
 benchmarks run so); a second row per model at 1.3 shows what imbalance costs.
 
-The shapes are the published ones (hidden, layers, heads, experts, top-k, expert widths, shared
-experts, dense first layers, vocabulary); DeepSeek-V3's multi-head latent attention is taken here
-as grouped-query attention of the same head count and width (its projections differ; the routed
-experts dominate the step either way). Nothing here is measured on a GPU.
+The shapes are the published configs' (``autoconf models``: DeepSeek-V3 with its multi-head latent
+attention, 256 routed experts top-8, one shared, three dense first blocks, the sigmoid router;
+Qwen3-30B-A3B with 128 experts top-8 and Q/K norms), at 4,096 tokens. Nothing here is measured on
+a GPU.
 """
 
 from __future__ import annotations
@@ -28,20 +28,10 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from autoconf.cluster import load_cluster  # noqa: E402
-from autoconf.model import ModelSpec  # noqa: E402
+from autoconf.model import preset  # noqa: E402
 from autoconf.search import search  # noqa: E402
 
 H100 = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "h100-8x8.yaml")
-
-DEEPSEEK_V3_SIZED = ModelSpec(
-    name="deepseek-v3-sized", num_layers=61, hidden_size=7168, num_attention_heads=128, num_kv_heads=128,
-    head_dim=128, ffn_hidden_size=18432, vocab_size=129280, seq_length=4096, activation="swiglu", norm="rmsnorm",
-    position_embedding="rope", num_experts=256, experts_per_token=8, expert_ffn_hidden_size=2048,
-    num_shared_experts=1, first_dense_layers=3, router="sigmoid")
-QWEN3_30B_A3B_SIZED = ModelSpec(
-    name="qwen3-30b-a3b-sized", num_layers=48, hidden_size=2048, num_attention_heads=32, num_kv_heads=4,
-    head_dim=128, ffn_hidden_size=6144, vocab_size=151936, seq_length=4096, activation="swiglu", norm="rmsnorm",
-    position_embedding="rope", num_experts=128, experts_per_token=8, expert_ffn_hidden_size=768)
 
 
 def hosts(n: int):
@@ -50,7 +40,7 @@ def hosts(n: int):
 
 
 def main() -> None:
-    cases = [(DEEPSEEK_V3_SIZED, 32, 1024), (QWEN3_30B_A3B_SIZED, 2, 256)]
+    cases = [(preset("deepseek-v3"), 32, 1024), (preset("qwen3-30b-a3b"), 2, 256)]
     t = Table(title="MoE searches (H100, Megatron-LM, in-memory study, this machine)")
     for col in ("model", "total / active", "GPUs", "imbalance", "wall s", "valid", "best", "step", "MFU",
                 "all-to-all share", "peak"):

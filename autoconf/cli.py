@@ -46,6 +46,9 @@ def _add_target(p, cluster_required: bool = False):
     p.add_argument("--framework", default="reference", choices=FRAMEWORK_NAMES,
                    help="the runtime that will run the plan: its defaults, buffers, overlap and knobs are "
                         "modelled, and search offers only what it can run (default: reference, this project's trainer)")
+    p.add_argument("--moe-imbalance", type=float, default=1.0,
+                   help="mixture of experts: the busiest expert rank's tokens over the balanced share "
+                        "(default 1.0, perfectly balanced)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -89,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bf16: GEMMs in the model's dtype; fp8: the linear layers' GEMMs in FP8 (default bf16)")
     p.add_argument("--fp8-recipe", default="tensorwise", choices=FP8_RECIPES,
                    help="FP8 scaling with --precision fp8 (default tensorwise)")
+    p.add_argument("--ep", type=positive_int, default=1,
+                   help="expert-parallel degree of a mixture of experts (divides dp x cp and the experts)")
+    p.add_argument("--moe-capacity-factor", type=float, default=None,
+                   help="drop tokens beyond this multiple of an expert's balanced share (default: dropless)")
     p.add_argument("--rank-order", default="tp-dp-pp")
     p.add_argument("--stage-layers", type=int_list, metavar="N,N,...",
                    help="transformer blocks of each pipeline chunk (pp x virtual stages numbers; default: even)")
@@ -224,8 +231,10 @@ def cmd_estimate(args) -> int:
                             overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
                             dp_all_reduce=args.dp_all_reduce, device_order=args.device_order,
                             stage_layers=args.stage_layers, cp=args.cp, precision=args.precision,
-                            fp8_recipe=args.fp8_recipe, torch_compile=args.torch_compile)
-    e = estimate(config, model, cluster, profile, calibration, framework=args.framework)
+                            fp8_recipe=args.fp8_recipe, torch_compile=args.torch_compile, ep=args.ep,
+                            moe_capacity_factor=args.moe_capacity_factor)
+    e = estimate(config, model, cluster, profile, calibration, framework=args.framework,
+                 moe_imbalance=args.moe_imbalance)
     plots = []
     if args.plot:
         from .plots import plot_estimate
@@ -293,6 +302,7 @@ def cmd_search(args) -> int:
                         study_name=args.study_name, profile=profile, calibration=calibration,
                         max_micro_batch=args.max_micro_batch, framework=args.framework, place=not args.no_place,
                         max_cp=args.max_cp, precision=args.precision, fp8_recipe=args.fp8_recipe,
+                        moe_imbalance=args.moe_imbalance,
                         progress=lambda done, total: bars.update(task, completed=done, total=total),
                         phase=lambda name: bars.update(task, completed=0, description=_PHASES.get(name, name)))
     if not result.top:

@@ -52,6 +52,10 @@ class System:
         from ..frameworks import framework as framework_model
         if self.framework is None or isinstance(self.framework, str):
             self.framework = framework_model(self.framework)
+        f = self.moe_imbalance
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 1.0 <= f <= 64.0:
+            raise UserError(f"--moe-imbalance {f!r}: the busiest expert rank's tokens over the balanced share, "
+                            "a number from 1.0 (balanced) to 64")
         if self.topology is None:
             if self.cluster is not None and self.profile is not None:
                 # the cluster file declares hosts and devices; what the profile measured overrides

@@ -252,7 +252,7 @@ def megatron_args(plan) -> list:
         a.append(f"--{m.dtype}")
     if c.precision == "fp8" and c.fp8_recipe in MEGATRON_FP8_RECIPES:  # E4M3 forward, E5M2 gradients
         a += ["--fp8-format", "hybrid", "--fp8-recipe", c.fp8_recipe]
-    return a + megatron_moe_args(plan)
+    return a + megatron_moe_args(plan) + megatron_attention_args(plan)
 
 
 def moe_layer_pattern(m) -> list[int]:
@@ -283,6 +283,32 @@ def megatron_moe_args(plan) -> list:
         a += ["--expert-model-parallel-size", c.ep]
     if c.moe_capacity_factor is not None:
         a += ["--moe-expert-capacity-factor", f"{c.moe_capacity_factor:g}"]
+    if m.router_bias:  # DeepSeek-V3's e_score_correction_bias (megatron-core: sigmoid routers only)
+        a.append("--moe-router-enable-expert-bias")
+    if m.shared_expert_gate:
+        a.append("--moe-shared-expert-gate")
+    return a
+
+
+def megatron_attention_args(plan) -> list:
+    """Attention variants in megatron-core's spelling (TransformerConfig / MLATransformerConfig
+    fields): multi-head latent attention (``multi_latent_attention``, ``q_lora_rank``,
+    ``kv_lora_rank``, ``qk_head_dim`` (the no-rope part), ``qk_pos_emb_head_dim``, ``v_head_dim``),
+    per-head Q/K norms (``qk_layernorm``), sliding windows (``window_size`` (w, 0): w keys back, none
+    ahead; ``window_attn_skip_freq`` N: every N-th block full attention)."""
+    m = plan.model
+    a = []
+    if m.is_mla:
+        a += ["--multi-latent-attention", "--kv-lora-rank", m.kv_lora_rank, "--qk-head-dim", m.qk_nope_head_dim,
+              "--qk-pos-emb-head-dim", m.qk_rope_head_dim, "--v-head-dim", m.v_head_dim]
+        if m.q_lora_rank:
+            a += ["--q-lora-rank", m.q_lora_rank]
+    if m.qk_norm:
+        a.append("--qk-layernorm")
+    if m.sliding_window is not None:
+        a += ["--window-size", f"{m.sliding_window},0"]
+        if m.full_attention_every:
+            a += ["--window-attn-skip-freq", m.full_attention_every]
     return a
 
 

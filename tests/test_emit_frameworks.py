@@ -755,3 +755,31 @@ def test_hostile_names_neither_break_nor_inject_into_any_emitted_script(tmp_path
             assert f"--master-addr={hosts[0]}" in argv  # the default, verbatim
         assert recs[0]["argv"][-1] == recs[1]["argv"][-1] == "extra arg" and recs[2]["argv"][-1] == args[-1]
         assert not marker.exists()
+
+
+def test_megatron_attention_variants_parse_back_and_megatron_core_accepts_them(tmp_path):
+    """DeepSeek-V3's multi-head latent attention and expert bias, GPT-OSS's sliding windows and
+    Qwen3's Q/K norms in megatron-core's spelling (MLATransformerConfig / TransformerConfig fields)."""
+    big = load_cluster("examples/clusters/h100-8x8.yaml")
+    ds = preset("deepseek-v3")
+    c = cfg(dp=8, pp=8, tp=1, ep=8, num_micro_batches=16, zero_stage=1, recompute="full")
+    o = options(bash_array(emitted(tmp_path / "ds", c, "megatron", model=ds, cluster=big)["megatron_args.sh"],
+                           "MEGATRON_ARGS"))
+    assert o["multi_latent_attention"] is True and int(o["kv_lora_rank"]) == ds.kv_lora_rank
+    assert int(o["q_lora_rank"]) == ds.q_lora_rank and int(o["qk_head_dim"]) == ds.qk_nope_head_dim
+    assert int(o["qk_pos_emb_head_dim"]) == ds.qk_rope_head_dim and int(o["v_head_dim"]) == ds.v_head_dim
+    assert o["moe_router_enable_expert_bias"] is True and o["moe_router_score_function"] == "sigmoid"
+    oss = preset("gpt-oss-20b")
+    o2 = options(bash_array(emitted(tmp_path / "oss", cfg(dp=8, ep=8, num_micro_batches=2), "megatron", model=oss,
+                                    cluster=big)["megatron_args.sh"], "MEGATRON_ARGS"))
+    assert o2["window_size"] == f"{oss.sliding_window},0" and int(o2["window_attn_skip_freq"]) == 2
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    mla = MLATransformerConfig(num_layers=4, hidden_size=ds.hidden_size, num_attention_heads=ds.num_attention_heads,
+                               q_lora_rank=int(o["q_lora_rank"]), kv_lora_rank=int(o["kv_lora_rank"]),
+                               qk_head_dim=int(o["qk_head_dim"]), qk_pos_emb_head_dim=int(o["qk_pos_emb_head_dim"]),
+                               v_head_dim=int(o["v_head_dim"]), num_moe_experts=int(o["num_experts"]),
+                               moe_router_topk=int(o["moe_router_topk"]), moe_router_score_function="sigmoid",
+                               moe_router_enable_expert_bias=True)
+    assert mla.multi_latent_attention

@@ -160,10 +160,7 @@ def train(args, rank: int, watchdog) -> dict:
     runner = Runner(model, config, groups, device, layers, common)
     optimizer, tracked_opt = _make_optimizer(runner, config, groups, data_parallel)
 
-    if model.is_moe:
-        from .. import moe
-
-        moe.reset_a2a_bytes()
+    a2a = []  # per step: the MoE all-to-all bytes this rank sent (autoconf.moe.A2A_BYTES)
     steps, warmup = args.steps, args.warmup
     mem_step = min(1, steps - 1) if warmup >= 2 or steps == 1 else steps - 1
     losses, step_times, timed, probes = [], [], [], []
@@ -182,6 +179,10 @@ def train(args, rank: int, watchdog) -> dict:
             optimizer.zero_grad(set_to_none=True)
             return local
 
+        if model.is_moe:
+            from .. import moe
+
+            moe.reset_a2a_bytes()
         t0 = time.perf_counter()
         if step == mem_step:
             local, peak, breakdown, method = memory.measure(one_step, device, runner.modules(),
@@ -192,6 +193,8 @@ def train(args, rank: int, watchdog) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - t0)
+        if model.is_moe:
+            a2a.append(dict(moe.A2A_BYTES))
         timed.append(step >= warmup and step != mem_step)
         losses.append(_global_loss(local, runner, groups, config, device))
         if getattr(args, "speed_probe", False) and timed[-1]:
@@ -209,16 +212,11 @@ def train(args, rank: int, watchdog) -> dict:
         "memory_step": mem_step, "losses": losses, "dp_all_reduce": groups.dp_all_reduce_note,
         "speed_probe_s": statistics.median(probes) if probes else None,
         "local_parameters": sum(_numel_local(p) for m in runner.modules() for p in m.parameters()),
-        "moe_a2a_bytes": _a2a_bytes() if model.is_moe else None,
+        # hidden-vector bytes this rank sent to other ranks in the MoE all-to-alls, per kind
+        # (autoconf.moe.A2A_BYTES): the last step's, and every step's (under pp the first step's also
+        # hold torch.distributed.pipelining's metadata inference through each stage)
+        "moe_a2a_bytes": a2a[-1] if a2a else None, "moe_a2a_bytes_per_step": a2a or None,
     }
-
-
-def _a2a_bytes() -> dict:
-    """Hidden-vector bytes this rank sent to other ranks in the MoE all-to-alls over the whole run
-    (every step), per kind (``autoconf.moe.A2A_BYTES``)."""
-    from .. import moe
-
-    return dict(moe.A2A_BYTES)
 
 
 def speed_probe(model: ModelSpec, device, dtype, repeats: int = 3) -> float:

@@ -121,7 +121,9 @@ def test_trainer_refuses_zero2_with_ep():
 
 def _grads_worker(rank, world, port, queue):
     """dp2 ep2 (ZeRO-0), one SingleStage step on the replica's rows: every gradient (dense ones
-    averaged over dp, experts over their expert-data-parallel group) against one process."""
+    averaged over dp, experts over their expert-data-parallel group) against one process; with a
+    capacity factor, against one process running the same micro-batches (capacity is per micro-batch
+    of a rank, whatever ep)."""
     import datetime
     import os
 
@@ -140,14 +142,18 @@ def _grads_worker(rank, world, port, queue):
     groups = build_groups(ParallelDims(world, 1, 1, ep=world), rank, timeout)
     assert groups.ep_ranks == list(range(world)) and groups.edp_ranks == [rank]
     worst = {}
-    for model in (MOE, MOE_LLAMA):
-        config = cfg(dp=world, mbs=2, ep=world)
+    for model, cf in ((MOE, None), (MOE_LLAMA, None), (MOE, 0.75)):
+        config = cfg(dp=world, mbs=2, ep=world, moe_capacity_factor=cf)
         x, y = data.global_batch(0, GLOBAL_BATCH, model.seq_length, model.vocab_size, SEED)
-        ref = gpt.GPT(model, seed=SEED)
-        ref_loss = ref(x, y)
+        ref = gpt.GPT(model, seed=SEED, moe_capacity_factor=cf)
+        if cf is None:
+            ref_loss = ref(x, y)
+        else:  # capacity is per micro-batch of a rank: the mean of the micro-batches' losses
+            ref_loss = sum(ref(xm, ym) for xm, ym in zip(x.split(2), y.split(2))) / (GLOBAL_BATCH // 2)
         ref_loss.backward()
         common = dict(tp_size=1, tp_group=None, sequence_parallel=False, recompute="none", dtype=torch.float32,
-                      seed=SEED, device=torch.device("cpu"), ep_size=world, ep_group=groups.ep)
+                      seed=SEED, device=torch.device("cpu"), ep_size=world, ep_group=groups.ep,
+                      moe_capacity_factor=cf)
         runner = SingleStage(model, config, groups, torch.device("cpu"), chunk_layers(model, config), common)
         losses = runner.step(*data.replica_batch(0, GLOBAL_BATCH, model.seq_length, model.vocab_size, SEED,
                                                  rank, world))
@@ -161,7 +167,7 @@ def _grads_worker(rank, world, port, queue):
         for n, p in mine.items():
             g = ref_grads[n].grad
             errs[n] = ((p.grad - g).abs().max() / g.abs().max().clamp_min(1e-12)).item()
-        worst[model.name] = max(errs.items(), key=lambda kv: kv[1])
+        worst[(model.name, cf)] = max(errs.items(), key=lambda kv: kv[1])
     queue.put((rank, worst))
     dist.barrier()
     dist.destroy_process_group()

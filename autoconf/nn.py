@@ -371,11 +371,15 @@ class Block(nn.Module):
     the deterministic initial weights; ``cp_size`` / ``cp_group``: context parallelism.
     ``fp8_recipe``: None, or the FP8 recipe of the four linear layers' GEMMs (``autoconf.fp8``); the
     attention core and the norms stay in ``dtype``.
+    Where ``model.is_moe_layer(layer_index)`` the MLP is ``autoconf.moe.MoE`` (its experts in ``dtype``,
+    not tensor-parallel): ``ep_size`` / ``ep_group`` split the routed experts (expert parallelism),
+    ``moe_capacity_factor`` drops (token, expert) pairs beyond each expert's capacity (None: dropless).
     """
 
     def __init__(self, model: ModelSpec, tp_size: int = 1, tp_group=None, sequence_parallel: bool = False,
                  recompute: str = "none", dtype=torch.float32, layer_index: int = 0, seed: int = 0,
-                 device=None, cp_size: int = 1, cp_group=None, fp8_recipe: str | None = None):
+                 device=None, cp_size: int = 1, cp_group=None, fp8_recipe: str | None = None,
+                 ep_size: int = 1, ep_group=None, moe_capacity_factor: float | None = None):
         super().__init__()
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute={recompute!r}; valid: {', '.join(RECOMPUTE)}")
@@ -394,9 +398,16 @@ class Block(nn.Module):
         self.qkv = ColumnLinear(h, [q, kv, kv], model.bias or model.qkv_bias, key + ".qkv", **lin)
         self.proj = RowLinear(q, h, model.bias, key + ".proj", std=out_std, **lin)
         self.norm2 = None if model.shared_norm else Norm(model, dtype, device, self.sp)
-        fc1_sections = [f, f] if model.gated_mlp else [f]
-        self.fc1 = ColumnLinear(h, fc1_sections, model.bias, key + ".fc1", **lin)
-        self.fc2 = RowLinear(f, h, model.bias, key + ".fc2", std=out_std, **lin)
+        self.moe = None
+        if model.is_moe_layer(layer_index):  # experts replace fc1 / fc2 (autoconf.moe)
+            from .moe import MoE
+
+            self.moe = MoE(model, key + ".moe", seed, dtype, device, ep_size, ep_group, moe_capacity_factor,
+                           self.sp)
+        else:
+            fc1_sections = [f, f] if model.gated_mlp else [f]
+            self.fc1 = ColumnLinear(h, fc1_sections, model.bias, key + ".fc1", **lin)
+            self.fc2 = RowLinear(f, h, model.bias, key + ".fc2", std=out_std, **lin)
         if model.position_embedding == "rope":
             cos, sin = _rope_tables(model, dtype, device)
             pos = cp_positions(model, cp_size, cp_group, device)
@@ -444,6 +455,8 @@ class Block(nn.Module):
         return self.proj(o.transpose(1, 2).reshape(b, s, self.n_heads * d))
 
     def mlp(self, x):
+        if self.moe is not None:
+            return self.moe(x)
         y = self.fc1(x)
         if self.model.gated_mlp:
             gate, up = y.chunk(2, dim=-1)
@@ -636,7 +649,8 @@ class Stage(nn.Module):
     def __init__(self, model: ModelSpec, layer_indices, has_embedding: bool, has_head: bool,
                  tp_size: int = 1, tp_group=None, sequence_parallel: bool = False, recompute: str = "none",
                  dtype=torch.float32, seed: int = 0, device=None, cp_size: int = 1, cp_group=None,
-                 fp8_recipe: str | None = None):
+                 fp8_recipe: str | None = None, ep_size: int = 1, ep_group=None,
+                 moe_capacity_factor: float | None = None):
         super().__init__()
         common = dict(tp_size=tp_size, tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype,
                       seed=seed, device=device)
@@ -644,8 +658,9 @@ class Stage(nn.Module):
         self.model = model
         self.layer_indices = list(layer_indices)
         self.embedding = Embedding(model, **common, **cp) if has_embedding else None
+        moe = dict(ep_size=ep_size, ep_group=ep_group, moe_capacity_factor=moe_capacity_factor)
         self.blocks = nn.ModuleDict({str(i): Block(model, recompute=recompute, layer_index=i, fp8_recipe=fp8_recipe,
-                                                   **common, **cp)
+                                                   **common, **cp, **moe)
                                      for i in self.layer_indices})
         self.head = Head(model, embedding=self.embedding, **common) if has_head else None
 
@@ -663,7 +678,8 @@ def build_stage(model: ModelSpec, layer_indices, has_embedding: bool, has_head: 
     """A pipeline stage module; see Stage for inputs and outputs.
 
     tp_kwargs: tp_size, tp_group, sequence_parallel, recompute, dtype, seed, device, cp_size, cp_group,
-    fp8_recipe (None, or the FP8 recipe of the blocks' linear layers; embedding and head stay in dtype).
+    fp8_recipe (None, or the FP8 recipe of the blocks' linear layers; embedding and head stay in dtype),
+    ep_size, ep_group, moe_capacity_factor (mixture-of-experts blocks, ``autoconf.moe``).
     """
     return Stage(model, layer_indices, has_embedding, has_head, **tp_kwargs)
 

@@ -44,8 +44,12 @@ def partition(sizes: list[int], n: int) -> list[int]:
 class GradSync:
     """Averages gradients over the data-parallel group, one asynchronous bucket at a time."""
 
-    def __init__(self, params, zero_stage: int, group, group_ranks: list[int], my_index: int, all_reduce=None):
+    def __init__(self, params, zero_stage: int, group, group_ranks: list[int], my_index: int, all_reduce=None,
+                 divisor: int | None = None):
         self.zero_stage = zero_stage
+        self.divisor = divisor or len(group_ranks)
+        """What the summed gradients are divided by: the group's size, or (expert parameters, reduced
+        over the expert-data-parallel group) the dp x cp ranks whose losses they carry."""
         self.all_reduce = all_reduce
         """ZeRO-0/1's all-reduce: a ``collectives.HierarchicalAllReduce`` (config ``dp_all_reduce``
         hierarchical), or None for the process group's flat ``all_reduce``."""
@@ -74,9 +78,12 @@ class GradSync:
         import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors
 
-        if self.size == 1:
-            return
         with_grad = [p for p in params if p.grad is not None]
+        if self.size == 1:
+            if self.divisor != 1:
+                for p in with_grad:
+                    p.grad.div_(self.divisor)
+            return
         if not with_grad:
             return
         # at most one launch in flight (as the per-backward path): the previous one lands first and
@@ -186,7 +193,7 @@ class GradSync:
         for bucket in self.buckets:
             for p in bucket:
                 acc = self.acc.pop(id(p), None)
-                p.grad = None if acc is None else acc.div_(self.size * self.grad_scale)
+                p.grad = None if acc is None else acc.div_(self.divisor * self.grad_scale)
         self._land_pending()
 
     def _land_pending(self) -> None:
@@ -200,10 +207,47 @@ class GradSync:
                 for p in params:
                     p.grad = None
                 continue
-            flat.div_(self.size)
+            flat.div_(self.divisor)
             for p, g in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
                 p.grad.copy_(g)
         self.pending = []
+
+
+def grad_sync(params, config, groups):
+    """ZeRO-0/1/2's gradient averaging: :class:`GradSync` over dp x cp, or :class:`ExpertGradSync`
+    with expert parallelism."""
+    if getattr(config, "ep", 1) > 1:
+        return ExpertGradSync(params, config.zero_stage, groups, all_reduce=groups.dp_all_reduce)
+    return GradSync(params, config.zero_stage, groups.grad, groups.grad_ranks, groups.grad_rank,
+                    all_reduce=groups.dp_all_reduce)
+
+
+class ExpertGradSync:
+    """Expert parallelism (ep > 1): routed experts' gradients (``param.expert_parallel``) are averaged
+    over the expert-data-parallel group (their sum there divided by dp x cp: each expert's gradient
+    already holds what the tokens of its whole EP group gave it), every other gradient as
+    :class:`GradSync` over dp x cp. ZeRO-0/1 only (the trainer refuses ZeRO-2/3 with ep > 1)."""
+
+    def __init__(self, params, zero_stage: int, groups, all_reduce=None):
+        params = list(params)
+        expert = [p for p in params if getattr(p, "expert_parallel", False)]
+        self.expert_ids = {id(p) for p in expert}
+        self.dense = GradSync([p for p in params if id(p) not in self.expert_ids], zero_stage, groups.grad,
+                              groups.grad_ranks, groups.grad_rank, all_reduce=all_reduce)
+        self.experts = GradSync(expert, zero_stage, groups.edp, groups.edp_ranks, groups.edp_ranks.index(groups.rank),
+                                divisor=len(groups.grad_ranks))
+
+    def launch(self, params) -> None:
+        params = list(params)
+        self.dense.launch([p for p in params if id(p) not in self.expert_ids])
+        self.experts.launch([p for p in params if id(p) in self.expert_ids])
+
+    def reduce_every_backward(self, buckets, grad_scale: int = 1) -> bool:
+        return False
+
+    def finish(self) -> None:
+        self.dense.finish()
+        self.experts.finish()
 
 
 class ShardedAdamW:
@@ -243,6 +287,25 @@ class ShardedAdamW:
     def tracked(self):
         """The torch optimizer holding this rank's state (for memory tracking), or None."""
         return self.local
+
+
+class Optimizers:
+    """Several optimizers stepped as one (ZeRO-1 with ep > 1: dense and expert parameters)."""
+
+    def __init__(self, optimizers):
+        self.optimizers = list(optimizers)
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none)
+
+    def tracked(self) -> list:
+        """The torch optimizers holding this rank's state (for memory tracking)."""
+        return [o.tracked() for o in self.optimizers]
 
 
 def apply_fsdp(units, container, dp_group, device_type: str):

@@ -101,6 +101,12 @@ class Groups:
     ``collectives.HierarchicalAllReduce``, or None for the flat one."""
     dp_all_reduce_note: str = "flat"
     """What runs: "flat", "hierarchical (H hosts x k)", or why a hierarchical one asked for stays flat."""
+    ep: object = None
+    """This rank's expert-parallel group (ep > 1 only; ``ParallelDims.expert_groups``)."""
+    ep_ranks: list | None = None
+    edp: object = None
+    """This rank's expert-data-parallel group: the ranks holding the same experts (ep > 1 only)."""
+    edp_ranks: list | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -146,7 +152,14 @@ def build_groups(dims: ParallelDims, rank: int, timeout) -> Groups:
             g = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 grad, grad_ranks = g, ranks
-    return Groups(dims=dims, rank=rank, coords=dims.coords(rank),
+    ep = {}
+    if dims.ep > 1:  # after every other group (same order on every rank)
+        for name, all_ranks in zip(("ep", "edp"), dims.expert_groups()):
+            for ranks in all_ranks:
+                g = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    ep[name], ep[name + "_ranks"] = g, list(ranks)
+    return Groups(dims=dims, rank=rank, coords=dims.coords(rank), **ep,
                   tp=mine["tp"][0], dp=mine["dp"][0], pp=mine["pp"][0],
                   tp_ranks=mine["tp"][1], dp_ranks=mine["dp"][1], pp_ranks=mine["pp"][1],
                   embedding=emb, embedding_ranks=emb_ranks, cp=mine["cp"][0], cp_ranks=mine["cp"][1],

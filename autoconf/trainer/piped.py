@@ -39,9 +39,7 @@ class Piped:
             for mod in self.chunks.values():
                 data_parallel.apply_fsdp(_units(mod), mod, groups.grad, device.type)
         else:
-            self.grad_sync = data_parallel.GradSync(self.parameters(), config.zero_stage, groups.grad,
-                                                    groups.grad_ranks, groups.grad_rank,
-                                                    all_reduce=groups.dp_all_reduce)
+            self.grad_sync = data_parallel.grad_sync(self.parameters(), config, groups)
             if not config.layered_grad_accum:
                 buckets = [[p for p in u.parameters() if id(p) not in self.tied_ids]
                            for c in self.chunk_ids for u in _units(self.chunks[c])]

@@ -115,6 +115,13 @@ def refuse_cp(model: ModelSpec, config: ParallelConfig) -> None:
                            "supported by this trainer's ring attention: set dropout to 0")
 
 
+def refuse_moe(model: ModelSpec, config: ParallelConfig) -> None:
+    """The mixture-of-experts combinations this trainer cannot run, as a TrainerError (one line)."""
+    if config.ep > 1 and config.zero_stage > 1:
+        raise TrainerError(f"ep={config.ep} with zero_stage={config.zero_stage} is not supported by this trainer "
+                           "(expert gradients are reduced over their own group): use zero_stage 0 or 1")
+
+
 def chunk_layers(model: ModelSpec, config: ParallelConfig) -> list[list[int]]:
     """Global layer indices of each pipeline chunk: the placement's ``stage_layers``, else as even
     as possible (``placement.Placement.chunk_layers``)."""
@@ -133,6 +140,7 @@ def train(args, rank: int, watchdog) -> dict:
         raise TrainerError("tied embeddings with zero_stage=3 are not supported by this trainer "
                            "(FSDP2 cannot shard one weight used by two units)")
     refuse_cp(model, config)
+    refuse_moe(model, config)
     watchdog.start("rendezvous")
     device, backend, groups = setup(config, args.step_timeout)
     watchdog.stop()
@@ -141,7 +149,8 @@ def train(args, rank: int, watchdog) -> dict:
     tp_group = groups.tp if config.tp > 1 else None
     common = dict(tp_size=config.tp, tp_group=tp_group, sequence_parallel=config.sequence_parallel,
                   recompute=config.recompute, dtype=dtype, seed=seed, device=device,
-                  fp8_recipe=fp8_recipe(config), cp_size=config.cp, cp_group=groups.cp if config.cp > 1 else None)
+                  fp8_recipe=fp8_recipe(config), cp_size=config.cp, cp_group=groups.cp if config.cp > 1 else None,
+                  ep_size=config.ep, ep_group=groups.ep, moe_capacity_factor=config.moe_capacity_factor)
 
     layers = chunk_layers(model, config)
     if config.pp == 1:
@@ -151,6 +160,7 @@ def train(args, rank: int, watchdog) -> dict:
     runner = Runner(model, config, groups, device, layers, common)
     optimizer, tracked_opt = _make_optimizer(runner, config, groups, data_parallel)
 
+    a2a = []  # per step: the MoE all-to-all bytes this rank sent (autoconf.moe.A2A_BYTES)
     steps, warmup = args.steps, args.warmup
     mem_step = min(1, steps - 1) if warmup >= 2 or steps == 1 else steps - 1
     losses, step_times, timed, probes = [], [], [], []
@@ -169,15 +179,22 @@ def train(args, rank: int, watchdog) -> dict:
             optimizer.zero_grad(set_to_none=True)
             return local
 
+        if model.is_moe:
+            from .. import moe
+
+            moe.reset_a2a_bytes()
         t0 = time.perf_counter()
         if step == mem_step:
             local, peak, breakdown, method = memory.measure(one_step, device, runner.modules(),
-                                                            [tracked_opt])
+                                                            tracked_opt if isinstance(tracked_opt, list)
+                                                            else [tracked_opt])
         else:
             local = one_step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - t0)
+        if model.is_moe:
+            a2a.append(dict(moe.A2A_BYTES))
         timed.append(step >= warmup and step != mem_step)
         losses.append(_global_loss(local, runner, groups, config, device))
         if getattr(args, "speed_probe", False) and timed[-1]:
@@ -195,6 +212,10 @@ def train(args, rank: int, watchdog) -> dict:
         "memory_step": mem_step, "losses": losses, "dp_all_reduce": groups.dp_all_reduce_note,
         "speed_probe_s": statistics.median(probes) if probes else None,
         "local_parameters": sum(_numel_local(p) for m in runner.modules() for p in m.parameters()),
+        # hidden-vector bytes this rank sent to other ranks in the MoE all-to-alls, per kind
+        # (autoconf.moe.A2A_BYTES): the last step's, and every step's (under pp the first step's also
+        # hold torch.distributed.pipelining's metadata inference through each stage)
+        "moe_a2a_bytes": a2a[-1] if a2a else None, "moe_a2a_bytes_per_step": a2a or None,
     }
 
 
@@ -240,6 +261,14 @@ def _make_optimizer(runner, config, groups, data_parallel):
     import torch
 
     params = runner.parameters()
+    if config.zero_stage == 1 and config.ep > 1:  # dense and expert parameters each over their group
+        sync = runner.grad_sync
+        opts = [data_parallel.ShardedAdamW(sync.dense.params, groups.grad, groups.grad_ranks, groups.grad_rank,
+                                           sync.dense.owner, **ADAMW),
+                data_parallel.ShardedAdamW(sync.experts.params, groups.edp, groups.edp_ranks,
+                                           groups.edp_ranks.index(groups.rank), sync.experts.owner, **ADAMW)]
+        both = data_parallel.Optimizers(opts)
+        return both, both.tracked()
     if config.zero_stage in (1, 2):
         opt = data_parallel.ShardedAdamW(params, groups.grad, groups.grad_ranks, groups.grad_rank,
                                          runner.grad_sync.owner, **ADAMW)

@@ -40,9 +40,7 @@ class SingleStage:
             else:
                 data_parallel.apply_fsdp([u for _, u in self.units], s, groups.grad, device.type)
         else:
-            self.grad_sync = data_parallel.GradSync(self.parameters(), config.zero_stage, groups.grad,
-                                                    groups.grad_ranks, groups.grad_rank,
-                                                    all_reduce=groups.dp_all_reduce)
+            self.grad_sync = data_parallel.grad_sync(self.parameters(), config, groups)
             if not config.layered_grad_accum:
                 self.partitioned = self.grad_sync.reduce_every_backward([list(u.parameters()) for _, u in self.units])
 

@@ -118,6 +118,8 @@ class Framework:
     """Whether it splits a mixture of experts' experts over ranks (``config.ParallelConfig.ep``)."""
     capacity_factor: bool = False
     """Whether its router can drop tokens beyond an expert capacity (else dropless only)."""
+    expert_zero_stages: tuple = (0, 1, 2, 3)
+    """The ZeRO stages it runs together with expert parallelism."""
     fp8_all_gather: bool = False
     """ZeRO-3 / FSDP gathers linear weights in FP8 (torchao's float8 all-gather with tensorwise
     scaling, which the emitted torchtitan files switch on): half the bytes."""
@@ -163,6 +165,9 @@ class Framework:
                 return f"framework {self.name} cannot switch {k} (always {self.defaults[k]})"
         if getattr(c, "ep", 1) > 1 and not self.expert_parallel:
             return f"framework {self.name} has no expert parallelism (ep={c.ep})"
+        if getattr(c, "ep", 1) > 1 and c.zero_stage not in self.expert_zero_stages:
+            return (f"framework {self.name} has no ZeRO-{c.zero_stage} with expert parallelism; valid: "
+                    f"{', '.join(map(str, self.expert_zero_stages))}")
         if getattr(c, "moe_capacity_factor", None) is not None and not self.capacity_factor:
             return f"framework {self.name} routes dropless only (moe_capacity_factor={c.moe_capacity_factor})"
         if getattr(c, "cp", 1) > 1 and self.cp_comm is None:
@@ -213,7 +218,7 @@ FRAMEWORKS = {
                   "torch_compile": False},
         knobs=(), all_reduce_algorithms={"flat": ("ring", "tree"), "hierarchical": ("hierarchical",)},
         cp_comm="ring", ring_math=True, fp8_recipes=("tensorwise", "rowwise"), fp8_host_ops=(16, 16),
-        expert_parallel=True,
+        expert_parallel=True, expert_zero_stages=(0, 1),
         capacity_factor=True),
     "megatron": Framework(
         name="megatron", schedules=("1f1b", "interleaved"),

@@ -287,3 +287,13 @@ def test_moe_losses_and_a2a_bytes(name, model, config, tmp_path):
         # over the whole world what is dispatched comes back: dispatch and combine are equal
         sent = [per_step[r][step] for r in per_step]
         assert sum(b["dispatch_fwd"] for b in sent) == sum(b["combine_fwd"] for b in sent)
+        if config.tp == 1 and config.pp == 1:
+            # the cost model's bytes (cost.moe.a2a_bytes: uniform routing) against what the ranks sent
+            from autoconf.cost.moe import a2a_bytes
+            from autoconf.cost.system import System
+            from autoconf.cluster import load_cluster
+
+            sys_ = System(model, load_cluster("examples/clusters/localhost-cpu.yaml"))
+            per_rank = a2a_bytes(sys_, config) * model.num_moe_layers * config.num_micro_batches
+            mean = sum(b["dispatch_fwd"] for b in sent) / len(sent)
+            assert mean == pytest.approx(per_rank, rel=0.3), (name, step, mean, per_rank)

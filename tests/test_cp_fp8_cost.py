@@ -101,9 +101,10 @@ def test_cp_bytes_and_ring_exchange_closed_forms():
     t = cp_times(sys_, c, [["h100-sxm"]])
     assert t.forward_per_layer_s == pytest.approx(7 * max(0.0, step - att_f / 8))
     step_b = ring_step_s(sys_, c, 2 * kv_chunk_bytes(sys_, c))
-    assert t.backward_per_layer_s == pytest.approx(7 * max(0.0, step_b - att_b / 8))
-    # at 128K tokens each step's attention outlasts its transfer on NVLink: nothing exposed
-    assert t.forward_per_layer_s == 0.0 and t.backward_per_layer_s == 0.0
+    home = ring_step_s(sys_, c, kv_chunk_bytes(sys_, c))  # the gradients' last hop home
+    assert t.backward_per_layer_s == pytest.approx(7 * max(0.0, step_b - att_b / 8) + home)
+    # at 128K tokens each step's attention outlasts its transfer on NVLink: only the last hop shows
+    assert t.forward_per_layer_s == 0.0 and t.backward_per_layer_s == pytest.approx(home)
     # across hosts (cp outermost of 64 ranks over 8 hosts) a short sequence exposes the exchange
     short = llama(16384)
     c2 = cfg(tp=8, cp=8, rank_order="tp-dp-pp-cp", num_micro_batches=1)

@@ -12,7 +12,7 @@ move them in one of two ways (``Framework.cp_comm``):
   hidden where a step's attention outlasts its transfer; a layer exposes
   (cp - 1) x max(0, transfer - step). The backward passes the keys and values again and the
   partial key/value gradients with them (twice the bytes), against steps of the backward's
-  attention.
+  attention, and one last hop brings each chunk's key/value gradients home (exposed).
 - **all_gather**: every rank's keys and values are gathered once per layer before the first step
   (issued asynchronously, hidden behind the attention of the rank's own chunk), and in the
   backward gathered again and their gradients reduce-scattered (hidden behind the local chunk's
@@ -80,11 +80,13 @@ def cp_times(system: System, c: ParallelConfig, stage_kinds) -> CpTimes:
     if mode == "ring":
         step_f, step_b = att_f / c.cp, att_b / c.cp
         t_f, t_b = ring_step_s(system, c, kv), ring_step_s(system, c, 2 * kv)
+        # the backward's last hop returns each chunk's key/value gradients to their owner (kv bytes)
+        t_home = ring_step_s(system, c, kv)
         if overlaps:
             fwd = (c.cp - 1) * max(0.0, t_f - step_f)
-            bwd = (c.cp - 1) * max(0.0, t_b - step_b)
+            bwd = (c.cp - 1) * max(0.0, t_b - step_b) + t_home
         else:
-            fwd, bwd = (c.cp - 1) * t_f, (c.cp - 1) * t_b
+            fwd, bwd = (c.cp - 1) * t_f, (c.cp - 1) * t_b + t_home
         one = t_f
     else:
         links = axis_links(system, c, "cp")

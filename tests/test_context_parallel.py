@@ -11,12 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from autoconf.config import check  # noqa: E402
-from autoconf.plan import LaunchPlan  # noqa: E402
 from autoconf.ring_attention import _plan, load_balanced_indices, split_load_balanced  # noqa: E402
-from autoconf.trial import run_trial  # noqa: E402
 from test_nn import _free_port  # noqa: E402
-from test_trainer import GLOBAL_BATCH, SEED, STEPS, TINY, cfg, reference_losses  # noqa: E402
+from test_trainer import GLOBAL_BATCH, SEED, TINY, cfg, trial_matches_single_process  # noqa: E402
 
 # llama-like: rope, grouped-query attention (2 kv heads for 4), RMSNorm, SwiGLU, eager attention, tied
 LLAMA = dataclasses.replace(TINY, position_embedding="rope", norm="rmsnorm", activation="swiglu", num_kv_heads=2,
@@ -127,12 +124,14 @@ def _grads_worker(rank, world, port, queue):
     dist.destroy_process_group()
 
 
-def test_cp_gradients_match_single_process():
+def assert_gradients_match(worker, world: int = 2, tol: float = 1e-5) -> None:
+    """Run ``worker(rank, world, port, queue)`` in ``world`` forked gloo processes; each puts
+    (rank, {case: (parameter, relative error)}) with its worst gradient error against one process."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
     queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_grads_worker, args=(r, 2, port, queue)) for r in range(2)]
+    procs = [ctx.Process(target=worker, args=(r, world, port, queue)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -143,7 +142,11 @@ def test_cp_gradients_match_single_process():
     assert all(p.exitcode == 0 for p in procs)
     for _, worst in results:
         for case, (name, err) in worst.items():
-            assert err < 1e-5, (case, name, err)
+            assert err < tol, (case, name, err)
+
+
+def test_cp_gradients_match_single_process():
+    assert_gradients_match(_grads_worker)
 
 
 # -- the trainer under torchrun --------------------------------------------------------------------------------
@@ -157,18 +160,9 @@ CASES = [
     ("pp2-cp2-1f1b-llama", LLAMA, cfg(pp=2, cp=2, mbs=2, schedule="1f1b")),
 ]
 
-_REFERENCE: dict = {}
-
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("name,model,config", CASES, ids=[c[0] for c in CASES])
 def test_cp_losses_match_single_process(name, model, config, tmp_path):
-    assert check(config, model) is None, check(config, model)
-    if model.name not in _REFERENCE:
-        _REFERENCE[model.name] = reference_losses(model)
-    expected = _REFERENCE[model.name]
-    result = run_trial(LaunchPlan(config, model, seed=SEED), steps=STEPS, warmup=1, timeout_s=180,
-                       out_dir=str(tmp_path))
-    assert result.ok, result.reason
+    result = trial_matches_single_process(model, config, tmp_path, abs_tol=1e-6)
     assert len(result.per_rank) == config.world_size
-    assert result.losses == pytest.approx(expected, rel=1e-5, abs=1e-6), (result.losses, expected)

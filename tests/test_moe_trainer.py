@@ -174,24 +174,9 @@ def _grads_worker(rank, world, port, queue):
 
 
 def test_ep_gradients_match_single_process():
-    import multiprocessing
+    from test_context_parallel import assert_gradients_match
 
-    from test_nn import _free_port
-
-    ctx = multiprocessing.get_context("fork")
-    queue, port = ctx.Queue(), _free_port()
-    procs = [ctx.Process(target=_grads_worker, args=(r, 2, port, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = [queue.get(timeout=120) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-    assert all(p.exitcode == 0 for p in procs)
-    for _, worst in results:
-        for case, (name, err) in worst.items():
-            assert err < 1e-5, (case, name, err)
+    assert_gradients_match(_grads_worker)
 
 
 # -- the trainer under torchrun --------------------------------------------------------------------------------

@@ -125,8 +125,8 @@ class _Evaluator:
                  precisions=(("bf16", "tensorwise"),)):
         self.ctx = ctx
         self.precisions = tuple(precisions)
-        self._ep_cache: dict = {}
         """(precision, FP8 recipe) pairs tried per configuration (:func:`precision_choices`)."""
+        self._ep_cache: dict = {}
         self.placer = placer
         """``place.Placer``: every configuration is estimated with its heuristic placement."""
         self.valid_per_point = valid_per_point
@@ -198,7 +198,7 @@ class _Evaluator:
     def _eps_of(self, point) -> tuple:
         """The expert-parallel degrees tried at an outer point (1 for dense models): of those
         dividing dp x cp and the experts, the one whose step is fastest with the plainest memory
-        savers (ZeRO-1 where dp x cp > 1, no recomputation, the first precision) and the largest
+        savers (ZeRO-1 where the framework has it, no recomputation, the first precision) and the largest
         (the least expert memory), so ep is weighed against tp and dp without multiplying every
         inner choice by every degree."""
         m, fw = self.ctx.model, self.ctx.framework
@@ -209,8 +209,9 @@ class _Evaluator:
         if hit is not None:
             return hit
         eps = [k for k in range(1, dp * cp + 1) if (dp * cp) % k == 0 and m.num_experts % k == 0]
-        base = make_config(dp, pp, tp, mbs, sched, v, layered, 1 if dp * cp > 1 else 0, "none", False,
-                           self.global_batch, cp)
+        stages = fw.zero_stages_with_pp if pp > 1 else fw.zero_stages
+        zero = next((z for z in (1, 0, 2, 3) if z in stages and (z == 0 or dp * cp > 1)), 0)
+        base = make_config(dp, pp, tp, mbs, sched, v, layered, zero, "none", False, self.global_batch, cp)
         base = dataclasses.replace(base, precision=self.precisions[0][0], fp8_recipe=self.precisions[0][1])
         timed = []
         for k in eps:

@@ -118,6 +118,11 @@ class Framework:
     """Whether it splits a mixture of experts' experts over ranks (``config.ParallelConfig.ep``)."""
     capacity_factor: bool = False
     """Whether its router can drop tokens beyond an expert capacity (else dropless only)."""
+    expert_tensor_parallel: bool = True
+    """Whether its experts are split over the tp ranks like the dense MLP (Megatron-LM's default
+    expert tensor-parallel size is tp); else every tp rank holds whole experts and routes its own
+    tokens (its sequence shard under sequence parallelism, all of them otherwise): torchtitan 0.3
+    under expert parallelism, the reference trainer."""
     expert_zero_stages: tuple = (0, 1, 2, 3)
     """The ZeRO stages it runs together with expert parallelism."""
     fp8_all_gather: bool = False
@@ -218,7 +223,7 @@ FRAMEWORKS = {
                   "torch_compile": False},
         knobs=(), all_reduce_algorithms={"flat": ("ring", "tree"), "hierarchical": ("hierarchical",)},
         cp_comm="ring", ring_math=True, fp8_recipes=("tensorwise", "rowwise"), fp8_host_ops=(16, 16),
-        expert_parallel=True, expert_zero_stages=(0, 1),
+        expert_parallel=True, expert_zero_stages=(0, 1), expert_tensor_parallel=False,
         capacity_factor=True),
     "megatron": Framework(
         name="megatron", schedules=("1f1b", "interleaved"),
@@ -238,7 +243,7 @@ FRAMEWORKS = {
                   "torch_compile": False},
         knobs=("tp_comm_overlap", "torch_compile"), all_reduce_algorithms=_NCCL_ALL_REDUCE,
         cp_comm="all_gather", fp8_recipes=("rowwise", "tensorwise", "mxfp8"), fp8_host_ops=(16, 16),
-        fp8_all_gather=True, expert_parallel=True),
+        fp8_all_gather=True, expert_parallel=True, expert_tensor_parallel=False),
     "deepspeed": Framework(
         name="deepspeed", schedules=("1f1b",),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1), layered_grad_accum=False,

@@ -126,3 +126,13 @@ def test_estimate_has_ep_term_and_search_weighs_ep():
     r = search(SMALL_MOE, H100, 32, gpus=16, top=3, framework="megatron", precision="bf16", trials=60)
     assert r.top and all(check(t.config, SMALL_MOE) is None for t in r.top)
     assert any(t.config.ep > 1 for t in r.top)
+
+
+def test_experts_split_over_tp_only_where_the_framework_does():
+    c = cfg(dp=4, tp=2, ep=2, sequence_parallel=True)
+    per_rank = 32 * 4 * MIXTRAL.expert_params()  # 8 experts / ep 2, whole
+    meg = layout(System(MIXTRAL, H100, framework="megatron"), c)
+    ref = layout(System(MIXTRAL, H100, framework="reference"), c)
+    assert meg.chunk_expert_params == (per_rank / 2,) and ref.chunk_expert_params == (per_rank,)
+    # whole experts on every tp rank route that rank's sequence shard (half the tokens here)
+    assert a2a_bytes(System(MIXTRAL, H100), c) == a2a_bytes(System(MIXTRAL, H100, framework="megatron"), c) / 2

@@ -235,6 +235,11 @@ class Moe:
     shared_ffn: int
     num_experts: int
     assignments: float
+    tokens: float = 0.0
+    """Tokens the rank routes (0: its T = b x s / cp; a sequence-parallel shard where the experts
+    are not tensor-parallel)."""
+    etp: int = 0
+    """The experts' tensor-parallel split (0: tp; 1: whole experts on every tp rank)."""
 
 
 def window_work(model: ModelSpec) -> float:
@@ -337,19 +342,20 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     mlp_tokens_f = T * f / tp  # elements of the MLP's hidden activation (per matrix)
     moe_f = moe_b = 0.0
     if moe is not None:
-        fe = moe.expert_ffn
-        gemms = gemms[:n_attn] + ([(T, (2 * moe.shared_ffn if model.gated_mlp else moe.shared_ffn) / tp, h),
-                              (T, h, moe.shared_ffn / tp)] if moe.shared_ffn else [])
+        fe, et, Tm = moe.expert_ffn, moe.etp or tp, moe.tokens or T
+        gemms = gemms[:n_attn] + ([(Tm, (2 * moe.shared_ffn if model.gated_mlp else moe.shared_ffn) / et, h),
+                                   (Tm, h, moe.shared_ffn / et)] if moe.shared_ffn else [])
         if moe.rows > 0:
-            grouped = [(moe.rows, (2 * fe if model.gated_mlp else fe) / tp, h, moe.local_experts),
-                       (moe.rows, h, fe / tp, moe.local_experts)]
-        mlp_tokens_f = (moe.rows * moe.local_experts * fe + T * moe.shared_ffn) / tp
+            grouped = [(moe.rows, (2 * fe if model.gated_mlp else fe) / et, h, moe.local_experts),
+                       (moe.rows, h, fe / et, moe.local_experts)]
+        mlp_tokens_f = (moe.rows * moe.local_experts * fe + Tm * moe.shared_ffn) / et
         # router: an h x E GEMM and its softmax / top-k in fp32; permute and unpermute: read and
         # write every assignment's hidden vector, forward, and again in the backward
-        router = rf.gemm(T, moe.num_experts, h, B) + rf.elementwise(T * moe.num_experts * 4 * 3, kernels=3)
+        router = rf.gemm(Tm, moe.num_experts, h, B) + rf.elementwise(Tm * moe.num_experts * 4 * 3, kernels=3)
         perm = rf.elementwise(2 * 2 * moe.assignments * h * B, kernels=4)
         moe_f = router + perm
-        moe_b = 2 * rf.gemm(T, moe.num_experts, h, B) + rf.elementwise(T * moe.num_experts * 4 * 3, kernels=3) + perm
+        moe_b = (2 * rf.gemm(Tm, moe.num_experts, h, B) + rf.elementwise(Tm * moe.num_experts * 4 * 3, kernels=3)
+                 + perm)
     if fp8 is None:
         g_fwd = sum(rf.gemm(m, n, k, B) for m, n, k in gemms)
         g_bwd = sum(rf.gemm(m, k, n, B) + rf.gemm(n, k, m, B) for m, n, k in gemms)

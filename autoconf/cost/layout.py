@@ -64,7 +64,8 @@ def layout(system: System, c: ParallelConfig) -> Layout:
     if m.is_moe:
         indices = [[i] for i in range(m.num_layers)] if layered_pp1 else Placement.of(c, m.num_layers).chunk_layers()
         moe_layers = tuple(sum(m.is_moe_layer(i) for i in idx) for idx in indices)
-        expert_params = tuple(n * (m.num_experts // c.ep) * m.expert_params() / c.tp for n in moe_layers)
+        etp = c.tp if system.framework.expert_tensor_parallel else 1
+        expert_params = tuple(n * (m.num_experts // c.ep) * m.expert_params() / etp for n in moe_layers)
     # Communication overlaps computation only where a copy engine / NIC does the work; CPU
     # processes run their collectives on the same cores as their compute, so nothing is hidden.
     overlaps = not any("cpu" in k for k in stage_kinds)
@@ -89,6 +90,8 @@ def chunk_params(system: System, c: ParallelConfig, chunk_layers) -> list[float]
             (m.layer_params(i) - m.is_moe_layer(i) * m.num_experts * m.expert_params(), m.is_moe_layer(i))
             for i in range(m.num_layers)])
         local_experts = (m.num_experts // c.ep) * m.expert_params()
+        if not system.framework.expert_tensor_parallel:  # whole experts on every tp rank (/ tp below)
+            local_experts *= c.tp
     for ci, nl in enumerate(chunk_layers):
         if indices is None:
             p = nl * m.layer_params()

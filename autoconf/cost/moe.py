@@ -18,9 +18,11 @@ folds it). Per MoE block and micro-batch, on each rank (T = b x s / cp tokens, k
   busiest rank (``System.moe_imbalance``: 1.0 is perfect balance, as forced-balance benchmarks
   run; a measured or user-given factor otherwise), capped by the capacity factor when tokens are
   dropped (``moe_capacity_factor``: no expert takes more than cf x its balanced share);
-- **states**: expert weights are split over ep (and over tp: the expert tensor-parallel size is
-  tp, Megatron's default), and their gradients reduced, and ZeRO-sharded, over the dp x cp / ep
-  ranks holding the same experts (``expert_dp``);
+- **states**: expert weights are split over ep (and over tp where the framework splits experts:
+  Megatron's expert tensor-parallel size defaults to tp; torchtitan under expert parallelism and
+  the reference trainer keep whole experts on every tp rank, which then routes its own tokens:
+  ``expert_tp``), and their gradients reduced, and ZeRO-sharded, over the dp x cp / ep ranks
+  holding the same experts (``expert_dp``);
 - **activations**: the permuted tokens (k per token, both directions), the experts' hidden
   activations for their T x k rows and the router's fp32 probabilities (``moe_activation_bytes``).
 """
@@ -46,15 +48,28 @@ def load_factor(system: System, c: ParallelConfig) -> float:
     return min(f, c.moe_capacity_factor) if c.moe_capacity_factor is not None else f
 
 
+def expert_tp(system: System, c: ParallelConfig) -> int:
+    """How many ways each expert is split: tp where the framework splits experts like the dense
+    MLP (Megatron-LM), else 1 (``Framework.expert_tensor_parallel``)."""
+    return c.tp if system.framework.expert_tensor_parallel else 1
+
+
+def routed_tokens(system: System, c: ParallelConfig) -> float:
+    """Tokens one rank routes per micro-batch: its b x s / cp, or its sequence-parallel shard of
+    them where every tp rank holds whole experts."""
+    T = c.micro_batch_size * system.model.seq_length / c.cp
+    return T / c.tp if (c.sequence_parallel and expert_tp(system, c) == 1) else T
+
+
 def moe_shape(system: System, c: ParallelConfig) -> Moe:
     """The MoE MLP one rank runs per micro-batch (``compute.Moe``)."""
     m = system.model
-    T = c.micro_batch_size * m.seq_length / c.cp
+    T = routed_tokens(system, c)
     local = m.num_experts // c.ep
     assignments = T * m.experts_per_token * load_factor(system, c)
     return Moe(local_experts=local, rows=assignments / local, expert_ffn=m.expert_ffn,
                shared_ffn=m.num_shared_experts * m.shared_expert_ffn if m.num_shared_experts else 0,
-               num_experts=m.num_experts, assignments=assignments)
+               num_experts=m.num_experts, assignments=assignments, tokens=T, etp=expert_tp(system, c))
 
 
 def a2a_bytes(system: System, c: ParallelConfig) -> float:
@@ -65,7 +80,7 @@ def a2a_bytes(system: System, c: ParallelConfig) -> float:
     m = system.model
     if c.ep == 1:
         return 0.0
-    T = c.micro_batch_size * m.seq_length / c.cp
+    T = routed_tokens(system, c)
     return T * m.experts_per_token * (c.ep - 1) / c.ep * m.hidden_size * m.dtype_bytes * load_factor(system, c)
 
 
@@ -112,8 +127,8 @@ def moe_activation_bytes(system: System, c: ParallelConfig, mask: int) -> dict:
     hidden_per_row = (4 if m.gated_mlp else 2)
     dense_mlp = e * T * hidden_per_row * m.ffn_hidden_size / tp
     sh = moe_shape(system, c)
-    expert_mlp = e * hidden_per_row * (sh.assignments * m.expert_ffn + T * sh.shared_ffn) / tp
-    extra = 2 * e * sh.assignments * m.hidden_size + 4.0 * T * m.num_experts
+    expert_mlp = e * hidden_per_row * (sh.assignments * m.expert_ffn + sh.tokens * sh.shared_ffn) / sh.etp
+    extra = 2 * e * sh.assignments * m.hidden_size + 4.0 * sh.tokens * m.num_experts
     out = dict(dense)
     out["mlp_hidden"] = out.get("mlp_hidden", 0.0) - dense_mlp + expert_mlp
     out["moe_permuted_and_router"] = extra

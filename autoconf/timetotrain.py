@@ -658,9 +658,11 @@ class PointOptimizer:
 
 @dataclass(frozen=True)
 class _ChunkParams:
-    """What ``data_parallel._reduction`` reads of a layout: each chunk's parameters."""
+    """What ``data_parallel._reduction`` reads of a layout: each chunk's parameters (the planner
+    prices dense models' reductions: no routed experts)."""
 
     chunk_params: tuple
+    chunk_expert_params: tuple = ()
 
 
 def live_counts(schedule: str, pp: int, m: int, v: int) -> tuple:
@@ -1026,6 +1028,9 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     from . import scaling
     from .frameworks import framework as framework_model
     t0 = time.perf_counter()
+    if model.is_moe:
+        raise UserError(f"model {model.name} is a mixture of experts: the planner prices dense models only; "
+                        "use `autoconf search` (it searches expert parallelism) on a cluster file")
     fw = framework_model(framework)
     bud = make_budget(model, tokens, batch_law, loss_law, global_batch, batch_factors)
     for name, v in (("--price-per-gpu-hour", price_per_gpu_hour), ("--deadline", deadline_days),

@@ -302,10 +302,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def factorizations(world: int, cps=(1,)) -> list[tuple]:
+def factorizations(world: int, cps=None) -> list[tuple]:
     """All (dp, pp, tp) with dp x pp x tp = world; with ``cps``, all (dp, pp, tp, cp) with
     dp x pp x tp x cp = world and cp in ``cps``."""
-    if tuple(cps) == (1,):
+    if cps is None:
         return [(world // (pp * tp), pp, tp) for tp in divisors(world) for pp in divisors(world // tp)]
     return [(world // (pp * tp * cp), pp, tp, cp) for cp in cps if world % cp == 0
             for tp in divisors(world // cp) for pp in divisors(world // (cp * tp))]
@@ -343,8 +343,7 @@ def outer_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch
 
     Divisibility of the global batch by dp is counted in ``rejected`` (reason -> count).
     """
-    for dp, pp, tp, cp in factorizations(world, cps) if tuple(cps) != (1,) else (
-            f + (1,) for f in factorizations(world)):
+    for dp, pp, tp, cp in factorizations(world, cps):
         if global_batch % dp:
             if rejected is not None:
                 key = f"global batch({global_batch}) not divisible by dp"

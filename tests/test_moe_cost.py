@@ -8,7 +8,8 @@ from autoconf.cluster import load_cluster
 from autoconf.config import ParallelConfig, check
 from autoconf.cost.estimate import TIME_TERMS, estimate
 from autoconf.cost.layout import layout
-from autoconf.cost.moe import a2a_bytes, a2a_times, all_to_all_s, moe_activation_bytes, moe_shape
+from autoconf.cost.comm import all_to_all_s
+from autoconf.cost.moe import a2a_bytes, a2a_times, moe_activation_bytes, moe_shape
 from autoconf.cost.system import System
 from autoconf.cost.tensor_parallel import axis_links
 from autoconf.errors import UserError

@@ -11,7 +11,9 @@ algorithm's step count and volume:
   mode), its inter-host phase as the reference trainer runs it: recursive doubling for small
   shards (log2 H rounds of the whole shard), a ring above (``trainer/collectives.py``);
 - all-gather / reduce-scatter: ring, (n-1)/n * S / B + (n-1) * a;
-- point-to-point: a + S / B.
+- point-to-point: a + S / B;
+- all-to-all (mixture-of-experts dispatch / combine): each member's bytes to members on its host
+  over the fabric and to the others over the NICs at once, n - 1 messages' latency.
 
 A collective library picks the fastest algorithm it has for the group; :func:`all_reduce_s` takes
 the fastest of the algorithms the runtime really runs (``frameworks.Framework``).
@@ -137,3 +139,18 @@ def all_gather_s(nbytes: float, g: GroupLinks, tune: CollectiveTuning = NEUTRAL)
 
 
 reduce_scatter_s = all_gather_s
+
+
+def all_to_all_s(nbytes: float, g, tune: CollectiveTuning = NEUTRAL) -> float:
+    """An all-to-all in which every member sends ``nbytes`` spread evenly over the other n - 1:
+    the share for members on its own host (domain) over the intra-node fabric, the rest over the
+    NICs (each device's share of them), the two at once; n - 1 messages' latency."""
+    n = g.size
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    local_peers = g.local_size - 1
+    remote = (n - 1 - local_peers) / (n - 1)
+    intra = (1 - remote) * nbytes / (g.intra_bandwidth_bytes_per_s * tune.intra(g.local_size)) if local_peers else 0.0
+    inter = remote * nbytes / (g.inter_bandwidth_bytes_per_s * tune.inter_efficiency) if remote else 0.0
+    lat = g.inter_latency_s if remote else g.intra_latency_s
+    return tune.base_latency_s + max(intra, inter) + (n - 1) * lat

@@ -84,21 +84,6 @@ def a2a_bytes(system: System, c: ParallelConfig) -> float:
     return T * m.experts_per_token * (c.ep - 1) / c.ep * m.hidden_size * m.dtype_bytes * load_factor(system, c)
 
 
-def all_to_all_s(nbytes: float, g, tune: comm.CollectiveTuning) -> float:
-    """An all-to-all in which every member sends ``nbytes`` spread evenly over the other n - 1:
-    the share for members on its own host (domain) over the intra-node fabric, the rest over the
-    NICs (each device's share of them), the two at once; n - 1 messages' latency."""
-    n = g.size
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    local_peers = g.local_size - 1
-    remote = (n - 1 - local_peers) / (n - 1)
-    intra = (1 - remote) * nbytes / (g.intra_bandwidth_bytes_per_s * tune.intra(g.local_size)) if local_peers else 0.0
-    inter = remote * nbytes / (g.inter_bandwidth_bytes_per_s * tune.inter_efficiency) if remote else 0.0
-    lat = g.inter_latency_s if remote else g.intra_latency_s
-    return tune.base_latency_s + max(intra, inter) + (n - 1) * lat
-
-
 def a2a_times(system: System, c: ParallelConfig) -> tuple[float, float]:
     """(forward, backward) seconds of one MoE block's all-to-alls per micro-batch (dispatch and
     combine; the backward's two carry the gradients), on the slowest EP group; exposed. Full
@@ -107,7 +92,7 @@ def a2a_times(system: System, c: ParallelConfig) -> tuple[float, float]:
         return 0.0, 0.0
     nbytes = a2a_bytes(system, c)
     tune = system.collective_tuning
-    one = max(all_to_all_s(nbytes, g, tune) for g in axis_links(system, c, "ep"))
+    one = max(comm.all_to_all_s(nbytes, g, tune) for g in axis_links(system, c, "ep"))
     fwd = 2 * one
     return fwd, 2 * one + (fwd if c.recompute == "full" else 0.0)
 

@@ -147,13 +147,15 @@ class System:
         return self.model.dtype_bytes if kind == "cpu" else 1
 
     def block(self, kind: str, b: int, tp: int, sp: bool, recompute: str, cp: int = 1, fp8: str | None = None,
-              compiled: bool = False) -> LayerTimes:
+              compiled: bool = False, moe=None) -> LayerTimes:
         """One transformer block shard per micro-batch on ``kind``: the profile's measured layer
         times (``measured.block_times``; measured in the model's dtype over the whole sequence, so
-        only for cp = 1 without FP8), else the roofline per op (``compute.block_times``); at the
-        CPU time-share. ``fp8``: the FP8 recipe of the linear layers (None: the model's dtype)."""
+        only for a dense block at cp = 1 without FP8), else the roofline per op
+        (``compute.block_times``); at the CPU time-share. ``fp8``: the FP8 recipe of the linear
+        layers (None: the model's dtype); ``moe``: a mixture-of-experts block's MLP
+        (``compute.Moe``, from ``moe.moe_shape``)."""
         def make():
-            if self.measured_for(kind) and cp == 1 and fp8 is None and not compiled:
+            if self.measured_for(kind) and cp == 1 and fp8 is None and not compiled and moe is None:
                 from .measured import block_times as measured_block
                 got = measured_block(self.profile, self.model, b, tp, recompute)
                 if got:
@@ -162,30 +164,20 @@ class System:
             f8 = None if fp8 is None else Fp8(self.fp8_roofline(kind, fp8), fp8, self.framework.fp8_host_ops,
                                               recast=not self.framework.fp8_saves_inputs)
             return block_times(self.model, b, tp, sp, recompute, self.roofline(kind), self.host_cost(kind),
-                               cp=cp, fp8=f8, compiled=compiled, ring_math=self.framework.ring_math)
-        return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled),
+                               cp=cp, fp8=f8, compiled=compiled, moe=moe, ring_math=self.framework.ring_math)
+        return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled, moe),
                            lambda: _shared(make(), self.cpu_share(kind)))
 
     def block_for(self, kind: str, c, moe: bool = False) -> LayerTimes:
         """:meth:`block` for configuration ``c`` (its micro-batch, tp, cp, precision, compile);
         ``moe``: a mixture-of-experts block (its experts over ``c.ep``, ``cost.moe``)."""
+        shape = None
         if moe:
             from .moe import moe_shape
             shape = moe_shape(self, c)
-            fp8 = c.fp8_recipe if c.precision == "fp8" else None
-            compiled = self.framework.knob(c, "torch_compile")
-
-            def make():
-                f8 = None if fp8 is None else Fp8(self.fp8_roofline(kind, fp8), fp8, self.framework.fp8_host_ops,
-                                                  recast=not self.framework.fp8_saves_inputs)
-                return block_times(self.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute,
-                                   self.roofline(kind), self.host_cost(kind), cp=c.cp, fp8=f8, compiled=compiled,
-                                   moe=shape, ring_math=self.framework.ring_math)
-            return self.cached(("moeblock", kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
-                                fp8, compiled, shape), lambda: _shared(make(), self.cpu_share(kind)))
         return self.block(kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
                           c.fp8_recipe if c.precision == "fp8" else None,
-                          self.framework.knob(c, "torch_compile"))
+                          self.framework.knob(c, "torch_compile"), shape)
 
     def fp8_roofline(self, kind: str, recipe: str) -> Roofline:
         """The roofline of FP8 GEMMs on ``kind``: the catalog's FP8 peak (MXFP8's for the mxfp8

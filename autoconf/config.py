@@ -18,6 +18,15 @@ from .schema import Bool, Dict, Int, List, Null, Num, Str
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 RECOMPUTE = ("none", "selective", "full")
 DP_ALL_REDUCE = ("flat", "hierarchical")
+PP_COMPRESSION = ("none", "epilogue", "all")
+"""Low-rank compression of the activation gradients sent backwards between pipeline stages
+(Optimus-CC, arXiv 2301.09830): none; epilogue (only the sends nothing overlaps: those a device
+makes after its last forward, e.g. stage s's last p - s under 1F1B); all (every backward send).
+Forward activations are never compressed."""
+COMPRESSION_FIELDS = {"pp_compression": "none", "pp_compression_rank": 16, "dp_compression_stages": 0,
+                      "dp_compression_rank": 128, "fused_embedding_sync": False}
+"""Lossy communication and its defaults: written by :meth:`ParallelConfig.to_dict` only when not
+the default, so documents without compression read as before."""
 PRECISIONS = ("bf16", "fp8")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "mxfp8")
 """Scaling of FP8 operands: one scale per tensor computed from the current amax (tensorwise,
@@ -36,6 +45,9 @@ CONFIG_SCHEMA = Dict(
               "rank_order": Str(max_len=32), "overlap_grad_reduce": Null(Bool()),
               "overlap_param_gather": Null(Bool()), "tp_comm_overlap": Null(Bool()),
               "dp_all_reduce": Str(DP_ALL_REDUCE),
+              "pp_compression": Str(PP_COMPRESSION), "pp_compression_rank": Int(1, 1 << 16),
+              "dp_compression_stages": Int(0, 1 << 16), "dp_compression_rank": Int(1, 1 << 16),
+              "fused_embedding_sync": Bool(),
               "device_order": Null(List(Int(0, (1 << 16) - 1), min_len=1, max_len=1 << 16)),
               "stage_layers": Null(List(Int(1, 1 << 20), min_len=1, max_len=1 << 16))},
     what="a parallel configuration")
@@ -118,6 +130,29 @@ class ParallelConfig:
     """Token dropping: each expert takes at most capacity_factor x (tokens x top-k / experts)
     tokens per micro-batch, the rest skip it. None: dropless routing (every token reaches its
     top-k experts; an expert's load is what the router gives it)."""
+    pp_compression: str = "none"
+    """Compressed backpropagation between pipeline stages (``PP_COMPRESSION``): the activation
+    gradient [b, s, h] a stage sends backwards goes as a rank-``pp_compression_rank`` product
+    P Q^T (one power iteration, warm-started from the previous Q); the residual is added to the
+    next micro-batch's gradient (lazy error propagation). Lossy: it changes the numerics."""
+    pp_compression_rank: int = 16
+    """Rank r of the pipeline-gradient factors: n x m -> (n + m) x r values."""
+    dp_compression_stages: int = 0
+    """PowerSGD with error feedback on the data-parallel gradients of pipeline ranks
+    0 .. k-1 (those whose gradients are final last, so whose reduction the pipeline cannot
+    hide); 0: none. Only ZeRO-0/1's all-reduce is compressed. Lossy."""
+    dp_compression_rank: int = 128
+    """PowerSGD's rank on the data-parallel gradients (a matrix is compressed only where that
+    at least halves it, as torch's ``powerSGD_hook``)."""
+    fused_embedding_sync: bool = False
+    """Tied embeddings under pp: sum the embedding gradient over the first and last stage and over
+    the data-parallel replicas in one all-reduce, instead of a first/last all-reduce then the
+    data-parallel one."""
+
+    @property
+    def compressed(self) -> bool:
+        """Whether any communication is lossy (pipeline or data-parallel gradient compression)."""
+        return self.pp_compression != "none" or self.dp_compression_stages > 0
 
     @property
     def world_size(self) -> int:
@@ -155,6 +190,12 @@ class ParallelConfig:
             s += f" cf{self.moe_capacity_factor:g}"
         if self.precision == "fp8":
             s += f" fp8-{self.fp8_recipe}"
+        if self.pp_compression != "none":
+            s += f" ppc-{self.pp_compression}{self.pp_compression_rank}"
+        if self.dp_compression_stages:
+            s += f" dpc{self.dp_compression_stages}r{self.dp_compression_rank}"
+        if self.fused_embedding_sync:
+            s += " fused-emb"
         for knob, tag in (("overlap_grad_reduce", "ogr"), ("overlap_param_gather", "opg"), ("tp_comm_overlap", "tpo"),
                           ("torch_compile", "compile")):
             v = getattr(self, knob)
@@ -170,6 +211,9 @@ class ParallelConfig:
         d = dataclasses.asdict(self)
         if self.precision != "fp8":
             del d["fp8_recipe"]
+        for k, default in COMPRESSION_FIELDS.items():
+            if d[k] == default:
+                del d[k]
         for k in PLACEMENT_FIELDS:
             if d[k] is None:
                 del d[k]
@@ -267,10 +311,43 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
     if c.dp_all_reduce == "hierarchical" and c.zero_stage >= 2:
         return (f"dp_all_reduce=hierarchical is ZeRO-0/1's all-reduce; zero_stage={c.zero_stage} has none "
                 "(it reduces each gradient to its owner's shard): use flat")
+    why = compression_reason(c, model)
+    if why:
+        return why
     if c.tp_comm_overlap and not c.sequence_parallel:
         return "tp_comm_overlap needs sequence_parallel (it overlaps the all-gather / reduce-scatter pairs)"
     if c.device_order is not None or c.stage_layers is not None:
         return check_placement(c.device_order, c.stage_layers, c.world_size, c.num_chunks, model.num_layers)
+    return None
+
+
+def compression_reason(c: ParallelConfig, model: ModelSpec) -> str | None:
+    """Why the compression fields do not apply to this configuration, or None."""
+    if c.pp_compression not in PP_COMPRESSION:
+        return f"pp_compression={c.pp_compression!r}; valid: {', '.join(PP_COMPRESSION)}"
+    for name in ("pp_compression_rank", "dp_compression_rank"):
+        v = getattr(c, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            return f"{name}={v!r} must be a positive integer"
+    k = c.dp_compression_stages
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= c.pp:
+        return f"dp_compression_stages={k!r} must be an integer from 0 to pp ({c.pp})"
+    if c.pp_compression != "none" and c.pp == 1:
+        return f"pp_compression={c.pp_compression!r} compresses pipeline sends: pp=1 has none"
+    if k:
+        if c.dp * c.cp == 1:
+            return f"dp_compression_stages={k} with dp=1 has no data-parallel reduction to compress"
+        if c.zero_stage >= 2:
+            return (f"dp_compression_stages={k} compresses ZeRO-0/1's all-reduce; zero_stage={c.zero_stage} "
+                    "reduce-scatters (use zero_stage 0 or 1)")
+        if c.dp_all_reduce != "flat":
+            return f"dp_compression_stages={k} replaces the all-reduce: dp_all_reduce must be flat"
+        if c.ep > 1:
+            return f"dp_compression_stages={k} with ep={c.ep}: expert gradients are not compressed (use ep 1)"
+    if not isinstance(c.fused_embedding_sync, bool):
+        return f"fused_embedding_sync={c.fused_embedding_sync!r} must be true or false"
+    if c.fused_embedding_sync and not (model.tied_embeddings and c.pp > 1):
+        return "fused_embedding_sync needs tied embeddings split over pp > 1 stages (nothing to fuse otherwise)"
     return None
 
 

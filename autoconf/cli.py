@@ -18,7 +18,7 @@ from profiler.cli import add_profile_parser
 
 from . import __version__
 from .argtypes import int_list, port, positive_int
-from .config import DP_ALL_REDUCE, FP8_RECIPES
+from .config import DP_ALL_REDUCE, FP8_RECIPES, PP_COMPRESSION
 from .errors import UserError
 from .frameworks import FRAMEWORK_NAMES
 from .testbed import add_testbed_parser, cmd_testbed
@@ -111,6 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ZeRO-0/1's gradient all-reduce: flat (the collective library's) or hierarchical "
                         "(reduce-scatter inside hosts, all-reduce across, all-gather inside; reference trainer "
                         "only) (default: flat)")
+    p.add_argument("--pp-compression", default="none", choices=PP_COMPRESSION,
+                   help="low-rank compression of the gradients sent back between pipeline stages: none, "
+                        "epilogue (only the sends after a stage's last forward), all (lossy; default: none)")
+    p.add_argument("--pp-compression-rank", type=positive_int, default=16, help="rank of those factors (default 16)")
+    p.add_argument("--dp-compression-stages", type=int, default=0,
+                   help="PowerSGD with error feedback on the data-parallel gradients of pipeline ranks 0..K-1 "
+                        "(lossy; default 0: none)")
+    p.add_argument("--dp-compression-rank", type=positive_int, default=128, help="PowerSGD's rank (default 128)")
+    p.add_argument("--fused-embedding-sync", action="store_true",
+                   help="tied embeddings under pp: one all-reduce over the first and last stages of every replica")
     _add_plot(p, "the simulated step (timeline.*)")
 
     p = sub.add_parser("search", help="search the space for the fastest configuration that fits")
@@ -130,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--study-name", help="resume or share a study by name (default: one named after the inputs, "
                    "with a fingerprint of them: the same inputs resume it, changed ones start a new study)")
     p.add_argument("--max-micro-batch", type=positive_int, default=64)
+    p.add_argument("--allow-compression", action="store_true",
+                   help="let the search pick lossy communication: low-rank pipeline gradients, PowerSGD on "
+                        "data-parallel gradients (Optimus-CC), and the fused embedding sync; it changes the "
+                        "numerics of training (reference trainer only; default: off)")
+    p.add_argument("--pp-compression-rank", type=positive_int, default=16,
+                   help="with --allow-compression: rank of the pipeline-gradient factors (default 16)")
+    p.add_argument("--dp-compression-rank", type=positive_int, default=128,
+                   help="with --allow-compression: PowerSGD's rank on data-parallel gradients (default 128)")
     p.add_argument("--max-cp", type=positive_int, default=None,
                    help="largest context-parallel degree searched (default: seq_length / 4096, at least 1)")
     p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp8"),
@@ -232,7 +250,11 @@ def cmd_estimate(args) -> int:
                             dp_all_reduce=args.dp_all_reduce, device_order=args.device_order,
                             stage_layers=args.stage_layers, cp=args.cp, precision=args.precision,
                             fp8_recipe=args.fp8_recipe, torch_compile=args.torch_compile, ep=args.ep,
-                            moe_capacity_factor=args.moe_capacity_factor)
+                            moe_capacity_factor=args.moe_capacity_factor, pp_compression=args.pp_compression,
+                            pp_compression_rank=args.pp_compression_rank,
+                            dp_compression_stages=args.dp_compression_stages,
+                            dp_compression_rank=args.dp_compression_rank,
+                            fused_embedding_sync=args.fused_embedding_sync)
     e = estimate(config, model, cluster, profile, calibration, framework=args.framework,
                  moe_imbalance=args.moe_imbalance)
     plots = []
@@ -302,7 +324,8 @@ def cmd_search(args) -> int:
                         study_name=args.study_name, profile=profile, calibration=calibration,
                         max_micro_batch=args.max_micro_batch, framework=args.framework, place=not args.no_place,
                         max_cp=args.max_cp, precision=args.precision, fp8_recipe=args.fp8_recipe,
-                        moe_imbalance=args.moe_imbalance,
+                        moe_imbalance=args.moe_imbalance, allow_compression=args.allow_compression,
+                        pp_compression_rank=args.pp_compression_rank, dp_compression_rank=args.dp_compression_rank,
                         progress=lambda done, total: bars.update(task, completed=done, total=total),
                         phase=lambda name: bars.update(task, completed=0, description=_PHASES.get(name, name)))
     if not result.top:

@@ -128,6 +128,11 @@ class Framework:
     fp8_all_gather: bool = False
     """ZeRO-3 / FSDP gathers linear weights in FP8 (torchao's float8 all-gather with tensorwise
     scaling, which the emitted torchtitan files switch on): half the bytes."""
+    compression: bool = False
+    """Whether it runs Optimus-CC's compressed traffic (``pp_compression``, ``dp_compression_stages``,
+    ``fused_embedding_sync``): the reference trainer only. Megatron-LM, torchtitan and DeepSpeed
+    have no low-rank pipeline-gradient compression and no PowerSGD hook for their own gradient
+    buffers."""
 
     def dp_all_reduce_algorithms(self, config, g, gloo: bool = False) -> tuple:
         """The algorithms the data-parallel all-reduce of ``config`` runs over a group with links
@@ -180,6 +185,13 @@ class Framework:
         if getattr(c, "precision", "bf16") == "fp8" and c.fp8_recipe not in self.fp8_recipes:
             return (f"framework {self.name} has no FP8 recipe {c.fp8_recipe}"
                     + (f"; valid: {', '.join(self.fp8_recipes)}" if self.fp8_recipes else " (no FP8 at all)"))
+        if not self.compression:
+            for k, what in (("pp_compression", "compressed pipeline gradients"),
+                            ("dp_compression_stages", "PowerSGD on data-parallel gradients"),
+                            ("fused_embedding_sync", "fused embedding synchronisation")):
+                v = getattr(c, k, None)
+                if v not in (None, "none", 0, False):
+                    return f"framework {self.name} has no {what} ({k}={v!r}); the reference trainer runs it"
         mode = getattr(c, "dp_all_reduce", "flat")
         if mode not in self.all_reduce_algorithms:
             return (f"framework {self.name} has no dp_all_reduce={mode}; valid: "
@@ -224,7 +236,7 @@ FRAMEWORKS = {
         knobs=(), all_reduce_algorithms={"flat": ("ring", "tree"), "hierarchical": ("hierarchical",)},
         cp_comm="ring", ring_math=True, fp8_recipes=("tensorwise", "rowwise"), fp8_host_ops=(16, 16),
         expert_parallel=True, expert_zero_stages=(0, 1), expert_tensor_parallel=False,
-        capacity_factor=True),
+        capacity_factor=True, compression=True),
     "megatron": Framework(
         name="megatron", schedules=("1f1b", "interleaved"),
         zero_stages=(0, 1), zero_stages_with_pp=(0, 1), layered_grad_accum=False,

@@ -122,8 +122,11 @@ class _Evaluator:
     search happened to meet before the winner."""
 
     def __init__(self, ctx: System, global_batch: int, valid_per_point: dict, placer=None, top: int = 1,
-                 precisions=(("bf16", "tensorwise"),)):
+                 precisions=(("bf16", "tensorwise"),), compression: tuple | None = None):
         self.ctx = ctx
+        self.compression = compression
+        """(pipeline-gradient rank, data-parallel rank) when lossy communication is allowed
+        (:func:`compression_variants`), else None."""
         self.precisions = tuple(precisions)
         """(precision, FP8 recipe) pairs tried per configuration (:func:`precision_choices`)."""
         self._ep_cache: dict = {}
@@ -263,12 +266,37 @@ class _Evaluator:
                 self.offer(point, [(f.step_time_s, f) for f in fits])
             else:
                 self.rejected["out of memory"] = self.rejected.get("out of memory", 0) + 1
+        if self.compression is not None and fits:
+            fits = self._compress(point, fits)
         if least is not None and (self.smallest is None or least.memory_excess_bytes < self.smallest.memory_excess_bytes):
             self.smallest = least
         return fits, least
 
     def _placed(self, c: ParallelConfig) -> ParallelConfig:
         return self.placer(c) if self.placer is not None else c
+
+    def _compress(self, point, fits: list) -> list:
+        """The point's fastest configuration with compressed traffic too: one field at a time
+        (fused embedding sync, then the pipeline-gradient mode, then the data-parallel stages),
+        each kept where it is faster and still fits (compression only changes communication, its
+        kernels and buffers, so the choices barely interact). Returns the point's fits with the
+        compressed ones offered among them."""
+        best = fits[0]
+        for field_, values in compression_variants(best.config, self.ctx.model, *self.compression):
+            for val in values:
+                c = dataclasses.replace(best.config, **{field_: val})
+                if c == best.config or check(c, self.ctx.model) or self.ctx.framework.check(c):
+                    continue
+                e = _estimate(c, self.ctx)
+                self.estimates += 1
+                self.points.append((e.config, e.step_time_s, e.peak_memory_bytes, e.fits))
+                if e.fits and e.step_time_s < best.step_time_s:
+                    best = e
+        if best is fits[0]:
+            return fits
+        fits = sorted(fits + [best], key=lambda x: x.step_time_s)[:self.top]
+        self.offer(point, [(f.step_time_s, f) for f in fits])
+        return fits
 
 
 class _Repair:
@@ -345,6 +373,43 @@ def precision_choices(system: System, precision: str = "auto", fp8_recipe: str |
         return (bf16,)
     fp8 = ("fp8", ok[0])
     return (fp8,) if precision == "fp8" else (bf16, fp8)
+
+
+def compression_variants(c: ParallelConfig, model, pp_rank: int, dp_rank: int) -> list:
+    """(field, values) tried in turn on a point's best configuration when lossy communication is
+    allowed. The ranks are the user's (a quality budget: a lower rank is always cheaper to send),
+    the search picks what to compress: the fused embedding sync, the pipeline-gradient mode, the
+    data-parallel stages (0, the powers of two below pp, and pp: the first k pipeline ranks, whose
+    reductions the pipeline hides least)."""
+    out = []
+    if model.tied_embeddings and c.pp > 1:
+        out.append(("fused_embedding_sync", (True,)))
+    if c.pp > 1:
+        out.append(("pp_compression_rank", (pp_rank,)))
+        out.append(("pp_compression", ("epilogue", "all")))
+    if c.dp * c.cp > 1 and c.zero_stage <= 1:
+        out.append(("dp_compression_rank", (dp_rank,)))
+        ks = sorted({k for k in (2 ** i for i in range(8)) if k < c.pp} | {c.pp})
+        out.append(("dp_compression_stages", tuple(ks)))
+    return out
+
+
+def compression_savings(result_top, ctx: System) -> list:
+    """One line per compressed configuration among ``result_top``: what compression saved against
+    the same configuration without it."""
+    from .config import COMPRESSION_FIELDS
+    lines = []
+    for i, e in enumerate(result_top, 1):
+        if not (e.config.compressed or e.config.fused_embedding_sync):
+            continue
+        plain = _estimate(dataclasses.replace(e.config, **COMPRESSION_FIELDS), ctx)
+        lines.append(f"#{i} compresses its traffic: {e.step_time_s:.3f} s/step against {plain.step_time_s:.3f} s "
+                     f"without ({(plain.step_time_s - e.step_time_s) / plain.step_time_s:.1%} saved"
+                     + (f"; pp_comm {plain.breakdown_s['pp_comm']:.3f} -> {e.breakdown_s['pp_comm']:.3f} s"
+                        if e.config.pp_compression != "none" else "")
+                     + (f"; dp_comm {plain.breakdown_s['dp_comm']:.3f} -> {e.breakdown_s['dp_comm']:.3f} s"
+                        if e.config.dp_compression_stages or e.config.fused_embedding_sync else "") + ")")
+    return lines
 
 
 def dp_hierarchical(system: System, dp: int, pp: int, tp: int) -> bool:
@@ -861,7 +926,8 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
            study_name: str | None = None, profile=None, calibration=None, max_micro_batch: int = 64,
            seed: int = 0, exhaustive: bool = True, progress=None, framework=None,
            place: bool = False, phase=None, max_cp: int | None = None, precision: str = "auto",
-           fp8_recipe: str | None = None, moe_imbalance: float = 1.0) -> SearchResult:
+           fp8_recipe: str | None = None, moe_imbalance: float = 1.0, allow_compression: bool = False,
+           pp_compression_rank: int = 16, dp_compression_rank: int = 128) -> SearchResult:
     """Search the space for the ``top`` fastest configurations that fit (exactly the model's
     ``top`` fastest, unless ``exhaustive=False``). ``storage``: an Optuna storage URL to keep the
     trials in (``sqlite:///file.db``; resumable), or None to keep them in memory only (no file
@@ -875,7 +941,9 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     placement, and the ``top`` best are improved by a local search and ranked again; otherwise
     rank r runs on device r with the layers split evenly. ``max_cp``: the largest context-parallel
     degree tried (``config.cp_choices``); ``precision`` ("auto", "bf16" or "fp8") and
-    ``fp8_recipe``: the matmul precisions tried (:func:`precision_choices`)."""
+    ``fp8_recipe``: the matmul precisions tried (:func:`precision_choices`). ``allow_compression``:
+    lossy communication may be picked (compressed pipeline gradients, PowerSGD on data-parallel
+    gradients, at the ranks given; :func:`compression_variants`), and the fused embedding sync."""
     t0 = time.perf_counter()
     if top < 1:
         raise UserError(f"--top {top}: must be a positive number of configurations")
@@ -899,7 +967,18 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         # other frameworks take rank = launch order, which the emitted files do not reorder yet
         from .place import Placer
         placer = Placer(ctx, world)
-    evaluate = _Evaluator(ctx, global_batch, valid_per_point, placer, top=top, precisions=precisions)
+    compression = None
+    if allow_compression:
+        for name, r in (("--pp-compression-rank", pp_compression_rank), ("--dp-compression-rank", dp_compression_rank)):
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                raise UserError(f"{name} {r!r}: must be a positive integer")
+        if not ctx.framework.compression:
+            raise UserError(f"--allow-compression: framework {ctx.framework.name} cannot run compressed traffic "
+                            "(no low-rank pipeline gradients, no PowerSGD on its gradient buffers); "
+                            "valid: --framework reference")
+        compression = (pp_compression_rank, dp_compression_rank)
+    evaluate = _Evaluator(ctx, global_batch, valid_per_point, placer, top=top, precisions=precisions,
+                          compression=compression)
     budget = trials if trials is not None else 400
     signature = {"model": model.to_dict(), "global_batch": global_batch, "devices": world,
                  "framework": ctx.framework.name,
@@ -915,6 +994,8 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         signature["precisions"] = [list(p) for p in precisions]
     if moe_imbalance != 1.0:
         signature["moe_imbalance"] = moe_imbalance
+    if compression is not None:
+        signature["compression"] = list(compression)
     name = study_name or default_study_name(model, world, global_batch,
                                             cluster.name if cluster is not None else "profile",
                                             ctx.framework.name, signature)
@@ -989,6 +1070,11 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         notes.append(f"placement not searched: {ctx.framework.name} runs rank r on the r-th launched process, "
                      "and the launch files keep that order (autoconf's reference trainer places any rank on any "
                      "device)")
+    if compression is not None:
+        notes.append("lossy communication allowed (--allow-compression): compressed gradients change the "
+                     "numerics of training (low-rank pipeline gradients, PowerSGD with error feedback); "
+                     "check the loss before a long run")
+        notes.extend(compression_savings(fitting[:top], ctx))
     return SearchResult(top=tuple(fitting[:top]), rejected=rejected, space_size=total, valid=valid,
                         outer_points=len(points), trials_run=study.stored,
                         trials_total=len(study.earlier) + study.stored, estimates=evaluate.estimates,

@@ -94,3 +94,187 @@ def powersgd_split(shapes, rank: int, min_rate: int = MIN_COMPRESSION_RATE) -> t
         else:
             exact += n * m
     return exact, ps, qs, mats
+
+
+# ---------------------------------------------------------------------------------------------
+# What a configuration sends, computes and keeps (needs a System: rates, links, placement).
+
+
+def _norm_shapes(model) -> list:
+    h = model.hidden_size
+    return [(h,), (h,)] if model.norm == "layernorm" else [(h,)]
+
+
+def block_shapes(model, tp: int) -> list:
+    """The parameter shapes of one dense transformer block on a tp rank, as the reference
+    trainer (``nn.Block``) and Megatron shard them: fused QKV and fc1 split by rows, proj and fc2
+    by columns, norms and row-parallel biases whole."""
+    h, q, kv, f = model.hidden_size, model.q_size, model.kv_size, model.ffn_hidden_size
+    fc1 = (2 * f if model.gated_mlp else f) // tp
+    shapes = _norm_shapes(model) + [((q + 2 * kv) // tp, h)]
+    if model.bias or model.qkv_bias:
+        shapes.append(((q + 2 * kv) // tp,))
+    shapes.append((h, q // tp))
+    if not model.shared_norm:
+        shapes += _norm_shapes(model)
+    shapes += [(fc1, h), (h, f // tp)]
+    if model.bias:
+        shapes += [(h,), (fc1,), (h,)]
+    return shapes
+
+
+def unit_shapes(system, c, lay, ci: int, tied: bool = True) -> list:
+    """Per unit (bucket) of chunk ``ci``: its parameter shapes (embedding, blocks, head).
+    ``tied=False``: without the tied embedding's copies on the first and last chunk (pp > 1),
+    which are reduced on their own (:func:`embedding_sync_s`)."""
+    m, n = system.model, c.num_chunks
+    vocab = -(-m.vocab_size // c.tp)
+    split_tied = m.tied_embeddings and c.pp > 1 and not tied
+    units = []
+    if ci == 0:
+        emb = [] if split_tied else [(vocab, m.hidden_size)]
+        if m.position_embedding == "learned":
+            emb.append((m.seq_length, m.hidden_size))
+        units.append(emb)
+    units += [block_shapes(m, c.tp)] * lay.chunk_layers[ci]
+    if ci == n - 1:
+        head = list(_norm_shapes(m))
+        if not m.tied_embeddings or (n > 1 and not split_tied):
+            head.append((vocab, m.hidden_size))
+        units.append(head)
+    return units
+
+
+def gradient_matrix(system, c) -> tuple[int, int]:
+    """The (n, m) of the activation gradient a pipeline chunk sends back: the rank's tokens of a
+    micro-batch (its sequence shard under context and sequence parallelism) x hidden size."""
+    model = system.model
+    n = c.micro_batch_size * model.seq_length // c.cp // (c.tp if c.sequence_parallel else 1)
+    return n, model.hidden_size
+
+
+def low_rank_kernel_s(system, kinds, n: int, m: int, r: int) -> tuple[float, float]:
+    """(sender, receiver) seconds of compressing one n x m gradient at rank r, on the slowest of
+    ``kinds``: the sender adds the carried residual (read 2, write 1), P = M Q, orthogonalises P
+    (a QR of n x r: about two n x r x r GEMMs), Q = M^T P, and keeps the new residual M - P Q^T
+    (a GEMM into a copy, then a subtraction); the receiver multiplies P Q^T back."""
+    eb = system.model.dtype_bytes
+    send = recv = 0.0
+    for kind in kinds:
+        rf, share = system.roofline(kind), system.cpu_share(kind)
+        mm = rf.gemm(n, r, m, eb) + 2 * rf.gemm(n, r, r, eb) + rf.gemm(m, r, n, eb) + rf.gemm(n, m, r, eb)
+        send = max(send, (mm + rf.elementwise(6 * n * m * eb, kernels=2)) * share)
+        recv = max(recv, rf.gemm(n, m, r, eb) * share)
+    return send, recv
+
+
+def pipeline_compression(system, c, lay, p2p_exact: tuple):
+    """The ``pipeline.Compression`` of this configuration (None without pp compression):
+    compressed transfers on each link, kernels per chunk."""
+    if c.pp_compression == "none" or c.pp == 1:
+        return None
+    from .pipeline import Compression
+    from .schedule_time import p2p_times
+    n, m = gradient_matrix(system, c)
+    r = effective_rank(n, m, c.pp_compression_rank)
+    per_stage = p2p_times(system, c, low_rank_elements(n, m, r) * system.model.dtype_bytes)
+    nc = lay.num_chunks
+    p2p_c = tuple(min(per_stage[ci % c.pp], p2p_exact[ci]) if p2p_exact[ci] else 0.0 for ci in range(nc - 1))
+    kern = [low_rank_kernel_s(system, lay.stage_kinds[ci % c.pp], n, m, r) for ci in range(nc)]
+    return Compression(c.pp_compression, p2p_c, tuple(k[0] for k in kern), tuple(k[1] for k in kern))
+
+
+def powersgd_bucket(system, kinds, shapes, rank: int) -> tuple[int, int, int, float]:
+    """One bucket through ``powerSGD_hook``: (exact, P, Q elements it all-reduces, its kernels'
+    seconds on the slowest of ``kinds``): the error added and the bucket copied (read 2 write 1,
+    read 1 write 1), P = M Q, a QR of each P, Q = M^T P, P Q^T back into the bucket, the new
+    error (read 2 write 1); one kernel per matrix and step."""
+    exact, ps, qs, mats = powersgd_split(shapes, rank)
+    eb = system.model.dtype_bytes
+    numel = exact + sum(n * m for n, m, _ in mats)
+    t = 0.0
+    for kind in kinds:
+        rf, share = system.roofline(kind), system.cpu_share(kind)
+        mm = sum(rf.gemm(n, r, m, eb) + 2 * rf.gemm(n, r, r, eb) + rf.gemm(m, r, n, eb) + rf.gemm(n, m, r, eb)
+                 for n, m, r in mats)
+        t = max(t, (mm + rf.elementwise(8 * numel * eb, kernels=3)) * share)
+    return exact, ps, qs, t
+
+
+def dp_compressed(c, dev: int) -> bool:
+    """Whether pipeline rank ``dev`` compresses its data-parallel gradients."""
+    return dev < c.dp_compression_stages
+
+
+def powersgd_reduction_s(system, c, lay, ci: int, kinds, links, n: int) -> float:
+    """Chunk ``ci``'s gradient reduction under PowerSGD: per bucket (unit) three all-reduces in a
+    row (the exact part, the Ps, the Qs, each waiting for the one before: the hook chains them)
+    and its kernels; the buckets follow one another."""
+    from . import comm
+    from .data_parallel import all_reduce_algorithms
+    from .tensor_parallel import collective_s
+    eb = system.grad_bytes
+    algos = all_reduce_algorithms(system, c, comm.all_reduce_s)
+    t = 0.0
+    for shapes in unit_shapes(system, c, lay, ci, tied=False):
+        exact, ps, qs, kern = powersgd_bucket(system, kinds, shapes, c.dp_compression_rank)
+        t += kern + sum(collective_s(system, links, comm.all_reduce_s, n, x * eb, algos)
+                        for x in (exact, ps, qs))
+    return t
+
+
+def tied_bytes(system, c) -> float:
+    """Bytes of the tied embedding gradient on a tp rank (its vocabulary shard)."""
+    m = system.model
+    return -(-m.vocab_size // c.tp) * m.hidden_size * system.grad_bytes
+
+
+def embedding_sync_s(system, c) -> float:
+    """Seconds the tied-embedding gradient's sync adds after the pipeline (pp > 1, tied
+    embeddings; 0 otherwise): the all-reduce between the first and last stage, then its own
+    data-parallel reduction (the sum must be complete first; the chunks' reductions leave the
+    tied copies out, ``data_parallel.tied_params``); fused, one all-reduce over the first- and
+    last-stage ranks of every replica."""
+    m = system.model
+    if not m.tied_embeddings or c.pp == 1:
+        return 0.0
+    from . import comm
+    from ..placement import Placement
+    from .data_parallel import all_reduce_algorithms, grad_group, reduction_collective
+    from .tensor_parallel import axis_links, collective_s
+    place, topo = Placement.of(c, 0), system.topology
+    nbytes = tied_bytes(system, c)
+    n_grad, axis = grad_group(c)
+    fused = c.fused_embedding_sync
+    groups: dict = {}
+    for r in range(c.world_size):
+        co = place.coords(r)
+        if co["pp"] in (0, c.pp - 1):
+            key = (co["tp"],) if fused else (co["tp"], co["dp"], co["cp"])
+            groups.setdefault(key, []).append(place.device(r))
+    links = list({topo.group_links(tuple(g)): None for g in groups.values()})
+    size = len(next(iter(groups.values())))
+    algos = all_reduce_algorithms(system, c, comm.all_reduce_s)
+    t = collective_s(system, links, comm.all_reduce_s, size, nbytes, algos)
+    if not fused and n_grad > 1:
+        red = reduction_collective(c.zero_stage)
+        t += collective_s(system, axis_links(system, c, axis), red, n_grad, nbytes,
+                          all_reduce_algorithms(system, c, red))
+    return t
+
+
+def memory_parts(system, c, lay, dev: int) -> list:
+    """(name, bytes) compression keeps on pipeline rank ``dev``: each sending chunk's residual and
+    warm-start factors; PowerSGD's error of every gradient and the bucket copies in flight."""
+    parts = []
+    eb = system.model.dtype_bytes
+    if c.pp_compression != "none" and c.pp > 1:
+        n, m = gradient_matrix(system, c)
+        r = effective_rank(n, m, c.pp_compression_rank)
+        senders = sum(1 for ci in lay.chunks_of(c, dev) if ci > 0)
+        receivers = sum(1 for ci in lay.chunks_of(c, dev) if ci < lay.num_chunks - 1)
+        parts.append(("compression residuals", senders * (n * m + (n + m) * r) * eb + receivers * (n + m) * r * eb))
+    if dp_compressed(c, dev):
+        grads = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev)) * system.grad_bytes
+        parts.append(("powersgd error feedback", 2 * grads))
+    return parts

@@ -63,12 +63,29 @@ def all_reduce_algorithms(system: System, c: ParallelConfig, fn):
     return lambda g: fw.dp_all_reduce_algorithms(c, g, gloo)
 
 
-def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds) -> float:
-    """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic."""
+def tied_params(system: System, c: ParallelConfig, ci: int) -> float:
+    """Parameters of chunk ``ci`` that are a copy of the tied embedding (its first and last chunk,
+    pp > 1): they are summed over the two stages, then reduced after the pipeline
+    (``compression.embedding_sync_s``), not with the chunk's buckets."""
+    m = system.model
+    if not m.tied_embeddings or c.pp == 1 or ci not in (0, c.num_chunks - 1):
+        return 0.0
+    return -(-m.vocab_size // c.tp) * m.hidden_size
+
+
+def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds, dev: int = 0) -> float:
+    """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic (PowerSGD's
+    three all-reduces per bucket where pipeline rank ``dev`` compresses its gradients)."""
+    from .compression import dp_compressed, powersgd_reduction_s
     g_bytes = system.grad_bytes
     n, axis = grad_group(c)
+    if dp_compressed(c, dev):
+        return (powersgd_reduction_s(system, c, lay, ci, kinds, axis_links(system, c, axis), n)
+                + system.copy_time(kinds, bucket_traffic(c) * (lay.chunk_params[ci] - tied_params(system, c, ci))
+                                   * g_bytes))
     experts = lay.chunk_expert_params[ci] if lay.chunk_expert_params else 0.0
-    t = (collective_s(system, axis_links(system, c, axis), fn, n, (lay.chunk_params[ci] - experts) * g_bytes,
+    dense = lay.chunk_params[ci] - experts - tied_params(system, c, ci)
+    t = (collective_s(system, axis_links(system, c, axis), fn, n, dense * g_bytes,
                       all_reduce_algorithms(system, c, fn))
          + system.copy_time(kinds, bucket_traffic(c) * lay.chunk_params[ci] * g_bytes))
     edp = c.dp * c.cp // c.ep
@@ -172,7 +189,7 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
         t_free = 0.0
         spans = []
         for ci in sorted(lay.chunks_of(c, dev), key=lambda ci: ends[ci]):
-            t = _reduction(system, c, lay, red, ci, lay.stage_kinds[dev])
+            t = _reduction(system, c, lay, red, ci, lay.stage_kinds[dev], dev)
             if lay.overlap_grad_reduce:
                 start = max(t_free, ends[ci] - bwd[ci] * (1 - 1 / max(lay.chunk_layers[ci], 1)))
                 t_free = max(start + t, ends[ci] + collective_s(system, links, red, n, last_bucket,

@@ -26,6 +26,7 @@ from ..config import ParallelConfig, validate
 from ..errors import UserError
 from ..model import ModelSpec
 from .chunk_time import ChunkTimes, chunk_times, optimizer_step_s
+from .compression import embedding_sync_s, pipeline_compression
 from .context_parallel import cp_times
 from .data_parallel import post_all_gather_s, reduction_tail_s
 from .layout import Layout, layout
@@ -109,11 +110,12 @@ def _estimate(c: ParallelConfig, ctx: System, bound: float | None = None,
 
     p2p = chunk_p2p_times(ctx, c, lay.num_chunks)
     sim, sim0 = simulate_step(lay.schedule, c, lay.virtual_stages, ct.forward_s, ct.backward_s, p2p,
-                              posted_receives(ctx))
+                              posted_receives(ctx), pipeline_compression(ctx, c, lay, p2p))
     # the extrapolated steady state can fall a hair below the floor no schedule can beat
     # (breadth-first with unequal chunks): the floor is exact there
     makespan = max(sim.makespan_s, floor)
-    dp_tail = reduction_tail_s(ctx, c, lay, sim, makespan, ct.backward_s)
+    # the tied embedding's sync runs after the pipeline, beside the reductions still in flight
+    dp_tail = max(reduction_tail_s(ctx, c, lay, sim, makespan, ct.backward_s), embedding_sync_s(ctx, c))
     post_ag = post_all_gather_s(ctx, c, lay)
     breakdown = _breakdown(c, lay, ct, sim, sim0, runtime, dp_tail, post_ag, opt)
     # keep the parts summing to the simulated step (rounding of the busiest-device attribution)

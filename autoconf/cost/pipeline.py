@@ -70,6 +70,20 @@ class PipelineResult:
     """Per global chunk: start of its first backward op."""
 
 
+@dataclass(frozen=True)
+class Compression:
+    """Low-rank compression of backward sends (``cost.compression``) as the simulation charges
+    it: the sends of ``compression.compressed_sends(schedule, pp, m, v, mode)`` (for the m simulated)
+    take ``p2p_s[c]`` on link c (pp*v - 1 entries) instead of the exact transfer; the sending
+    chunk's backward takes ``send_s[c]`` longer (the power iteration and the residual), the
+    receiving chunk's ``recv_s[c]`` longer (P Q^T multiplied back), per chunk (pp*v entries)."""
+
+    mode: str
+    p2p_s: tuple
+    send_s: tuple
+    recv_s: tuple
+
+
 # ---------------------------------------------------------------------------------------------
 # Per-device orders. An op is (is_backward, micro_batch, global_chunk).
 
@@ -194,7 +208,10 @@ def _liveness(order: list[tuple[bool, int, int]], local_chunks: list[int]) -> tu
 
 
 @lru_cache(maxsize=64)
-def _compile(schedule: str, pp: int, m: int, v: int) -> _Compiled:
+def _compile(schedule: str, pp: int, m: int, v: int, compressed: frozenset = frozenset()) -> _Compiled:
+    """``compressed``: the (micro_batch, sending chunk) backward sends that go compressed: the
+    backward receiving one reads its transfer from the compressed slots of p2p_s (index
+    pp*v + c for link c) and its duration from the backward variants (``_durations``)."""
     nc = pp * v
     n_f = nc * m
     n = 2 * n_f
@@ -249,18 +266,24 @@ def _compile(schedule: str, pp: int, m: int, v: int) -> _Compiled:
                     c = (code - n_f) // m
                     if not done[code - n_f]:
                         break
+                    mb = code % m
+                    k = 1 if (mb, c) in compressed else 0
                     if c < last_c:
                         dep = code + m
                         if not done[dep]:
                             break
                         cross.append(topo_pos[dep])
-                        p2p_idx.append(c + 1)  # p2p_s[c]
+                        if (mb, c + 1) in compressed:
+                            p2p_idx.append(nc + c)  # the compressed p2p_s[c]
+                            k += 2
+                        else:
+                            p2p_idx.append(c + 1)  # p2p_s[c]
                         link_idx.append(((c + 1) % pp) * pp + r)
                     else:
                         cross.append(0)
                         p2p_idx.append(0)
                         link_idx.append(0)
-                    dur_idx.append(nc + c)
+                    dur_idx.append(nc * (1 + k) + c)
                 dev_prev.append(last[r])
                 topo_codes.append(code)
                 done[code] = 1
@@ -351,12 +374,31 @@ def _run(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...],
     return E, sends
 
 
+def _durations(forward_s: tuple, backward_s: tuple, p2p_s: tuple, z: Compression | None) -> tuple[tuple, tuple]:
+    """(op durations, transfer times) as ``_compile``'s indices read them: forwards, backwards,
+    then the backwards that send compressed, that receive compressed, that do both; exact
+    transfers, then compressed ones."""
+    if z is None:
+        return forward_s + backward_s, (0.0,) + p2p_s
+    b, snd, rcv = backward_s, z.send_s, z.recv_s
+    return (forward_s + b + tuple(x + y for x, y in zip(b, snd)) + tuple(x + y for x, y in zip(b, rcv))
+            + tuple(x + y + w for x, y, w in zip(b, snd, rcv))), (0.0,) + p2p_s + z.p2p_s
+
+
+def _compiled(schedule: str, pp: int, m: int, v: int, z: Compression | None) -> _Compiled:
+    if z is None or z.mode == "none":
+        return _compile(schedule, pp, m, v)
+    from .compression import compressed_sends
+    return _compile(schedule, pp, m, v, compressed_sends(schedule, pp, m, v, z.mode))
+
+
 @lru_cache(maxsize=16384)
 def _simulate(schedule: str, pp: int, m: int, v: int, forward_s: tuple[float, ...],
-              backward_s: tuple[float, ...], p2p_s: tuple[float, ...], posted: bool = False) -> PipelineResult:
-    comp = _compile(schedule, pp, m, v)
+              backward_s: tuple[float, ...], p2p_s: tuple[float, ...], posted: bool = False,
+              compression: Compression | None = None) -> PipelineResult:
+    comp = _compiled(schedule, pp, m, v, compression)
     nc = pp * v
-    E = _run(comp, forward_s + backward_s, (0.0,) + p2p_s, posted)[0]
+    E = _run(comp, *_durations(forward_s, backward_s, p2p_s, compression), posted)[0]
     makespan = max(E[k] for k in comp.dev_last)
     busy = tuple(m * sum(forward_s[c] + backward_s[c] for c in range(r, nc, pp)) for r in range(pp))
     return PipelineResult(
@@ -381,21 +423,29 @@ def _floats(name: str, xs: Sequence[float], n: int) -> tuple[float, ...]:
 
 def simulate(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
              forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: Sequence[float],
-             posted: bool = False) -> PipelineResult:
+             posted: bool = False, compression: Compression | None = None) -> PipelineResult:
     """Simulate one step of ``schedule`` and return its timing and activation liveness.
 
     ``forward_s[c]`` / ``backward_s[c]``: per-micro-batch duration of global chunk c (pp*v entries);
     ``p2p_s[c]``: transfer time between chunk c and c+1 (pp*v - 1 entries), for the activation going
     forward and the gradient coming back; a link carries one transfer at a time. ``posted``: a
     transfer starts only once its receiver has posted the receive (CPU processes: see ``_run``).
-    Raises ValueError for an invalid shape and RuntimeError if the schedule's order can never
-    progress. Results are cached on the arguments.
+    ``compression``: compressed backward sends (:class:`Compression`); ``busy_s`` stays the ops'
+    own work, without the compression kernels. Raises ValueError for an invalid shape and
+    RuntimeError if the schedule's order can never progress. Results are cached on the arguments.
     """
     _check_shape(schedule, pp, num_micro_batches, virtual_stages)
     nc = pp * virtual_stages
     return _simulate(schedule, pp, num_micro_batches, virtual_stages,
                      _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc),
-                     _floats("p2p_s", p2p_s, nc - 1), bool(posted))
+                     _floats("p2p_s", p2p_s, nc - 1), bool(posted), _checked(compression, nc))
+
+
+def _checked(z: Compression | None, nc: int) -> Compression | None:
+    if z is None or z.mode == "none":
+        return None
+    return Compression(z.mode, _floats("p2p_s", z.p2p_s, nc - 1), _floats("send_s", z.send_s, nc),
+                       _floats("recv_s", z.recv_s, nc))
 
 
 @dataclass(frozen=True)
@@ -442,16 +492,17 @@ class Timeline:
 
 def timeline(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
              forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: Sequence[float],
-             posted: bool = False) -> Timeline:
+             posted: bool = False, compression: Compression | None = None) -> Timeline:
     """The events of the step ``simulate`` prices: the same compiled schedule and the same pass
     (``_run``); each op's start is read back from what it waited for (its device's previous op,
     its input's arrival), so the events are exactly the simulated ones."""
     _check_shape(schedule, pp, num_micro_batches, virtual_stages)
     m, nc = num_micro_batches, pp * virtual_stages
     fwd, bwd = _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc)
-    P = (0.0,) + _floats("p2p_s", p2p_s, nc - 1)
-    comp = _compile(schedule, pp, m, virtual_stages)
-    E, sends = _run(comp, fwd + bwd, P, posted)
+    z = _checked(compression, nc)
+    dur, P = _durations(fwd, bwd, _floats("p2p_s", p2p_s, nc - 1), z)
+    comp = _compiled(schedule, pp, m, virtual_stages, z)
+    E, sends = _run(comp, dur, P, posted)
     sends = iter(sends)
     n_f = nc * m
     ops, transfers = [], []

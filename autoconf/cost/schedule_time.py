@@ -33,26 +33,28 @@ def sim_size(schedule: str, pp: int, m: int) -> int:
     return -(-cap // pp) * pp  # a multiple of pp (interleaved needs it)
 
 
-def run_schedule(schedule, pp, m, v, fwd, bwd, p2p, posted: bool = False) -> Schedule:
+def run_schedule(schedule, pp, m, v, fwd, bwd, p2p, posted: bool = False, compression=None) -> Schedule:
     """The schedule's makespan for m micro-batches without simulating thousands of them.
 
     Past the warm-up every schedule repeats one period per micro-batch, so the makespan is affine
     in m. The slope is measured between two simulations pp micro-batches apart, and the simulated
     size is doubled until two successive slopes agree within 0.1% (unequal stages take longer to
     settle) or the whole step is simulated. ``posted``: transfers wait for the receive to be posted
-    (``pipeline.simulate``; :func:`posted_receives`).
+    (``pipeline.simulate``; :func:`posted_receives`). ``compression``: a ``pipeline.Compression``
+    (epilogue-only compression touches the simulated step's last sends: the extrapolated steady
+    state is the uncompressed one, as in the real step).
     """
     m_sim = sim_size(schedule, pp, m)
-    r = simulate(schedule, pp, m_sim, v, fwd, bwd, p2p, posted)
+    r = simulate(schedule, pp, m_sim, v, fwd, bwd, p2p, posted, compression)
     if m_sim == m:
         return Schedule(r.makespan_s, r.busy_s, r.last_backward_end_s, m)
-    slope = (r.makespan_s - simulate(schedule, pp, m_sim - pp, v, fwd, bwd, p2p, posted).makespan_s) / pp
+    slope = (r.makespan_s - simulate(schedule, pp, m_sim - pp, v, fwd, bwd, p2p, posted, compression).makespan_s) / pp
     while True:
         m_next = 2 * m_sim if 2 * m_sim < m else m  # stays a multiple of pp until it is m
-        r_next = simulate(schedule, pp, m_next, v, fwd, bwd, p2p, posted)
+        r_next = simulate(schedule, pp, m_next, v, fwd, bwd, p2p, posted, compression)
         if m_next == m:
             return Schedule(r_next.makespan_s, r_next.busy_s, r_next.last_backward_end_s, m)
-        slope_next = (r_next.makespan_s - simulate(schedule, pp, m_next - pp, v, fwd, bwd, p2p, posted).makespan_s) / pp
+        slope_next = (r_next.makespan_s - simulate(schedule, pp, m_next - pp, v, fwd, bwd, p2p, posted, compression).makespan_s) / pp
         m_sim, r = m_next, r_next
         if abs(slope_next - slope) <= 1e-3 * max(slope_next, 1e-30):
             slope = slope_next
@@ -151,10 +153,11 @@ def posted_receives(system: System) -> bool:
 
 
 def simulate_step(schedule: str, c: ParallelConfig, v: int, fwd: tuple, bwd: tuple, p2p: tuple,
-                  posted: bool = False):
+                  posted: bool = False, compression=None):
     """(with transfers, without transfers): the schedule run twice to separate the bubble from the
-    pipeline communication."""
+    pipeline communication (which includes what compressing it costs: the transfer-free run has
+    no compression kernels)."""
     n_mb = c.num_micro_batches
-    sim = run_schedule(schedule, c.pp, n_mb, v, fwd, bwd, p2p, posted)
-    sim0 = sim if not any(p2p) else run_schedule(schedule, c.pp, n_mb, v, fwd, bwd, tuple(0.0 for _ in p2p))
+    sim = run_schedule(schedule, c.pp, n_mb, v, fwd, bwd, p2p, posted, compression)
+    sim0 = sim if not any(p2p) and compression is None else run_schedule(schedule, c.pp, n_mb, v, fwd, bwd, tuple(0.0 for _ in p2p))
     return sim, sim0

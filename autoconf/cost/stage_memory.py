@@ -239,6 +239,9 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
         act = schedule_time.boundary_bytes(system, c)  # an activation and its gradient have one shape
         buffers = sum((ci > 0) + (ci < lay.num_chunks - 1) for ci in chunks)
         parts.append(("pipeline receive buffers", buffers * c.num_micro_batches * act))
+    if c.compressed:
+        from .compression import memory_parts
+        parts += memory_parts(system, c, lay, s)
     layered_pp1 = c.pp == 1 and c.layered_grad_accum  # its units carry their copies already
     if c.dp * c.cp > 1 and c.zero_stage < 3 and not layered_pp1:
         bucket = min(BUCKET_BYTES, max(lay.chunk_params[ci] for ci in chunks) * system.grad_bytes)

@@ -1,0 +1,195 @@
+"""Compressed 3D-parallel traffic in the cost model: which sends, how many bytes, what it saves."""
+
+import dataclasses
+
+import pytest
+
+from autoconf.cluster import cluster_from_mapping
+from autoconf.config import ParallelConfig, check
+from autoconf.cost.compression import (compressed_sends, low_rank_elements, powersgd_split, sends_per_chunk)
+from autoconf.cost.estimate import estimate
+from autoconf.cost.pipeline import Compression, simulate
+from autoconf.errors import UserError
+from autoconf.model import preset
+
+
+def _cluster(nic: str, nodes: int = 4, gpus: int = 8):
+    return cluster_from_mapping({"name": "c", "node_groups": [{
+        "count": nodes, "device": "a100-80gb", "gpus_per_node": gpus, "intra_node_bandwidth": "300 GB/s",
+        "nics": {"count": 1, "bandwidth": nic, "kind": "ethernet"}}],
+        "latency": {"intra_node": "2 us", "inter_node": "20 us"}})
+
+
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 4), (4, 2), (8, 16)])
+def test_1f1b_epilogue_is_the_last_p_minus_s_sends_of_stage_s(pp, m):
+    sends = compressed_sends("1f1b", pp, m, 1, "epilogue")
+    want = {(mb, s) for s in range(1, pp) for mb in range(m - min(pp - s, m), m)}
+    assert sends == want
+    assert sends_per_chunk("1f1b", pp, m, 1, "epilogue") == (0,) + tuple(min(pp - s, m) for s in range(1, pp))
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("breadth_first", 2)])
+def test_all_compresses_every_backward_send_and_none_nothing(schedule, v):
+    pp, m = 4, 8
+    assert compressed_sends(schedule, pp, m, v, "all") == {(mb, c) for c in range(1, pp * v) for mb in range(m)}
+    assert compressed_sends(schedule, pp, m, v, "none") == frozenset()
+    assert compressed_sends(schedule, 1, m, 1, "all") == frozenset()
+
+
+def test_epilogue_of_gpipe_and_breadth_first_is_every_send():
+    # every backward of these schedules comes after the device's last forward
+    for schedule, v in (("gpipe", 1), ("breadth_first", 2)):
+        assert compressed_sends(schedule, 4, 8, v, "epilogue") == compressed_sends(schedule, 4, 8, v, "all")
+
+
+@pytest.mark.parametrize("pp,v,m", [(4, 2, 8), (2, 3, 4), (4, 2, 4)])
+def test_interleaved_epilogue_is_the_cool_down_plus_one(pp, v, m):
+    # device r: warm-up min((v-1) pp + 2 (pp-1-r), m v) forwards, as many cool-down backwards, plus the
+    # backward paired with the last forward; chunk 0's backward sends nothing
+    sends = compressed_sends("interleaved", pp, m, v, "epilogue")
+    for r in range(pp):
+        warmup = min((v - 1) * pp + 2 * (pp - 1 - r), m * v)
+        after_last_forward = min(warmup + 1, m * v)
+        mine = sum(1 for _mb, c in sends if c % pp == r)
+        if r > 0:
+            assert mine == after_last_forward
+        else:  # less chunk 0's, which send nothing
+            assert 0 < mine < after_last_forward
+
+
+def test_message_sizes_closed_form():
+    assert low_rank_elements(4096, 1024, 16) == (4096 + 1024) * 16
+    assert low_rank_elements(8, 1024, 16) == (8 + 1024) * 8  # rank capped at min(n, m)
+    assert low_rank_elements(1, 1, 16) == 2
+
+
+def test_powersgd_split_agrees_with_torchs_hook():
+    torch = pytest.importorskip("torch")
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+    shapes = [(1024, 4096), (4096,), (64, 64), (3072, 1024), (50304, 1024), (8, 2, 16), (16, 1024)]
+    exact, ps, qs, mats = powersgd_split(shapes, 128)
+    want_exact = want_ps = want_qs = 0
+    for shape in shapes:
+        t = torch.empty(shape)
+        n, m = t.view(t.shape[0], -1).shape
+        r = min(n, m, 128)
+        if _should_compress(n, m, r, 2)[0]:
+            want_ps, want_qs = want_ps + n * r, want_qs + m * r
+        else:
+            want_exact += n * m
+    assert (exact, ps, qs) == (want_exact, want_ps, want_qs)
+    assert len(mats) == 3
+
+
+@pytest.mark.parametrize("schedule,v", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("breadth_first", 2)])
+def test_free_compression_at_the_same_speed_changes_nothing(schedule, v):
+    pp, m = 4, 8
+    nc = pp * v
+    f, b, p2p = [1.0] * nc, [2.0] * nc, [0.5] * (nc - 1)
+    plain = simulate(schedule, pp, m, v, f, b, p2p)
+    same = simulate(schedule, pp, m, v, f, b, p2p, compression=Compression("all", tuple(p2p), (0.0,) * nc, (0.0,) * nc))
+    assert same.makespan_s == pytest.approx(plain.makespan_s)
+
+
+def test_compressed_transfers_shorten_a_link_bound_pipeline_and_kernels_cost():
+    pp, m, nc = 4, 8, 4
+    f, b, p2p = [1.0] * nc, [2.0] * nc, [3.0] * (nc - 1)
+    plain = simulate("1f1b", pp, m, 1, f, b, p2p).makespan_s
+    fast = Compression("all", (0.3,) * 3, (0.0,) * nc, (0.0,) * nc)
+    epi = dataclasses.replace(fast, mode="epilogue")
+    t_all = simulate("1f1b", pp, m, 1, f, b, p2p, compression=fast).makespan_s
+    t_epi = simulate("1f1b", pp, m, 1, f, b, p2p, compression=epi).makespan_s
+    assert t_all < t_epi < plain
+    # the cool-down alone: stage s's last p - s backward transfers save (3.0 - 0.3) each on the critical path
+    costly = dataclasses.replace(fast, send_s=(0.5,) * nc, recv_s=(0.5,) * nc)
+    assert simulate("1f1b", pp, m, 1, f, b, p2p, compression=costly).makespan_s > t_all
+
+
+def _cfg(**kw):
+    base = dict(dp=4, pp=4, tp=2, micro_batch_size=1, num_micro_batches=16, zero_stage=1, recompute="full")
+    base.update(kw)
+    return ParallelConfig(**base)
+
+
+def test_estimate_pipeline_compression_on_a_slow_link():
+    m = preset("gpt3-6.7b")
+    slow = _cluster("10 Gbit/s")
+    plain = estimate(_cfg(), m, slow)
+    epi = estimate(_cfg(pp_compression="epilogue"), m, slow)
+    every = estimate(_cfg(pp_compression="all"), m, slow)
+    assert every.breakdown_s["pp_comm"] < epi.breakdown_s["pp_comm"] < plain.breakdown_s["pp_comm"]
+    assert every.step_time_s < epi.step_time_s < plain.step_time_s
+    # what it keeps: the residual of each sending chunk and the factors
+    parts = dict(every.memory_by_stage[1].other_parts)
+    n, h = m.seq_length, m.hidden_size
+    assert parts["compression residuals"] == pytest.approx((n * h + 2 * (n + h) * 16) * m.dtype_bytes)
+    assert "compression residuals" not in dict(plain.memory_by_stage[1].other_parts)
+
+
+def test_estimate_dp_compression_where_the_reduction_crosses_slow_nics():
+    m = preset("gpt3-6.7b")
+    slow = _cluster("10 Gbit/s")
+    kw = dict(rank_order="tp-pp-dp")  # dp across the nodes' single NIC
+    plain = estimate(_cfg(**kw), m, slow)
+    all_stages = estimate(_cfg(dp_compression_stages=4, **kw), m, slow)
+    assert all_stages.breakdown_s["dp_comm"] < 0.5 * plain.breakdown_s["dp_comm"]
+    assert all_stages.breakdown_s["compute"] == plain.breakdown_s["compute"]
+    # error feedback: one more copy of the gradients, and a bucket copy
+    grow = all_stages.memory_by_stage[0].total - plain.memory_by_stage[0].total
+    assert grow == pytest.approx(dict(all_stages.memory_by_stage[0].other_parts)["powersgd error feedback"])
+    # on NVLink the compression kernels are not worth it
+    fast = _cluster("1600 Gbit/s")
+    assert estimate(_cfg(dp_compression_stages=4), m, fast).step_time_s >= estimate(_cfg(), m, fast).step_time_s
+
+
+def test_fused_embedding_sync_is_one_all_reduce_after_the_pipeline():
+    from autoconf.cost.compression import embedding_sync_s
+    from autoconf.cost.system import System
+    m = preset("gpt2-medium")  # tied embeddings
+    assert m.tied_embeddings
+    slow = _cluster("10 Gbit/s", nodes=2, gpus=4)
+    ctx = System(m, slow)
+    for order, fused_wins in (("tp-pp-dp", True), ("tp-dp-pp", False)):
+        c = ParallelConfig(dp=2, pp=4, tp=1, micro_batch_size=1, num_micro_batches=8, rank_order=order)
+        fc = dataclasses.replace(c, fused_embedding_sync=True)
+        # tp-pp-dp: first and last stage share a node, the replicas do not: two slow all-reduces (first/last,
+        # then dp) against one over 4 ranks; tp-dp-pp: first and last stage on different nodes, the replicas
+        # on one: fusing moves the replicas' reduction onto the slow link too
+        assert (embedding_sync_s(ctx, fc) < embedding_sync_s(ctx, c)) == fused_wins
+        plain, fused = estimate(c, m, slow), estimate(fc, m, slow)
+        assert fused.breakdown_s["compute"] == plain.breakdown_s["compute"]
+        assert plain.breakdown_s["dp_comm"] >= embedding_sync_s(ctx, c)
+        assert fused.breakdown_s["dp_comm"] >= embedding_sync_s(ctx, fc)
+
+
+def test_validity_and_frameworks():
+    m, tied = preset("gpt3-1.3b"), preset("gpt2")
+    assert "pp=1" in check(ParallelConfig(2, 1, 1, 1, 4, pp_compression="all"), m)
+    assert "zero_stage" in check(ParallelConfig(2, 2, 1, 1, 4, zero_stage=2, dp_compression_stages=1), m)
+    assert "from 0 to pp" in check(ParallelConfig(2, 2, 1, 1, 4, dp_compression_stages=3), m)
+    assert "dp=1" in check(ParallelConfig(1, 2, 1, 1, 4, dp_compression_stages=1), m)
+    assert check(ParallelConfig(2, 2, 1, 1, 4, fused_embedding_sync=True), tied) is None
+    with pytest.raises(UserError, match="framework megatron has no compressed pipeline gradients"):
+        estimate(ParallelConfig(2, 2, 1, 1, 4, pp_compression="all"), m, _cluster("10 Gbit/s"),
+                 framework="megatron")
+    c = ParallelConfig(2, 2, 1, 1, 4, pp_compression="epilogue", pp_compression_rank=8)
+    assert ParallelConfig.from_dict(c.to_dict()) == c
+    assert "pp_compression" not in ParallelConfig(2, 2, 1, 1, 4).to_dict()
+
+
+def test_search_picks_compression_on_a_slow_link_only():
+    from autoconf.search import search
+    m = preset("gpt3-1.3b")
+    kw = dict(top=3, storage=None, allow_compression=True, place=False)
+    slow = search(m, _cluster("1 Gbit/s", nodes=2, gpus=4), 32, **kw)
+    best = slow.top[0].config
+    assert best.compressed, best.short()
+    assert any("compresses its traffic" in n and "saved" in n for n in slow.notes)
+    assert any("change the numerics" in n for n in slow.notes)
+    plain = search(m, _cluster("1 Gbit/s", nodes=2, gpus=4), 32, top=1, storage=None, place=False)
+    assert not plain.top[0].config.compressed
+    assert slow.top[0].step_time_s < plain.top[0].step_time_s
+    fast = search(m, _cluster("1600 Gbit/s", nodes=2, gpus=4), 32, **kw)
+    assert not fast.top[0].config.compressed, fast.top[0].config.short()
+    with pytest.raises(UserError, match="--allow-compression: framework megatron"):
+        search(m, _cluster("1 Gbit/s", nodes=2, gpus=4), 32, framework="megatron", **kw)

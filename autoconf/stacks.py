@@ -106,6 +106,7 @@ def gaps(plan, name: str, version: str = "0.3") -> list[str]:
         out.append(f"torch.compile: {name} runs the model eagerly")
     if plan.model.is_moe:
         out += _moe_gaps(plan, name, version)
+    out += _compression_gaps(c, name)
     if name == "deepspeed":
         if c.cp > 1:
             out.append(f"context parallelism (cp={c.cp}): ds_config.json has none (DeepSpeed's Ulysses sequence "
@@ -119,6 +120,26 @@ def gaps(plan, name: str, version: str = "0.3") -> list[str]:
         if c.recompute == "selective":
             out.append("selective recomputation: DeepSpeed recomputes what the model wraps in "
                        "deepspeed.checkpointing.checkpoint (whole blocks); recompute the attention core there")
+    return out
+
+
+def _compression_gaps(c, name: str) -> list[str]:
+    """Optimus-CC's compressed traffic: only the reference trainer runs it."""
+    out = []
+    if c.pp_compression != "none":
+        out.append(f"compressed pipeline gradients (pp_compression {c.pp_compression}, rank {c.pp_compression_rank}): "
+                   f"{name} sends every activation gradient exactly, so the pipeline transfers take their full "
+                   "time (the plan's step time assumed them compressed)")
+    if c.dp_compression_stages:
+        alt = {"deepspeed": " (DeepSpeed's 1-bit Adam / 0/1 Adam compress through the optimizer instead: "
+                            "another algorithm, not priced here)",
+               "torchtitan": " (torch's powerSGD_hook needs a DDP module; torchtitan's data parallelism is "
+                             "FSDP2 or replicate without a comm-hook setting)"}.get(name, "")
+        out.append(f"PowerSGD on the data-parallel gradients of pipeline ranks 0..{c.dp_compression_stages - 1} "
+                   f"(rank {c.dp_compression_rank}): {name} reduces them exactly{alt}")
+    if c.fused_embedding_sync:
+        out.append(f"the fused embedding sync: {name} sums the tied embedding over the first and last stage, then "
+                   "over the replicas")
     return out
 
 

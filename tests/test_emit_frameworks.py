@@ -788,3 +788,23 @@ def test_megatron_attention_variants_parse_back_and_megatron_core_accepts_them(t
                                moe_router_topk=int(o["moe_router_topk"]), moe_router_score_function="sigmoid",
                                moe_router_enable_expert_bias=True)
     assert mla.multi_latent_attention
+
+
+def test_compressed_plans_keep_their_fields_and_other_frameworks_say_they_cannot(tmp_path):
+    from autoconf.plan import LaunchPlan, load
+    from autoconf.stacks import ds_config, gaps, megatron_file
+
+    c = cfg(dp=2, pp=2, micro_batch_size=1, num_micro_batches=4, pp_compression="epilogue", pp_compression_rank=8,
+            dp_compression_stages=1, dp_compression_rank=32)
+    plan = LaunchPlan(c, LLAMA, A100)
+    path = plan.write(str(tmp_path / "config.json"))
+    back = load(path).config
+    assert (back.pp_compression, back.pp_compression_rank, back.dp_compression_stages, back.dp_compression_rank) == (
+        "epilogue", 8, 1, 32)
+    assert gaps(plan, "reference") == []
+    for name in ("megatron", "torchtitan", "deepspeed"):
+        missing = gaps(plan, name)
+        assert [g for g in missing if g.startswith("compressed pipeline gradients (pp_compression epilogue, rank 8)")]
+        assert [g for g in missing if g.startswith("PowerSGD on the data-parallel gradients of pipeline ranks 0..0")]
+    assert "compressed pipeline gradients" in megatron_file(plan, "header\n")
+    assert any("PowerSGD" in n for n in ds_config(plan, "header\n")["_autoconf"]["notes"])

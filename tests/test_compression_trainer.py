@@ -175,27 +175,30 @@ def _stage_shapes(model, config, pp_rank: int) -> list:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("pp", [1, 2])
-def test_dp2_powersgd_payload(pp, tmp_path):
+@pytest.mark.parametrize("pp,model", [(1, TINY), (2, TINY_TIED)], ids=["pp1", "pp2-tied"])
+def test_dp2_powersgd_payload(pp, model, tmp_path):
     """dp_compression_stages=1: pipeline rank 0 runs torch's PowerSGD (plain all-reduces for two
     steps, then the exact part + Ps + Qs of ``powersgd_split``); other pipeline ranks all-reduce
-    exactly."""
+    exactly, and so does every rank its tied embedding (its own bucket, after the pipeline)."""
     rank = 4
     config = cfg(dp=2, pp=pp, mbs=2, dp_compression_stages=1, dp_compression_rank=rank)
-    res = _run(TINY, config, tmp_path, f"dpc-pp{pp}")
+    res = _run(model, config, tmp_path, f"dpc-pp{pp}")
     assert all(math.isfinite(v) for v in res.losses)
-    plain = _run(TINY, cfg(dp=2, pp=pp, mbs=2), tmp_path, f"dp-pp{pp}")
+    plain = _run(model, cfg(dp=2, pp=pp, mbs=2), tmp_path, f"dp-pp{pp}")
     assert res.losses[:2] == pytest.approx(plain.losses[:2], rel=1e-6)  # plain all-reduces first
     assert res.losses == pytest.approx(plain.losses, abs=2e-2)
+    tied = model.vocab_size * model.hidden_size if model.tied_embeddings and pp > 1 else 0
     for r in res.per_rank:
         pp_rank = r["coords"]["pp"]
-        shapes = _stage_shapes(TINY, config, pp_rank)
-        full = sum(math.prod(s) for s in shapes) * F32
+        shapes = _stage_shapes(model, config, pp_rank)
+        if tied:
+            shapes.remove((model.vocab_size, model.hidden_size))
+        full = sum(math.prod(s) for s in shapes) * F32 + tied * F32
         exact, ps, qs, mats = powersgd_split(shapes, rank)
         assert mats, "nothing compressible at this rank: the test would prove nothing"
         per_step = [s["dp_payload"] for s in r["comm_bytes_per_step"]]
         if pp_rank == 0:
-            assert per_step == [full, full] + [(exact + ps + qs) * F32] * (STEPS - 2), (per_step, full)
+            assert per_step == [full, full] + [(exact + ps + qs + tied) * F32] * (STEPS - 2), (per_step, full)
         else:
             assert per_step == [full] * STEPS
 

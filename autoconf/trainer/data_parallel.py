@@ -81,8 +81,9 @@ class GradSync:
     def size(self) -> int:
         return len(self.ranks)
 
-    def launch(self, params) -> None:
-        """Start reducing these parameters' gradients (they must be final)."""
+    def launch(self, params, exact: bool = False) -> None:
+        """Start reducing these parameters' gradients (they must be final); ``exact``: never through
+        PowerSGD (tied embeddings: their copies on the first and last stage must stay equal)."""
         import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors
 
@@ -100,7 +101,7 @@ class GradSync:
         self._land_pending()
         if self.zero_stage < 2:
             flat = _flatten_dense_tensors([p.grad for p in with_grad])
-            if self.powersgd is not None:
+            if self.powersgd is not None and not exact:
                 self.pending.append((self._powersgd_launch(flat, with_grad), flat, with_grad, None))
                 return
             self.payload_bytes += flat.numel() * flat.element_size()
@@ -296,7 +297,7 @@ class ExpertGradSync:
         self.experts = GradSync(expert, zero_stage, groups.edp, groups.edp_ranks, groups.edp_ranks.index(groups.rank),
                                 divisor=len(groups.grad_ranks))
 
-    def launch(self, params) -> None:
+    def launch(self, params, exact: bool = False) -> None:
         params = list(params)
         self.dense.launch([p for p in params if id(p) not in self.expert_ids])
         self.experts.launch([p for p in params if id(p) in self.expert_ids])

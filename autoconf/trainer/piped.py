@@ -97,8 +97,8 @@ class Piped:
             else:
                 dist.all_reduce(p.grad, group=self.groups.embedding)
         if self.grad_sync is not None:
-            if not self.fused:
-                self.grad_sync.launch(self.tied)
+            if not self.fused:  # exactly, also under PowerSGD: both copies of the weight get the same update
+                self.grad_sync.launch(self.tied, exact=True)
             self.grad_sync.finish()
             if self.fused and self.config.zero_stage == 2:  # ZeRO-2: only the owner keeps a gradient
                 for p in self.tied:

@@ -94,13 +94,15 @@ def _plan(plan_or_path) -> LaunchPlan:
 
 def run_trial(plan_or_path, steps: int = 6, warmup: int = 2, timeout_s: float = 300.0,
               nproc: int | None = None, env_extra: dict | None = None, step_timeout_s: float | None = None,
-              out_dir: str | None = None, keep: bool = False, speed_probe: bool = False) -> TrialResult:
+              out_dir: str | None = None, keep: bool = False, speed_probe: bool = False,
+              data_file: str | None = None) -> TrialResult:
     """Run the configuration for ``steps`` steps (``warmup`` of them untimed) under torchrun.
 
     ``nproc`` defaults to the configuration's world size. ``step_timeout_s`` (default: ``timeout_s``)
     bounds each step and every collective inside the trainer. Output goes to ``out_dir`` (a
     temporary directory, removed unless ``keep``, when not given). ``speed_probe``: time the
-    profile's reference block after every timed step (see ``speed_vs_profile``).
+    profile's reference block after every timed step (see ``speed_vs_profile``). ``data_file``:
+    train on that file's bytes as tokens (the trainer's ``--data-file``).
     """
     plan = _plan(plan_or_path)
     config = plan.config
@@ -115,7 +117,8 @@ def run_trial(plan_or_path, steps: int = 6, warmup: int = 2, timeout_s: float = 
         out_dir = tmp.name
     os.makedirs(out_dir, exist_ok=True)
     try:
-        return _launch(plan, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s, speed_probe)
+        return _launch(plan, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s, speed_probe,
+                       data_file)
     finally:
         with procs.deferred_signals():  # a second Ctrl-C cannot leave the directory behind
             if tmp is not None and not keep:
@@ -123,11 +126,12 @@ def run_trial(plan_or_path, steps: int = 6, warmup: int = 2, timeout_s: float = 
 
 
 def _launch(plan, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, step_timeout_s,
-            speed_probe=False) -> TrialResult:
+            speed_probe=False, data_file=None) -> TrialResult:
     cfg_path = plan.write(os.path.join(out_dir, "config.json"))
     script = (["-m", "autoconf.trainer", "--config", cfg_path, "--out", out_dir, "--steps", str(steps),
                "--warmup", str(warmup), "--step-timeout", str(step_timeout_s)]
-              + (["--speed-probe"] if speed_probe else []))
+              + (["--speed-probe"] if speed_probe else [])
+              + (["--data-file", os.path.abspath(data_file)] if data_file else []))
     cmd = torchrun_argv(script, nproc, launcher=python_torchrun())
     env = dict(os.environ)
     env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",

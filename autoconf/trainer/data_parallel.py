@@ -45,7 +45,7 @@ class GradSync:
     """Averages gradients over the data-parallel group, one asynchronous bucket at a time."""
 
     def __init__(self, params, zero_stage: int, group, group_ranks: list[int], my_index: int, all_reduce=None,
-                 divisor: int | None = None):
+                 divisor: int | None = None, powersgd=None):
         self.zero_stage = zero_stage
         self.divisor = divisor or len(group_ranks)
         """What the summed gradients are divided by: the group's size, or (expert parameters, reduced
@@ -68,13 +68,22 @@ class GradSync:
         self.in_flight = []  # (work, flat, params, owner)
         self.acc: dict[int, object] = {}  # id(p) -> summed reduced gradient (owned parameters only)
         self.grad_scale = 1
+        self.payload_bytes = 0
+        """Bytes handed to this sync's collectives since the last :meth:`take_payload` (the flat
+        all-reduce / reduce buffers; under PowerSGD its exact part + Ps + Qs)."""
+        self.powersgd = powersgd
+        """torch's ``PowerSGDState`` (``compression.powersgd_state``) when ZeRO-0/1's all-reduce is
+        compressed (config ``dp_compression_stages``), else None."""
+        self._bucket_ids: dict = {}  # PowerSGD bucket index: the launch's parameters, stable over steps
+        self._launched = False
 
     @property
     def size(self) -> int:
         return len(self.ranks)
 
-    def launch(self, params) -> None:
-        """Start reducing these parameters' gradients (they must be final)."""
+    def launch(self, params, exact: bool = False) -> None:
+        """Start reducing these parameters' gradients (they must be final); ``exact``: never through
+        PowerSGD (tied embeddings: their copies on the first and last stage must stay equal)."""
         import torch.distributed as dist
         from torch._utils import _flatten_dense_tensors
 
@@ -92,6 +101,10 @@ class GradSync:
         self._land_pending()
         if self.zero_stage < 2:
             flat = _flatten_dense_tensors([p.grad for p in with_grad])
+            if self.powersgd is not None and not exact:
+                self.pending.append((self._powersgd_launch(flat, with_grad), flat, with_grad, None))
+                return
+            self.payload_bytes += flat.numel() * flat.element_size()
             if self.all_reduce is not None:  # on a worker thread, as the flat one runs on gloo's
                 work = self.all_reduce.start(flat)
             else:
@@ -111,10 +124,35 @@ class GradSync:
             mine = [p for p in params if self.owner[id(p)] == o]
             if mine:
                 flat = _flatten_dense_tensors([p.grad for p in mine])
+                self.payload_bytes += flat.numel() * flat.element_size()
                 if drop:
                     for p in mine:
                         p.grad = None
                 out.append((dist.reduce(flat, dst=self.ranks[o], group=self.group, async_op=True), flat, mine, o))
+        return out
+
+    def _powersgd_launch(self, flat, params):
+        """torch's ``powerSGD_hook`` on this bucket (:class:`compression.PowerSGDBucket`); a work
+        whose wait leaves the averaged gradients in ``flat``. Counts the payload as the hook sends it:
+        the whole buffer in its plain steps, else its exact part + Ps + Qs (the elements the hook
+        adds to ``total_numel_after_compression``)."""
+        from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
+
+        from .compression import PowerSGDBucket
+
+        state = self.powersgd
+        index = self._bucket_ids.setdefault(tuple(id(p) for p in params), len(self._bucket_ids))
+        plain = state.iter < state.start_powerSGD_iter
+        before = state.total_numel_after_compression
+        fut = powerSGD_hook(state, PowerSGDBucket(index, flat, params))
+        elements = flat.numel() if plain else state.total_numel_after_compression - before
+        self.payload_bytes += elements * flat.element_size()
+        self._launched = True
+        return _Averaged(fut)
+
+    def take_payload(self) -> int:
+        """The payload bytes counted since the last call (reset)."""
+        out, self.payload_bytes = self.payload_bytes, 0
         return out
 
     def reduce_every_backward(self, buckets, grad_scale: int = 1) -> bool:
@@ -195,6 +233,11 @@ class GradSync:
                 acc = self.acc.pop(id(p), None)
                 p.grad = None if acc is None else acc.div_(self.divisor * self.grad_scale)
         self._land_pending()
+        if self.powersgd is not None and self._launched:  # the step's buckets have landed
+            from .compression import end_step
+
+            end_step(self.powersgd)
+            self._launched = False
 
     def _land_pending(self) -> None:
         """Wait for the launched reductions and write the averaged gradients back (ZeRO-2: only
@@ -207,7 +250,8 @@ class GradSync:
                 for p in params:
                     p.grad = None
                 continue
-            flat.div_(self.divisor)
+            if not isinstance(work, _Averaged):
+                flat.div_(self.divisor)
             for p, g in zip(params, _unflatten_dense_tensors(flat, [p.grad for p in params])):
                 p.grad.copy_(g)
         self.pending = []
@@ -218,8 +262,24 @@ def grad_sync(params, config, groups):
     with expert parallelism."""
     if getattr(config, "ep", 1) > 1:
         return ExpertGradSync(params, config.zero_stage, groups, all_reduce=groups.dp_all_reduce)
+    powersgd = None
+    if groups.pp_rank < getattr(config, "dp_compression_stages", 0) and len(groups.grad_ranks) > 1:
+        from .compression import powersgd_state
+
+        powersgd = powersgd_state(groups.grad, config.dp_compression_rank)
     return GradSync(params, config.zero_stage, groups.grad, groups.grad_ranks, groups.grad_rank,
-                    all_reduce=groups.dp_all_reduce)
+                    all_reduce=groups.dp_all_reduce, powersgd=powersgd)
+
+
+class _Averaged:
+    """A PowerSGD future as a work: ``wait()`` leaves the averaged gradients in the bucket's buffer
+    (the hook divides by the group's size itself)."""
+
+    def __init__(self, fut):
+        self.fut = fut
+
+    def wait(self):
+        return self.fut.wait()
 
 
 class ExpertGradSync:
@@ -237,13 +297,16 @@ class ExpertGradSync:
         self.experts = GradSync(expert, zero_stage, groups.edp, groups.edp_ranks, groups.edp_ranks.index(groups.rank),
                                 divisor=len(groups.grad_ranks))
 
-    def launch(self, params) -> None:
+    def launch(self, params, exact: bool = False) -> None:
         params = list(params)
         self.dense.launch([p for p in params if id(p) not in self.expert_ids])
         self.experts.launch([p for p in params if id(p) in self.expert_ids])
 
     def reduce_every_backward(self, buckets, grad_scale: int = 1) -> bool:
         return False
+
+    def take_payload(self) -> int:
+        return self.dense.take_payload() + self.experts.take_payload()
 
     def finish(self) -> None:
         self.dense.finish()

@@ -33,6 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--speed-probe", action="store_true",
                    help="after every step, each rank in turn times one block's forward+backward at micro-batch "
                    "size 1 (the profile's reference measurement): how fast this machine runs right now")
+    p.add_argument("--data-file", default=None, metavar="PATH",
+                   help="train on this file's bytes as tokens (vocab >= 256): each step's global batch is windows "
+                   "of seq_length + 1 bytes at offsets drawn from (seed, step), whatever the split")
     p.add_argument("--step-timeout", type=float, default=300.0,
                    help="seconds allowed for rendezvous, each step and each collective")
     return p.parse_args(argv)

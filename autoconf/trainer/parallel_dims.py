@@ -72,6 +72,19 @@ class ParallelDims:
         """First and last pipeline rank of each pipeline (for tied embeddings); pp > 1 only."""
         return [[g[0], g[-1]] for g in self.groups("pp")] if self.pp > 1 else []
 
+    def fused_embedding_groups(self) -> list[list[int]]:
+        """Every first- and last-stage rank of every dp x cp replica, one group per tensor-parallel
+        rank (config ``fused_embedding_sync``: the tied embedding's sum over both stages and over
+        the replicas in one all-reduce); pp > 1 only."""
+        if self.pp == 1:
+            return []
+        by_tp: dict = {}
+        for r in range(self.world_size):
+            c = self.coords(r)
+            if c["pp"] in (0, self.pp - 1):
+                by_tp.setdefault(c["tp"], []).append(r)
+        return [sorted(v) for _, v in sorted(by_tp.items())]
+
 
 @dataclass
 class Groups:
@@ -107,6 +120,10 @@ class Groups:
     edp: object = None
     """This rank's expert-data-parallel group: the ranks holding the same experts (ep > 1 only)."""
     edp_ranks: list | None = None
+    embedding_fused: object = None
+    """This rank's fused embedding group (``ParallelDims.fused_embedding_groups``; first and last
+    stage ranks with fused_embedding_sync only)."""
+    embedding_fused_ranks: list | None = None
 
     @property
     def tp_rank(self) -> int:
@@ -130,9 +147,10 @@ class Groups:
         return self.grad_ranks.index(self.rank)
 
 
-def build_groups(dims: ParallelDims, rank: int, timeout) -> Groups:
+def build_groups(dims: ParallelDims, rank: int, timeout, fused_embedding: bool = False) -> Groups:
     """Create every group of every axis (all ranks must call ``new_group`` in the same order) and
-    keep the ones this rank belongs to."""
+    keep the ones this rank belongs to; ``fused_embedding``: also the fused embedding groups (last,
+    so the others keep their order)."""
     import torch.distributed as dist
 
     mine = {}
@@ -159,6 +177,11 @@ def build_groups(dims: ParallelDims, rank: int, timeout) -> Groups:
                 g = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
                     ep[name], ep[name + "_ranks"] = g, list(ranks)
+    if fused_embedding:
+        for ranks in dims.fused_embedding_groups():
+            g = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                ep["embedding_fused"], ep["embedding_fused_ranks"] = g, list(ranks)
     return Groups(dims=dims, rank=rank, coords=dims.coords(rank), **ep,
                   tp=mine["tp"][0], dp=mine["dp"][0], pp=mine["pp"][0],
                   tp_ranks=mine["tp"][1], dp_ranks=mine["dp"][1], pp_ranks=mine["pp"][1],

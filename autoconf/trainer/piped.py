@@ -49,8 +49,23 @@ class Piped:
         def loss_fn(logits, target):
             return gpt.vocab_parallel_cross_entropy(logits, target, model, tp_group)
 
+        from .compression import CommCounter, stage_compression
+
+        self.comm = CommCounter()
+        self.fused = config.fused_embedding_sync and bool(self.tied)
+
+        def configure(stage):
+            if config.pp_compression == "none":
+                stage.configure(self.comm)
+                return
+            send, recv = stage_compression(config.schedule, config.pp, config.num_micro_batches,
+                                           config.virtual_stages, config.pp_compression, stage.stage_index)
+            # the same seed on every tensor-parallel rank: replicated gradients stay identical
+            stage.configure(self.comm, send, recv, config.pp_compression_rank,
+                            seed=common.get("seed", 0) * 1_000_003 + stage.stage_index)
+
         self.sched, self.stages = build_schedule(self.chunks, config.schedule, n, config.num_micro_batches,
-                                                 groups.pp, device, loss_fn, self._grads_final)
+                                                 groups.pp, device, loss_fn, self._grads_final, configure)
         self._torch = torch
 
     def modules(self):
@@ -75,14 +90,32 @@ class Piped:
 
         losses = run_step(self.sched, self.is_first, self.is_last, x, y)
         for p in self.tied:  # embedding (first stage) + output layer (last stage): one weight
-            dist.all_reduce(p.grad, group=self.groups.embedding)
+            self.comm.embedding_payload += p.grad.numel() * p.grad.element_size()
+            if self.fused:  # over both stages and every dp x cp replica at once: the average
+                dist.all_reduce(p.grad, group=self.groups.embedding_fused)
+                p.grad.div_(len(self.groups.grad_ranks))
+            else:
+                dist.all_reduce(p.grad, group=self.groups.embedding)
         if self.grad_sync is not None:
-            self.grad_sync.launch(self.tied)
+            if not self.fused:  # exactly, also under PowerSGD: both copies of the weight get the same update
+                self.grad_sync.launch(self.tied, exact=True)
             self.grad_sync.finish()
+            if self.fused and self.config.zero_stage == 2:  # ZeRO-2: only the owner keeps a gradient
+                for p in self.tied:
+                    if self.grad_sync.owner[id(p)] != self.groups.grad_rank:
+                        p.grad = None
         if self.partitioned:
             for c in self.chunk_ids:
                 self.sp[c](self.chunks[c])
         return [float(loss) for loss in losses]
+
+
+    def comm_bytes(self) -> dict:
+        """This step's bytes (``compression.CommCounter.snapshot``), then the counts restart."""
+        snap = self.comm.snapshot()
+        snap["dp_payload"] = self.grad_sync.take_payload() if self.grad_sync is not None else None
+        self.comm.reset()
+        return snap
 
 
 def _units(mod) -> list:

@@ -44,13 +44,20 @@ def make_stage_class():
 
 
 def build_schedule(chunks: dict, schedule: str, num_chunks: int, num_micro_batches: int, pp_group,
-                   device, loss_fn, on_grads_final=None):
-    """Wrap this rank's chunk modules ({chunk index: module}) in stages and a schedule."""
-    stage_cls = make_stage_class()
+                   device, loss_fn, on_grads_final=None, configure=None):
+    """Wrap this rank's chunk modules ({chunk index: module}) in stages and a schedule.
+
+    The stages count their sends and can compress their backward sends
+    (``compression.make_compressing_stage``): ``configure(stage)`` sets that up per stage."""
+    from .compression import make_compressing_stage
+
+    stage_cls = make_compressing_stage(make_stage_class())
     stages = []
     for idx in sorted(chunks):
         st = stage_cls(chunks[idx], idx, num_chunks, device, group=pp_group)
         st.on_grads_final = on_grads_final
+        if configure is not None:
+            configure(st)
         stages.append(st)
     cls = _schedule_class(schedule)
     if schedule in ("gpipe", "1f1b"):

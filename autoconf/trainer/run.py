@@ -58,7 +58,7 @@ def setup(config: ParallelConfig, timeout_s: float):
         rank = Placement.of(config, 0).rank_on(int(os.environ["RANK"]))
         dist.init_process_group(backend, timeout=timeout, store=_store(world, timeout), rank=rank,
                                 world_size=world)
-    groups = build_groups(dims, rank, timeout)
+    groups = build_groups(dims, rank, timeout, fused_embedding=config.fused_embedding_sync and config.pp > 1)
     if config.dp_all_reduce == "hierarchical" and config.dp * config.cp > 1:
         add_hierarchical(groups, rank, timeout)
     return device, backend, groups
@@ -122,6 +122,36 @@ def refuse_moe(model: ModelSpec, config: ParallelConfig) -> None:
                            "(expert gradients are reduced over their own group): use zero_stage 0 or 1")
 
 
+def refuse_compression(model: ModelSpec, config: ParallelConfig) -> None:
+    """The compression combinations this trainer cannot run, as a TrainerError (one line)."""
+    if config.dp_compression_stages and config.ep > 1:
+        raise TrainerError(f"dp_compression_stages={config.dp_compression_stages} with ep={config.ep} is not "
+                           "supported by this trainer: use ep 1")
+    if config.dp_compression_stages and config.zero_stage > 1:
+        raise TrainerError(f"dp_compression_stages={config.dp_compression_stages} compresses ZeRO-0/1's all-reduce: "
+                           f"zero_stage={config.zero_stage} is not supported")
+
+
+def token_data(args, model: ModelSpec):
+    """The ``--data-file``'s bytes as tokens (None: synthetic tokens); a TrainerError (one line) when
+    the vocabulary cannot hold a byte or the file is shorter than one sequence."""
+    path = getattr(args, "data_file", None)
+    if path is None:
+        return None
+    from . import data
+
+    if model.vocab_size < 256:
+        raise TrainerError(f"--data-file: token ids are bytes (0..255): vocab_size={model.vocab_size} must be >= 256")
+    try:
+        tokens = data.load_bytes(path)
+    except OSError as e:
+        raise TrainerError(f"--data-file {path}: {e.strerror or e}") from None
+    if tokens.numel() < model.seq_length + 1:
+        raise TrainerError(f"--data-file {path}: {tokens.numel()} bytes, a sequence needs seq_length + 1 = "
+                           f"{model.seq_length + 1}")
+    return tokens
+
+
 def chunk_layers(model: ModelSpec, config: ParallelConfig) -> list[list[int]]:
     """Global layer indices of each pipeline chunk: the placement's ``stage_layers``, else as even
     as possible (``placement.Placement.chunk_layers``)."""
@@ -141,6 +171,8 @@ def train(args, rank: int, watchdog) -> dict:
                            "(FSDP2 cannot shard one weight used by two units)")
     refuse_cp(model, config)
     refuse_moe(model, config)
+    refuse_compression(model, config)
+    tokens = token_data(args, model)
     watchdog.start("rendezvous")
     device, backend, groups = setup(config, args.step_timeout)
     watchdog.stop()
@@ -161,13 +193,14 @@ def train(args, rank: int, watchdog) -> dict:
     optimizer, tracked_opt = _make_optimizer(runner, config, groups, data_parallel)
 
     a2a = []  # per step: the MoE all-to-all bytes this rank sent (autoconf.moe.A2A_BYTES)
+    comm = []  # per step: runner.comm_bytes()
     steps, warmup = args.steps, args.warmup
     mem_step = min(1, steps - 1) if warmup >= 2 or steps == 1 else steps - 1
     losses, step_times, timed, probes = [], [], [], []
     peak, breakdown, method = None, {}, ""
     for step in range(steps):
         x, y = data.replica_batch(step, config.global_batch, model.seq_length, model.vocab_size, seed,
-                                  groups.dp_rank, config.dp)
+                                  groups.dp_rank, config.dp, tokens)
         x, y = data.cp_shard(x, y, config.cp, groups.cp_rank)
         x, y = x.to(device), y.to(device)
         watchdog.start(f"step {step}")
@@ -193,6 +226,7 @@ def train(args, rank: int, watchdog) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step_times.append(time.perf_counter() - t0)
+        comm.append(runner.comm_bytes())
         if model.is_moe:
             a2a.append(dict(moe.A2A_BYTES))
         timed.append(step >= warmup and step != mem_step)
@@ -216,6 +250,13 @@ def train(args, rank: int, watchdog) -> dict:
         # (autoconf.moe.A2A_BYTES): the last step's, and every step's (under pp the first step's also
         # hold torch.distributed.pipelining's metadata inference through each stage)
         "moe_a2a_bytes": a2a[-1] if a2a else None, "moe_a2a_bytes_per_step": a2a or None,
+        # bytes this rank handed to communication in a step (trainer.compression.CommCounter): "pp_send":
+        # {peer global rank: {"forward": activation bytes, "backward": gradient bytes (P + Q when
+        # compressed)}} of the pipeline's data isends (not torch's first-step metadata objects);
+        # "dp_payload": the data-parallel gradient collectives' buffers (ZeRO-0/1 all-reduce, ZeRO-2
+        # reduces; PowerSGD: exact part + Ps + Qs; None under ZeRO-3); "embedding_payload": the tied
+        # embedding's sync. The last step's, and every step's.
+        "comm_bytes": comm[-1] if comm else None, "comm_bytes_per_step": comm,
     }
 
 

@@ -65,6 +65,13 @@ class SingleStage:
         return losses
 
 
+    def comm_bytes(self) -> dict:
+        """This step's bytes (the keys of ``compression.CommCounter.snapshot``; no pipeline sends, no
+        embedding sync), then the counts restart."""
+        return {"pp_send": {}, "dp_payload": self.grad_sync.take_payload() if self.grad_sync is not None else None,
+                "embedding_payload": 0}
+
+
 class _Hooks(Hooks):
     def __init__(self, runner: SingleStage):
         self.r = runner

@@ -120,6 +120,26 @@ def _pp_bytes_closed_form(config, model, pp_rank: int, peer_pp_rank: int, direct
     return total
 
 
+def _check_model_bytes(result, config, model):
+    """The cost model's bytes per step (``compression.step_bytes``) are what each rank counted."""
+    from autoconf.cluster import cluster_from_mapping
+    from autoconf.cost.compression import step_bytes
+    from autoconf.cost.layout import layout
+    from autoconf.cost.system import System
+
+    cluster = cluster_from_mapping({"name": "cpu", "node_groups": [{
+        "count": 1, "device": "cpu", "gpus_per_node": config.world_size, "intra_node_bandwidth": "4 GB/s",
+        "memory": "4 GiB", "nics": {"count": 1, "bandwidth": "1 Gbit/s", "kind": "loopback"}}]})
+    ctx = System(model, cluster)
+    want = step_bytes(ctx, config, layout(ctx, config))
+    for r in result.per_rank:
+        got, pred = r["comm_bytes"], want[r["coords"]["pp"]]
+        assert sum(p["forward"] for p in got["pp_send"].values()) == pred["forward"], (got, pred)
+        assert sum(p["backward"] for p in got["pp_send"].values()) == pred["backward"], (got, pred)
+        assert got["dp_payload"] == pred["dp_payload"], (got, pred)
+        assert got["embedding_payload"] == pred["embedding_payload"], (got, pred)
+
+
 def _check_pp_bytes(result, config, model):
     for rank, r in _by_rank(result).items():  # dp = tp = 1: global rank = pipeline rank
         cb = r["comm_bytes"]
@@ -145,6 +165,7 @@ def test_pp2_1f1b_compressed_backward(mode, tmp_path):
     if mode == "all":
         assert res.losses[1:] != plain.losses[1:]  # lossy: it did change the numerics
     _check_pp_bytes(res, config, TINY)
+    _check_model_bytes(res, config, TINY)
     sends = compressed_sends("1f1b", 2, config.num_micro_batches, 1, mode)
     n, m = 2 * TINY.seq_length, TINY.hidden_size
     back = _by_rank(res)[1]["comm_bytes"]["pp_send"]["0"]["backward"]
@@ -159,6 +180,7 @@ def test_pp2_interleaved_v2_all_compressed(tmp_path):
     assert res.losses[0] == pytest.approx(plain.losses[0], rel=1e-6)
     assert res.losses == pytest.approx(plain.losses, abs=2e-2)
     _check_pp_bytes(res, config, TINY)
+    _check_model_bytes(res, config, TINY)
 
 
 def _stage_shapes(model, config, pp_rank: int) -> list:
@@ -201,6 +223,7 @@ def test_dp2_powersgd_payload(pp, model, tmp_path):
             assert per_step == [full, full] + [(exact + ps + qs + tied) * F32] * (STEPS - 2), (per_step, full)
         else:
             assert per_step == [full] * STEPS
+    _check_model_bytes(res, config, model)
 
 
 @pytest.mark.e2e
@@ -213,6 +236,7 @@ def test_fused_embedding_sync_is_lossless(tmp_path):
         assert r["comm_bytes"]["embedding_payload"] == v * h * F32
         full = sum(math.prod(s) for s in _stage_shapes(TINY_TIED, config, r["coords"]["pp"])) * F32
         assert r["comm_bytes"]["dp_payload"] == full - v * h * F32
+    _check_model_bytes(res, config, TINY_TIED)
 
 
 # -- --data-file ----------------------------------------------------------------------------------------

@@ -206,21 +206,72 @@ def dp_compressed(c, dev: int) -> bool:
     return dev < c.dp_compression_stages
 
 
+def powersgd_buckets(system, c, lay, ci: int) -> list:
+    """The parameter shapes of each bucket chunk ``ci``'s gradients go in under PowerSGD, as the
+    reference trainer forms them: one bucket per chunk (pp = 1 with layered accumulation: one per
+    unit, reduced as each unit finishes), the tied embedding's copies left out (pp > 1: they are
+    reduced exactly after the pipeline, :func:`embedding_sync_s`)."""
+    units = unit_shapes(system, c, lay, ci, tied=False)
+    if c.pp == 1 and c.layered_grad_accum:
+        return units
+    return [[s for u in units for s in u]]
+
+
 def powersgd_reduction_s(system, c, lay, ci: int, kinds, links, n: int) -> float:
-    """Chunk ``ci``'s gradient reduction under PowerSGD: per bucket (unit) three all-reduces in a
-    row (the exact part, the Ps, the Qs, each waiting for the one before: the hook chains them)
-    and its kernels; the buckets follow one another."""
+    """Chunk ``ci``'s gradient reduction under PowerSGD: per bucket three all-reduces in a row
+    (the exact part, the Ps, the Qs, each waiting for the one before: the hook chains them) and
+    its kernels; the buckets follow one another (the trainer keeps one in flight)."""
     from . import comm
     from .data_parallel import all_reduce_algorithms
     from .tensor_parallel import collective_s
     eb = system.grad_bytes
     algos = all_reduce_algorithms(system, c, comm.all_reduce_s)
     t = 0.0
-    for shapes in unit_shapes(system, c, lay, ci, tied=False):
+    for shapes in powersgd_buckets(system, c, lay, ci):
         exact, ps, qs, kern = powersgd_bucket(system, kinds, shapes, c.dp_compression_rank)
         t += kern + sum(collective_s(system, links, comm.all_reduce_s, n, x * eb, algos)
-                        for x in (exact, ps, qs))
+                        for x in (exact, ps, qs) if x)
     return t
+
+
+def step_bytes(system, c, lay) -> list:
+    """Per pipeline rank, the bytes one step hands to the network, as the reference trainer counts
+    them (its ``comm_bytes``): ``forward`` (activations sent to the next stage), ``backward``
+    (gradients, or their factors, sent to the previous one), ``dp_payload`` (what its gradient
+    collectives are given: the buffers of an exact reduction, PowerSGD's exact part + Ps + Qs),
+    ``embedding_payload`` (the tied weight handed to its sync). The pipeline bytes are a tp rank's
+    (with sequence parallelism its shard)."""
+    from .data_parallel import grad_group, tied_params
+    from .schedule_time import boundary_bytes
+    mb = c.num_micro_batches
+    act = boundary_bytes(system, c)
+    n, m = gradient_matrix(system, c)
+    r = effective_rank(n, m, c.pp_compression_rank)
+    eb = system.model.dtype_bytes
+    per_chunk = sends_per_chunk(lay.schedule, c.pp, mb, lay.virtual_stages, c.pp_compression) \
+        if c.pp > 1 else (0,) * lay.num_chunks
+    out = []
+    for dev in range(c.pp):
+        chunks = list(lay.chunks_of(c, dev))
+        fwd = sum(mb * act for ci in chunks if ci < lay.num_chunks - 1)
+        bwd = sum((mb - per_chunk[ci]) * act + per_chunk[ci] * low_rank_elements(n, m, r) * eb
+                  for ci in chunks if ci > 0)
+        dp = 0.0
+        if grad_group(c)[0] > 1 and c.zero_stage < 3:
+            for ci in chunks:
+                if dp_compressed(c, dev):
+                    for shapes in powersgd_buckets(system, c, lay, ci):
+                        exact, ps, qs, _ = powersgd_split(shapes, c.dp_compression_rank)
+                        dp += (exact + ps + qs) * system.grad_bytes
+                else:
+                    dp += (lay.chunk_params[ci] - tied_params(system, c, ci)) * system.grad_bytes
+        emb = 0.0
+        if system.model.tied_embeddings and c.pp > 1 and (dev == 0 or dev == (lay.num_chunks - 1) % c.pp):
+            emb = tied_bytes(system, c)
+            if not c.fused_embedding_sync and grad_group(c)[0] > 1 and c.zero_stage < 3:
+                dp += emb
+        out.append({"forward": fwd, "backward": bwd, "dp_payload": dp, "embedding_payload": emb})
+    return out
 
 
 def tied_bytes(system, c) -> float:

@@ -19,6 +19,7 @@ import math
 
 from ..config import ParallelConfig
 from . import comm
+from .compression import dp_compressed, powersgd_reduction_s
 from .layout import Layout
 from .memory import BUCKET_BYTES
 from .system import System
@@ -76,7 +77,6 @@ def tied_params(system: System, c: ParallelConfig, ci: int) -> float:
 def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds, dev: int = 0) -> float:
     """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic (PowerSGD's
     three all-reduces per bucket where pipeline rank ``dev`` compresses its gradients)."""
-    from .compression import dp_compressed, powersgd_reduction_s
     g_bytes = system.grad_bytes
     n, axis = grad_group(c)
     if dp_compressed(c, dev):
@@ -190,7 +190,10 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
         spans = []
         for ci in sorted(lay.chunks_of(c, dev), key=lambda ci: ends[ci]):
             t = _reduction(system, c, lay, red, ci, lay.stage_kinds[dev], dev)
-            if lay.overlap_grad_reduce:
+            if dp_compressed(c, dev):  # one bucket per chunk (the trainer's PowerSGD), once it is final
+                start = max(t_free, ends[ci] if lay.overlap_grad_reduce else makespan)
+                t_free = start + t
+            elif lay.overlap_grad_reduce:
                 start = max(t_free, ends[ci] - bwd[ci] * (1 - 1 / max(lay.chunk_layers[ci], 1)))
                 t_free = max(start + t, ends[ci] + collective_s(system, links, red, n, last_bucket,
                                                                 all_reduce_algorithms(system, c, red)))

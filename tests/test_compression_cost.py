@@ -193,3 +193,26 @@ def test_search_picks_compression_on_a_slow_link_only():
     assert not fast.top[0].config.compressed, fast.top[0].config.short()
     with pytest.raises(UserError, match="--allow-compression: framework megatron"):
         search(m, _cluster("1 Gbit/s", nodes=2, gpus=4), 32, framework="megatron", **kw)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["estimate", "--dp", "2", "--pp", "2", "--dp-compression-stages", "3"], "dp_compression_stages=3 must be an integer"),
+    (["estimate", "--dp", "2", "--pp", "1", "--pp-compression", "all"], "pp=1 has none"),
+    (["estimate", "--dp", "2", "--pp", "2", "--pp-compression", "most"], "invalid choice: 'most'"),
+    (["estimate", "--dp", "2", "--pp", "2", "--pp-compression-rank", "0"], "--pp-compression-rank"),
+    (["search", "--storage", "none", "--allow-compression", "--framework", "megatron"],
+     "--allow-compression: framework megatron"),
+])
+def test_cli_refuses_bad_compression_in_one_line(argv, needle, tmp_path):
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = argv + ["--model", "gpt2", "--cluster", os.path.join(root, "examples/clusters/a100-4x8.yaml"),
+                   "--global-batch", "16"]
+    out = subprocess.run([sys.executable, "-m", "autoconf", *argv], capture_output=True, text=True, cwd=tmp_path,
+                         env=dict(os.environ, PYTHONPATH=root), timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1 and needle in lines[0], out.stderr
+    assert os.listdir(tmp_path) == []

@@ -170,16 +170,18 @@ def low_rank_kernel_s(system, kinds, n: int, m: int, r: int) -> tuple[float, flo
 
 def pipeline_compression(system, c, lay, p2p_exact: tuple):
     """The ``pipeline.Compression`` of this configuration (None without pp compression):
-    compressed transfers on each link, kernels per chunk."""
+    compressed transfers on each link (P and Q: two messages), kernels per chunk."""
     if c.pp_compression == "none" or c.pp == 1:
         return None
     from .pipeline import Compression
     from .schedule_time import p2p_times
     n, m = gradient_matrix(system, c)
     r = effective_rank(n, m, c.pp_compression_rank)
-    per_stage = p2p_times(system, c, low_rank_elements(n, m, r) * system.model.dtype_bytes)
+    # two messages (P, then Q): two latencies
+    per_stage = [t + lat for t, lat in zip(p2p_times(system, c, low_rank_elements(n, m, r) * system.model.dtype_bytes),
+                                           p2p_times(system, c, 0.0))]
     nc = lay.num_chunks
-    p2p_c = tuple(min(per_stage[ci % c.pp], p2p_exact[ci]) if p2p_exact[ci] else 0.0 for ci in range(nc - 1))
+    p2p_c = tuple(per_stage[ci % c.pp] if p2p_exact[ci] else 0.0 for ci in range(nc - 1))
     kern = [low_rank_kernel_s(system, lay.stage_kinds[ci % c.pp], n, m, r) for ci in range(nc)]
     return Compression(c.pp_compression, p2p_c, tuple(k[0] for k in kern), tuple(k[1] for k in kern))
 

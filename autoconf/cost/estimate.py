@@ -169,6 +169,14 @@ def _finish(c: ParallelConfig, ctx: System, breakdown: dict, memory: list, step:
     notes = []
     if c.world_size < ctx.num_devices:
         notes.append(f"uses the first {c.world_size} of {ctx.num_devices} devices")
+    if c.compressed:
+        notes.append("lossy communication: "
+                     + " and ".join(x for x in (
+                         f"the pipeline's backward sends go as rank-{c.pp_compression_rank} factors "
+                         f"({c.pp_compression})" if c.pp_compression != "none" else "",
+                         f"PowerSGD (rank {c.dp_compression_rank}, error feedback) reduces the gradients of "
+                         f"pipeline ranks 0..{c.dp_compression_stages - 1}" if c.dp_compression_stages else "") if x)
+                     + ": it changes the numerics of training (reference trainer only)")
     if c.dp_all_reduce == "hierarchical" and c.zero_stage >= 1:
         notes.append("dp_all_reduce=hierarchical with ZeRO-1: the reference trainer all-reduces hierarchically, but "
                      "this estimate prices ZeRO-1's reduction as a reduce-scatter, as for flat")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from ..config import ParallelConfig
 from .chunk_time import chunk_times, optimizer_step_s
+from .compression import embedding_sync_s, pipeline_compression
 from .data_parallel import post_all_gather_s, reduction_spans
 from .layout import layout
 from .pipeline import Timeline, simulate, timeline
@@ -75,12 +76,14 @@ def step_timeline(config: ParallelConfig, system: System) -> StepTimeline:
     p2p = chunk_p2p_times(ctx, c, lay.num_chunks)
     m, v = c.num_micro_batches, lay.virtual_stages
     posted = posted_receives(ctx)
-    tl = timeline(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted)
-    priced = run_schedule(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted)
+    z = pipeline_compression(ctx, c, lay, p2p)  # compressed backward sends: shorter transfers, kernels
+    tl = timeline(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z)
+    priced = run_schedule(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z)
     floor = pipeline_floor(c, ct.forward_s, ct.backward_s, lay.num_chunks)
-    full = simulate(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted)  # the same run, cached
+    full = simulate(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z)  # the same run, cached
     spans = reduction_spans(ctx, c, lay, full, tl.makespan_s, ct.backward_s)
     tail = max([tl.makespan_s, *(s[1] for dev in spans for s in dev)]) - tl.makespan_s
+    tail = max(tail, embedding_sync_s(ctx, c))  # as the estimate: the tied embedding's sync beside them
 
     def parts(*named):
         return tuple((k, s) for k, s in named if s > 0.0)

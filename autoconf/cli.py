@@ -144,9 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="let the search pick lossy communication: low-rank pipeline gradients, PowerSGD on "
                         "data-parallel gradients (Optimus-CC), and the fused embedding sync; it changes the "
                         "numerics of training (reference trainer only; default: off)")
-    p.add_argument("--pp-compression-rank", type=positive_int, default=16,
+    p.add_argument("--pp-compression-rank", type=positive_int, default=None,
                    help="with --allow-compression: rank of the pipeline-gradient factors (default 16)")
-    p.add_argument("--dp-compression-rank", type=positive_int, default=128,
+    p.add_argument("--dp-compression-rank", type=positive_int, default=None,
                    help="with --allow-compression: PowerSGD's rank on data-parallel gradients (default 128)")
     p.add_argument("--max-cp", type=positive_int, default=None,
                    help="largest context-parallel degree searched (default: seq_length / 4096, at least 1)")
@@ -308,6 +308,9 @@ def cmd_search(args) -> int:
     model, cluster, profile, calibration = _load_inputs(args)
     storage = None if args.storage.lower() in ("none", "memory", "") else args.storage
     verify.check_arguments(args)
+    if not args.allow_compression and (args.pp_compression_rank or args.dp_compression_rank):
+        raise UserError("--pp-compression-rank / --dp-compression-rank set the ranks compression may use: "
+                        "they need --allow-compression")
     if args.master_port is not None and not args.emit:
         raise UserError("--master-port is written into the launch files: it needs --emit DIR")
     if (args.script or args.script_args) and not args.emit:
@@ -325,7 +328,8 @@ def cmd_search(args) -> int:
                         max_micro_batch=args.max_micro_batch, framework=args.framework, place=not args.no_place,
                         max_cp=args.max_cp, precision=args.precision, fp8_recipe=args.fp8_recipe,
                         moe_imbalance=args.moe_imbalance, allow_compression=args.allow_compression,
-                        pp_compression_rank=args.pp_compression_rank, dp_compression_rank=args.dp_compression_rank,
+                        pp_compression_rank=args.pp_compression_rank or 16,
+                        dp_compression_rank=args.dp_compression_rank or 128,
                         progress=lambda done, total: bars.update(task, completed=done, total=total),
                         phase=lambda name: bars.update(task, completed=0, description=_PHASES.get(name, name)))
     if not result.top:

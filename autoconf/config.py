@@ -134,7 +134,9 @@ class ParallelConfig:
     """Compressed backpropagation between pipeline stages (``PP_COMPRESSION``): the activation
     gradient [b, s, h] a stage sends backwards goes as a rank-``pp_compression_rank`` product
     P Q^T (one power iteration, warm-started from the previous Q); the residual is added to the
-    next micro-batch's gradient (lazy error propagation). Lossy: it changes the numerics."""
+    next gradient the chunk sends (lazy error propagation): the next micro-batch's, and after a
+    step's last compressed send the next step's first (with the epilogue mode, always). Lossy: it
+    changes the numerics."""
     pp_compression_rank: int = 16
     """Rank r of the pipeline-gradient factors: n x m -> (n + m) x r values."""
     dp_compression_stages: int = 0
@@ -142,8 +144,8 @@ class ParallelConfig:
     0 .. k-1 (those whose gradients are final last, so whose reduction the pipeline cannot
     hide); 0: none. Only ZeRO-0/1's all-reduce is compressed. Lossy."""
     dp_compression_rank: int = 128
-    """PowerSGD's rank on the data-parallel gradients (a matrix is compressed only where that
-    at least halves it, as torch's ``powerSGD_hook``)."""
+    """PowerSGD's rank on the data-parallel gradients (a matrix is compressed only where its
+    factors are less than half of it, as torch's ``powerSGD_hook`` decides)."""
     fused_embedding_sync: bool = False
     """Tied embeddings under pp: sum the embedding gradient over the first and last stage and over
     the data-parallel replicas in one all-reduce, instead of a first/last all-reduce then the

@@ -128,6 +128,11 @@ class Framework:
     fp8_all_gather: bool = False
     """ZeRO-3 / FSDP gathers linear weights in FP8 (torchao's float8 all-gather with tensorwise
     scaling, which the emitted torchtitan files switch on): half the bytes."""
+    tied_sync_after_pipeline: bool = False
+    """Tied embeddings under pp: its first and last stage sum their copies' gradients after the
+    pipeline, then reduce that sum over the replicas on its own, after the chunks' reductions
+    (the reference trainer). Elsewhere the copies go in the chunks' data-parallel buckets (their
+    first/last-stage sum is not priced)."""
     compression: bool = False
     """Whether it runs Optimus-CC's compressed traffic (``pp_compression``, ``dp_compression_stages``,
     ``fused_embedding_sync``): the reference trainer only. Megatron-LM, torchtitan and DeepSpeed
@@ -236,7 +241,7 @@ FRAMEWORKS = {
         knobs=(), all_reduce_algorithms={"flat": ("ring", "tree"), "hierarchical": ("hierarchical",)},
         cp_comm="ring", ring_math=True, fp8_recipes=("tensorwise", "rowwise"), fp8_host_ops=(16, 16),
         expert_parallel=True, expert_zero_stages=(0, 1), expert_tensor_parallel=False,
-        capacity_factor=True, compression=True),
+        capacity_factor=True, compression=True, tied_sync_after_pipeline=True),
     "megatron": Framework(
         name="megatron", schedules=("1f1b", "interleaved"),
         zero_stages=(0, 1), zero_stages_with_pp=(0, 1), layered_grad_accum=False,

@@ -282,9 +282,10 @@ class _Evaluator:
         kernels and buffers, so the choices barely interact). Returns the point's fits with the
         compressed ones offered among them."""
         best = fits[0]
-        for field_, values in compression_variants(best.config, self.ctx.model, *self.compression):
-            for val in values:
-                c = dataclasses.replace(best.config, **{field_: val})
+        for group in compression_variants(best.config, self.ctx.model, *self.compression):
+            base = best.config
+            for kw in group:
+                c = dataclasses.replace(base, **kw)
                 if c == best.config or check(c, self.ctx.model) or self.ctx.framework.check(c):
                     continue
                 e = _estimate(c, self.ctx)
@@ -376,21 +377,19 @@ def precision_choices(system: System, precision: str = "auto", fp8_recipe: str |
 
 
 def compression_variants(c: ParallelConfig, model, pp_rank: int, dp_rank: int) -> list:
-    """(field, values) tried in turn on a point's best configuration when lossy communication is
-    allowed. The ranks are the user's (a quality budget: a lower rank is always cheaper to send),
+    """Groups of field settings tried in turn on a point's best configuration when lossy
+    communication is allowed (the best of each group is kept before the next). The ranks are the user's (a quality budget: a lower rank is always cheaper to send),
     the search picks what to compress: the fused embedding sync, the pipeline-gradient mode, the
     data-parallel stages (0, the powers of two below pp, and pp: the first k pipeline ranks, whose
     reductions the pipeline hides least)."""
     out = []
     if model.tied_embeddings and c.pp > 1:
-        out.append(("fused_embedding_sync", (True,)))
+        out.append([{"fused_embedding_sync": True}])
     if c.pp > 1:
-        out.append(("pp_compression_rank", (pp_rank,)))
-        out.append(("pp_compression", ("epilogue", "all")))
+        out.append([{"pp_compression": mode, "pp_compression_rank": pp_rank} for mode in ("epilogue", "all")])
     if c.dp * c.cp > 1 and c.zero_stage <= 1:
-        out.append(("dp_compression_rank", (dp_rank,)))
         ks = sorted({k for k in (2 ** i for i in range(8)) if k < c.pp} | {c.pp})
-        out.append(("dp_compression_stages", tuple(ks)))
+        out.append([{"dp_compression_stages": k, "dp_compression_rank": dp_rank} for k in ks])
     return out
 
 

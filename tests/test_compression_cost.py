@@ -8,7 +8,7 @@ from autoconf.cluster import cluster_from_mapping
 from autoconf.config import ParallelConfig, check
 from autoconf.cost.compression import (compressed_sends, low_rank_elements, powersgd_split, sends_per_chunk)
 from autoconf.cost.estimate import estimate
-from autoconf.cost.pipeline import Compression, simulate
+from autoconf.cost.pipeline import Compression, simulate, timeline
 from autoconf.errors import UserError
 from autoconf.model import preset
 
@@ -119,10 +119,12 @@ def test_estimate_pipeline_compression_on_a_slow_link():
     every = estimate(_cfg(pp_compression="all"), m, slow)
     assert every.breakdown_s["pp_comm"] < epi.breakdown_s["pp_comm"] < plain.breakdown_s["pp_comm"]
     assert every.step_time_s < epi.step_time_s < plain.step_time_s
-    # what it keeps: the residual of each sending chunk and the factors
+    # what it keeps (stage 1 sends and receives): the residual and the fp32 warm-start Q, the 16 micro-batches'
+    # factors it sent in the step, the factors of one it receives
     parts = dict(every.memory_by_stage[1].other_parts)
-    n, h = m.seq_length, m.hidden_size
-    assert parts["compression residuals"] == pytest.approx((n * h + 2 * (n + h) * 16) * m.dtype_bytes)
+    n, h, r, eb = m.seq_length, m.hidden_size, 16, m.dtype_bytes
+    assert eb == 2
+    assert parts["compression residuals"] == pytest.approx(n * h * eb + h * r * 4 + (16 + 1) * (n + h) * r * eb)
     assert "compression residuals" not in dict(plain.memory_by_stage[1].other_parts)
 
 
@@ -152,14 +154,51 @@ def test_fused_embedding_sync_is_one_all_reduce_after_the_pipeline():
     for order, fused_wins in (("tp-pp-dp", True), ("tp-dp-pp", False)):
         c = ParallelConfig(dp=2, pp=4, tp=1, micro_batch_size=1, num_micro_batches=8, rank_order=order)
         fc = dataclasses.replace(c, fused_embedding_sync=True)
-        # tp-pp-dp: first and last stage share a node, the replicas do not: two slow all-reduces (first/last,
-        # then dp) against one over 4 ranks; tp-dp-pp: first and last stage on different nodes, the replicas
-        # on one: fusing moves the replicas' reduction onto the slow link too
-        assert (embedding_sync_s(ctx, fc) < embedding_sync_s(ctx, c)) == fused_wins
+        # tp-pp-dp: first and last stage share a node, the replicas do not: the first/last sum (fast), then
+        # the replicas' reduction (slow), against one all-reduce over 4 ranks; tp-dp-pp: first and last stage
+        # on different nodes, the replicas on one: fusing puts the replicas' reduction on the slow link too
+        beside, after = embedding_sync_s(ctx, c)
+        f_beside, f_after = embedding_sync_s(ctx, fc)
+        assert after > 0 and f_after == 0
+        assert (f_beside < beside + after) == fused_wins
         plain, fused = estimate(c, m, slow), estimate(fc, m, slow)
         assert fused.breakdown_s["compute"] == plain.breakdown_s["compute"]
-        assert plain.breakdown_s["dp_comm"] >= embedding_sync_s(ctx, c)
-        assert fused.breakdown_s["dp_comm"] >= embedding_sync_s(ctx, fc)
+        assert plain.breakdown_s["dp_comm"] >= beside + after  # the copies' own reduction follows the rest
+        if fused_wins:
+            assert fused.step_time_s < plain.step_time_s
+    # a framework that reduces the copies in its buckets prices no separate sync
+    meg = System(m, slow, framework="megatron")
+    assert embedding_sync_s(meg, ParallelConfig(dp=2, pp=4, tp=1, micro_batch_size=1, num_micro_batches=8)) == (0, 0)
+
+
+def test_distinct_costs_land_on_the_right_sends():
+    """1F1B pp 2, m 2, every send compressed: stage 1 sends B(0), B(1) compressed to stage 0; chunk 1's
+    backward carries the send kernel, chunk 0's the receive kernel, the link the compressed time."""
+    f, b = (1.0, 1.0), (2.0, 2.0)
+    z = Compression("all", (0.25,), (0.0, 0.125), (0.5, 0.0))
+    tl = timeline("1f1b", 2, 2, 1, f, b, (4.0,), compression=z)
+    grads = [t for t in tl.transfers if t.kind == "gradient"]
+    assert len(grads) == 2 and all(t.end_s - t.start_s == pytest.approx(0.25) for t in grads)
+    back = {(o.micro_batch, o.chunk): o.end_s - o.start_s for o in tl.ops if o.kind == "B"}
+    assert back == {(0, 1): pytest.approx(2.125), (1, 1): pytest.approx(2.125),
+                    (0, 0): pytest.approx(2.5), (1, 0): pytest.approx(2.5)}
+    acts = [t for t in tl.transfers if t.kind == "activation"]
+    assert all(t.end_s - t.start_s == pytest.approx(4.0) for t in acts)  # forward never compressed
+    epi = timeline("1f1b", 2, 2, 1, f, b, (4.0,), compression=dataclasses.replace(z, mode="epilogue"))
+    assert sorted(round(t.end_s - t.start_s, 6) for t in epi.transfers if t.kind == "gradient") == [0.25, 4.0]
+
+
+def test_block_shapes_are_the_trainers_parameters():
+    torch = pytest.importorskip("torch")
+    from autoconf import nn as gpt
+    from autoconf.cost.compression import block_shapes
+    for name in ("tiny", "gpt2", "llama-2-7b"):
+        m = dataclasses.replace(preset(name), num_layers=1)
+        if m.hidden_size > 1024:
+            m = dataclasses.replace(m, hidden_size=256, num_attention_heads=4, num_kv_heads=4, ffn_hidden_size=688,
+                                    head_dim=None)
+        block = gpt.Block(m, dtype=torch.float32)
+        assert sorted(tuple(p.shape) for p in block.parameters()) == sorted(block_shapes(m, 1)), name
 
 
 def test_validity_and_frameworks():
@@ -180,10 +219,15 @@ def test_validity_and_frameworks():
 def test_search_picks_compression_on_a_slow_link_only():
     from autoconf.search import search
     m = preset("gpt3-1.3b")
-    kw = dict(top=3, storage=None, allow_compression=True, place=False)
+    kw = dict(top=3, storage=None, allow_compression=True, place=False, pp_compression_rank=8, dp_compression_rank=64)
     slow = search(m, _cluster("1 Gbit/s", nodes=2, gpus=4), 32, **kw)
     best = slow.top[0].config
     assert best.compressed, best.short()
+    for e in slow.top:  # the user's ranks, not the defaults
+        if e.config.pp_compression != "none":
+            assert e.config.pp_compression_rank == 8
+        if e.config.dp_compression_stages:
+            assert e.config.dp_compression_rank == 64
     assert any("compresses its traffic" in n and "saved" in n for n in slow.notes)
     assert any("change the numerics" in n for n in slow.notes)
     plain = search(m, _cluster("1 Gbit/s", nodes=2, gpus=4), 32, top=1, storage=None, place=False)

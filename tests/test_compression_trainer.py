@@ -239,6 +239,14 @@ def test_fused_embedding_sync_is_lossless(tmp_path):
     _check_model_bytes(res, config, TINY_TIED)
 
 
+@pytest.mark.e2e
+def test_zero2_bytes_every_micro_batch_as_the_model_counts(tmp_path):
+    config = cfg(dp=2, pp=2, mbs=1, schedule="1f1b", zero_stage=2, pp_compression="epilogue")
+    res = _run(TINY, config, tmp_path, "zero2")
+    assert all(math.isfinite(v) for v in res.losses)
+    _check_model_bytes(res, config, TINY)
+
+
 # -- --data-file ----------------------------------------------------------------------------------------
 
 def _byte_file(tmp_path, n=300):

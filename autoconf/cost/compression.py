@@ -265,8 +265,9 @@ def step_bytes(system, c, lay) -> list:
                     for shapes in powersgd_buckets(system, c, lay, ci):
                         exact, ps, qs, _ = powersgd_split(shapes, c.dp_compression_rank)
                         dp += (exact + ps + qs) * system.grad_bytes
-                else:
-                    dp += (lay.chunk_params[ci] - tied_params(system, c, ci)) * system.grad_bytes
+                else:  # ZeRO-2 with standard accumulation reduces after every micro-batch
+                    times = mb if c.zero_stage == 2 and not c.layered_grad_accum else 1
+                    dp += times * (lay.chunk_params[ci] - tied_params(system, c, ci)) * system.grad_bytes
         emb = 0.0
         if system.model.tied_embeddings and c.pp > 1 and (dev == 0 or dev == (lay.num_chunks - 1) % c.pp):
             emb = tied_bytes(system, c)
@@ -278,25 +279,25 @@ def step_bytes(system, c, lay) -> list:
 
 def tied_bytes(system, c) -> float:
     """Bytes of the tied embedding gradient on a tp rank (its vocabulary shard)."""
-    m = system.model
-    return -(-m.vocab_size // c.tp) * m.hidden_size * system.grad_bytes
+    from .data_parallel import tied_params
+    return tied_params(system, c, 0) * system.grad_bytes
 
 
-def embedding_sync_s(system, c) -> float:
-    """Seconds the tied-embedding gradient's sync adds after the pipeline (pp > 1, tied
-    embeddings; 0 otherwise): the all-reduce between the first and last stage, then its own
-    data-parallel reduction (the sum must be complete first; the chunks' reductions leave the
-    tied copies out, ``data_parallel.tied_params``); fused, one all-reduce over the first- and
-    last-stage ranks of every replica."""
-    m = system.model
-    if not m.tied_embeddings or c.pp == 1:
-        return 0.0
+def embedding_sync_s(system, c) -> tuple[float, float]:
+    """The tied embedding's sync after the pipeline (pp > 1, tied embeddings, a framework that
+    syncs them on their own: ``Framework.tied_sync_after_pipeline``), as (seconds beside the
+    chunks' reductions still in flight, seconds after them): the all-reduce between the first
+    and last stage runs beside them, the copies' data-parallel reduction waits for them (the
+    trainer lands the reductions in flight first); fused, one all-reduce over the first- and
+    last-stage ranks of every replica, beside them. (0, 0) otherwise."""
+    nbytes = tied_bytes(system, c)
+    if not nbytes:
+        return 0.0, 0.0
     from . import comm
     from ..placement import Placement
     from .data_parallel import all_reduce_algorithms, grad_group, reduction_collective
     from .tensor_parallel import axis_links, collective_s
     place, topo = Placement.of(c, 0), system.topology
-    nbytes = tied_bytes(system, c)
     n_grad, axis = grad_group(c)
     fused = c.fused_embedding_sync
     groups: dict = {}
@@ -307,27 +308,37 @@ def embedding_sync_s(system, c) -> float:
             groups.setdefault(key, []).append(place.device(r))
     links = list({topo.group_links(tuple(g)): None for g in groups.values()})
     size = len(next(iter(groups.values())))
-    algos = all_reduce_algorithms(system, c, comm.all_reduce_s)
-    t = collective_s(system, links, comm.all_reduce_s, size, nbytes, algos)
+    beside = collective_s(system, links, comm.all_reduce_s, size, nbytes,
+                          all_reduce_algorithms(system, c, comm.all_reduce_s))
+    after = 0.0
     if not fused and n_grad > 1:
         red = reduction_collective(c.zero_stage)
-        t += collective_s(system, axis_links(system, c, axis), red, n_grad, nbytes,
-                          all_reduce_algorithms(system, c, red))
-    return t
+        after = collective_s(system, axis_links(system, c, axis), red, n_grad, nbytes,
+                             all_reduce_algorithms(system, c, red))
+    return beside, after
 
 
 def memory_parts(system, c, lay, dev: int) -> list:
-    """(name, bytes) compression keeps on pipeline rank ``dev``: each sending chunk's residual and
-    warm-start factors; PowerSGD's error of every gradient and the bucket copies in flight."""
+    """(name, bytes) compression keeps on pipeline rank ``dev``: each sending chunk's residual, its
+    warm-start Q and the factors it sent in the step (the runtime holds sent tensors until the
+    step's end), a receiving chunk's factors in flight; PowerSGD's error of every gradient it
+    compresses and the bucket copy the hook makes."""
     parts = []
     eb = system.model.dtype_bytes
     if c.pp_compression != "none" and c.pp > 1:
         n, m = gradient_matrix(system, c)
         r = effective_rank(n, m, c.pp_compression_rank)
-        senders = sum(1 for ci in lay.chunks_of(c, dev) if ci > 0)
-        receivers = sum(1 for ci in lay.chunks_of(c, dev) if ci < lay.num_chunks - 1)
-        parts.append(("compression residuals", senders * (n * m + (n + m) * r) * eb + receivers * (n + m) * r * eb))
+        per_chunk = sends_per_chunk(lay.schedule, c.pp, c.num_micro_batches, lay.virtual_stages, c.pp_compression)
+        q_bytes = max(eb, 4)  # the warm-start Q is kept in fp32 for 16-bit gradients
+        keep = 0.0
+        for ci in lay.chunks_of(c, dev):
+            if ci > 0:  # a sender: its residual and Q, and the factors it sent this step (freed at its end)
+                keep += n * m * eb + m * r * q_bytes + per_chunk[ci] * (n + m) * r * eb
+            if ci < lay.num_chunks - 1:  # a receiver: one micro-batch's factors, until its backward
+                keep += (n + m) * r * eb
+        parts.append(("compression residuals", keep))
     if dp_compressed(c, dev):
-        grads = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev)) * system.grad_bytes
-        parts.append(("powersgd error feedback", 2 * grads))
+        from .data_parallel import tied_params
+        grads = sum(lay.chunk_params[ci] - tied_params(system, c, ci) for ci in lay.chunks_of(c, dev))
+        parts.append(("powersgd error feedback", 2 * grads * system.grad_bytes))
     return parts

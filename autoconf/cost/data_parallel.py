@@ -66,10 +66,12 @@ def all_reduce_algorithms(system: System, c: ParallelConfig, fn):
 
 def tied_params(system: System, c: ParallelConfig, ci: int) -> float:
     """Parameters of chunk ``ci`` that are a copy of the tied embedding (its first and last chunk,
-    pp > 1): they are summed over the two stages, then reduced after the pipeline
-    (``compression.embedding_sync_s``), not with the chunk's buckets."""
+    pp > 1) where the framework sums them over the two stages and then reduces them after the
+    pipeline (``Framework.tied_sync_after_pipeline``, ``compression.embedding_sync_s``), not with
+    the chunk's buckets; 0 elsewhere."""
     m = system.model
-    if not m.tied_embeddings or c.pp == 1 or ci not in (0, c.num_chunks - 1):
+    if (not m.tied_embeddings or c.pp == 1 or ci not in (0, c.num_chunks - 1)
+            or not system.framework.tied_sync_after_pipeline):
         return 0.0
     return -(-m.vocab_size // c.tp) * m.hidden_size
 

@@ -114,8 +114,9 @@ def _estimate(c: ParallelConfig, ctx: System, bound: float | None = None,
     # the extrapolated steady state can fall a hair below the floor no schedule can beat
     # (breadth-first with unequal chunks): the floor is exact there
     makespan = max(sim.makespan_s, floor)
-    # the tied embedding's sync runs after the pipeline, beside the reductions still in flight
-    dp_tail = max(reduction_tail_s(ctx, c, lay, sim, makespan, ct.backward_s), embedding_sync_s(ctx, c))
+    # the tied embedding's sync after the pipeline: beside the reductions still in flight, then its own
+    beside, after = embedding_sync_s(ctx, c)
+    dp_tail = max(reduction_tail_s(ctx, c, lay, sim, makespan, ct.backward_s), beside) + after
     post_ag = post_all_gather_s(ctx, c, lay)
     breakdown = _breakdown(c, lay, ct, sim, sim0, runtime, dp_tail, post_ag, opt)
     # keep the parts summing to the simulated step (rounding of the busiest-device attribution)

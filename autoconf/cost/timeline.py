@@ -83,7 +83,8 @@ def step_timeline(config: ParallelConfig, system: System) -> StepTimeline:
     full = simulate(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z)  # the same run, cached
     spans = reduction_spans(ctx, c, lay, full, tl.makespan_s, ct.backward_s)
     tail = max([tl.makespan_s, *(s[1] for dev in spans for s in dev)]) - tl.makespan_s
-    tail = max(tail, embedding_sync_s(ctx, c))  # as the estimate: the tied embedding's sync beside them
+    beside, after = embedding_sync_s(ctx, c)  # as the estimate: the tied embedding's sync
+    tail = max(tail, beside) + after
 
     def parts(*named):
         return tuple((k, s) for k, s in named if s > 0.0)

@@ -122,16 +122,6 @@ def refuse_moe(model: ModelSpec, config: ParallelConfig) -> None:
                            "(expert gradients are reduced over their own group): use zero_stage 0 or 1")
 
 
-def refuse_compression(model: ModelSpec, config: ParallelConfig) -> None:
-    """The compression combinations this trainer cannot run, as a TrainerError (one line)."""
-    if config.dp_compression_stages and config.ep > 1:
-        raise TrainerError(f"dp_compression_stages={config.dp_compression_stages} with ep={config.ep} is not "
-                           "supported by this trainer: use ep 1")
-    if config.dp_compression_stages and config.zero_stage > 1:
-        raise TrainerError(f"dp_compression_stages={config.dp_compression_stages} compresses ZeRO-0/1's all-reduce: "
-                           f"zero_stage={config.zero_stage} is not supported")
-
-
 def token_data(args, model: ModelSpec):
     """The ``--data-file``'s bytes as tokens (None: synthetic tokens); a TrainerError (one line) when
     the vocabulary cannot hold a byte or the file is shorter than one sequence."""
@@ -171,7 +161,6 @@ def train(args, rank: int, watchdog) -> dict:
                            "(FSDP2 cannot shard one weight used by two units)")
     refuse_cp(model, config)
     refuse_moe(model, config)
-    refuse_compression(model, config)
     tokens = token_data(args, model)
     watchdog.start("rendezvous")
     device, backend, groups = setup(config, args.step_timeout)

@@ -15,7 +15,7 @@ standard deviation).
 
 **speed**: two emulated nodes (``autoconf.testbed``) of two processes each, NICs shaped to
 --rates. The testbed is profiled (``autoconf profile`` across the nodes), then for pp 2 across the
-nodes (dp 2 inside each) and dp 2 across the nodes (pp 2 inside each) every compression mode is run
+nodes (dp 2 inside each; 1F1B and GPipe) and dp 2 across the nodes (pp 2 inside each) every compression mode is run
 with the reference trainer and estimated with the profile: measured and predicted step time, the
 gain over the uncompressed run of each, and the bytes each rank counted against the model's
 (``cost.compression.step_bytes``).
@@ -141,14 +141,19 @@ def autoconf_cli(*a, env=None, timeout=1800) -> dict:
 
 
 def speed_cases(rank: int, dp_rank: int) -> list:
-    """(name, base config, modes): pp across the nodes, then dp across them."""
+    """(name, base config, modes): pp across the nodes (1F1B: a gradient goes back while the next
+    activation comes forward, so only the cool-down's sends are alone on the link; GPipe: all
+    backward sends follow the forwards), then dp across them."""
     pp_x = ParallelConfig(dp=2, pp=2, tp=1, micro_batch_size=2, num_micro_batches=8, rank_order="tp-dp-pp")
     dp_x = ParallelConfig(dp=2, pp=2, tp=1, micro_batch_size=2, num_micro_batches=8, rank_order="tp-pp-dp")
     pp_modes = {"none": {}, "epilogue": {"pp_compression": "epilogue", "pp_compression_rank": rank},
                 "all": {"pp_compression": "all", "pp_compression_rank": rank}}
     dp_modes = {"none": {}, "dp stage 0": {"dp_compression_stages": 1, "dp_compression_rank": dp_rank},
                 "dp all stages": {"dp_compression_stages": 2, "dp_compression_rank": dp_rank}}
-    return [("pp across nodes", pp_x, pp_modes), ("dp across nodes", dp_x, dp_modes)]
+    gpipe = ParallelConfig(**{**pp_x.to_dict(), "schedule": "gpipe"})
+    gpipe_modes = {k: v for k, v in pp_modes.items() if k != "epilogue"}  # every send follows the last forward
+    return [("pp x nodes, 1F1B", pp_x, pp_modes), ("pp x nodes, GPipe", gpipe, gpipe_modes),
+            ("dp x nodes", dp_x, dp_modes)]
 
 
 def run_speed(args) -> dict:

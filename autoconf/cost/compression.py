@@ -203,6 +203,27 @@ def powersgd_bucket(system, kinds, shapes, rank: int) -> tuple[int, int, int, fl
     return exact, ps, qs, t
 
 
+def exact_dp_links(system, c, axis):
+    """The gradient groups' links when pipeline ranks 0..k-1 compress theirs: the NICs are shared
+    among the groups still reducing exactly (a compressed group sends a few percent of the bytes),
+    so those get more of each NIC than ``tensor_parallel.axis_links`` (every group active) gives."""
+    from ..placement import Placement
+
+    def make():
+        topo, place = system.topology, Placement.of(c, 0)
+        groups = [g for g in place.groups(axis) if not dp_compressed(c, place.coords(g[0])["pp"])]
+        devs = [tuple(place.device(r) for r in g) for g in groups]
+        active: dict = {}
+        for grp in devs:
+            if len({topo.host_of[d] for d in grp}) > 1:
+                for d in grp:
+                    active[topo.host_of[d]] = active.get(topo.host_of[d], 0) + 1
+        return list({topo.group_links(g, {h: active[h] for h in {topo.host_of[d] for d in g} if h in active} or None): 0
+                     for g in devs})
+    return system.cached(("exact-dp-links", c.dp, c.pp, c.tp, c.cp, c.rank_order, c.device_order,
+                          c.dp_compression_stages, axis), make)
+
+
 def dp_compressed(c, dev: int) -> bool:
     """Whether pipeline rank ``dev`` compresses its data-parallel gradients."""
     return dev < c.dp_compression_stages

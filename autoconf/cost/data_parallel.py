@@ -19,7 +19,7 @@ import math
 
 from ..config import ParallelConfig
 from . import comm
-from .compression import dp_compressed, powersgd_reduction_s
+from .compression import dp_compressed, exact_dp_links, powersgd_reduction_s
 from .layout import Layout
 from .memory import BUCKET_BYTES
 from .system import System
@@ -87,7 +87,8 @@ def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kind
                                    * g_bytes))
     experts = lay.chunk_expert_params[ci] if lay.chunk_expert_params else 0.0
     dense = lay.chunk_params[ci] - experts - tied_params(system, c, ci)
-    t = (collective_s(system, axis_links(system, c, axis), fn, n, dense * g_bytes,
+    links = exact_dp_links(system, c, axis) if c.dp_compression_stages else axis_links(system, c, axis)
+    t = (collective_s(system, links, fn, n, dense * g_bytes,
                       all_reduce_algorithms(system, c, fn))
          + system.copy_time(kinds, bucket_traffic(c) * lay.chunk_params[ci] * g_bytes))
     edp = c.dp * c.cp // c.ep

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -132,14 +131,6 @@ def run_quality(args) -> dict:
             "dp_rank": args.dp_rank, "rows": out}
 
 
-def autoconf_cli(*a, env=None, timeout=1800) -> dict:
-    p = subprocess.run([sys.executable, "-m", "autoconf", *a, "--json"], capture_output=True, text=True, env=env,
-                       timeout=timeout, cwd=ROOT)
-    if p.returncode != 0:
-        raise SystemExit(f"autoconf {' '.join(a)} failed ({p.returncode}): {p.stderr.strip()[-2000:]}")
-    return json.loads(p.stdout)
-
-
 def speed_cases(rank: int, dp_rank: int) -> list:
     """(name, base config, modes): pp across the nodes (1F1B: a gradient goes back while the next
     activation comes forward, so only the cool-down's sends are alone on the link; GPipe: all
@@ -158,12 +149,11 @@ def speed_cases(rank: int, dp_rank: int) -> list:
 
 def run_speed(args) -> dict:
     from autoconf import testbed as tbm
-    from autoconf.cluster import load_cluster
     from autoconf.cost.compression import step_bytes
     from autoconf.cost.estimate import estimate
     from autoconf.cost.layout import layout
     from autoconf.cost.system import System
-    from autoconf.profile import load_profile
+    from hetero import profile_testbed  # the testbed's cluster file and profile, as bench/hetero.py makes them
 
     reason = tbm.unavailable_reason()
     if reason:
@@ -178,16 +168,7 @@ def run_speed(args) -> dict:
     t0 = time.time()
     out = []
     with tbm.Testbed(rates, nproc_per_node=2) as tb:
-        cluster_path = os.path.join(work, "testbed.yaml")
-        with open(cluster_path, "w") as f:
-            f.write(tbm.cluster_yaml(tb.nodes, 2))
-        cluster = load_cluster(cluster_path)
-        profile_path = os.path.join(work, "profile.json")
-        codes = tb.launch([sys.executable, "-m", "autoconf", "profile", "--model", model_path, "--quick",
-                           "--out", profile_path], cwd=ROOT, timeout=1800, output=open(os.devnull, "w"))
-        if any(codes):
-            raise SystemExit(f"profile across the testbed failed: exit codes {codes}")
-        profile = load_profile(profile_path)
+        _, cluster, _, profile = profile_testbed(tb, model_path, work, 2)
         print(f"profiled the testbed ({args.rates}) in {time.time() - t0:.0f} s")
         os.environ[tbm.ATTACH_ENV] = tbm.describe(tb.nodes, tb.master_port, 2)  # trials run across the nodes
         ctx = System(model, cluster, profile)

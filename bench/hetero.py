@@ -54,6 +54,21 @@ def autoconf(*args, env=None, timeout=1800) -> dict:
     return json.loads(p.stdout)
 
 
+def profile_testbed(tb, model_path: str, work: str, nproc_per_node: int, timeout: float = 1800):
+    """The testbed's cluster file and ``autoconf profile --quick`` across its nodes (as a user would
+    profile it): (cluster path, ClusterSpec, profile path, Profile)."""
+    cluster_path = os.path.join(work, "testbed.yaml")
+    with open(cluster_path, "w") as f:
+        f.write(tbm.cluster_yaml(tb.nodes, nproc_per_node))
+    profile_path = os.path.join(work, "profile.json")
+    with open(os.devnull, "w") as devnull:
+        codes = tb.launch([sys.executable, "-m", "autoconf", "profile", "--model", model_path, "--quick",
+                           "--out", profile_path], cwd=ROOT, timeout=timeout, output=devnull)
+    if any(codes):
+        raise SystemExit(f"profile across the testbed failed: exit codes {codes}")
+    return cluster_path, load_cluster(cluster_path), profile_path, load_profile(profile_path)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rates", default="100mbit,100mbit", help="NIC rate of each node (default 100mbit,100mbit)")
@@ -71,16 +86,7 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="autoconf-hetero-")
     t0 = time.time()
     with tbm.Testbed(rates, nproc_per_node=2) as tb:
-        cluster_path = os.path.join(work, "testbed.yaml")
-        with open(cluster_path, "w") as f:
-            f.write(tbm.cluster_yaml(tb.nodes, 2))
-        cluster = load_cluster(cluster_path)
-        profile_path = os.path.join(work, "profile.json")
-        codes = tb.launch([sys.executable, "-m", "autoconf", "profile", "--model", MODEL, "--quick",
-                           "--out", profile_path], cwd=ROOT, timeout=900, output=open(os.devnull, "w"))
-        if any(codes):
-            raise SystemExit(f"profile across the testbed failed: exit codes {codes}")
-        profile = load_profile(profile_path)
+        cluster_path, cluster, profile_path, profile = profile_testbed(tb, MODEL, work, 2)
         print(f"profiled the testbed in {time.time() - t0:.0f} s: links between nodes "
               f"{min(x.bandwidth_bytes_per_s for x in profile.links) / 1e6:.1f} MB/s at the slowest, inside "
               f"{max(x.bandwidth_bytes_per_s for x in profile.links) / 1e9:.2f} GB/s at the fastest")

@@ -276,7 +276,7 @@ class _Evaluator:
         return self.placer(c) if self.placer is not None else c
 
     def _compress(self, point, fits: list) -> list:
-        """The point's fastest configuration with compressed traffic too: one field at a time
+        """The point's fastest configuration with compressed traffic too: one choice at a time
         (fused embedding sync, then the pipeline-gradient mode, then the data-parallel stages),
         each kept where it is faster and still fits (compression only changes communication, its
         kernels and buffers, so the choices barely interact). Returns the point's fits with the
@@ -378,10 +378,11 @@ def precision_choices(system: System, precision: str = "auto", fp8_recipe: str |
 
 def compression_variants(c: ParallelConfig, model, pp_rank: int, dp_rank: int) -> list:
     """Groups of field settings tried in turn on a point's best configuration when lossy
-    communication is allowed (the best of each group is kept before the next). The ranks are the user's (a quality budget: a lower rank is always cheaper to send),
-    the search picks what to compress: the fused embedding sync, the pipeline-gradient mode, the
-    data-parallel stages (0, the powers of two below pp, and pp: the first k pipeline ranks, whose
-    reductions the pipeline hides least)."""
+    communication is allowed (the best of each group is kept before the next). The ranks are the
+    user's (a quality budget: a lower rank is always cheaper to send); the search picks what to
+    compress: the fused embedding sync, the pipeline-gradient mode, the data-parallel stages (the
+    powers of two below pp, and pp: the first k pipeline ranks, whose reductions the pipeline
+    hides least)."""
     out = []
     if model.tied_embeddings and c.pp > 1:
         out.append([{"fused_embedding_sync": True}])

@@ -318,17 +318,19 @@ def embedding_sync_s(system, c) -> tuple[float, float]:
     from ..placement import Placement
     from .data_parallel import all_reduce_algorithms, grad_group, reduction_collective
     from .tensor_parallel import axis_links, collective_s
-    place, topo = Placement.of(c, 0), system.topology
     n_grad, axis = grad_group(c)
     fused = c.fused_embedding_sync
-    groups: dict = {}
-    for r in range(c.world_size):
-        co = place.coords(r)
-        if co["pp"] in (0, c.pp - 1):
-            key = (co["tp"],) if fused else (co["tp"], co["dp"], co["cp"])
-            groups.setdefault(key, []).append(place.device(r))
-    links = list({topo.group_links(tuple(g)): None for g in groups.values()})
-    size = len(next(iter(groups.values())))
+
+    def make():  # the first- and last-stage ranks of each tp rank (fused), or of each replica
+        place, topo = Placement.of(c, 0), system.topology
+        groups: dict = {}
+        for r in range(c.world_size):
+            co = place.coords(r)
+            if co["pp"] in (0, c.pp - 1):
+                key = (co["tp"],) if fused else (co["tp"], co["dp"], co["cp"])
+                groups.setdefault(key, []).append(place.device(r))
+        return list({topo.group_links(tuple(g)): None for g in groups.values()}), len(next(iter(groups.values())))
+    links, size = system.cached(("emb-sync", c.dp, c.pp, c.tp, c.cp, c.rank_order, c.device_order, fused), make)
     beside = collective_s(system, links, comm.all_reduce_s, size, nbytes,
                           all_reduce_algorithms(system, c, comm.all_reduce_s))
     after = 0.0

@@ -95,14 +95,14 @@ class LowRankSender:
 
 class CommCounter:
     """Bytes this rank handed to communication in one step: pipeline isends per peer global rank
-    and direction, the data-parallel gradient collectives' payload, the tied-embedding sync's."""
+    and direction, the tied-embedding sync's (the data-parallel payload is the GradSync's own
+    count, taken with :meth:`take`)."""
 
     def __init__(self):
         self.reset()
 
     def reset(self) -> None:
         self.pp_send: dict = {}
-        self.dp_payload = 0
         self.embedding_payload = 0
 
     def add_ops(self, ops, direction: str) -> None:
@@ -110,9 +110,14 @@ class CommCounter:
             per = self.pp_send.setdefault(str(op.peer), {"forward": 0, "backward": 0})
             per[direction] += op.tensor.numel() * op.tensor.element_size()
 
-    def snapshot(self) -> dict:
-        return {"pp_send": {k: dict(v) for k, v in sorted(self.pp_send.items(), key=lambda kv: int(kv[0]))},
-                "dp_payload": int(self.dp_payload), "embedding_payload": int(self.embedding_payload)}
+    def take(self, grad_sync) -> dict:
+        """This step's bytes, the data-parallel payload taken from ``grad_sync`` (None without one:
+        ZeRO-3), then the counts restart."""
+        snap = {"pp_send": {k: dict(v) for k, v in sorted(self.pp_send.items(), key=lambda kv: int(kv[0]))},
+                "dp_payload": grad_sync.take_payload() if grad_sync is not None else None,
+                "embedding_payload": int(self.embedding_payload)}
+        self.reset()
+        return snap
 
 
 def stage_compression(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int, mode: str,

@@ -109,13 +109,9 @@ class Piped:
                 self.sp[c](self.chunks[c])
         return [float(loss) for loss in losses]
 
-
     def comm_bytes(self) -> dict:
-        """This step's bytes (``compression.CommCounter.snapshot``), then the counts restart."""
-        snap = self.comm.snapshot()
-        snap["dp_payload"] = self.grad_sync.take_payload() if self.grad_sync is not None else None
-        self.comm.reset()
-        return snap
+        """This step's bytes (``compression.CommCounter.take``), then the counts restart."""
+        return self.comm.take(self.grad_sync)
 
 
 def _units(mod) -> list:

@@ -64,12 +64,12 @@ class SingleStage:
             self.sp(self.stage)
         return losses
 
-
     def comm_bytes(self) -> dict:
-        """This step's bytes (the keys of ``compression.CommCounter.snapshot``; no pipeline sends, no
-        embedding sync), then the counts restart."""
-        return {"pp_send": {}, "dp_payload": self.grad_sync.take_payload() if self.grad_sync is not None else None,
-                "embedding_payload": 0}
+        """This step's bytes (``compression.CommCounter.take``: no pipeline sends, no embedding
+        sync here), then the counts restart."""
+        from .compression import CommCounter
+
+        return CommCounter().take(self.grad_sync)
 
 
 class _Hooks(Hooks):

@@ -148,9 +148,14 @@ def unit_shapes(system, c, lay, ci: int, tied: bool = True) -> list:
 def gradient_matrix(system, c) -> tuple[int, int]:
     """The (n, m) of the activation gradient a pipeline chunk sends back: the rank's tokens of a
     micro-batch (its sequence shard under context and sequence parallelism) x hidden size."""
-    model = system.model
-    n = c.micro_batch_size * model.seq_length // c.cp // (c.tp if c.sequence_parallel else 1)
-    return n, model.hidden_size
+    from .schedule_time import boundary_tokens
+    return boundary_tokens(system, c), system.model.hidden_size
+
+
+def _power_iteration_s(rf, n: int, m: int, r: int, eb: int) -> float:
+    """The GEMMs of one warm-started power iteration on an n x m matrix at rank r and of its
+    product back: P = M Q, a QR of P (about two n x r x r GEMMs), Q = M^T P, P Q^T."""
+    return rf.gemm(n, r, m, eb) + 2 * rf.gemm(n, r, r, eb) + rf.gemm(m, r, n, eb) + rf.gemm(n, m, r, eb)
 
 
 def low_rank_kernel_s(system, kinds, n: int, m: int, r: int) -> tuple[float, float]:
@@ -162,8 +167,7 @@ def low_rank_kernel_s(system, kinds, n: int, m: int, r: int) -> tuple[float, flo
     send = recv = 0.0
     for kind in kinds:
         rf, share = system.roofline(kind), system.cpu_share(kind)
-        mm = rf.gemm(n, r, m, eb) + 2 * rf.gemm(n, r, r, eb) + rf.gemm(m, r, n, eb) + rf.gemm(n, m, r, eb)
-        send = max(send, (mm + rf.elementwise(6 * n * m * eb, kernels=2)) * share)
+        send = max(send, (_power_iteration_s(rf, n, m, r, eb) + rf.elementwise(6 * n * m * eb, kernels=2)) * share)
         recv = max(recv, rf.gemm(n, m, r, eb) * share)
     return send, recv
 
@@ -197,8 +201,7 @@ def powersgd_bucket(system, kinds, shapes, rank: int) -> tuple[int, int, int, fl
     t = 0.0
     for kind in kinds:
         rf, share = system.roofline(kind), system.cpu_share(kind)
-        mm = sum(rf.gemm(n, r, m, eb) + 2 * rf.gemm(n, r, r, eb) + rf.gemm(m, r, n, eb) + rf.gemm(n, m, r, eb)
-                 for n, m, r in mats)
+        mm = sum(_power_iteration_s(rf, n, m, r, eb) for n, m, r in mats)
         t = max(t, (mm + rf.elementwise(8 * numel * eb, kernels=3)) * share)
     return exact, ps, qs, t
 

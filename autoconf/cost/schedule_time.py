@@ -131,8 +131,13 @@ def boundary_bytes(system: System, c: ParallelConfig) -> float:
     block input Korthikanti et al. count as 2sbh in 16 bit, arXiv 2205.05198 sec. 4).
     """
     m = system.model
-    tokens = c.micro_batch_size * m.seq_length / c.cp / (c.tp if c.sequence_parallel else 1)
-    return tokens * m.hidden_size * m.dtype_bytes
+    return boundary_tokens(system, c) * m.hidden_size * m.dtype_bytes
+
+
+def boundary_tokens(system: System, c: ParallelConfig) -> int:
+    """Tokens of a micro-batch on one rank at a layer boundary: its sequence shard under context
+    parallelism, and under sequence parallelism its tp shard of that."""
+    return c.micro_batch_size * system.model.seq_length // c.cp // (c.tp if c.sequence_parallel else 1)
 
 
 def chunk_p2p_times(system: System, c: ParallelConfig, n_chunks: int) -> tuple:

@@ -171,11 +171,15 @@ class _UniformTopology(Topology):
         """Devices per host for bandwidth (per NVLink domain where domains span hosts)."""
 
 
-def planning_system(model, cluster, framework=None) -> System:
-    """The System the planner estimates with: the uniform fast path for one node group."""
+def planning_system(model, cluster, framework=None, profile=None) -> System:
+    """The System the planner estimates with: the uniform fast path for one node group. With
+    ``profile``, its device measurements (per-layer compute, GEMM table, collective efficiency)
+    price the cluster's devices of the profiled kind; on a synthetic cluster its links are not
+    used (they are the profiled hosts', not the cluster's), on a cluster file they overlay the
+    hosts they name (as in ``search``)."""
     if len(cluster.node_groups) == 1:
-        return System(model, cluster, topology=_UniformTopology(cluster), framework=framework)
-    return System(model, cluster, framework=framework)
+        return System(model, cluster, profile, topology=_UniformTopology(cluster), framework=framework)
+    return System(model, cluster, profile, framework=framework)
 
 
 def _aligned(stride: int, n: int, per: int) -> bool:
@@ -262,8 +266,12 @@ class PointOptimizer:
       ``pipeline.device_orders``), the runtime context and the pipeline runtime's receive buffers.
     """
 
-    def __init__(self, system: System, methods=METHODS, max_micro_batch: int = 64):
+    def __init__(self, system: System, methods=METHODS, max_micro_batch: int = 64,
+                 precision: tuple = ("bf16", "tensorwise")):
         self.system = system
+        self.precision = precision
+        """(precision, FP8 recipe) of every configuration (``search.precision_choices``)."""
+        self.fp8 = precision[1] if precision[0] == "fp8" else None
         self.model = system.model
         self.methods = tuple(methods)
         self.max_micro_batch = max_micro_batch
@@ -273,6 +281,12 @@ class PointOptimizer:
         self.capacity = max(system.capacity_bytes(system.topology.kind_of.index(k)) for k in self.kinds)
         self.oom: set = set()
         """Configurations found not to fit (memory does not depend on the network: shareable)."""
+
+    def _prec(self, c: ParallelConfig) -> ParallelConfig:
+        """``c`` in the plan's matmul precision."""
+        if (c.precision, c.fp8_recipe) == self.precision:
+            return c
+        return dataclasses.replace(c, precision=self.precision[0], fp8_recipe=self.precision[1])
 
     # -- bounds ----------------------------------------------------------------------------------
     def _options(self, tp: int) -> list:
@@ -286,15 +300,15 @@ class PointOptimizer:
 
         def make():
             sys_ = self.system
-            c = ParallelConfig(dp=1, pp=1, tp=tp, micro_batch_size=mbs, num_micro_batches=1,
-                               recompute=rc, sequence_parallel=sp)
-            lts = [sys_.block(k, mbs, tp, sp, rc) for k in self.kinds]
+            c = self._prec(ParallelConfig(dp=1, pp=1, tp=tp, micro_batch_size=mbs, num_micro_batches=1,
+                                          recompute=rc, sequence_parallel=sp))
+            lts = [sys_.block(k, mbs, tp, sp, rc, fp8=self.fp8) for k in self.kinds]
             tpt = tp_times(sys_, c, [self.kinds]) if tp > 1 else None
             act = sys_.layer_activations(c, min(sys_.mask_bytes(k) for k in self.kinds))["total"]
             return (min(lt.forward_s for lt in lts), min(lt.backward_s for lt in lts),
                     tpt.forward_per_layer_s if tpt else 0.0, tpt.backward_per_layer_s if tpt else 0.0,
                     min(lt.host_forward_s for lt in lts), min(lt.host_backward_s for lt in lts), act)
-        return self.system.cached(("ttt-layer", mbs, tp, sp, rc), make)
+        return self.system.cached(("ttt-layer", mbs, tp, sp, rc, self.fp8), make)
 
     def _edges(self, mbs: int, tp: int) -> tuple:
         def make():
@@ -578,7 +592,7 @@ class PointOptimizer:
         out = []
         # (dp, pp, tp, mbs, schedule, v, layered): the planner does not split sequences (cp = 1)
         for p in (q[:7] for q in outer_space(self.model, world, global_batch, self.max_micro_batch)):
-            base = make_config(*p, 0, "none", False, global_batch)
+            base = self._prec(make_config(*p, 0, "none", False, global_batch))
             if fw.check(base) or check(base, self.model):
                 continue
             out.append(p)
@@ -594,6 +608,7 @@ class PointOptimizer:
         tried: set = set()
 
         def consider(c: ParallelConfig, lb: float | None = None) -> None:
+            c = self._prec(c)
             if c in tried:
                 return
             tried.add(c)
@@ -901,6 +916,12 @@ class PlanResult:
     """How the command line named the model (preset or file), for the printed search command."""
     cluster_path: str | None = None
     """The cluster file the printed search command reads (--cluster, or --cluster-out)."""
+    precision: tuple = ("bf16", "tensorwise")
+    """(matmul precision, FP8 recipe) of every plan."""
+    profile_kind: str | None = None
+    """The device kind of the profile whose measurements priced the devices (None: catalog)."""
+    profile_path: str | None = None
+    """How the command line named the profile, for the printed search command."""
 
     # -- selections ----------------------------------------------------------------------------
     def select(self, network=None, method="all") -> list:
@@ -958,14 +979,22 @@ class PlanResult:
         path = cluster_path or self.cluster_path or "CLUSTER.yaml"
         same = self.model_ref is None or m.seq_length == _seq_of(self.model_ref)
         seq = "" if same else f" --seq-length {m.seq_length}"
-        return (f"autoconf search --model {shlex.quote(model_ref)} --cluster {shlex.quote(path)} --gpus {r.gpus} "
-                f"--global-batch {r.batch}{seq} --framework {self.framework} --storage none --no-place")
+        prec = f" --precision {self.precision[0]}" + (f" --fp8-recipe {self.precision[1]}"
+                                                     if self.precision[0] == "fp8" else "")
+        prof = ""
+        if self.profile_kind is not None:
+            prof = f" --profile {shlex.quote(self.profile_path or 'PROFILE.json')}"
+        return (f"autoconf search --model {shlex.quote(model_ref)} --cluster {shlex.quote(path)}{prof} "
+                f"--gpus {r.gpus} --global-batch {r.batch}{seq} --framework {self.framework}{prec} "
+                "--storage none --no-place")
 
     def to_dict(self) -> dict:
         sh = self.shortest()
         sat = self.saturation()
         out = {"model": self.model.to_dict(), "num_params": self.model.num_params(), "device": self.device,
                "network": self.network, "networks": list(self.networks), "framework": self.framework,
+               "precision": self.precision[0], "fp8_recipe": self.precision[1] if self.precision[0] == "fp8" else None,
+               "profile_device_kind": self.profile_kind,
                "budget": self.budget.to_dict(), "grid": list(self.grid), "skipped_gpus": list(self.skipped),
                "max_days": self.max_days,
                "price_per_gpu_hour": self.price, "deadline_days": self.deadline_days, "budget_cost": self.budget_cost,
@@ -1023,8 +1052,12 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
          price_per_gpu_hour: float | None = None, deadline_days: float | None = None,
          budget: float | None = None, compare_networks=("25gbe",), methods=METHODS,
          mtbf_per_gpu_h: float | None = None, checkpoint_s: float = 120.0, restart_s: float = 600.0,
-         max_days: float = 365.0, max_micro_batch: int = 64, progress=None) -> PlanResult:
-    """Sweep GPU counts x batches x methods x networks; see the module docstring."""
+         max_days: float = 365.0, max_micro_batch: int = 64, progress=None, profile=None,
+         precision: str = "bf16", fp8_recipe: str | None = None) -> PlanResult:
+    """Sweep GPU counts x batches x methods x networks; see the module docstring. ``profile``: a
+    profile from ``autoconf profile`` taken on the cluster's device kind (``planning_system``);
+    ``precision``: the matmul precision of every plan, bf16 (the model's dtype) or fp8 with
+    ``fp8_recipe`` (default: the framework's first recipe the device runs)."""
     from . import scaling
     from .frameworks import framework as framework_model
     t0 = time.perf_counter()
@@ -1058,10 +1091,23 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
         net_names = (network,) + tuple(n for n in dict.fromkeys(compare_networks) if n != network)
         clusters = {n: synthetic_cluster(device, max_gpus, n) for n in net_names}
         device_name, per_node, top = device, NODES[device][0], max_gpus
+    first = next(iter(clusters.values()))
+    if profile is not None:
+        from .cost.system import _profile_device_kind
+        kind = _profile_device_kind(profile)
+        if kind not in first.device_kinds():
+            raise UserError(f"--profile was measured on {kind or 'several device kinds'}; the cluster's devices are "
+                            f"{', '.join(first.device_kinds())}: profile that device kind, or plan on it "
+                            f"(--device {kind} or a cluster file of it)")
+    if precision not in ("bf16", "fp8"):
+        raise UserError(f"--precision {precision!r}; valid: bf16, fp8")
+    from .search import precision_choices
+    (prec,) = precision_choices(planning_system(model, first, fw.name), precision, fp8_recipe)
     # GPU counts worth sweeping: the run would take at most --max-days at the datasheet peak
     from .catalog import device_type
     flops = model.model_flops_per_token() * min(bud.plan(b).tokens for b in bud.batches)
-    peak = min(device_type(k).peak(model.dtype) for k in next(iter(clusters.values())).device_kinds())
+    dtype = model.dtype if prec[0] == "bf16" else ("mxfp8" if prec[1] == "mxfp8" else "fp8")
+    peak = min(device_type(k).peak(dtype) for k in first.device_kinds())
     start = flops / (max_days * 86400 * peak)
     grid = gpu_grid(top, per_node)
     skipped = tuple(g for g in grid if g < start)
@@ -1075,8 +1121,8 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     done, total = 0, len(net_names) * len(bud.batches) * len(grid)
     other_net: dict = {}  # (GPUs, batch) -> the best configurations on the networks done before
     for net in net_names:
-        system = planning_system(model, clusters[net], framework=fw.name)
-        opt = PointOptimizer(system, methods, max_micro_batch)
+        system = planning_system(model, clusters[net], framework=fw.name, profile=profile)
+        opt = PointOptimizer(system, methods, max_micro_batch, prec)
         opt.oom = shared_oom
         prev_by_batch: dict = {}
         for g in grid:
@@ -1114,12 +1160,23 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                      f"{max_days:g} days (--max-days)")
     if not fw.layered_grad_accum and "breadth_first" not in fw.schedules:
         notes.append(f"framework {fw.name} has no layered accumulation: those rows equal the ones without it")
+    if prec[0] == "fp8":
+        notes.append(f"FP8 matmuls ({prec[1]} scaling) in every plan: faster GEMMs and different numerics than "
+                     f"{model.dtype}; the attention core and the output layer stay in {model.dtype}")
+    prof_kind = None
+    if profile is not None:
+        from .cost.system import _profile_device_kind
+        prof_kind = _profile_device_kind(profile)
+        notes.append(f"device compute from the profile measured on {prof_kind} (per-layer times where it measured "
+                     "this model, its GEMM table otherwise); " + ("links from the cluster file and the profile's "
+                     "hosts it names" if cluster is not None else "links from the synthetic cluster, not the "
+                     "profile (it measured other hosts)"))
     return PlanResult(model=model, device=device_name, network=net_names[0], networks=net_names,
                       framework=fw.name, budget=bud, rows=rows, grid=tuple(grid), skipped=skipped,
                       cluster=clusters[net_names[0]], price=price_per_gpu_hour, deadline_days=deadline_days,
                       budget_cost=budget, mtbf_per_gpu_h=mtbf_per_gpu_h, checkpoint_s=checkpoint_s,
                       restart_s=restart_s, max_days=max_days, stats=stats, elapsed_s=time.perf_counter() - t0,
-                      methods=tuple(methods), notes=notes)
+                      methods=tuple(methods), notes=notes, precision=prec, profile_kind=prof_kind)
 
 
 # -- input parsing -------------------------------------------------------------------------------
@@ -1267,6 +1324,7 @@ def write_plots(r: PlanResult, directory: str) -> list:
 # -- the command -----------------------------------------------------------------------------------
 
 def add_plan_parser(sub):
+    from .config import FP8_RECIPES
     from .frameworks import FRAMEWORK_NAMES
     p = sub.add_parser("plan", help="how many GPUs, how long, what cost: the shortest time to train a model")
     p.add_argument("--model", required=True, help="preset name (see `autoconf models`), model YAML, or HF config.json")
@@ -1280,6 +1338,12 @@ def add_plan_parser(sub):
     p.add_argument("--cluster", help="a cluster file instead of --device (GPU counts up to its size)")
     p.add_argument("--framework", default="reference", choices=FRAMEWORK_NAMES,
                    help="the runtime that will run the plan (default: reference)")
+    p.add_argument("--profile", help="a profile from `autoconf profile` taken on the cluster's device kind: its "
+                   "measured compute prices the devices")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"),
+                   help="matmul precision of every plan (default bf16, the model's dtype)")
+    p.add_argument("--fp8-recipe", default=None, choices=FP8_RECIPES,
+                   help="FP8 scaling with --precision fp8 (default: the framework's first the device runs)")
     p.add_argument("--tokens", help="tokens to train on, e.g. 2T (default: 20 per parameter, Chinchilla)")
     p.add_argument("--batch-law", default="kaplan", help="kaplan (critical batch), deepseek (B_opt(C)) or "
                    "fixed (--global-batch) (default kaplan)")
@@ -1318,6 +1382,13 @@ def cmd_plan(args) -> int:
     if args.cluster:
         from .cluster import load_cluster
         cluster = load_cluster(args.cluster)
+    profile = None
+    if args.profile:
+        from .profile import check_profile_matches, load_profile
+        profile = load_profile(args.profile)
+        check_profile_matches(profile, model)
+    if args.fp8_recipe is not None and args.precision != "fp8":
+        raise UserError(f"--fp8-recipe {args.fp8_recipe}: needs --precision fp8")
     if args.max_gpus is not None and args.max_gpus <= 0:
         raise UserError(f"--max-gpus {args.max_gpus}: must be a positive integer")
     if args.global_batch is not None and args.global_batch <= 0:
@@ -1362,12 +1433,14 @@ def cmd_plan(args) -> int:
                  global_batch=args.global_batch, batch_factors=factors, price_per_gpu_hour=price,
                  deadline_days=deadline, budget=budget, compare_networks=compare if cluster is None else (),
                  mtbf_per_gpu_h=mtbf, checkpoint_s=ckpt, restart_s=restart, max_days=max_days,
-                 max_micro_batch=args.max_micro_batch, progress=progress)
+                 max_micro_batch=args.max_micro_batch, progress=progress, profile=profile,
+                 precision=args.precision, fp8_recipe=args.fp8_recipe)
     finally:
         if bar is not None:
             bar.stop()
     r.model_ref = args.model
     r.cluster_path = args.cluster or args.cluster_out
+    r.profile_path = args.profile
     written = write_plots(r, args.plot) if args.plot else []
     if args.cluster_out:
         write_text(args.cluster_out, cluster_yaml(r.cluster))

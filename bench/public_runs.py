@@ -15,7 +15,9 @@ Published figures used (nothing here is fitted to them):
   (after a ramp-up from 16 sequences, not modelled); 366B tokens; 11 March to 6 July 2022,
   about 3.5 months; 1,082,990 GPU-hours (= 117.5 days on 384 GPUs).
   Model: 70 layers, hidden 14336, 112 heads, vocabulary 250,880, ALiBi (no position parameters),
-  LayerNorm, GeLU, tied embeddings, biases.
+  LayerNorm, GeLU, tied embeddings, biases, no dropout. Attention as the paper's sec. 3.4.3 runs
+  it: Megatron's fused scale-mask-softmax kernel over materialised scores (``attention="eager"``;
+  training began in March 2022, before FlashAttention).
 - Llama-2-70B (Touvron et al., arXiv 2307.09288, table 2 and sec. 2.2): 1,720,320 A100-80GB
   GPU-hours for 2T tokens, global batch 4M tokens (1,024 x 4,096), Meta's Research SuperCluster
   (InfiniBand, 200 Gbit/s per GPU). The GPU count is not published; 2,048 is assumed here, so the
@@ -46,7 +48,8 @@ from autoconf.timetotrain import compact, plan, synthetic_cluster  # noqa: E402
 
 BLOOM = ModelSpec(name="bloom-176b", num_layers=70, hidden_size=14336, num_attention_heads=112, num_kv_heads=112,
                   ffn_hidden_size=4 * 14336, vocab_size=250880, seq_length=2048, activation="gelu",
-                  tied_embeddings=True, dtype="bf16", norm="layernorm", position_embedding="rope", bias=True)
+                  tied_embeddings=True, dtype="bf16", norm="layernorm", position_embedding="rope", bias=True,
+                  attention="eager")
 JEAN_ZAY = cluster_from_mapping({"name": "jean-zay-a100", "node_groups": [
     {"count": 48, "device": "a100-80gb", "gpus_per_node": 8, "intra_node_bandwidth": "300 GB/s",
      "nics": {"count": 4, "bandwidth": "100 Gbit/s", "kind": "omnipath"}}]})

@@ -57,13 +57,17 @@ def test_prefilled_links_give_the_cost_models_own_estimates(network):
     assert n > 40
 
 
-@pytest.mark.parametrize("network,framework", [("ib", None), ("25gbe", None), ("100gbe", "megatron")])
-def test_the_bounds_are_bounds(network, framework):
+@pytest.mark.parametrize("network,framework,device,precision", [
+    ("ib", None, "a100-80gb", ("bf16", "tensorwise")), ("25gbe", None, "a100-80gb", ("bf16", "tensorwise")),
+    ("100gbe", "megatron", "a100-80gb", ("bf16", "tensorwise")),
+    ("ib", "megatron", "h100-sxm", ("fp8", "delayed")), ("25gbe", None, "h100-sxm", ("fp8", "rowwise"))])
+def test_the_bounds_are_bounds(network, framework, device, precision):
     """Every pruning bound is at most what the cost model computes: the time bound of each inner
-    choice, and a memory floor over capacity only where the estimate does not fit."""
-    cl = T.synthetic_cluster("a100-80gb", 64, network)
+    choice, and a memory floor over capacity only where the estimate does not fit (also in FP8,
+    whose GEMMs are faster and whose saved inputs are smaller under Megatron)."""
+    cl = T.synthetic_cluster(device, 64, network)
     system = T.planning_system(GPT, cl, framework=framework)
-    opt = T.PointOptimizer(system)
+    opt = T.PointOptimizer(system, precision=precision)
     rng = random.Random(7)
     checked = oom = 0
     for batch in (64, 256):
@@ -74,8 +78,10 @@ def test_the_bounds_are_bounds(network, framework):
             T._prefill(system, make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, batch))
             for c in framework_inner(system.framework, dp, pp, tp, mbs, sched, v, layered, batch,
                                      dp_hierarchical(system, dp, pp, tp)):
+                c = opt._prec(c)
                 if check(c, GPT):
                     continue
+                assert c.precision == precision[0]
                 T._prefill(system, c)
                 e = _estimate(c, system)
                 key = (c.sequence_parallel, c.recompute, c.zero_stage)
@@ -88,12 +94,16 @@ def test_the_bounds_are_bounds(network, framework):
     assert checked > 200
 
 
-@pytest.mark.parametrize("model,network,gpus,batch", [("gpt3-1.3b", "ib", 32, 64), ("llama-3-8b", "25gbe", 64, 256)])
-def test_the_optimiser_finds_searchs_exhaustive_optimum(model, network, gpus, batch):
+@pytest.mark.parametrize("model,network,gpus,batch,device,precision", [
+    ("gpt3-1.3b", "ib", 32, 64, "a100-80gb", "bf16"), ("llama-3-8b", "25gbe", 64, 256, "a100-80gb", "bf16"),
+    ("gpt3-1.3b", "ib", 32, 64, "h100-sxm", "fp8")])
+def test_the_optimiser_finds_searchs_exhaustive_optimum(model, network, gpus, batch, device, precision):
     m = preset(model)
-    cl = T.synthetic_cluster("a100-80gb", gpus, network)
-    best, st = T.PointOptimizer(T.planning_system(m, cl)).run(gpus, batch)
-    ref = search(m, cl, batch, storage=None, place=False, top=1)
+    cl = T.synthetic_cluster(device, gpus, network)
+    prec = ("fp8", "tensorwise") if precision == "fp8" else ("bf16", "tensorwise")
+    best, st = T.PointOptimizer(T.planning_system(m, cl), precision=prec).run(gpus, batch)
+    ref = search(m, cl, batch, storage=None, place=False, top=1, precision=precision, fp8_recipe=prec[1])
+    assert best["all"].config.precision == ref.top[0].config.precision == precision
     assert best["all"].step_time_s == pytest.approx(ref.top[0].step_time_s, rel=1e-9)
     assert st.estimates < ref.estimates  # the bounds decide most of the space
 
@@ -193,6 +203,10 @@ def _run(*argv, env_extra=None):
     (["--device", "a100-80gb", "--max-gpus", "64", "--batch-law", "huge"], "valid: kaplan, deepseek, fixed"),
     (["--device", "a100-80gb", "--max-gpus", "64", "--budget", "1M"], "give --price-per-gpu-hour"),
     (["--max-gpus", "64"], "give --device NAME and --max-gpus N"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--precision", "fp8"], "device a100-80gb has no FP8 tensor cores"),
+    (["--device", "h100-sxm", "--max-gpus", "64", "--fp8-recipe", "rowwise"], "--fp8-recipe rowwise: needs --precision fp8"),
+    (["--device", "h100-sxm", "--max-gpus", "64", "--precision", "fp8", "--fp8-recipe", "delayed"],
+     "framework reference runs tensorwise, rowwise"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle):
     p = _run("--model", "gpt3-1.3b", *argv)
@@ -245,3 +259,48 @@ def test_inner_choices_cover_what_the_bounds_key():
         opt = T.PointOptimizer(T.planning_system(GPT, cl))
         opts = {(sp, rc) for sp, rc in opt._options(tp)}
         assert {(sp, rc) for sp, rc, _ in keys} == opts
+
+
+def test_fp8_plans_are_faster_on_h100():
+    """FP8 GEMMs run at twice the dense peak on Hopper: every fastest plan per GPU count is
+    faster than in bf16, and the notes say the numerics change."""
+    kw = dict(device="h100-sxm", max_gpus=64, tokens=2.6e10, compare_networks=())
+    bf, f8 = T.plan(GPT, **kw), T.plan(GPT, precision="fp8", **kw)
+    assert f8.precision == ("fp8", "tensorwise") and any("different numerics" in n for n in f8.notes)
+    for a, b in zip(bf.per_gpus(), f8.per_gpus()):
+        assert b.estimate.config.precision == "fp8" and b.step_time_s < a.step_time_s
+    assert "--precision fp8 --fp8-recipe tensorwise" in f8.search_command(f8.shortest())
+
+
+PROFILE = os.path.join(os.path.dirname(__file__), "..", "examples", "profiles", "bench-h256-cpu2.json")
+CPU_MODEL = os.path.join(os.path.dirname(__file__), "..", "examples", "models", "bench-h256.yaml")
+TESTBED = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "testbed-2x2.yaml")
+
+
+def test_a_profile_prices_the_plans_and_the_search_command_carries_it(tmp_path):
+    """With --profile the plan's step times are the cost model's with that profile (measured
+    per-layer compute), not the catalog's; the printed search command finds the same time."""
+    from autoconf.cluster import load_cluster
+    from autoconf.model import load_model
+    from autoconf.profile import load_profile
+    model, cl, prof = load_model(CPU_MODEL), load_cluster(TESTBED), load_profile(PROFILE)
+    kw = dict(cluster=cl, tokens=1e6, batch_law="fixed", global_batch=16)
+    with_p, without = T.plan(model, profile=prof, **kw), T.plan(model, **kw)
+    sh = with_p.shortest()
+    assert with_p.profile_kind == "cpu" and any("profile measured on cpu" in n for n in with_p.notes)
+    assert sh.step_time_s == pytest.approx(_estimate(sh.estimate.config, System(model, cl, prof)).step_time_s,
+                                           rel=1e-12)
+    assert sh.step_time_s != pytest.approx(without.shortest().step_time_s, rel=1e-3)
+    with_p.profile_path, with_p.model_ref = PROFILE, CPU_MODEL
+    cmd = with_p.search_command(sh, TESTBED).split()[1:] + ["--json"]
+    assert "--profile" in cmd
+    p = subprocess.run([sys.executable, "-m", "autoconf", *cmd], capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=os.getcwd()), timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["best"]["step_time_s"] == pytest.approx(sh.step_time_s, rel=1e-9)
+
+
+def test_a_profile_of_another_device_kind_is_refused():
+    p = _run("--model", CPU_MODEL, "--device", "a100-80gb", "--max-gpus", "8", "--profile", PROFILE)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "--profile was measured on cpu; the cluster's devices are a100-80gb" in p.stderr

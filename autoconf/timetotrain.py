@@ -34,7 +34,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from .config import RECOMPUTE, ParallelConfig, check, make_config, outer_space
+from .config import RECOMPUTE, ParallelConfig, check, cp_choices, outer_space, point_config
 from .cost.estimate import Estimate, _estimate
 from .cost.system import System
 from .errors import UserError
@@ -191,16 +191,17 @@ def _aligned(stride: int, n: int, per: int) -> bool:
 def _prefill(system: System, c: ParallelConfig) -> None:
     """Fill the System's caches of a layout's groups, stage devices, pipeline links and peak
     FLOP/s from one representative group each, where all groups are alike: a uniform topology,
-    the default rank order (tp-dp-pp), no device order, and every axis aligned on the hosts. Else
-    nothing (the cost model enumerates every group itself)."""
+    the default rank order (tp-dp-pp), no device order, no context parallelism, and every axis
+    aligned on the hosts. Else nothing (the cost model enumerates every group itself)."""
     topo = system.topology
-    if not isinstance(topo, _UniformTopology) or c.rank_order != "tp-dp-pp" or c.device_order is not None:
+    if (not isinstance(topo, _UniformTopology) or c.rank_order != "tp-dp-pp" or c.device_order is not None
+            or c.cp > 1):
         return
     dp, pp, tp, per = c.dp, c.pp, c.tp, topo.per_node
     world = dp * pp * tp
     if world % per or not (_aligned(1, tp, per) and _aligned(tp, dp, per) and _aligned(tp * dp, pp, per)):
         return
-    key = (dp, pp, tp, c.rank_order, c.device_order)
+    key = (dp, pp, tp, c.cp, c.rank_order, c.device_order)  # the cost model's own cache keys
     cache = system._cache
     if ("stages",) + key in cache:
         return
@@ -267,8 +268,10 @@ class PointOptimizer:
     """
 
     def __init__(self, system: System, methods=METHODS, max_micro_batch: int = 64,
-                 precision: tuple = ("bf16", "tensorwise")):
+                 precision: tuple = ("bf16", "tensorwise"), max_cp: int | None = None):
         self.system = system
+        self.max_cp = max_cp
+        """Largest context-parallel degree (``config.cp_choices``; None: its default by sequence)."""
         self.precision = precision
         """(precision, FP8 recipe) of every configuration (``search.precision_choices``)."""
         self.fp8 = precision[1] if precision[0] == "fp8" else None
@@ -278,6 +281,10 @@ class PointOptimizer:
         self.kinds = sorted(set(system.topology.kind_of))
         fw = system.framework
         self.tp_overlap = fw.defaults.get("tp_comm_overlap", False) or "tp_comm_overlap" in fw.knobs
+        # torch.compile where the framework compiles by default or lets the user switch it on: the
+        # least of both is the bound (compiled kernels are fewer and fused)
+        self.compiled = tuple(sorted({bool(fw.defaults.get("torch_compile", False))}
+                                     | ({False, True} if "torch_compile" in fw.knobs else set())))
         self.capacity = max(system.capacity_bytes(system.topology.kind_of.index(k)) for k in self.kinds)
         self.oom: set = set()
         """Configurations found not to fit (memory does not depend on the network: shareable)."""
@@ -293,34 +300,36 @@ class PointOptimizer:
         sps = (False, True) if tp > 1 and self.model.seq_length % tp == 0 else (False,)
         return [(sp, rc) for sp in sps for rc in RECOMPUTE]
 
-    def _per_layer(self, mbs: int, tp: int, sp: bool, rc: str) -> tuple:
+    def _per_layer(self, mbs: int, tp: int, sp: bool, rc: str, cp: int = 1) -> tuple:
         """(forward, backward, exposed tp forward, exposed tp backward, host forward, host backward,
-        activation bytes) of one block per micro-batch: least over device kinds."""
+        activation bytes) of one block per micro-batch on a rank's s/cp tokens: least over device
+        kinds and compile modes (the context-parallel exchange is left out: at least 0)."""
         from .cost.tensor_parallel import tp_times
 
         def make():
             sys_ = self.system
             c = self._prec(ParallelConfig(dp=1, pp=1, tp=tp, micro_batch_size=mbs, num_micro_batches=1,
-                                          recompute=rc, sequence_parallel=sp))
-            lts = [sys_.block(k, mbs, tp, sp, rc, fp8=self.fp8) for k in self.kinds]
+                                          recompute=rc, sequence_parallel=sp, cp=cp))
+            lts = [sys_.block(k, mbs, tp, sp, rc, cp=cp, fp8=self.fp8, compiled=comp)
+                   for k in self.kinds for comp in self.compiled]
             tpt = tp_times(sys_, c, [self.kinds]) if tp > 1 else None
             act = sys_.layer_activations(c, min(sys_.mask_bytes(k) for k in self.kinds))["total"]
             return (min(lt.forward_s for lt in lts), min(lt.backward_s for lt in lts),
                     tpt.forward_per_layer_s if tpt else 0.0, tpt.backward_per_layer_s if tpt else 0.0,
                     min(lt.host_forward_s for lt in lts), min(lt.host_backward_s for lt in lts), act)
-        return self.system.cached(("ttt-layer", mbs, tp, sp, rc, self.fp8), make)
+        return self.system.cached(("ttt-layer", mbs, tp, sp, rc, cp, self.fp8), make)
 
-    def _edges(self, mbs: int, tp: int) -> tuple:
+    def _edges(self, mbs: int, tp: int, cp: int = 1) -> tuple:
         def make():
             out = []
             for which in ("embedding", "head"):
-                es = [self.system.edge(k, mbs, tp, which) for k in self.kinds]
+                es = [self.system.edge(k, mbs, tp, which, cp) for k in self.kinds]
                 out += [min(e.forward_s for e in es), min(e.backward_s for e in es),
                         min(e.host_forward_s for e in es), min(e.host_backward_s for e in es)]
             return tuple(out)
-        return self.system.cached(("ttt-edges", mbs, tp), make)
+        return self.system.cached(("ttt-edges", mbs, tp, cp), make)
 
-    def _chunks(self, pp: int, tp: int, v: int, mbs: int):
+    def _chunks(self, pp: int, tp: int, v: int, mbs: int, cp: int = 1):
         """Per chunk (numpy arrays): its blocks, and the embedding / head passes' (forward,
         backward, host forward, host backward) it carries."""
         import numpy as np
@@ -330,12 +339,12 @@ class PointOptimizer:
         def make():
             n_chunks = pp * v
             layers = np.array(even_layers(self.model.num_layers, n_chunks), dtype=float)
-            ef, eb, ehf, ehb, hf_, hb_, hhf, hhb = self._edges(mbs, tp)
+            ef, eb, ehf, ehb, hf_, hb_, hhf, hhb = self._edges(mbs, tp, cp)
             edge = np.zeros((4, n_chunks))
             edge[:, 0] += (ef, eb, ehf, ehb)
             edge[:, -1] += (hf_, hb_, hhf, hhb)
             return layers, edge
-        return self.system.cached(("ttt-chunks", pp, tp, v, mbs), make)
+        return self.system.cached(("ttt-chunks", pp, tp, v, mbs, cp), make)
 
     def _p2p(self, point, sp: bool):
         """The model's transfer time across each stage boundary (``schedule_time.p2p_times``) for one
@@ -343,15 +352,16 @@ class PointOptimizer:
         import numpy as np
 
         from .cost.schedule_time import boundary_bytes, p2p_times
-        dp, pp, tp, mbs, sched, v, layered = point
+        dp, pp, tp, mbs, sched, v, layered, cp = point
         if pp == 1:
             return np.zeros(1)
 
         def make():
-            c = ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=mbs, num_micro_batches=1, sequence_parallel=sp)
+            c = ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=mbs, num_micro_batches=1, sequence_parallel=sp,
+                               cp=cp)
             _prefill(self.system, c)
             return np.array(p2p_times(self.system, c, boundary_bytes(self.system, c)))
-        return self.system.cached(("ttt-p2p", dp, pp, tp, mbs, sp), make)
+        return self.system.cached(("ttt-p2p", dp, pp, tp, mbs, sp, cp), make)
 
     def _floors(self, point, m: int, layer_rows, p2p=None, reductions=None):
         """``schedule_time.pipeline_floor`` over chunk lower bounds, for each row of per-block
@@ -361,8 +371,8 @@ class PointOptimizer:
         pp, one chunk per device): also a bound per (option, zero) with each device's gradient
         reduction after its last backward."""
         import numpy as np
-        dp, pp, tp, mbs, sched, v, layered = point
-        layers, edge = self._chunks(pp, tp, v, mbs)
+        dp, pp, tp, mbs, sched, v, layered, cp = point
+        layers, edge = self._chunks(pp, tp, v, mbs, cp)
         a = np.asarray(layer_rows, dtype=float)  # options x 6
         f = np.outer(a[:, 0], layers) + edge[0]
         b = np.outer(a[:, 1], layers) + edge[1]
@@ -459,7 +469,7 @@ class PointOptimizer:
 
         from .catalog import device_type
         from .cost.memory import state_bytes_per_param, zero3_working_bytes
-        dp, pp, tp, mbs, sched, v, layered = point
+        dp, pp, tp, mbs, sched, v, layered, cp = point
         sys_, mod = self.system, self.model
         params, least, buffers = self._stage_params(pp, tp, v)
         live = self._live(sched, pp, m, v, layered)
@@ -467,11 +477,13 @@ class PointOptimizer:
         rest = np.zeros(pp) + min(device_type(k).framework_overhead_bytes for k in self.kinds)
         if pp > 1 and sys_.framework.per_micro_batch_pipeline_buffers:
             sp_div = tp if tp > 1 and mod.seq_length % tp == 0 else 1
-            rest = rest + buffers * m * mbs * mod.seq_length / sp_div * mod.hidden_size * mod.dtype_bytes
+            rest = rest + buffers * m * mbs * mod.seq_length / cp / sp_div * mod.hidden_size * mod.dtype_bytes
         fp32 = sys_.grad_bytes == 4 and mod.dtype != "fp32"
-        per_param = np.array([(lambda st: st.parameters + st.optimizer)(state_bytes_per_param(mod.dtype, z, dp, fp32))
+        # ZeRO shards over the gradient group: dp x cp (``data_parallel.grad_group``)
+        per_param = np.array([(lambda st: st.parameters + st.optimizer)(state_bytes_per_param(mod.dtype, z, dp * cp,
+                                                                                              fp32))
                               for z in zeros])
-        z3 = np.array([zero3_working_bytes(mod, tp) if (z == 3 and dp > 1) else 0.0 for z in zeros])
+        z3 = np.array([zero3_working_bytes(mod, tp) if (z == 3 and dp * cp > 1) else 0.0 for z in zeros])
         # options x zeros x stages
         tot = (np.asarray(acts, dtype=float)[:, None, None] * units[None, None, :]
                + per_param[None, :, None] * params[None, None, :] + rest[None, None, :] + z3[None, :, None])
@@ -479,9 +491,9 @@ class PointOptimizer:
 
     def _optimizer_floor(self, point, zeros):
         import numpy as np
-        dp, pp, tp, mbs, sched, v, layered = point
+        dp, pp, tp, mbs, sched, v, layered, cp = point
         top = float(self._stage_params(pp, tp, v)[0].max())
-        return np.array([min(self.system.optimizer_time(k, top / (dp if z >= 1 else 1)) for k in self.kinds)
+        return np.array([min(self.system.optimizer_time(k, top / (dp * cp if z >= 1 else 1)) for k in self.kinds)
                          for z in zeros])
 
     def _reduction_floor(self, point, zeros) -> list:
@@ -489,30 +501,30 @@ class PointOptimizer:
         a device's chunk reductions one after another, ``data_parallel.reduction_tail_s``, so the
         step lasts at least their sum), with the fastest all-reduce the framework offers there."""
         from .cost import comm
-        from .cost.data_parallel import _reduction, reduction_collective
+        from .cost.data_parallel import _reduction, gather_bytes, grad_group, reduction_collective
         from .cost.tensor_parallel import axis_links, collective_s
-        dp, pp, tp, mbs, sched, v, layered = point
-        if dp == 1:
+        dp, pp, tp, mbs, sched, v, layered, cp = point
+        if dp * cp == 1:
             return [(0.0, [0.0] * pp, [0.0] * pp, [0.0] * pp) for _ in zeros]
 
         def make():
             from .cost.layout import chunk_params
             from .placement import even_layers
             layers = even_layers(self.model.num_layers, pp * v)
-            cp = chunk_params(self.system, ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1,
-                                                          num_micro_batches=1, virtual_stages=v), layers)
-            distinct = sorted(set(cp))
+            params = chunk_params(self.system, ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1,
+                                                              num_micro_batches=1, virtual_stages=v), layers)
+            distinct = sorted(set(params))
             lay = _ChunkParams(tuple(distinct))  # one chunk of each size: the reductions are per chunk
-            where = [distinct.index(x) for x in cp]
-            _prefill(self.system, ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1))
+            where = [distinct.index(x) for x in params]
+            _prefill(self.system, ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1, cp=cp))
             hier = dp_hierarchical(self.system, dp, pp, tp)
             out = {}
             for z in (0, 1, 2, 3):
                 modes = ("flat", "hierarchical") if (hier and z == 0) else ("flat",)
                 best, per_dev = float("inf"), [float("inf")] * pp
                 for mode in modes:
-                    c = ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1,
-                                       virtual_stages=v, zero_stage=z, dp_all_reduce=mode)
+                    c = self._prec(ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1,
+                                                  virtual_stages=v, zero_stage=z, dp_all_reduce=mode, cp=cp))
                     _prefill(self.system, c)
                     red = reduction_collective(z)
                     one = [_reduction(self.system, c, lay, red, i, self.kinds) for i in range(len(distinct))]
@@ -526,26 +538,27 @@ class PointOptimizer:
                 # gather of its parameters (per micro-batch, except layered accumulation at pp=1)
                 rs = ag = [0.0] * (pp * v)
                 if z >= 1:
-                    c = ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1,
-                                       virtual_stages=v, zero_stage=z)
+                    c = self._prec(ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1,
+                                                  virtual_stages=v, zero_stage=z, cp=cp))
                     one = [_reduction(self.system, c, lay, comm.reduce_scatter_s, i, self.kinds)
                            for i in range(len(distinct))]
                     rs = [one[w] for w in where]
-                    links = axis_links(self.system, c, "dp")
-                    one = [collective_s(self.system, links, comm.all_gather_s, dp, p * self.model.dtype_bytes)
+                    n, axis = grad_group(c)
+                    links = axis_links(self.system, c, axis)
+                    one = [collective_s(self.system, links, comm.all_gather_s, n, p * gather_bytes(self.system, c))
                            for p in distinct]
                     ag = [one[w] for w in where]
                 out[z] = (best, [sum(rs[d::pp]) for d in range(pp)], [sum(ag[d::pp]) for d in range(pp)], per_dev)
             return out
-        red = self.system.cached(("ttt-red", dp, pp, tp, v), make)
+        red = self.system.cached(("ttt-red", dp, pp, tp, v, cp, self.fp8), make)
         return [red[z] for z in zeros]
 
     def _micro_batch_dp_floor(self, point, m: int, red) -> float:
         """The busiest device's ZeRO-2/3 traffic over the micro-batches (see _reduction_floor)."""
-        dp, pp, tp, mbs, sched, v, layered = point
+        dp, pp, tp, mbs, sched, v, layered, cp = point
         z, (_, rs, ag, _) = red
         lay = layered or sched == "breadth_first"
-        if dp == 1 or z < 2:
+        if dp * cp == 1 or z < 2:
             return 0.0
         per_mb = [0.0] * pp
         if not lay:
@@ -558,11 +571,11 @@ class PointOptimizer:
         """{(sequence_parallel, recompute, zero): lower bound on the step time} for the inner
         choices whose memory floor fits (empty: nothing of the point can fit)."""
         import numpy as np
-        dp, pp, tp, mbs, sched, v, layered = point
+        dp, pp, tp, mbs, sched, v, layered, cp = point
         m = global_batch // (dp * mbs)
-        zeros = (0, 1, 2, 3) if dp > 1 else (0,)
+        zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
         opts = self._options(tp)
-        rows = [self._per_layer(mbs, tp, sp, rc) for sp, rc in opts]
+        rows = [self._per_layer(mbs, tp, sp, rc, cp) for sp, rc in opts]
         fits = self._memory_floors(point, m, [r[6] for r in rows], zeros) <= self.capacity
         if not fits.any():
             return {}
@@ -573,7 +586,7 @@ class PointOptimizer:
         # where the queue of reductions has a known earliest start (see _floors); not pp = 1 layered
         # accumulation (its units finish one by one), nor interleaving (its chunks' last backwards
         # interleave with the cool-down)
-        standard = dp > 1 and ((v == 1 and (pp > 1 or not layered)) or sched == "breadth_first")
+        standard = dp * cp > 1 and ((v == 1 and (pp > 1 or not layered)) or sched == "breadth_first")
         got = self._floors(point, m, [rows[i][:6] for i in keep], [self._p2p(point, opts[i][0]) for i in keep],
                            [r[3] for r in red] if standard else None)
         floors, tails = got if standard else (got, None)
@@ -590,9 +603,10 @@ class PointOptimizer:
     def points(self, world: int, global_batch: int) -> list:
         fw = self.system.framework
         out = []
-        # (dp, pp, tp, mbs, schedule, v, layered): the planner does not split sequences (cp = 1)
-        for p in (q[:7] for q in outer_space(self.model, world, global_batch, self.max_micro_batch)):
-            base = self._prec(make_config(*p, 0, "none", False, global_batch))
+        # (dp, pp, tp, mbs, schedule, v, layered, cp), cp as ``search`` chooses it
+        cps = cp_choices(self.model, world, self.max_cp) if fw.cp_comm else (1,)
+        for p in outer_space(self.model, world, global_batch, self.max_micro_batch, cps=cps):
+            base = self._prec(point_config(p, 0, "none", False, global_batch))
             if fw.check(base) or check(base, self.model):
                 continue
             out.append(p)
@@ -647,7 +661,7 @@ class PointOptimizer:
                 st.out_of_memory += 1
         ranked.sort(key=lambda x: x[0])
         for i, (lb, p, b) in enumerate(ranked):
-            dp, pp, tp, mbs, sched, v, layered = p
+            dp, pp, tp, mbs, sched, v, layered, cp = p
             ms = [m for m in self.methods if m.admits_outer(sched, v, layered)
                   and any(z <= m.max_zero for (_, _, z) in b)]
             if not ms:
@@ -663,7 +677,7 @@ class PointOptimizer:
             hier = dp_hierarchical(self.system, dp, pp, tp) if dp > 1 else False
             inner = [(b[(c.sequence_parallel, c.recompute, c.zero_stage)], c)
                      for c in framework_inner(self.system.framework, dp, pp, tp, mbs, sched, v, layered,
-                                              global_batch, hier)
+                                              global_batch, hier, cp)
                      if (c.sequence_parallel, c.recompute, c.zero_stage) in b]
             for clb, c in sorted(inner, key=lambda x: x[0]):
                 consider(c, clb)
@@ -922,6 +936,8 @@ class PlanResult:
     """The device kind of the profile whose measurements priced the devices (None: catalog)."""
     profile_path: str | None = None
     """How the command line named the profile, for the printed search command."""
+    max_cp: int | None = None
+    """--max-cp as given (None: the default by sequence length)."""
 
     # -- selections ----------------------------------------------------------------------------
     def select(self, network=None, method="all") -> list:
@@ -981,9 +997,9 @@ class PlanResult:
         seq = "" if same else f" --seq-length {m.seq_length}"
         prec = f" --precision {self.precision[0]}" + (f" --fp8-recipe {self.precision[1]}"
                                                      if self.precision[0] == "fp8" else "")
-        prof = ""
+        prof = "" if self.max_cp is None else f" --max-cp {self.max_cp}"
         if self.profile_kind is not None:
-            prof = f" --profile {shlex.quote(self.profile_path or 'PROFILE.json')}"
+            prof += f" --profile {shlex.quote(self.profile_path or 'PROFILE.json')}"
         return (f"autoconf search --model {shlex.quote(model_ref)} --cluster {shlex.quote(path)}{prof} "
                 f"--gpus {r.gpus} --global-batch {r.batch}{seq} --framework {self.framework}{prec} "
                 "--storage none --no-place")
@@ -1053,11 +1069,12 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
          budget: float | None = None, compare_networks=("25gbe",), methods=METHODS,
          mtbf_per_gpu_h: float | None = None, checkpoint_s: float = 120.0, restart_s: float = 600.0,
          max_days: float = 365.0, max_micro_batch: int = 64, progress=None, profile=None,
-         precision: str = "bf16", fp8_recipe: str | None = None) -> PlanResult:
+         precision: str = "bf16", fp8_recipe: str | None = None, max_cp: int | None = None) -> PlanResult:
     """Sweep GPU counts x batches x methods x networks; see the module docstring. ``profile``: a
     profile from ``autoconf profile`` taken on the cluster's device kind (``planning_system``);
     ``precision``: the matmul precision of every plan, bf16 (the model's dtype) or fp8 with
-    ``fp8_recipe`` (default: the framework's first recipe the device runs)."""
+    ``fp8_recipe`` (default: the framework's first recipe the device runs); ``max_cp``: the largest
+    context-parallel degree (``config.cp_choices``; default by sequence length, as ``search``)."""
     from . import scaling
     from .frameworks import framework as framework_model
     t0 = time.perf_counter()
@@ -1122,7 +1139,7 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     other_net: dict = {}  # (GPUs, batch) -> the best configurations on the networks done before
     for net in net_names:
         system = planning_system(model, clusters[net], framework=fw.name, profile=profile)
-        opt = PointOptimizer(system, methods, max_micro_batch, prec)
+        opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp)
         opt.oom = shared_oom
         prev_by_batch: dict = {}
         for g in grid:
@@ -1176,7 +1193,8 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                       cluster=clusters[net_names[0]], price=price_per_gpu_hour, deadline_days=deadline_days,
                       budget_cost=budget, mtbf_per_gpu_h=mtbf_per_gpu_h, checkpoint_s=checkpoint_s,
                       restart_s=restart_s, max_days=max_days, stats=stats, elapsed_s=time.perf_counter() - t0,
-                      methods=tuple(methods), notes=notes, precision=prec, profile_kind=prof_kind)
+                      methods=tuple(methods), notes=notes, precision=prec, profile_kind=prof_kind,
+                      max_cp=max_cp)
 
 
 # -- input parsing -------------------------------------------------------------------------------
@@ -1344,6 +1362,8 @@ def add_plan_parser(sub):
                    help="matmul precision of every plan (default bf16, the model's dtype)")
     p.add_argument("--fp8-recipe", default=None, choices=FP8_RECIPES,
                    help="FP8 scaling with --precision fp8 (default: the framework's first the device runs)")
+    p.add_argument("--max-cp", type=int, default=None,
+                   help="largest context-parallel degree (default: seq_length / 4096, at least 1)")
     p.add_argument("--tokens", help="tokens to train on, e.g. 2T (default: 20 per parameter, Chinchilla)")
     p.add_argument("--batch-law", default="kaplan", help="kaplan (critical batch), deepseek (B_opt(C)) or "
                    "fixed (--global-batch) (default kaplan)")
@@ -1393,6 +1413,8 @@ def cmd_plan(args) -> int:
         raise UserError(f"--max-gpus {args.max_gpus}: must be a positive integer")
     if args.global_batch is not None and args.global_batch <= 0:
         raise UserError(f"--global-batch {args.global_batch}: must be a positive integer")
+    if args.max_cp is not None and args.max_cp <= 0:
+        raise UserError(f"--max-cp {args.max_cp}: must be a positive integer")
     if args.max_micro_batch <= 0:
         raise UserError(f"--max-micro-batch {args.max_micro_batch}: must be a positive integer")
     compare = () if args.compare_networks.strip().lower() in ("", "none") else tuple(
@@ -1434,7 +1456,7 @@ def cmd_plan(args) -> int:
                  deadline_days=deadline, budget=budget, compare_networks=compare if cluster is None else (),
                  mtbf_per_gpu_h=mtbf, checkpoint_s=ckpt, restart_s=restart, max_days=max_days,
                  max_micro_batch=args.max_micro_batch, progress=progress, profile=profile,
-                 precision=args.precision, fp8_recipe=args.fp8_recipe)
+                 precision=args.precision, fp8_recipe=args.fp8_recipe, max_cp=args.max_cp)
     finally:
         if bar is not None:
             bar.stop()

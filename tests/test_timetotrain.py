@@ -3,6 +3,7 @@ its shortcuts change nothing), and the sweep, its selections and the command beh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 from autoconf import timetotrain as T
-from autoconf.config import check, inner_choices, make_config
+from autoconf.config import check, inner_choices, make_config, point_config
 from autoconf.cost.estimate import _estimate
 from autoconf.cost.system import System
 from autoconf.errors import UserError
@@ -38,6 +39,7 @@ def test_prefilled_links_give_the_cost_models_own_estimates(network):
     cl = T.synthetic_cluster("a100-80gb", 128, network)
     fast, slow = T.planning_system(GPT, cl), System(GPT, cl)
     rng = random.Random(1)
+    prefilled = 0
     shapes = [(dp, pp, tp) for tp in (1, 2, 4, 8, 16) for pp in (1, 2, 4, 8) for dp in (1, 2, 4, 8, 16, 32)
               if dp * pp * tp in (64, 128)]
     n = 0
@@ -49,37 +51,48 @@ def test_prefilled_links_give_the_cost_models_own_estimates(network):
             if check(c, GPT):
                 continue
             T._prefill(fast, c)
+            prefilled += ("p2p", c.dp, c.pp, c.tp, c.cp, c.rank_order, c.device_order) in fast._cache
             a, b = _estimate(c, fast), _estimate(c, slow)
             assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-12), c.short()
             assert a.peak_memory_bytes == pytest.approx(b.peak_memory_bytes, rel=1e-12), c.short()
             assert a.mfu == pytest.approx(b.mfu, rel=1e-12)
             n += 1
     assert n > 40
+    assert prefilled > n // 2  # the shortcut's keys are the cost model's: it is used
 
 
-@pytest.mark.parametrize("network,framework,device,precision", [
-    ("ib", None, "a100-80gb", ("bf16", "tensorwise")), ("25gbe", None, "a100-80gb", ("bf16", "tensorwise")),
-    ("100gbe", "megatron", "a100-80gb", ("bf16", "tensorwise")),
-    ("ib", "megatron", "h100-sxm", ("fp8", "delayed")), ("25gbe", None, "h100-sxm", ("fp8", "rowwise"))])
-def test_the_bounds_are_bounds(network, framework, device, precision):
+BF16 = ("bf16", "tensorwise")
+LONG = dataclasses.replace(preset("llama-3-8b"), seq_length=32768)
+
+
+@pytest.mark.parametrize("network,framework,device,precision,model", [
+    ("ib", None, "a100-80gb", BF16, GPT), ("25gbe", None, "a100-80gb", BF16, GPT),
+    ("100gbe", "megatron", "a100-80gb", BF16, GPT), ("ib", "torchtitan", "a100-80gb", BF16, GPT),
+    ("ib", "megatron", "h100-sxm", ("fp8", "delayed"), GPT), ("25gbe", None, "h100-sxm", ("fp8", "rowwise"), GPT),
+    ("ib", None, "h100-sxm", BF16, LONG), ("100gbe", "megatron", "h100-sxm", BF16, LONG),
+    ("ib", "torchtitan", "h100-sxm", ("fp8", "rowwise"), LONG)])
+def test_the_bounds_are_bounds(network, framework, device, precision, model):
     """Every pruning bound is at most what the cost model computes: the time bound of each inner
     choice, and a memory floor over capacity only where the estimate does not fit (also in FP8,
-    whose GEMMs are faster and whose saved inputs are smaller under Megatron)."""
+    whose GEMMs are faster and whose saved inputs are smaller under Megatron; with torchtitan's
+    torch.compile knob; with context parallelism on a 32K sequence)."""
     cl = T.synthetic_cluster(device, 64, network)
-    system = T.planning_system(GPT, cl, framework=framework)
+    system = T.planning_system(model, cl, framework=framework)
     opt = T.PointOptimizer(system, precision=precision)
     rng = random.Random(7)
     checked = oom = 0
+    cps = set()
     for batch in (64, 256):
         pts = opt.points(64, batch) + opt.points(32, batch)
         for p in rng.sample(pts, min(len(pts), 70)):
             b = opt.bounds(p, batch)
-            dp, pp, tp, mbs, sched, v, layered = p
-            T._prefill(system, make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, batch))
+            dp, pp, tp, mbs, sched, v, layered, cp = p
+            cps.add(cp)
+            T._prefill(system, point_config(p, 0, "none", False, batch))
             for c in framework_inner(system.framework, dp, pp, tp, mbs, sched, v, layered, batch,
-                                     dp_hierarchical(system, dp, pp, tp)):
+                                     dp_hierarchical(system, dp, pp, tp), cp):
                 c = opt._prec(c)
-                if check(c, GPT):
+                if check(c, model):
                     continue
                 assert c.precision == precision[0]
                 T._prefill(system, c)
@@ -92,19 +105,22 @@ def test_the_bounds_are_bounds(network, framework, device, precision):
                 assert b[key] <= e.step_time_s * (1 + 1e-9), (c.short(), b[key], e.step_time_s)
                 checked += 1
     assert checked > 200
+    assert len(cps) > 1 if model is LONG else cps == {1}
 
 
 @pytest.mark.parametrize("model,network,gpus,batch,device,precision", [
     ("gpt3-1.3b", "ib", 32, 64, "a100-80gb", "bf16"), ("llama-3-8b", "25gbe", 64, 256, "a100-80gb", "bf16"),
-    ("gpt3-1.3b", "ib", 32, 64, "h100-sxm", "fp8")])
+    ("gpt3-1.3b", "ib", 32, 64, "h100-sxm", "fp8"), ("llama-3-8b-32k", "ib", 32, 2, "h100-sxm", "bf16")])
 def test_the_optimiser_finds_searchs_exhaustive_optimum(model, network, gpus, batch, device, precision):
-    m = preset(model)
+    m = LONG if model == "llama-3-8b-32k" else preset(model)
     cl = T.synthetic_cluster(device, gpus, network)
     prec = ("fp8", "tensorwise") if precision == "fp8" else ("bf16", "tensorwise")
     best, st = T.PointOptimizer(T.planning_system(m, cl), precision=prec).run(gpus, batch)
     ref = search(m, cl, batch, storage=None, place=False, top=1, precision=precision, fp8_recipe=prec[1])
     assert best["all"].config.precision == ref.top[0].config.precision == precision
     assert best["all"].step_time_s == pytest.approx(ref.top[0].step_time_s, rel=1e-9)
+    assert best["all"].config.cp == ref.top[0].config.cp
+    assert (best["all"].config.cp > 1) == (m is LONG)  # 2 sequences of 32K on 32 GPUs: split
     assert st.estimates < ref.estimates  # the bounds decide most of the space
 
 

@@ -288,3 +288,23 @@ def test_hierarchical_gradients_match_flat():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_hier_grads_worker, args=(4, port, [(m, c) for _, m, c in HIER_GRAD_CASES]), nprocs=4)
+
+
+def test_pipeline_schedules_post_receives_first():
+    """Over gloo a mixed send/receive batch serialises the two directions of a rank pair when the
+    sends are posted first (``trainer.pipeline.post_receives_first``): the schedules' batches are
+    reordered, receives first, each kind in its order; installing it twice wraps once."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.pipelining import schedules
+
+    from autoconf.trainer.pipeline import post_receives_first, receives_first
+    ops = [SimpleNamespace(op=dist.isend, n=0), SimpleNamespace(op=dist.irecv, n=1),
+           SimpleNamespace(op=dist.isend, n=2), SimpleNamespace(op=dist.irecv, n=3)]
+    assert [o.n for o in receives_first(ops)] == [1, 3, 0, 2]
+    post_receives_first()
+    installed = schedules._batch_p2p
+    post_receives_first()
+    assert schedules._batch_p2p is installed and installed._autoconf_receives_first
+    assert schedules._batch_p2p([]) == []

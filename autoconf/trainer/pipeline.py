@@ -27,6 +27,37 @@ def _schedule_class(name: str):
             "breadth_first": ScheduleLoopedBFS}[name]
 
 
+def receives_first(p2p_ops: list) -> list:
+    """The point-to-point operations with the receives first, each kind in its own order."""
+    import torch.distributed as dist
+    return sorted(p2p_ops, key=lambda op: op.op is not dist.irecv)
+
+
+def post_receives_first() -> None:
+    """Make the pipelining schedules post a mixed batch's receives before its sends (idempotent).
+
+    Under 1F1B the schedules fuse each backward send with the next forward receive (and each
+    forward send with a backward receive) into one ``batch_isend_irecv``, sends first. Over gloo's
+    TCP transport that order serialises the two directions of a rank pair: a send whose peer has
+    already announced its receive writes its data at once, and this rank's own "ready to
+    receive" message then waits behind that data on the same connection, so the peer's send
+    starts only after it (measured on the shaped-link testbed: 2 MiB each way took 350 ms against
+    175 ms one way; receives first: 186 ms). NCCL groups the operations and runs both directions
+    at once, which is what the cost model assumes of a link; posting the receives first gives the
+    same on gloo. Receives are non-blocking, so the order cannot deadlock."""
+    from torch.distributed.pipelining import schedules
+
+    if getattr(schedules._batch_p2p, "_autoconf_receives_first", False):
+        return
+    original = schedules._batch_p2p
+
+    def batch_p2p(p2p_ops, desc=None):
+        return original(receives_first(p2p_ops), desc)
+
+    batch_p2p._autoconf_receives_first = True
+    schedules._batch_p2p = batch_p2p
+
+
 def make_stage_class():
     from torch.distributed.pipelining import PipelineStage
 
@@ -51,6 +82,7 @@ def build_schedule(chunks: dict, schedule: str, num_chunks: int, num_micro_batch
     (``compression.make_compressing_stage``): ``configure(stage)`` sets that up per stage."""
     from .compression import make_compressing_stage
 
+    post_receives_first()
     stage_cls = make_compressing_stage(make_stage_class())
     stages = []
     for idx in sorted(chunks):

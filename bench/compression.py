@@ -131,16 +131,21 @@ def run_quality(args) -> dict:
             "dp_rank": args.dp_rank, "rows": out}
 
 
-def speed_cases(rank: int, dp_rank: int) -> list:
+def speed_cases(rank: int, dp_rank: int, nproc: int = 2) -> list:
     """(name, base config, modes): pp across the nodes (1F1B: a gradient goes back while the next
     activation comes forward, so only the cool-down's sends are alone on the link; GPipe: all
-    backward sends follow the forwards), then dp across them."""
-    pp_x = ParallelConfig(dp=2, pp=2, tp=1, micro_batch_size=2, num_micro_batches=8, rank_order="tp-dp-pp")
-    dp_x = ParallelConfig(dp=2, pp=2, tp=1, micro_batch_size=2, num_micro_batches=8, rank_order="tp-pp-dp")
+    backward sends follow the forwards), then dp across them. ``nproc`` processes per node: with
+    2, dp 2 inside each node for the pipeline cases and pp 2 for the data-parallel one; with 1,
+    dp 1 pp 2 and dp 2 pp 1."""
+    inner = 2 if nproc == 2 else 1
+    pp_x = ParallelConfig(dp=inner, pp=2, tp=1, micro_batch_size=2, num_micro_batches=8, rank_order="tp-dp-pp")
+    dp_x = ParallelConfig(dp=2, pp=inner, tp=1, micro_batch_size=2, num_micro_batches=8, rank_order="tp-pp-dp")
     pp_modes = {"none": {}, "epilogue": {"pp_compression": "epilogue", "pp_compression_rank": rank},
                 "all": {"pp_compression": "all", "pp_compression_rank": rank}}
     dp_modes = {"none": {}, "dp stage 0": {"dp_compression_stages": 1, "dp_compression_rank": dp_rank},
                 "dp all stages": {"dp_compression_stages": 2, "dp_compression_rank": dp_rank}}
+    if inner == 1:
+        dp_modes = {"none": {}, "dp all stages": {"dp_compression_stages": 1, "dp_compression_rank": dp_rank}}
     gpipe = ParallelConfig(**{**pp_x.to_dict(), "schedule": "gpipe"})
     gpipe_modes = {k: v for k, v in pp_modes.items() if k != "epilogue"}  # every send follows the last forward
     return [("pp x nodes, 1F1B", pp_x, pp_modes), ("pp x nodes, GPipe", gpipe, gpipe_modes),
@@ -167,12 +172,13 @@ def run_speed(args) -> dict:
         json.dump(model.to_dict(), f)
     t0 = time.time()
     out = []
-    with tbm.Testbed(rates, nproc_per_node=2) as tb:
-        _, cluster, _, profile = profile_testbed(tb, model_path, work, 2)
-        print(f"profiled the testbed ({args.rates}) in {time.time() - t0:.0f} s")
-        os.environ[tbm.ATTACH_ENV] = tbm.describe(tb.nodes, tb.master_port, 2)  # trials run across the nodes
+    nproc = args.nproc_per_node
+    with tbm.Testbed(rates, nproc_per_node=nproc) as tb:
+        _, cluster, _, profile = profile_testbed(tb, model_path, work, nproc)
+        print(f"profiled the testbed ({args.rates}, {nproc} per node) in {time.time() - t0:.0f} s")
+        os.environ[tbm.ATTACH_ENV] = tbm.describe(tb.nodes, tb.master_port, nproc)  # trials run across the nodes
         ctx = System(model, cluster, profile)
-        for name, base, modes in speed_cases(args.rank, args.dp_rank):
+        for name, base, modes in speed_cases(args.rank, args.dp_rank, nproc):
             configs = {mode: ParallelConfig(**{**base.to_dict(), **kw}) for mode, kw in modes.items()}
             measured = {mode: [] for mode in configs}
             counted = {}
@@ -210,7 +216,8 @@ def run_speed(args) -> dict:
         print(f"{o['case']:<16} {o['mode']:<14} {o['measured_s'] * 1e3:>8.1f}ms {o['predicted_s'] * 1e3:>8.1f}ms "
               f"{o['predicted_s'] / o['measured_s'] - 1:>+7.1%} {o['measured_gain']:>+10.1%} {o['predicted_gain']:>+10.1%} "
               f"{o['predicted_gain'] - o['measured_gain']:>+9.1%} {o['bytes_error']:>6.1%}")
-    print(f"\nrates {args.rates}, model {model.name}, {args.passes} passes x {args.steps} steps (mean); "
+    print(f"\nrates {args.rates}, {nproc} processes per node, model {model.name}, {args.passes} passes x "
+          f"{args.steps} steps (mean); "
           f"{time.time() - t0:.0f} s in all. gain = uncompressed step / compressed step - 1")
     return {"rates": rates, "rows": out}
 
@@ -227,6 +234,8 @@ def main() -> int:
     ap.add_argument("--corpus-mb", type=int, default=4)
     ap.add_argument("--rates", default="100mbit,100mbit")
     ap.add_argument("--passes", type=int, default=2)
+    ap.add_argument("--nproc-per-node", type=int, choices=(1, 2), default=2,
+                    help="speed: processes per emulated node (1: no two ranks share a core on 2 cores)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     if args.what == "quality":

@@ -1246,11 +1246,12 @@ _SCHED = {"gpipe": "gp", "1f1b": "1f1b", "interleaved": "il", "breadth_first": "
 
 
 def compact(c: ParallelConfig) -> str:
-    """dp/pp/tp, micro-batch, schedule (gp, 1f1b, il<v>, bf<v>; L: layered), ZeRO, recompute, sp."""
+    """dp/pp/tp, cp<k> (context parallel), micro-batch, schedule (gp, 1f1b, il<v>, bf<v>; L:
+    layered), ZeRO, recompute, sp."""
     s = _SCHED[c.schedule] + (str(c.virtual_stages) if c.virtual_stages > 1 else "")
     if c.layered_grad_accum and c.schedule != "breadth_first":
         s += "L"
-    parts = [f"{c.dp}/{c.pp}/{c.tp}", f"b{c.micro_batch_size}", s]
+    parts = [f"{c.dp}/{c.pp}/{c.tp}"] + ([f"cp{c.cp}"] if c.cp > 1 else []) + [f"b{c.micro_batch_size}", s]
     if c.zero_stage:
         parts.append(f"z{c.zero_stage}")
     if c.recompute != "none":
@@ -1262,7 +1263,7 @@ def compact(c: ParallelConfig) -> str:
     return " ".join(parts)
 
 
-LEGEND = ("config: dp/pp/tp, micro-batch b, schedule (gp gpipe, 1f1b, il<v> interleaved, bf<v> "
+LEGEND = ("config: dp/pp/tp, cp context parallel, micro-batch b, schedule (gp gpipe, 1f1b, il<v> interleaved, bf<v> "
           "breadth-first; L layered), z ZeRO stage, sel/full recompute, sp sequence parallel")
 
 

@@ -474,7 +474,8 @@ def plan_report(r, console) -> None:
     say = console.print
     say(f"[bold]autoconf plan[/bold] {m.name}: {m.num_params() / 1e9:,.4g}B parameters, sequence {m.seq_length}; "
         f"{r.device} up to {r.grid[-1]:,} GPUs on {r.network}; framework {r.framework}"
-        + (f"; FP8 ({r.precision[1]})" if r.precision[0] == "fp8" else ""))
+        + (f"; FP8 ({r.precision[1]})" if r.precision[0] == "fp8" else "")
+        + (f"; profile of {r.profile_kind}" if r.profile_kind else ""))
     say(f"tokens: {_num(bud.tokens)}, {bud.tokens_rule}")
     k = scaling.KAPLAN_BCRIT.constants
     say(f"loss {bud.loss:.3f} nats/token ({'Kaplan' if bud.loss_law == 'kaplan' else 'Chinchilla'} L(N, D)); "

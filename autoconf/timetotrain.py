@@ -172,13 +172,14 @@ class _UniformTopology(Topology):
 
 
 def planning_system(model, cluster, framework=None, profile=None) -> System:
-    """The System the planner estimates with: the uniform fast path for one node group. With
-    ``profile``, its device measurements (per-layer compute, GEMM table, collective efficiency)
-    price the cluster's devices of the profiled kind; on a synthetic cluster its links are not
-    used (they are the profiled hosts', not the cluster's), on a cluster file they overlay the
-    hosts they name (as in ``search``)."""
-    if len(cluster.node_groups) == 1:
-        return System(model, cluster, profile, topology=_UniformTopology(cluster), framework=framework)
+    """The System the planner estimates with: the uniform fast path for one node group without a
+    profile. With ``profile`` it is ``search``'s own (``System(model, cluster, profile)``): the
+    profile's device measurements (per-layer compute, GEMM table, collective efficiency) price the
+    cluster's devices of the profiled kind, and its measured links overlay the cluster's first
+    hosts in order (a profile of one node: the first node's links), so that the printed search
+    command finds the same times."""
+    if profile is None and len(cluster.node_groups) == 1:
+        return System(model, cluster, topology=_UniformTopology(cluster), framework=framework)
     return System(model, cluster, profile, framework=framework)
 
 
@@ -296,8 +297,8 @@ class PointOptimizer:
         return dataclasses.replace(c, precision=self.precision[0], fp8_recipe=self.precision[1])
 
     # -- bounds ----------------------------------------------------------------------------------
-    def _options(self, tp: int) -> list:
-        sps = (False, True) if tp > 1 and self.model.seq_length % tp == 0 else (False,)
+    def _options(self, tp: int, cp: int = 1) -> list:
+        sps = (False, True) if tp > 1 and (self.model.seq_length // cp) % tp == 0 else (False,)
         return [(sp, rc) for sp in sps for rc in RECOMPUTE]
 
     def _per_layer(self, mbs: int, tp: int, sp: bool, rc: str, cp: int = 1) -> tuple:
@@ -574,7 +575,7 @@ class PointOptimizer:
         dp, pp, tp, mbs, sched, v, layered, cp = point
         m = global_batch // (dp * mbs)
         zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
-        opts = self._options(tp)
+        opts = self._options(tp, cp)
         rows = [self._per_layer(mbs, tp, sp, rc, cp) for sp, rc in opts]
         fits = self._memory_floors(point, m, [r[6] for r in rows], zeros) <= self.capacity
         if not fits.any():
@@ -997,10 +998,10 @@ class PlanResult:
         seq = "" if same else f" --seq-length {m.seq_length}"
         prec = f" --precision {self.precision[0]}" + (f" --fp8-recipe {self.precision[1]}"
                                                      if self.precision[0] == "fp8" else "")
-        prof = "" if self.max_cp is None else f" --max-cp {self.max_cp}"
+        extra = "" if self.max_cp is None else f" --max-cp {self.max_cp}"
         if self.profile_kind is not None:
-            prof += f" --profile {shlex.quote(self.profile_path or 'PROFILE.json')}"
-        return (f"autoconf search --model {shlex.quote(model_ref)} --cluster {shlex.quote(path)}{prof} "
+            extra += f" --profile {shlex.quote(self.profile_path or 'PROFILE.json')}"
+        return (f"autoconf search --model {shlex.quote(model_ref)} --cluster {shlex.quote(path)}{extra} "
                 f"--gpus {r.gpus} --global-batch {r.batch}{seq} --framework {self.framework}{prec} "
                 "--storage none --no-place")
 
@@ -1010,7 +1011,7 @@ class PlanResult:
         out = {"model": self.model.to_dict(), "num_params": self.model.num_params(), "device": self.device,
                "network": self.network, "networks": list(self.networks), "framework": self.framework,
                "precision": self.precision[0], "fp8_recipe": self.precision[1] if self.precision[0] == "fp8" else None,
-               "profile_device_kind": self.profile_kind,
+               "profile_device_kind": self.profile_kind, "max_cp": self.max_cp,
                "budget": self.budget.to_dict(), "grid": list(self.grid), "skipped_gpus": list(self.skipped),
                "max_days": self.max_days,
                "price_per_gpu_hour": self.price, "deadline_days": self.deadline_days, "budget_cost": self.budget_cost,
@@ -1111,6 +1112,8 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     first = next(iter(clusters.values()))
     if profile is not None:
         from .cost.system import _profile_device_kind
+        from .profile import check_profile_matches
+        check_profile_matches(profile, model)
         kind = _profile_device_kind(profile)
         if kind not in first.device_kinds():
             raise UserError(f"--profile was measured on {kind or 'several device kinds'}; the cluster's devices are "
@@ -1118,6 +1121,8 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                             f"(--device {kind} or a cluster file of it)")
     if precision not in ("bf16", "fp8"):
         raise UserError(f"--precision {precision!r}; valid: bf16, fp8")
+    if fp8_recipe is not None and precision != "fp8":
+        raise UserError(f"--fp8-recipe {fp8_recipe}: needs --precision fp8")
     from .search import precision_choices
     (prec,) = precision_choices(planning_system(model, first, fw.name), precision, fp8_recipe)
     # GPU counts worth sweeping: the run would take at most --max-days at the datasheet peak
@@ -1185,9 +1190,8 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
         from .cost.system import _profile_device_kind
         prof_kind = _profile_device_kind(profile)
         notes.append(f"device compute from the profile measured on {prof_kind} (per-layer times where it measured "
-                     "this model, its GEMM table otherwise); " + ("links from the cluster file and the profile's "
-                     "hosts it names" if cluster is not None else "links from the synthetic cluster, not the "
-                     "profile (it measured other hosts)"))
+                     "this model, its GEMM table otherwise) and its collective efficiency; its measured links "
+                     "replace the cluster's on the first hosts, in order (as `search --profile` does)")
     return PlanResult(model=model, device=device_name, network=net_names[0], networks=net_names,
                       framework=fw.name, budget=bud, rows=rows, grid=tuple(grid), skipped=skipped,
                       cluster=clusters[net_names[0]], price=price_per_gpu_hour, deadline_days=deadline_days,
@@ -1405,11 +1409,8 @@ def cmd_plan(args) -> int:
         cluster = load_cluster(args.cluster)
     profile = None
     if args.profile:
-        from .profile import check_profile_matches, load_profile
+        from .profile import load_profile
         profile = load_profile(args.profile)
-        check_profile_matches(profile, model)
-    if args.fp8_recipe is not None and args.precision != "fp8":
-        raise UserError(f"--fp8-recipe {args.fp8_recipe}: needs --precision fp8")
     if args.max_gpus is not None and args.max_gpus <= 0:
         raise UserError(f"--max-gpus {args.max_gpus}: must be a positive integer")
     if args.global_batch is not None and args.global_batch <= 0:

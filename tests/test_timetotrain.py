@@ -291,15 +291,18 @@ def test_fp8_plans_are_faster_on_h100():
 PROFILE = os.path.join(os.path.dirname(__file__), "..", "examples", "profiles", "bench-h256-cpu2.json")
 CPU_MODEL = os.path.join(os.path.dirname(__file__), "..", "examples", "models", "bench-h256.yaml")
 TESTBED = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "testbed-2x2.yaml")
+LOCALHOST = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "localhost-cpu.yaml")
 
 
-def test_a_profile_prices_the_plans_and_the_search_command_carries_it(tmp_path):
+@pytest.mark.parametrize("cluster_file", [TESTBED, LOCALHOST])
+def test_a_profile_prices_the_plans_and_the_search_command_carries_it(cluster_file):
     """With --profile the plan's step times are the cost model's with that profile (measured
-    per-layer compute), not the catalog's; the printed search command finds the same time."""
+    per-layer compute and links), not the catalog's, on a cluster of two node groups and of one;
+    the printed search command finds the same time."""
     from autoconf.cluster import load_cluster
     from autoconf.model import load_model
     from autoconf.profile import load_profile
-    model, cl, prof = load_model(CPU_MODEL), load_cluster(TESTBED), load_profile(PROFILE)
+    model, cl, prof = load_model(CPU_MODEL), load_cluster(cluster_file), load_profile(PROFILE)
     kw = dict(cluster=cl, tokens=1e6, batch_law="fixed", global_batch=16)
     with_p, without = T.plan(model, profile=prof, **kw), T.plan(model, **kw)
     sh = with_p.shortest()
@@ -308,7 +311,7 @@ def test_a_profile_prices_the_plans_and_the_search_command_carries_it(tmp_path):
                                            rel=1e-12)
     assert sh.step_time_s != pytest.approx(without.shortest().step_time_s, rel=1e-3)
     with_p.profile_path, with_p.model_ref = PROFILE, CPU_MODEL
-    cmd = with_p.search_command(sh, TESTBED).split()[1:] + ["--json"]
+    cmd = with_p.search_command(sh, cluster_file).split()[1:] + ["--json"]
     assert "--profile" in cmd
     p = subprocess.run([sys.executable, "-m", "autoconf", *cmd], capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=os.getcwd()), timeout=300)

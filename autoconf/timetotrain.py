@@ -939,6 +939,8 @@ class PlanResult:
     """How the command line named the profile, for the printed search command."""
     max_cp: int | None = None
     """--max-cp as given (None: the default by sequence length)."""
+    placed: dict | None = None
+    """With ``place``: what the placement pass did (``_place_rows``); None: not searched."""
 
     # -- selections ----------------------------------------------------------------------------
     def select(self, network=None, method="all") -> list:
@@ -1003,7 +1005,7 @@ class PlanResult:
             extra += f" --profile {shlex.quote(self.profile_path or 'PROFILE.json')}"
         return (f"autoconf search --model {shlex.quote(model_ref)} --cluster {shlex.quote(path)}{extra} "
                 f"--gpus {r.gpus} --global-batch {r.batch}{seq} --framework {self.framework}{prec} "
-                "--storage none --no-place")
+                "--storage none" + ("" if self.placed is not None else " --no-place"))
 
     def to_dict(self) -> dict:
         sh = self.shortest()
@@ -1011,7 +1013,7 @@ class PlanResult:
         out = {"model": self.model.to_dict(), "num_params": self.model.num_params(), "device": self.device,
                "network": self.network, "networks": list(self.networks), "framework": self.framework,
                "precision": self.precision[0], "fp8_recipe": self.precision[1] if self.precision[0] == "fp8" else None,
-               "profile_device_kind": self.profile_kind, "max_cp": self.max_cp,
+               "profile_device_kind": self.profile_kind, "max_cp": self.max_cp, "placement": self.placed,
                "budget": self.budget.to_dict(), "grid": list(self.grid), "skipped_gpus": list(self.skipped),
                "max_days": self.max_days,
                "price_per_gpu_hour": self.price, "deadline_days": self.deadline_days, "budget_cost": self.budget_cost,
@@ -1070,12 +1072,16 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
          budget: float | None = None, compare_networks=("25gbe",), methods=METHODS,
          mtbf_per_gpu_h: float | None = None, checkpoint_s: float = 120.0, restart_s: float = 600.0,
          max_days: float = 365.0, max_micro_batch: int = 64, progress=None, profile=None,
-         precision: str = "bf16", fp8_recipe: str | None = None, max_cp: int | None = None) -> PlanResult:
+         precision: str = "bf16", fp8_recipe: str | None = None, max_cp: int | None = None,
+         place: bool = False, place_budget_s: float = 30.0) -> PlanResult:
     """Sweep GPU counts x batches x methods x networks; see the module docstring. ``profile``: a
     profile from ``autoconf profile`` taken on the cluster's device kind (``planning_system``);
     ``precision``: the matmul precision of every plan, bf16 (the model's dtype) or fp8 with
     ``fp8_recipe`` (default: the framework's first recipe the device runs); ``max_cp``: the largest
-    context-parallel degree (``config.cp_choices``; default by sequence length, as ``search``)."""
+    context-parallel degree (``config.cp_choices``; default by sequence length, as ``search``).
+    ``place``: after the sweep, the fastest plan of each GPU count, method and network gets
+    ``search``'s placement (the graph heuristic, then its local search over device order and
+    uneven layer splits; the reference trainer only), within ``place_budget_s`` in all."""
     from . import scaling
     from .frameworks import framework as framework_model
     t0 = time.perf_counter()
@@ -1142,8 +1148,23 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     shared_oom: set = set()
     done, total = 0, len(net_names) * len(bud.batches) * len(grid)
     other_net: dict = {}  # (GPUs, batch) -> the best configurations on the networks done before
+    systems: dict = {}
+
+    def make_row(net: str, mname: str, g: int, b: int, e) -> Row:
+        bp = bud.plan(b)
+        work = bp.steps * e.step_time_s
+        gp = None
+        wall = work
+        if mtbf_per_gpu_h:
+            gp = scaling.expected_wall_time(work, mtbf_per_gpu_h * 3600 / g, checkpoint_s, restart_s)
+            wall = gp.wall_s
+        gh = wall / 3600 * g
+        return Row(network=net, method=mname, gpus=g, batch=b, steps=bp.steps, tokens=bp.tokens, estimate=e,
+                   work_days=work / 86400, days=wall / 86400, gpu_hours=gh,
+                   cost=gh * price_per_gpu_hour if price_per_gpu_hour else None, goodput=gp)
+
     for net in net_names:
-        system = planning_system(model, clusters[net], framework=fw.name, profile=profile)
+        system = systems[net] = planning_system(model, clusters[net], framework=fw.name, profile=profile)
         opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp)
         opt.oom = shared_oom
         prev_by_batch: dict = {}
@@ -1159,24 +1180,22 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                 other_net[(g, b)] = other_net.get((g, b), []) + found
                 prev_by_batch[b] = found
                 prev_g = found
-                bp = bud.plan(b)
                 for mname, e in best.items():
-                    if e is None:
-                        continue
-                    work = bp.steps * e.step_time_s
-                    gp = None
-                    wall = work
-                    if mtbf_per_gpu_h:
-                        gp = scaling.expected_wall_time(work, mtbf_per_gpu_h * 3600 / g, checkpoint_s, restart_s)
-                        wall = gp.wall_s
-                    gh = wall / 3600 * g
-                    rows.append(Row(network=net, method=mname, gpus=g, batch=b, steps=bp.steps, tokens=bp.tokens,
-                                    estimate=e, work_days=work / 86400, days=wall / 86400, gpu_hours=gh,
-                                    cost=gh * price_per_gpu_hour if price_per_gpu_hour else None, goodput=gp))
+                    if e is not None:
+                        rows.append(make_row(net, mname, g, b, e))
                 done += 1
                 if progress:
                     progress(done, total)
     notes = []
+    placed = None
+    if place and fw.name != "reference":
+        notes.append(f"placement not searched: framework {fw.name} runs its own rank order and even layer splits "
+                     "(as in `search`)")
+    elif place:
+        placed = _place_rows(rows, systems, methods, make_row, place_budget_s)
+        notes.append(f"placement searched on the fastest plan of each GPU count, method and network: "
+                     f"{placed['improved']} of {placed['tried']} configurations improved, by up to "
+                     f"{100 * placed['best_gain']:.1f}% ({placed['seconds']:.1f} s)")
     if skipped:
         notes.append(f"GPU counts below {grid[0]:,} left out: even at the datasheet peak the run would take more than "
                      f"{max_days:g} days (--max-days)")
@@ -1198,7 +1217,40 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                       budget_cost=budget, mtbf_per_gpu_h=mtbf_per_gpu_h, checkpoint_s=checkpoint_s,
                       restart_s=restart_s, max_days=max_days, stats=stats, elapsed_s=time.perf_counter() - t0,
                       methods=tuple(methods), notes=notes, precision=prec, profile_kind=prof_kind,
-                      max_cp=max_cp)
+                      max_cp=max_cp, placed=placed)
+
+
+def _place_rows(rows: list, systems: dict, methods, make_row, budget_s: float) -> dict:
+    """``search``'s placement (``place.Placer``: the heuristic, then its local search) on the
+    fastest row of each GPU count, method and network, in place of its estimate where it is
+    faster and fits; each distinct configuration once, all within ``budget_s`` (an equal share of
+    what is left each)."""
+    from .place import Placer
+    t0 = time.perf_counter()
+    targets: dict = {}  # (network, method, GPUs) -> index of the fastest row
+    for i, r in enumerate(rows):
+        k = (r.network, r.method, r.gpus)
+        if k not in targets or r.days < rows[targets[k]].days:
+            targets[k] = i
+    done: dict = {}  # (network, config) -> a faster placed estimate, or None
+    placers: dict = {}
+    todo = sorted(targets.values())
+    best_gain = 0.0
+    for n, i in enumerate(todo):
+        r = rows[i]
+        key = (r.network, r.estimate.config)
+        if key not in done:
+            share = (budget_s - (time.perf_counter() - t0)) / max(1, len(todo) - n)
+            pl = placers.setdefault((r.network, r.gpus), Placer(systems[r.network], r.gpus))
+            e, _ = pl.improve(pl(r.estimate.config), max_evaluations=100,
+                              deadline=time.perf_counter() + max(share, 0.0))
+            done[key] = e if (e.fits and e.step_time_s < r.estimate.step_time_s) else None
+        e = done[key]
+        if e is not None:
+            best_gain = max(best_gain, 1 - e.step_time_s / r.estimate.step_time_s)
+            rows[i] = make_row(r.network, r.method, r.gpus, r.batch, e)
+    return {"tried": len(done), "improved": sum(e is not None for e in done.values()), "best_gain": best_gain,
+            "seconds": time.perf_counter() - t0}
 
 
 # -- input parsing -------------------------------------------------------------------------------
@@ -1367,6 +1419,9 @@ def add_plan_parser(sub):
                    help="matmul precision of every plan (default bf16, the model's dtype)")
     p.add_argument("--fp8-recipe", default=None, choices=FP8_RECIPES,
                    help="FP8 scaling with --precision fp8 (default: the framework's first the device runs)")
+    p.add_argument("--place", action="store_true",
+                   help="search's placement (device order, uneven layer splits) on the fastest plan of each GPU "
+                   "count (reference trainer; up to 30 s more)")
     p.add_argument("--max-cp", type=int, default=None,
                    help="largest context-parallel degree (default: seq_length / 4096, at least 1)")
     p.add_argument("--tokens", help="tokens to train on, e.g. 2T (default: 20 per parameter, Chinchilla)")
@@ -1458,7 +1513,7 @@ def cmd_plan(args) -> int:
                  deadline_days=deadline, budget=budget, compare_networks=compare if cluster is None else (),
                  mtbf_per_gpu_h=mtbf, checkpoint_s=ckpt, restart_s=restart, max_days=max_days,
                  max_micro_batch=args.max_micro_batch, progress=progress, profile=profile,
-                 precision=args.precision, fp8_recipe=args.fp8_recipe, max_cp=args.max_cp)
+                 precision=args.precision, fp8_recipe=args.fp8_recipe, max_cp=args.max_cp, place=args.place)
     finally:
         if bar is not None:
             bar.stop()

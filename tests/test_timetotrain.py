@@ -323,3 +323,31 @@ def test_a_profile_of_another_device_kind_is_refused():
     p = _run("--model", CPU_MODEL, "--device", "a100-80gb", "--max-gpus", "8", "--profile", PROFILE)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "--profile was measured on cpu; the cluster's devices are a100-80gb" in p.stderr
+
+
+def test_placement_improves_the_fastest_plans_and_they_are_the_cost_models():
+    """--place: the fastest plan of each GPU count gets search's placement where it is faster; every
+    placed estimate is the cost model's own for that placement (priced on the whole graph)."""
+    kw = dict(device="h100-sxm", max_gpus=256, tokens=2e11, compare_networks=("25gbe",))
+    m = preset("llama-2-13b")
+    plain, placed = T.plan(m, **kw), T.plan(m, place=True, **kw)
+    assert placed.placed["tried"] > 0 and placed.placed["improved"] > 0
+    assert any("placement searched" in n for n in placed.notes)
+    assert "--no-place" not in placed.search_command(placed.shortest())
+    moved = 0
+    for net in plain.networks:
+        for meth in T.METHOD_NAMES:
+            for a, b in zip(plain.per_gpus(net, meth), placed.per_gpus(net, meth)):
+                assert a.gpus == b.gpus and b.step_time_s <= a.step_time_s * (1 + 1e-12)
+                c = b.estimate.config
+                if c.device_order is not None or c.stage_layers is not None:
+                    moved += 1
+                    cl = T.synthetic_cluster("h100-sxm", b.gpus, net)
+                    assert _estimate(c, System(m, cl)).step_time_s == pytest.approx(b.step_time_s, rel=1e-9)
+    assert moved > 0
+
+
+def test_placement_is_the_reference_trainers():
+    r = T.plan(GPT, device="a100-80gb", max_gpus=16, tokens=2.6e10, compare_networks=(), framework="megatron",
+               place=True)
+    assert r.placed is None and any("placement not searched: framework megatron" in n for n in r.notes)

@@ -5,7 +5,9 @@ scaling law (``scaling``): with the critical batch size of McCandlish et al. / K
 steps S = S_min (1 + B_crit / B) and the tokens E = E_min (1 + B / B_crit) trade off around it;
 DeepSeek LLM's compute-based B_opt(C) and a batch given by the user are the alternatives. For every
 GPU count on a grid and every batch, the best configuration of the cost model's space (the same
-space as ``search``) gives the step time, hence days, GPU-hours and cost. The same sweep runs with
+space as ``search``: context parallelism included, in one matmul precision, without placement,
+which ``place=True`` adds afterwards as ``search``'s local search) gives the step time, hence
+days, GPU-hours and cost. The same sweep runs with
 each method switched off in turn (layered gradient accumulation, modular placement, ZeRO stages)
 and on slower networks, so the table shows what each buys where.
 

@@ -1416,7 +1416,8 @@ def add_plan_parser(sub):
     p.add_argument("--framework", default="reference", choices=FRAMEWORK_NAMES,
                    help="the runtime that will run the plan (default: reference)")
     p.add_argument("--profile", help="a profile from `autoconf profile` taken on the cluster's device kind: its "
-                   "measured compute prices the devices")
+                   "measured compute and collective efficiency price the devices, its links the first hosts (as "
+                   "`search --profile`)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"),
                    help="matmul precision of every plan (default bf16, the model's dtype)")
     p.add_argument("--fp8-recipe", default=None, choices=FP8_RECIPES,

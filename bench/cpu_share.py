@@ -30,19 +30,14 @@ from autoconf.cost import system as system_module  # noqa: E402
 from autoconf.cost.estimate import estimate  # noqa: E402
 from autoconf.model import load_model  # noqa: E402
 from autoconf.profile import load_profile  # noqa: E402
-
-MODES = {"none": {}, "epilogue": {"pp_compression": "epilogue", "pp_compression_rank": 16},
-         "all": {"pp_compression": "all", "pp_compression_rank": 16},
-         "dp stage 0": {"dp_compression_stages": 1, "dp_compression_rank": 8},
-         "dp all stages": {"dp_compression_stages": 2, "dp_compression_rank": 8}}
+from compression import speed_cases  # noqa: E402  (bench/compression.py: the configurations it ran)
 
 
-def config(case: str, mode: str) -> ParallelConfig:
-    """The configurations ``bench/compression.py speed_cases`` runs with two processes per node."""
-    order = "tp-pp-dp" if case.startswith("dp") else "tp-dp-pp"
-    sched = "gpipe" if "GPipe" in case else "1f1b"
-    return ParallelConfig(dp=2, pp=2, tp=1, micro_batch_size=2, num_micro_batches=8, rank_order=order,
-                          schedule=sched, **MODES[mode])
+def configs() -> dict:
+    """{(case, mode): configuration} as ``bench/compression.py speed`` ran them, two per node
+    (its default ranks: 16 for the pipeline, 8 for PowerSGD)."""
+    return {(name, mode): ParallelConfig(**{**base.to_dict(), **kw})
+            for name, base, modes in speed_cases(16, 8, 2) for mode, kw in modes.items()}
 
 
 def priced(c, model, cluster, profile, share: float | None):
@@ -79,8 +74,9 @@ def main() -> int:
     print(f"{'case':<18} {'mode':<14} {'measured':>9} {'fixed share':>18} {'mean field':>26}")
     base: dict = {}
     rows = []
+    ran = configs()
     for r in measured["rows"]:
-        c = config(r["case"], r["mode"])
+        c = ran[(r["case"], r["mode"])]
         fixed = priced(c, model, cluster, profile, None).step_time_s * 1e3
         mf, share = mean_field(c, model, cluster, profile, ranks, cores)
         mf_ms = mf.step_time_s * 1e3

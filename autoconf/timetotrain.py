@@ -1132,7 +1132,8 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     if fp8_recipe is not None and precision != "fp8":
         raise UserError(f"--fp8-recipe {fp8_recipe}: needs --precision fp8")
     from .search import precision_choices
-    (prec,) = precision_choices(planning_system(model, first, fw.name), precision, fp8_recipe)
+    systems = {net_names[0]: planning_system(model, first, fw.name, profile)}  # the sweep's first System
+    (prec,) = precision_choices(systems[net_names[0]], precision, fp8_recipe)
     # GPU counts worth sweeping: the run would take at most --max-days at the datasheet peak
     from .catalog import device_type
     flops = model.model_flops_per_token() * min(bud.plan(b).tokens for b in bud.batches)
@@ -1150,8 +1151,6 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     shared_oom: set = set()
     done, total = 0, len(net_names) * len(bud.batches) * len(grid)
     other_net: dict = {}  # (GPUs, batch) -> the best configurations on the networks done before
-    systems: dict = {}
-
     def make_row(net: str, mname: str, g: int, b: int, e) -> Row:
         bp = bud.plan(b)
         work = bp.steps * e.step_time_s
@@ -1166,7 +1165,9 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                    cost=gh * price_per_gpu_hour if price_per_gpu_hour else None, goodput=gp)
 
     for net in net_names:
-        system = systems[net] = planning_system(model, clusters[net], framework=fw.name, profile=profile)
+        if net not in systems:
+            systems[net] = planning_system(model, clusters[net], framework=fw.name, profile=profile)
+        system = systems[net]
         opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp)
         opt.oom = shared_oom
         prev_by_batch: dict = {}

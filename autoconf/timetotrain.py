@@ -289,6 +289,9 @@ class PointOptimizer:
         self.compiled = tuple(sorted({bool(fw.defaults.get("torch_compile", False))}
                                      | ({False, True} if "torch_compile" in fw.knobs else set())))
         self.capacity = max(system.capacity_bytes(system.topology.kind_of.index(k)) for k in self.kinds)
+        # CPU ranks sharing cores compute up to their share faster alone (processor sharing,
+        # ``System.cpu_sharing``): the compute in the bounds is taken at one core per rank
+        self.speedup = system.cpu_share("cpu") if "cpu" in self.kinds else 1.0
         self.oom: set = set()
         """Configurations found not to fit (memory does not depend on the network: shareable)."""
 
@@ -376,7 +379,8 @@ class PointOptimizer:
         import numpy as np
         dp, pp, tp, mbs, sched, v, layered, cp = point
         layers, edge = self._chunks(pp, tp, v, mbs, cp)
-        a = np.asarray(layer_rows, dtype=float)  # options x 6
+        a = np.asarray(layer_rows, dtype=float) / self.speedup  # options x 6
+        edge = edge / self.speedup
         f = np.outer(a[:, 0], layers) + edge[0]
         b = np.outer(a[:, 1], layers) + edge[1]
         tf = np.outer(a[:, 2], layers)

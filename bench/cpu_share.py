@@ -1,18 +1,15 @@
-"""Four ranks on two cores: how much of the testbed's pipeline misprediction is the fixed core share?
+"""Four ranks on two cores: the testbed's pipeline runs priced with a fixed core share and with
+processor sharing.
 
     python bench/cpu_share.py [bench/data/testbed-compression-2026-11-24]
 
-The cost model charges every CPU rank of an oversubscribed machine the same share of a core all
-the time (``System.cpu_share``: ranks / cores, 2.0 for four ranks on two cores). A rank that waits
-on a link leaves its core to the others, so while some ranks wait, the computing ones run faster.
+A CPU rank of an oversubscribed machine computes at its machine's cores over the ranks computing
+at that moment, at most one core: a rank that waits on a link leaves its core to the others. The
+cost model's schedule simulation runs it so (``pipeline.Sharing``, from ``System.cpu_sharing``).
 This bench prices the measured runs of ``bench/compression.py speed --nproc-per-node 2`` (their
-profile, cluster file and step times are committed under ``bench/data/``) twice: with the fixed
-share, and with a mean-field processor share -- a rank computes alongside the ranks of its own
-stage (dp replicas: they run in lockstep) and, with probability u, each rank of the other stages,
-u being the busy fraction (compute / step) of the previous pass; share = max(1, (n_stage + (n -
-n_stage) u) / cores), iterated to a fixed point. Nothing is fitted: u comes from the model's own
-simulation. The cost model does not use the mean field (the search's bounds assume the fixed
-share); this measures what modelling processor sharing would change.
+profile, cluster file and step times are committed under ``bench/data/``) both ways: with every
+rank at a fixed share of ranks / cores all the time (the model before processor sharing; here the
+simulation is handed no sharing) and as the cost model now prices them. Nothing is fitted.
 """
 
 from __future__ import annotations
@@ -40,25 +37,16 @@ def configs() -> dict:
             for name, base, modes in speed_cases(16, 8, 2) for mode, kw in modes.items()}
 
 
-def priced(c, model, cluster, profile, share: float | None):
-    """The estimate with the fixed share (None) or with every CPU rank at ``share``."""
-    fixed = system_module.System.cpu_share
-    if share is not None:
-        system_module.System.cpu_share = lambda self, kind: share if kind == "cpu" else 1.0
+def priced(c, model, cluster, profile, sharing: bool):
+    """The estimate with processor sharing (the cost model) or at the fixed share (``sharing=False``)."""
+    if sharing:
+        return estimate(c, model, cluster=cluster, profile=profile)
+    real = system_module.System.cpu_sharing
+    system_module.System.cpu_sharing = lambda self, stage_devs: None
     try:
         return estimate(c, model, cluster=cluster, profile=profile)
     finally:
-        system_module.System.cpu_share = fixed
-
-
-def mean_field(c, model, cluster, profile, ranks: int, cores: int, passes: int = 4):
-    per_stage = c.dp * c.tp * c.cp  # ranks computing in lockstep (one machine holds them all here)
-    e, share = priced(c, model, cluster, profile, None), None
-    for _ in range(passes):
-        u = e.breakdown_s["compute"] / e.step_time_s
-        share = max(1.0, (per_stage + (ranks - per_stage) * u) / cores)
-        e = priced(c, model, cluster, profile, share)
-    return e, share
+        system_module.System.cpu_sharing = real
 
 
 def main() -> int:
@@ -71,27 +59,26 @@ def main() -> int:
     ranks = len(profile.ranks)
     cores = min(h.cpu_count for h in profile.provenance.hosts)
     print(f"{measured['command']} ({measured['date']}): {ranks} ranks on {cores} cores\n")
-    print(f"{'case':<18} {'mode':<14} {'measured':>9} {'fixed share':>18} {'mean field':>26}")
+    print(f"{'case':<18} {'mode':<14} {'measured':>9} {'fixed share':>18} {'processor sharing':>20}")
     base: dict = {}
     rows = []
     ran = configs()
     for r in measured["rows"]:
         c = ran[(r["case"], r["mode"])]
-        fixed = priced(c, model, cluster, profile, None).step_time_s * 1e3
-        mf, share = mean_field(c, model, cluster, profile, ranks, cores)
-        mf_ms = mf.step_time_s * 1e3
+        fixed = priced(c, model, cluster, profile, False).step_time_s * 1e3
+        ps = priced(c, model, cluster, profile, True).step_time_s * 1e3
         meas = r["measured_ms"]
         if r["mode"] == "none":
-            base[r["case"]] = (meas, fixed, mf_ms)
-        rows.append((r["case"], r["mode"], meas, fixed, mf_ms))
+            base[r["case"]] = (meas, fixed, ps)
+        rows.append((r["case"], r["mode"], meas, fixed, ps))
         print(f"{r['case']:<18} {r['mode']:<14} {meas:>7.1f}ms {fixed:>8.1f}ms {fixed / meas - 1:>+7.1%}  "
-              f"{mf_ms:>8.1f}ms {mf_ms / meas - 1:>+7.1%} (x{share:.2f})")
-    print(f"\n{'case':<18} {'mode':<14} {'gain measured':>13} {'fixed share':>12} {'mean field':>11}")
-    for case, mode, meas, fixed, mf_ms in rows:
+              f"{ps:>9.1f}ms {ps / meas - 1:>+7.1%}")
+    print(f"\n{'case':<18} {'mode':<14} {'gain measured':>13} {'fixed share':>12} {'processor sharing':>18}")
+    for case, mode, meas, fixed, ps in rows:
         if mode == "none":
             continue
         b = base[case]
-        print(f"{case:<18} {mode:<14} {b[0] / meas - 1:>+13.1%} {b[1] / fixed - 1:>+12.1%} {b[2] / mf_ms - 1:>+11.1%}")
+        print(f"{case:<18} {mode:<14} {b[0] / meas - 1:>+13.1%} {b[1] / fixed - 1:>+12.1%} {b[2] / ps - 1:>+18.1%}")
     return 0
 
 

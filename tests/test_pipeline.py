@@ -344,3 +344,87 @@ def test_peak_memory_holds_input_gradients_between_units_on_one_device():
     w = [1.0, 1.0, 1.0, 1.0]
     assert (peak_memory("breadth_first", 2, 4, 2, w, [0.0] * 4, 1.0, None, [5.0] * 4)
             == peak_memory("breadth_first", 2, 4, 2, w, [0.0] * 4))
+
+
+# --- processor sharing (CPU ranks sharing cores) -----------------------------------------------
+
+
+def _random_case(rng, sched, pp, v):
+    nc = pp * v
+    return ([rng.uniform(0.5, 2.0) for _ in range(nc)], [rng.uniform(1.0, 3.0) for _ in range(nc)],
+            [rng.uniform(0.0, 1.0) for _ in range(nc - 1)])
+
+
+CASES = [("1f1b", 4, 8, 1), ("gpipe", 3, 6, 1), ("interleaved", 2, 4, 2), ("breadth_first", 2, 4, 3), ("1f1b", 2, 8, 1)]
+
+
+@pytest.mark.parametrize("sched,pp,m,v", CASES)
+def test_sharing_on_no_shared_machine_is_the_plain_simulation(sched, pp, m, v):
+    """The event-by-event run with every device on a machine of its own (rate 1) gives exactly
+    the single-pass simulation: same ends, same transfers, posted receives or not."""
+    f, b, p = _random_case(random.Random(pp * 10 + m), sched, pp, v)
+    alone = pipeline.Sharing((1.0,) * pp, tuple(tuple(int(i == d) for i in range(pp)) for d in range(pp)),
+                             (1.0,) * pp)
+    for posted in (False, True):
+        assert simulate(sched, pp, m, v, f, b, p, posted, sharing=alone).makespan_s == pytest.approx(
+            simulate(sched, pp, m, v, f, b, p, posted).makespan_s, rel=1e-12)
+        assert pipeline.timeline(sched, pp, m, v, f, b, p, posted, sharing=alone) == \
+            pipeline.timeline(sched, pp, m, v, f, b, p, posted)
+
+
+@pytest.mark.parametrize("sched,pp,m,v", CASES)
+def test_sharing_lies_between_the_floor_and_the_fixed_share(sched, pp, m, v):
+    """Every rank computes at least at the fixed share (cores / all its machine's ranks) and at
+    most at one core, and a machine does at most its cores' work: so the processor-sharing step
+    is no longer than the fixed share's and no shorter than ``schedule_time.pipeline_floor``."""
+    from autoconf.config import ParallelConfig
+    from autoconf.cost.schedule_time import pipeline_floor
+
+    rng = random.Random(pp * 100 + m)
+    f, b, p = _random_case(rng, sched, pp, v)
+    c = ParallelConfig(dp=1, pp=pp, tp=1, micro_batch_size=1, num_micro_batches=m, schedule=sched, virtual_stages=v)
+    for ranks, cores in ((2, 1.0), (3, 2.0), (1, 1.0)):
+        share = max(1.0, ranks * pp / cores)  # every rank of every stage on one machine
+        sh = pipeline.Sharing((share,) * pp, ((ranks,) * pp,), (cores,))
+        for posted in (False, True):
+            got = simulate(sched, pp, m, v, f, b, p, posted, sharing=sh).makespan_s
+            fixed = simulate(sched, pp, m, v, f, b, p, posted).makespan_s
+            assert pipeline_floor(c, f, b, pp * v, sh) <= got * (1 + 1e-9) and got <= fixed * (1 + 1e-9)
+
+
+def test_two_stages_on_one_core_keep_it_busy():
+    """GPipe, two single-rank stages on one core, no transfers: whenever one stage waits the
+    other has the core, so the step is the whole work at one core -- m (f + b) / 2 per stage at
+    durations priced at half a core -- where the fixed share adds the fill and drain."""
+    f, b, m = [1.0, 1.5], [2.0, 3.5], 6
+    sh = pipeline.Sharing((2.0, 2.0), ((1, 1),), (1.0,))
+    got = simulate("gpipe", 2, m, 1, f, b, [0.0], sharing=sh)
+    work = m * (sum(f) + sum(b)) / 2
+    assert got.makespan_s == pytest.approx(work, rel=1e-9)
+    assert max(got.busy_s) <= got.makespan_s and min(got.busy_s) > m * (f[0] + b[0]) / 2  # what the ops took
+    assert simulate("gpipe", 2, m, 1, f, b, [0.0]).makespan_s > work
+
+
+def test_stages_that_take_turns_each_compute_at_a_full_core():
+    """1F1B over two stages on one core, receives posted (CPU ranks), the activation taking T and
+    the gradient nothing (compressed): the last stage waits T for each activation while the first
+    computes alone, then computes alone itself, so a micro-batch costs T + (f + b) / 2 at durations
+    priced at half a core -- not T + f + b as at a fixed half core. (What the Optimus-CC bench
+    measured: compressing 1F1B's backward sends saves most when the stages take turns.)"""
+    f, b, T = 1.0, 2.0, 4.0
+    z = pipeline.Compression("all", (0.0,), (0.0, 0.0), (0.0, 0.0))
+    sh = pipeline.Sharing((2.0, 2.0), ((1, 1),), (1.0,))
+
+    def period(sharing):
+        run = [simulate("1f1b", 2, m, 1, [f, f], [b, b], [T], True, z, sharing).makespan_s for m in (16, 18)]
+        return (run[1] - run[0]) / 2
+
+    assert period(sh) == pytest.approx(T + (f + b) / 2, rel=1e-9)
+    assert period(None) == pytest.approx(T + f + b, rel=1e-9)
+
+
+def test_sharing_of_the_wrong_shape_is_refused():
+    with pytest.raises(ValueError, match="one row of 2 rank counts"):
+        simulate("1f1b", 2, 4, 1, [1, 1], [2, 2], [0], sharing=pipeline.Sharing((2.0, 2.0), ((1,),), (1.0,)))
+    with pytest.raises(ValueError, match=">= 1"):
+        simulate("1f1b", 2, 4, 1, [1, 1], [2, 2], [0], sharing=pipeline.Sharing((0.5, 2.0), ((1, 1),), (1.0,)))

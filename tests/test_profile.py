@@ -353,12 +353,45 @@ def test_oversubscribed_cpu_host_computes_at_its_share():
     assert shared.cpu_share("h100-sxm") == 1.0
     t1, t2 = own.block("cpu", 1, 1, False, "none"), shared.block("cpu", 1, 1, False, "none")
     assert t2.forward_s == pytest.approx(2 * t1.forward_s) and t2.backward_s == pytest.approx(2 * t1.backward_s)
-    c = ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4)
     from autoconf.cost.estimate import estimate
-    a = estimate(c, TINY, ctx=own)
-    b = estimate(c, TINY, ctx=System(TINY, cl, two_cores))
+    a = estimate(ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4), TINY, ctx=own)
+    # all four ranks compute at once (data parallel, in lockstep): each at half a core
+    b = estimate(ParallelConfig(dp=4, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4), TINY,
+                 ctx=System(TINY, cl, two_cores))
     assert b.breakdown_s["compute"] == pytest.approx(2 * a.breakdown_s["compute"])
     assert b.breakdown_s["optimizer"] == pytest.approx(2 * a.breakdown_s["optimizer"])
+    # two of the four ranks: they have the two cores to themselves
+    half = estimate(ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4), TINY,
+                    ctx=System(TINY, cl, two_cores))
+    assert half.breakdown_s["compute"] == pytest.approx(a.breakdown_s["compute"])
+
+
+def test_pipeline_stages_that_take_turns_on_one_core_share_it_by_turns():
+    """Processor sharing (``pipeline.Sharing``): two pipeline ranks on a one-core host. A stage
+    waiting on the other leaves it the core, so the pipeline takes what one rank doing all the
+    work at a full core takes (the core is never idle), not the fill and drain at half a core
+    each that a fixed share charges; the terms still add up to the step."""
+    from autoconf.config import ParallelConfig
+    from autoconf.cost.estimate import TIME_TERMS, estimate
+    from autoconf.cost.system import System
+
+    prof = make_profile()
+    one_core = dataclasses.replace(prof, provenance=dataclasses.replace(
+        prof.provenance, hosts=tuple(dataclasses.replace(h, cpu_count=1) for h in prof.provenance.hosts)))
+    cl = ClusterSpec(name="cpu", node_groups=(NodeGroup(count=1, device="cpu", gpus_per_node=2,
+                                                        intra_node_bandwidth_bytes_per_s=1e15),))
+    ctx = System(TINY, cl, one_core)
+    assert ctx.cpu_share("cpu") == 2.0
+    for sched in ("gpipe", "1f1b"):
+        two = estimate(ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=8, schedule=sched),
+                       TINY, ctx=ctx)
+        one = estimate(ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=1, num_micro_batches=8),
+                       TINY, ctx=ctx)  # one rank: the core to itself
+        pipe = two.step_time_s - two.breakdown_s["optimizer"] - two.breakdown_s["dp_comm"]
+        alone = one.breakdown_s["compute"] + one.breakdown_s["recompute"]
+        assert pipe == pytest.approx(alone, rel=0.01), sched
+        # (a fixed half core would charge the fill and drain on top: (m + 1) / m of the work)
+        assert two.step_time_s == pytest.approx(sum(two.breakdown_s[k] for k in TIME_TERMS), rel=1e-9)
 
 
 def test_pipeline_runtime_per_action_reaches_the_estimate(tmp_path):

@@ -98,7 +98,8 @@ def _estimate(c: ParallelConfig, ctx: System, bound: float | None = None,
     runtime = ctx.pipeline_runtime(c, lay.stage_kinds)
     ct = chunk_times(ctx, c, lay, tp_times(ctx, c, lay.stage_kinds), runtime, cp_times(ctx, c, lay.stage_kinds))
     opt = optimizer_step_s(ctx, c, lay)
-    floor = pipeline_floor(c, ct.forward_s, ct.backward_s, lay.num_chunks)
+    sharing = ctx.cpu_sharing(lay.stage_devices)
+    floor = pipeline_floor(c, ct.forward_s, ct.backward_s, lay.num_chunks, sharing)
     if bound is not None and _lower_bound(ctx, floor, opt) >= bound:
         return None
 
@@ -110,7 +111,7 @@ def _estimate(c: ParallelConfig, ctx: System, bound: float | None = None,
 
     p2p = chunk_p2p_times(ctx, c, lay.num_chunks)
     sim, sim0 = simulate_step(lay.schedule, c, lay.virtual_stages, ct.forward_s, ct.backward_s, p2p,
-                              posted_receives(ctx), pipeline_compression(ctx, c, lay, p2p))
+                              posted_receives(ctx), pipeline_compression(ctx, c, lay, p2p), sharing)
     # the extrapolated steady state can fall a hair below the floor no schedule can beat
     # (breadth-first with unequal chunks): the floor is exact there
     makespan = max(sim.makespan_s, floor)
@@ -136,15 +137,22 @@ def _breakdown(c: ParallelConfig, lay: Layout, ct: ChunkTimes, sim, sim0, runtim
     n_mb = c.num_micro_batches
     dev_busy = max(range(c.pp), key=lambda d: sim.busy_s[d])
     mine = lay.chunks_of(c, dev_busy)
-    dp_in = sum(ct.dp_inline_s[ci] for ci in mine) * n_mb
-    pp_t = max(0.0, sim.makespan_s - sim0.makespan_s)  # a floor excess over the simulation is bubble
-    pp_t += runtime_s * 2 * n_mb * len(mine)
-    return {"compute": sum((ct.compute_forward_s[ci] + ct.compute_backward_s[ci]) for ci in mine) * n_mb,
-            "recompute": sum(ct.recompute_s[ci] for ci in mine) * n_mb,
-            "tp_comm": sum(ct.tp_comm_s[ci] for ci in mine) * n_mb,
-            "cp_comm": sum(ct.cp_comm_s[ci] for ci in mine) * n_mb,
-            "ep_comm": sum(ct.ep_comm_s[ci] for ci in mine) * n_mb,
-            "bubble": max(0.0, sim0.makespan_s - sim.busy_s[dev_busy]),
+    # CPU ranks sharing cores (processor sharing): the device's ops took sim.busy_s, not their
+    # priced durations; its terms are scaled to what they took
+    priced = sum(ct.forward_s[ci] + ct.backward_s[ci] for ci in mine) * n_mb
+    busy = sim.busy_s[dev_busy]
+    k = busy / priced if priced > 0.0 else 1.0
+    dp_in = sum(ct.dp_inline_s[ci] for ci in mine) * n_mb * k
+    # the transfer-free makespan beyond the device's busy time is bubble, what the transfers add
+    # beyond both is pipeline communication (a floor excess over the simulation is bubble too)
+    pp_t = max(0.0, sim.makespan_s - max(sim0.makespan_s, busy))
+    pp_t += runtime_s * 2 * n_mb * len(mine) * k
+    return {"compute": sum((ct.compute_forward_s[ci] + ct.compute_backward_s[ci]) for ci in mine) * n_mb * k,
+            "recompute": sum(ct.recompute_s[ci] for ci in mine) * n_mb * k,
+            "tp_comm": sum(ct.tp_comm_s[ci] for ci in mine) * n_mb * k,
+            "cp_comm": sum(ct.cp_comm_s[ci] for ci in mine) * n_mb * k,
+            "ep_comm": sum(ct.ep_comm_s[ci] for ci in mine) * n_mb * k,
+            "bubble": max(0.0, sim0.makespan_s - busy),
             "pp_comm": pp_t,
             "dp_comm": dp_in + dp_tail_s + post_gather_s,
             "optimizer": optimizer_s}

@@ -29,6 +29,11 @@ Activation liveness: the activations of ``(mb, c)`` are alive from the start of 
 end of ``B(mb, c)``. A device runs its ops one after another, so the set alive at each moment depends
 only on the device's order, not on the durations: liveness is computed once per schedule shape.
 
+CPU ranks that share a machine's cores (an oversubscribed CPU testbed) are simulated under
+processor sharing (:class:`Sharing`): event by event, each computing rank at its machine's cores
+over the ranks computing at that moment, at most one core. Stages that take turns (one computes
+while another waits on a link) then each compute at a full core, as the operating system runs them.
+
 Speed: the schedule shape ``(schedule, pp, m, v)`` is compiled once (cached) into flat integer lists in
 a topological order of the whole dependency graph; a simulation is then one pass over those lists
 with no readiness checks (O(ops), a few list reads per op). ``simulate`` is cached on its arguments.
@@ -46,7 +51,7 @@ from typing import Sequence
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 
 __all__ = ["PipelineResult", "simulate", "timeline", "Op", "Transfer", "Timeline", "device_orders",
-           "peak_activation", "peak_memory", "SCHEDULES"]
+           "peak_activation", "peak_memory", "SCHEDULES", "Sharing"]
 
 
 @dataclass(frozen=True)
@@ -56,7 +61,7 @@ class PipelineResult:
     makespan_s: float
     """Time from the first op's start to the last op's end."""
     busy_s: tuple[float, ...]
-    """Per device: sum of its op durations."""
+    """Per device: sum of its op durations (under processor sharing: the time its ops took)."""
     bubble_s: tuple[float, ...]
     """Per device: makespan - busy (idle time inside the step)."""
     peak_live: tuple[tuple[int, ...], ...]
@@ -82,6 +87,24 @@ class Compression:
     p2p_s: tuple
     send_s: tuple
     recv_s: tuple
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """CPU ranks that share a machine's cores (an oversubscribed CPU testbed), simulated as the
+    operating system runs them: processor sharing. A computing rank runs one thread, so at most one
+    core, and a machine's busy ranks split its cores: a rank's rate at each moment is
+    min(1, cores / ranks computing on its machine then). A rank that waits on a link leaves its core
+    to the others, so stages that take turns compute faster than a fixed share says.
+
+    ``share[d]``: the fixed share pipeline device d's op durations were priced at (``System.cpu_share``;
+    1.0: not shared), so an op's work is ``duration / share[d]`` core-seconds. ``weights[M][d]``:
+    ranks of pipeline device d (its dp x tp x cp ranks, in lockstep) on machine M; ``cores[M]``:
+    that machine's cores. A device on no machine computes at its durations."""
+
+    share: tuple
+    weights: tuple
+    cores: tuple
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,6 +212,8 @@ class _Compiled:
     peak_live_count: tuple[int, ...]
     codes: list[int]
     """Per op in topological order: its op id (F(mb, c) = c*m + mb, B(mb, c) = pp*v*m + c*m + mb)."""
+    devs: tuple[int, ...] = ()
+    """Per op in topological order: the device that runs it."""
 
 
 def _liveness(order: list[tuple[bool, int, int]], local_chunks: list[int]) -> tuple[int, tuple[int, ...]]:
@@ -236,6 +261,7 @@ def _compile(schedule: str, pp: int, m: int, v: int, compressed: frozenset = fro
     p2p_idx: list[int] = []
     link_idx: list[int] = []
     dur_idx: list[int] = []
+    op_dev: list[int] = []
     ptr = [0] * pp
     last = [0] * pp
     remaining = n
@@ -285,6 +311,7 @@ def _compile(schedule: str, pp: int, m: int, v: int, compressed: frozenset = fro
                         link_idx.append(0)
                     dur_idx.append(nc * (1 + k) + c)
                 dev_prev.append(last[r])
+                op_dev.append(r)
                 topo_codes.append(code)
                 done[code] = 1
                 topo_pos[code] = last[r] = len(dev_prev)
@@ -308,7 +335,7 @@ def _compile(schedule: str, pp: int, m: int, v: int, compressed: frozenset = fro
 
     lives = [_liveness(orders[r], list(range(r, nc, pp))) for r in range(pp)]
     return _Compiled(list(zip(dev_prev, cross, p2p_idx, dur_idx, link_idx)), tuple(last), tuple(first_b), tuple(last_b),
-                     tuple(x[1] for x in lives), tuple(x[0] for x in lives), topo_codes)
+                     tuple(x[1] for x in lives), tuple(x[0] for x in lives), topo_codes, tuple(op_dev))
 
 
 def _deadlock_message(schedule: str, pp: int, m: int, v: int, orders, ptr: list[int], done: bytearray) -> str:
@@ -374,6 +401,89 @@ def _run(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...],
     return E, sends
 
 
+def _run_shared(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...], posted: bool,
+                sh: Sharing) -> tuple[list[float], list[float], list[float]]:
+    """``_run`` under processor sharing (:class:`Sharing`): the same dependencies, link order and
+    posted-receive rule, simulated event by event because an op's duration now depends on what
+    the other devices compute meanwhile. Returns what ``_run`` returns, and per device the time
+    its ops took (their elapsed busy time)."""
+    ops, devs = comp.ops, comp.devs
+    n, pp = len(ops), len(comp.dev_last)
+    seq: list[list[int]] = [[] for _ in range(pp)]
+    link_q: dict = {}
+    for k, (_pv, _dp, pi, _di, li) in enumerate(ops, 1):
+        seq[devs[k - 1]].append(k)
+        if pi and P[pi]:
+            link_q.setdefault(li, []).append(k)
+    head = dict.fromkeys(link_q, 0)
+    free = dict.fromkeys(link_q, 0.0)
+    machines = [(row, c) for row, c in zip(sh.weights, sh.cores) if any(row)]
+    E = [0.0] * (n + 1)
+    known = bytearray(n + 1)
+    known[0] = 1
+    sent: dict = {}
+    nxt = [0] * pp
+    start: list = [None] * pp   # the resolved start of the device's next op
+    rem = [0.0] * pp            # core-seconds left of the running op
+    running = [False] * pp
+    began = [0.0] * pp
+    busy = [0.0] * pp
+    t, left, eps = 0.0, n, 1e-12
+    while left:
+        # resolve what can be: a device's next op, once its inputs' ends are known (and, for a
+        # transfer, the earlier transfers on its link)
+        for r in range(pp):
+            if running[r] or start[r] is not None or nxt[r] >= len(seq[r]):
+                continue
+            k = seq[r][nxt[r]]
+            pv, dp, pi, _di, li = ops[k - 1]
+            if not (known[pv] and known[dp]):
+                continue
+            s = E[pv]
+            if pi and P[pi]:
+                if link_q[li][head[li]] != k:
+                    continue
+                a = E[dp] if E[dp] > free[li] else free[li]
+                if posted and s > a:
+                    a = s
+                sent[k] = a
+                a += P[pi]
+                free[li] = a
+                head[li] += 1
+            else:
+                a = E[dp]
+            start[r] = max(a, s, t)
+        # start what starts now
+        for r in range(pp):
+            if not running[r] and start[r] is not None and start[r] <= t + eps:
+                running[r], began[r] = True, t
+                rem[r] = dur[ops[seq[r][nxt[r]] - 1][3]] / sh.share[r]
+        rate = [1.0] * pp
+        for row, cores in machines:
+            active = sum(w for w, on in zip(row, running) if on)
+            if active > cores:
+                for r in range(pp):
+                    if row[r] and running[r]:
+                        rate[r] = min(rate[r], cores / active)
+        t_next = min([start[r] for r in range(pp) if not running[r] and start[r] is not None]
+                     + [t + rem[r] / rate[r] for r in range(pp) if running[r]], default=None)
+        if t_next is None:
+            raise RuntimeError("pipeline simulation under processor sharing made no progress")
+        for r in range(pp):
+            if running[r]:
+                rem[r] -= rate[r] * (t_next - t)
+        t = t_next
+        for r in range(pp):
+            if running[r] and rem[r] <= eps * max(1.0, t):
+                k = seq[r][nxt[r]]
+                E[k], known[k] = t, 1
+                busy[r] += t - began[r]
+                running[r], start[r] = False, None
+                nxt[r] += 1
+                left -= 1
+    return E, [sent[k] for k in sorted(sent)], busy
+
+
 def _durations(forward_s: tuple, backward_s: tuple, p2p_s: tuple, z: Compression | None) -> tuple[tuple, tuple]:
     """(op durations, transfer times) as ``_compile``'s indices read them: forwards, backwards,
     then the backwards that send compressed, that receive compressed, that do both; exact
@@ -395,12 +505,14 @@ def _compiled(schedule: str, pp: int, m: int, v: int, z: Compression | None) -> 
 @lru_cache(maxsize=16384)
 def _simulate(schedule: str, pp: int, m: int, v: int, forward_s: tuple[float, ...],
               backward_s: tuple[float, ...], p2p_s: tuple[float, ...], posted: bool = False,
-              compression: Compression | None = None) -> PipelineResult:
+              compression: Compression | None = None, sharing: Sharing | None = None) -> PipelineResult:
     comp = _compiled(schedule, pp, m, v, compression)
     nc = pp * v
-    E = _run(comp, *_durations(forward_s, backward_s, p2p_s, compression), posted)[0]
+    E, _sends, elapsed = _pass(comp, *_durations(forward_s, backward_s, p2p_s, compression), posted, sharing)
     makespan = max(E[k] for k in comp.dev_last)
     busy = tuple(m * sum(forward_s[c] + backward_s[c] for c in range(r, nc, pp)) for r in range(pp))
+    if elapsed is not None:  # what the ops took at their processor-sharing rates (kernels included)
+        busy = tuple(elapsed)
     return PipelineResult(
         makespan_s=makespan,
         busy_s=busy,
@@ -410,6 +522,26 @@ def _simulate(schedule: str, pp: int, m: int, v: int, forward_s: tuple[float, ..
         last_backward_end_s=tuple(E[k] for k in comp.last_b),
         first_backward_start_s=tuple(E[k] - backward_s[c] for c, k in enumerate(comp.first_b)),
     )
+
+
+def _pass(comp: _Compiled, dur: tuple, P: tuple, posted: bool, sharing: Sharing | None):
+    """(op ends, transfer starts, per device busy time or None: the durations') of one run."""
+    return (*_run(comp, dur, P, posted), None) if sharing is None else _run_shared(comp, dur, P, posted, sharing)
+
+
+def _sharing(sh: Sharing | None, pp: int) -> Sharing | None:
+    if sh is None:
+        return None
+    share = _floats("sharing.share", sh.share, pp)
+    if min(share) < 1.0:
+        raise ValueError(f"sharing.share entries must be >= 1, got {share!r}")
+    weights = tuple(tuple(int(w) for w in row) for row in sh.weights)
+    cores = tuple(float(c) for c in sh.cores)
+    if len(weights) != len(cores) or any(len(row) != pp or min(row) < 0 for row in weights) or \
+            not all(c > 0 and math.isfinite(c) for c in cores):
+        raise ValueError(f"sharing needs one row of {pp} rank counts >= 0 per machine and one core count > 0 "
+                         f"per machine, got weights={sh.weights!r}, cores={sh.cores!r}")
+    return Sharing(share, weights, cores)
 
 
 def _floats(name: str, xs: Sequence[float], n: int) -> tuple[float, ...]:
@@ -423,7 +555,8 @@ def _floats(name: str, xs: Sequence[float], n: int) -> tuple[float, ...]:
 
 def simulate(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
              forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: Sequence[float],
-             posted: bool = False, compression: Compression | None = None) -> PipelineResult:
+             posted: bool = False, compression: Compression | None = None,
+             sharing: Sharing | None = None) -> PipelineResult:
     """Simulate one step of ``schedule`` and return its timing and activation liveness.
 
     ``forward_s[c]`` / ``backward_s[c]``: per-micro-batch duration of global chunk c (pp*v entries);
@@ -431,14 +564,17 @@ def simulate(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
     forward and the gradient coming back; a link carries one transfer at a time. ``posted``: a
     transfer starts only once its receiver has posted the receive (CPU processes: see ``_run``).
     ``compression``: compressed backward sends (:class:`Compression`); ``busy_s`` stays the ops'
-    own work, without the compression kernels. Raises ValueError for an invalid shape and
+    own work, without the compression kernels. ``sharing``: CPU ranks sharing cores, at
+    processor-sharing rates (:class:`Sharing`; ``busy_s`` stays at the durations given). Raises
+    ValueError for an invalid shape and
     RuntimeError if the schedule's order can never progress. Results are cached on the arguments.
     """
     _check_shape(schedule, pp, num_micro_batches, virtual_stages)
     nc = pp * virtual_stages
     return _simulate(schedule, pp, num_micro_batches, virtual_stages,
                      _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc),
-                     _floats("p2p_s", p2p_s, nc - 1), bool(posted), _checked(compression, nc))
+                     _floats("p2p_s", p2p_s, nc - 1), bool(posted), _checked(compression, nc),
+                     _sharing(sharing, pp))
 
 
 def _checked(z: Compression | None, nc: int) -> Compression | None:
@@ -492,7 +628,8 @@ class Timeline:
 
 def timeline(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
              forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: Sequence[float],
-             posted: bool = False, compression: Compression | None = None) -> Timeline:
+             posted: bool = False, compression: Compression | None = None,
+             sharing: Sharing | None = None) -> Timeline:
     """The events of the step ``simulate`` prices: the same compiled schedule and the same pass
     (``_run``); each op's start is read back from what it waited for (its device's previous op,
     its input's arrival), so the events are exactly the simulated ones."""
@@ -502,7 +639,7 @@ def timeline(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
     z = _checked(compression, nc)
     dur, P = _durations(fwd, bwd, _floats("p2p_s", p2p_s, nc - 1), z)
     comp = _compiled(schedule, pp, m, virtual_stages, z)
-    E, sends = _run(comp, dur, P, posted)
+    E, sends, _busy = _pass(comp, dur, P, posted, _sharing(sharing, pp))
     sends = iter(sends)
     n_f = nc * m
     ops, transfers = [], []

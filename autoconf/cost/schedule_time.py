@@ -33,7 +33,8 @@ def sim_size(schedule: str, pp: int, m: int) -> int:
     return -(-cap // pp) * pp  # a multiple of pp (interleaved needs it)
 
 
-def run_schedule(schedule, pp, m, v, fwd, bwd, p2p, posted: bool = False, compression=None) -> Schedule:
+def run_schedule(schedule, pp, m, v, fwd, bwd, p2p, posted: bool = False, compression=None,
+                 sharing=None) -> Schedule:
     """The schedule's makespan for m micro-batches without simulating thousands of them.
 
     Past the warm-up every schedule repeats one period per micro-batch, so the makespan is affine
@@ -42,19 +43,20 @@ def run_schedule(schedule, pp, m, v, fwd, bwd, p2p, posted: bool = False, compre
     settle) or the whole step is simulated. ``posted``: transfers wait for the receive to be posted
     (``pipeline.simulate``; :func:`posted_receives`). ``compression``: a ``pipeline.Compression``
     (epilogue-only compression touches the simulated step's last sends: the extrapolated steady
-    state is the uncompressed one, as in the real step).
+    state is the uncompressed one, as in the real step). ``sharing``: CPU ranks sharing cores
+    (``pipeline.Sharing``, from ``System.cpu_sharing``).
     """
     m_sim = sim_size(schedule, pp, m)
-    r = simulate(schedule, pp, m_sim, v, fwd, bwd, p2p, posted, compression)
+    r = simulate(schedule, pp, m_sim, v, fwd, bwd, p2p, posted, compression, sharing)
     if m_sim == m:
         return Schedule(r.makespan_s, r.busy_s, r.last_backward_end_s, m)
-    slope = (r.makespan_s - simulate(schedule, pp, m_sim - pp, v, fwd, bwd, p2p, posted, compression).makespan_s) / pp
+    slope = (r.makespan_s - simulate(schedule, pp, m_sim - pp, v, fwd, bwd, p2p, posted, compression, sharing).makespan_s) / pp
     while True:
         m_next = 2 * m_sim if 2 * m_sim < m else m  # stays a multiple of pp until it is m
-        r_next = simulate(schedule, pp, m_next, v, fwd, bwd, p2p, posted, compression)
+        r_next = simulate(schedule, pp, m_next, v, fwd, bwd, p2p, posted, compression, sharing)
         if m_next == m:
             return Schedule(r_next.makespan_s, r_next.busy_s, r_next.last_backward_end_s, m)
-        slope_next = (r_next.makespan_s - simulate(schedule, pp, m_next - pp, v, fwd, bwd, p2p, posted, compression).makespan_s) / pp
+        slope_next = (r_next.makespan_s - simulate(schedule, pp, m_next - pp, v, fwd, bwd, p2p, posted, compression, sharing).makespan_s) / pp
         m_sim, r = m_next, r_next
         if abs(slope_next - slope) <= 1e-3 * max(slope_next, 1e-30):
             slope = slope_next
@@ -66,19 +68,28 @@ def run_schedule(schedule, pp, m, v, fwd, bwd, p2p, posted: bool = False, compre
                     tuple(t + extra for t in r.last_backward_end_s), m_sim)
 
 
-def pipeline_floor(c: ParallelConfig, fwd, bwd, n_chunks: int) -> float:
+def pipeline_floor(c: ParallelConfig, fwd, bwd, n_chunks: int, sharing=None) -> float:
     """A pipeline makespan no schedule can beat.
 
     Device d cannot start before micro-batch 0's forward has crossed chunks 0..d-1, and after its
     last backward the gradient still has to cross them back; in between it does all its own work:
     makespan >= max_d (sum_{c<d} (f_c + b_c) + m x busy_d). For equal stages this is the 1F1B
     makespan (m + p - 1)(f + b) and the interleaved one, (m v + p - 1)(f + b) / v.
+
+    With ``sharing`` (CPU ranks sharing cores, ``pipeline.Sharing``) a device may compute up to
+    its share faster than its durations say, alone on its cores: the bound is then the larger of
+    that floor at one core per rank and each machine's work over its cores.
     """
     lower, prefix = 0.0, 0.0
+    busy = [sum(fwd[ci] + bwd[ci] for ci in range(d, n_chunks, c.pp)) * c.num_micro_batches for d in range(c.pp)]
     for d in range(c.pp):
-        busy = sum(fwd[ci] + bwd[ci] for ci in range(d, n_chunks, c.pp)) * c.num_micro_batches
-        lower = max(lower, prefix + busy)
+        lower = max(lower, prefix + busy[d])
         prefix += fwd[d] + bwd[d]
+    if sharing is None:
+        return lower
+    lower /= max(sharing.share)
+    for row, cores in zip(sharing.weights, sharing.cores):
+        lower = max(lower, sum(w * b / s for w, b, s in zip(row, busy, sharing.share)) / cores)
     return lower
 
 
@@ -158,11 +169,12 @@ def posted_receives(system: System) -> bool:
 
 
 def simulate_step(schedule: str, c: ParallelConfig, v: int, fwd: tuple, bwd: tuple, p2p: tuple,
-                  posted: bool = False, compression=None):
+                  posted: bool = False, compression=None, sharing=None):
     """(with transfers, without transfers): the schedule run twice to separate the bubble from the
     pipeline communication (which includes what compressing it costs: the transfer-free run has
     no compression kernels)."""
     n_mb = c.num_micro_batches
-    sim = run_schedule(schedule, c.pp, n_mb, v, fwd, bwd, p2p, posted, compression)
-    sim0 = sim if not any(p2p) and compression is None else run_schedule(schedule, c.pp, n_mb, v, fwd, bwd, tuple(0.0 for _ in p2p))
+    sim = run_schedule(schedule, c.pp, n_mb, v, fwd, bwd, p2p, posted, compression, sharing)
+    sim0 = sim if not any(p2p) and compression is None else run_schedule(
+        schedule, c.pp, n_mb, v, fwd, bwd, tuple(0.0 for _ in p2p), sharing=sharing)
     return sim, sim0

@@ -142,6 +142,34 @@ class System:
             return max(1.0, max(per_host, per_machine) / min(cores))
         return self.cached(("cpushare",), make)
 
+    def cpu_sharing(self, stage_devs):
+        """How the CPU ranks of a configuration share their machines' cores, for the schedule
+        simulation (``pipeline.Sharing``: processor sharing instead of the fixed ``cpu_share``);
+        ``stage_devs[d]``: the devices of pipeline device d. None where no CPU rank shares cores."""
+        if self.cpu_share("cpu") <= 1.0:
+            return None
+
+        def make():
+            from .pipeline import Sharing
+            topo, share = self.topology, self.cpu_share("cpu")
+            hosts = {h.name: h for h in self.profile.provenance.hosts}
+            least = min((h.cpu_count for h in hosts.values() if h.cpu_count), default=1)
+            machine_of, cores = {}, {}
+            for d in {d for devs in stage_devs for d in devs}:
+                if topo.kind_of[d] != "cpu":
+                    continue
+                name = topo.host_name[topo.node_of[d]]
+                h = hosts.get(name)
+                key = (h.machine or name) if h is not None else name
+                machine_of[d] = key
+                n = h.cpu_count if h is not None and h.cpu_count else least
+                cores[key] = min(cores.get(key, n), n)
+            keys = sorted(cores)
+            weights = tuple(tuple(sum(machine_of.get(d) == key for d in devs) for devs in stage_devs) for key in keys)
+            shares = tuple(share if any(d in machine_of for d in devs) else 1.0 for devs in stage_devs)
+            return Sharing(shares, weights, tuple(float(cores[k]) for k in keys))
+        return self.cached(("cpusharing", tuple(map(tuple, stage_devs))), make)
+
     def mask_bytes(self, kind: str) -> int:
         # PyTorch keeps dropout masks as bool (1 byte) on CUDA, at the activation's precision on CPU.
         return self.model.dtype_bytes if kind == "cpu" else 1

@@ -77,10 +77,11 @@ def step_timeline(config: ParallelConfig, system: System) -> StepTimeline:
     m, v = c.num_micro_batches, lay.virtual_stages
     posted = posted_receives(ctx)
     z = pipeline_compression(ctx, c, lay, p2p)  # compressed backward sends: shorter transfers, kernels
-    tl = timeline(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z)
-    priced = run_schedule(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z)
-    floor = pipeline_floor(c, ct.forward_s, ct.backward_s, lay.num_chunks)
-    full = simulate(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z)  # the same run, cached
+    sh = ctx.cpu_sharing(lay.stage_devices)  # CPU ranks sharing cores: processor sharing
+    tl = timeline(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z, sh)
+    priced = run_schedule(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z, sh)
+    floor = pipeline_floor(c, ct.forward_s, ct.backward_s, lay.num_chunks, sh)
+    full = simulate(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z, sh)  # the same run, cached
     spans = reduction_spans(ctx, c, lay, full, tl.makespan_s, ct.backward_s)
     tail = max([tl.makespan_s, *(s[1] for dev in spans for s in dev)]) - tl.makespan_s
     beside, after = embedding_sync_s(ctx, c)  # as the estimate: the tied embedding's sync

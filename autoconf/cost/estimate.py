@@ -11,7 +11,8 @@ Pure: no torch, no I/O, no globals beyond caches of pure results. The recipe, on
    action (``chunk_time``);
 4. the schedule simulated event by event with the point-to-point time of the link between
    adjacent chunks' devices, twice (with and without transfers, to separate bubble from pipeline
-   communication), extrapolated past the warm-up (``schedule_time``);
+   communication), extrapolated past the warm-up (``schedule_time``); CPU ranks that share a
+   machine's cores at processor-sharing rates (``System.cpu_sharing``);
 5. data-parallel reductions queued per device as each chunk's gradients become final, and
    ZeRO-1/2's parameter gather after the step (``data_parallel``);
 6. the optimizer step (memory-bound, ``chunk_time``);

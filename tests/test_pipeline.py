@@ -382,10 +382,14 @@ def test_sharing_lies_between_the_floor_and_the_fixed_share(sched, pp, m, v):
 
     rng = random.Random(pp * 100 + m)
     f, b, p = _random_case(rng, sched, pp, v)
+    nc = pp * v
     c = ParallelConfig(dp=1, pp=pp, tp=1, micro_batch_size=1, num_micro_batches=m, schedule=sched, virtual_stages=v)
-    for ranks, cores in ((2, 1.0), (3, 2.0), (1, 1.0)):
+    for ranks, cores, comm in ((2, 1.0, 0.0), (3, 2.0, 0.5), (1, 1.0, 1.0)):
         share = max(1.0, ranks * pp / cores)  # every rank of every stage on one machine
-        sh = pipeline.Sharing((share,) * pp, ((ranks,) * pp,), (cores,))
+        # a random part of each op is communication (``fixed_*``): not sped up, not computing
+        sh = pipeline.Sharing((share,) * pp, ((ranks,) * pp,), (cores,),
+                              tuple(x * comm * rng.random() for x in f), tuple(x * comm * rng.random() for x in b))
+        assert len(sh.fixed_forward) == nc
         for posted in (False, True):
             got = simulate(sched, pp, m, v, f, b, p, posted, sharing=sh).makespan_s
             fixed = simulate(sched, pp, m, v, f, b, p, posted).makespan_s
@@ -403,6 +407,25 @@ def test_two_stages_on_one_core_keep_it_busy():
     assert got.makespan_s == pytest.approx(work, rel=1e-9)
     assert max(got.busy_s) <= got.makespan_s and min(got.busy_s) > m * (f[0] + b[0]) / 2  # what the ops took
     assert simulate("gpipe", 2, m, 1, f, b, [0.0]).makespan_s > work
+    tl = pipeline.timeline("gpipe", 2, m, 1, f, b, [0.0], sharing=sh)
+    assert tl.makespan_s == got.makespan_s
+    assert got.first_backward_start_s == tuple(min(o.start_s for o in tl.ops if o.kind == "B" and o.chunk == c)
+                                               for c in range(2))
+
+
+def test_communication_is_not_sped_up_and_leaves_the_core_free():
+    """The fixed part of an op (its collectives, priced without the core share) takes its time
+    whatever the others do: ops that are all communication run at their durations; and a rank in
+    its communication does not compute, so the other stage has the core to itself meanwhile."""
+    f, b, m = [1.0, 1.5], [2.0, 3.5], 6
+    plain = simulate("gpipe", 2, m, 1, f, b, [0.0]).makespan_s
+    all_comm = pipeline.Sharing((2.0, 2.0), ((1, 1),), (1.0,), tuple(f), tuple(b))
+    assert simulate("gpipe", 2, m, 1, f, b, [0.0], sharing=all_comm).makespan_s == pytest.approx(plain, rel=1e-12)
+    # stage 1 all communication, stage 0 all compute: stage 0 always computes alone, at one core
+    split = pipeline.Sharing((2.0, 2.0), ((1, 1),), (1.0,), (0.0, f[1]), (0.0, b[1]))
+    got = simulate("gpipe", 2, m, 1, f, b, [0.0], sharing=split)
+    assert got.busy_s[0] == pytest.approx(m * (f[0] + b[0]) / 2, rel=1e-9)
+    assert got.busy_s[1] == pytest.approx(m * (f[1] + b[1]), rel=1e-9)
 
 
 def test_stages_that_take_turns_each_compute_at_a_full_core():

@@ -108,6 +108,42 @@ def test_the_bounds_are_bounds(network, framework, device, precision, model):
     assert len(cps) > 1 if model is LONG else cps == {1}
 
 
+def test_the_bounds_are_bounds_on_cpu_ranks_sharing_cores():
+    """On an oversubscribed CPU testbed (four ranks, two emulated nodes, one 2-core machine, from a
+    committed profile) the schedule simulation runs at processor-sharing rates, faster than the
+    fixed core share where stages take turns: the plan's bounds take compute at one core per rank
+    and stay below every estimate."""
+    from autoconf.cluster import load_cluster
+    from autoconf.model import load_model
+    from autoconf.profile import load_profile
+
+    data = os.path.join(os.path.dirname(__file__), "..", "bench", "data", "testbed-compression-2026-11-24")
+    model = load_model(os.path.join(data, "model.json"))
+    system = T.planning_system(model, load_cluster(os.path.join(data, "testbed.yaml")),
+                               profile=load_profile(os.path.join(data, "profile.json")))
+    assert system.cpu_share("cpu") == 2.0 and system.cpu_sharing(((0, 1), (2, 3))).cores == (2.0,)
+    opt = T.PointOptimizer(system)
+    checked = pipelined = 0
+    for batch in (8, 16):
+        for p in opt.points(4, batch):
+            b = opt.bounds(p, batch)
+            dp, pp, tp, mbs, sched, v, layered, cp = p
+            for c in framework_inner(system.framework, dp, pp, tp, mbs, sched, v, layered, batch,
+                                     dp_hierarchical(system, dp, pp, tp), cp):
+                c = opt._prec(c)
+                if check(c, model):
+                    continue
+                e = _estimate(c, system)
+                key = (c.sequence_parallel, c.recompute, c.zero_stage)
+                if key not in b:
+                    assert not e.fits
+                    continue
+                assert b[key] <= e.step_time_s * (1 + 1e-9), (c.short(), b[key], e.step_time_s)
+                checked += 1
+                pipelined += pp > 1
+    assert checked > 50 and pipelined > 20
+
+
 @pytest.mark.parametrize("model,network,gpus,batch,device,precision", [
     ("gpt3-1.3b", "ib", 32, 64, "a100-80gb", "bf16"), ("llama-3-8b", "25gbe", 64, 256, "a100-80gb", "bf16"),
     ("gpt3-1.3b", "ib", 32, 64, "h100-sxm", "fp8"), ("llama-3-8b-32k", "ib", 32, 2, "h100-sxm", "bf16")])

@@ -31,7 +31,7 @@ from .compression import embedding_sync_s, pipeline_compression
 from .context_parallel import cp_times
 from .data_parallel import post_all_gather_s, reduction_tail_s
 from .layout import Layout, layout
-from .schedule_time import chunk_p2p_times, pipeline_floor, posted_receives, simulate_step
+from .schedule_time import chunk_p2p_times, pipeline_floor, posted_receives, sharing, simulate_step
 from .stage_memory import StageMemory, stage_memory
 from .system import System
 from .tensor_parallel import tp_times
@@ -99,8 +99,8 @@ def _estimate(c: ParallelConfig, ctx: System, bound: float | None = None,
     runtime = ctx.pipeline_runtime(c, lay.stage_kinds)
     ct = chunk_times(ctx, c, lay, tp_times(ctx, c, lay.stage_kinds), runtime, cp_times(ctx, c, lay.stage_kinds))
     opt = optimizer_step_s(ctx, c, lay)
-    sharing = ctx.cpu_sharing(lay.stage_devices)
-    floor = pipeline_floor(c, ct.forward_s, ct.backward_s, lay.num_chunks, sharing)
+    shared = sharing(ctx, lay, ct)
+    floor = pipeline_floor(c, ct.forward_s, ct.backward_s, lay.num_chunks, shared)
     if bound is not None and _lower_bound(ctx, floor, opt) >= bound:
         return None
 
@@ -112,7 +112,7 @@ def _estimate(c: ParallelConfig, ctx: System, bound: float | None = None,
 
     p2p = chunk_p2p_times(ctx, c, lay.num_chunks)
     sim, sim0 = simulate_step(lay.schedule, c, lay.virtual_stages, ct.forward_s, ct.backward_s, p2p,
-                              posted_receives(ctx), pipeline_compression(ctx, c, lay, p2p), sharing)
+                              posted_receives(ctx), pipeline_compression(ctx, c, lay, p2p), shared)
     # the extrapolated steady state can fall a hair below the floor no schedule can beat
     # (breadth-first with unequal chunks): the floor is exact there
     makespan = max(sim.makespan_s, floor)

@@ -36,7 +36,8 @@ while another waits on a link) then each compute at a full core, as the operatin
 
 Speed: the schedule shape ``(schedule, pp, m, v)`` is compiled once (cached) into flat integer lists in
 a topological order of the whole dependency graph; a simulation is then one pass over those lists
-with no readiness checks (O(ops), a few list reads per op). ``simulate`` is cached on its arguments.
+with no readiness checks (O(ops), a few list reads per op; under processor sharing an event loop,
+O(ops x pp), run only for CPU testbeds). ``simulate`` is cached on its arguments.
 ``timeline`` returns the ops and transfers of that same pass, each with its start and end (what
 ``autoconf ... --plot`` draws).
 """
@@ -61,7 +62,8 @@ class PipelineResult:
     makespan_s: float
     """Time from the first op's start to the last op's end."""
     busy_s: tuple[float, ...]
-    """Per device: sum of its op durations (under processor sharing: the time its ops took)."""
+    """Per device: sum of its op durations (under processor sharing: the time its ops took,
+    compression kernels included)."""
     bubble_s: tuple[float, ...]
     """Per device: makespan - busy (idle time inside the step)."""
     peak_live: tuple[tuple[int, ...], ...]
@@ -97,14 +99,20 @@ class Sharing:
     min(1, cores / ranks computing on its machine then). A rank that waits on a link leaves its core
     to the others, so stages that take turns compute faster than a fixed share says.
 
-    ``share[d]``: the fixed share pipeline device d's op durations were priced at (``System.cpu_share``;
-    1.0: not shared), so an op's work is ``duration / share[d]`` core-seconds. ``weights[M][d]``:
-    ranks of pipeline device d (its dp x tp x cp ranks, in lockstep) on machine M; ``cores[M]``:
-    that machine's cores. A device on no machine computes at its durations."""
+    ``share[d]``: the fixed share pipeline device d's compute was priced at (``System.cpu_share``;
+    1.0: not shared), so an op's compute is ``(duration - fixed) / share[d]`` core-seconds.
+    ``fixed_forward[c]`` / ``fixed_backward[c]``: the part of chunk c's forward / backward that
+    was not priced at the share (its collectives and inline traffic, ``schedule_time.sharing``):
+    it takes its time whatever the others do, and the rank does not compute meanwhile (empty: none).
+    ``weights[M][d]``: ranks of pipeline device d (its dp x tp x cp ranks, in lockstep) on
+    machine M; ``cores[M]``: that machine's cores. A device on no machine computes at its
+    durations."""
 
     share: tuple
     weights: tuple
     cores: tuple
+    fixed_forward: tuple = ()
+    fixed_backward: tuple = ()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,13 +410,15 @@ def _run(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...],
 
 
 def _run_shared(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...], posted: bool,
-                sh: Sharing) -> tuple[list[float], list[float], list[float]]:
+                sh: Sharing) -> tuple[list[float], list[float], list[float], list[float]]:
     """``_run`` under processor sharing (:class:`Sharing`): the same dependencies, link order and
     posted-receive rule, simulated event by event because an op's duration now depends on what
-    the other devices compute meanwhile. Returns what ``_run`` returns, and per device the time
-    its ops took (their elapsed busy time)."""
+    the other devices compute meanwhile. An op computes first (at its processor-sharing rate),
+    then spends its fixed part. Returns what ``_run`` returns, per device the time its ops took
+    (their elapsed busy time, compression kernels included) and per op (``E``'s indexing) its start."""
     ops, devs = comp.ops, comp.devs
-    n, pp = len(ops), len(comp.dev_last)
+    n, pp, nc = len(ops), len(comp.dev_last), len(comp.first_b)
+    fixed = (sh.fixed_forward or (0.0,) * nc) + (sh.fixed_backward or (0.0,) * nc)
     seq: list[list[int]] = [[] for _ in range(pp)]
     link_q: dict = {}
     for k, (_pv, _dp, pi, _di, li) in enumerate(ops, 1):
@@ -419,21 +429,30 @@ def _run_shared(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...], p
     free = dict.fromkeys(link_q, 0.0)
     machines = [(row, c) for row, c in zip(sh.weights, sh.cores) if any(row)]
     E = [0.0] * (n + 1)
+    S = [0.0] * (n + 1)
     known = bytearray(n + 1)
     known[0] = 1
     sent: dict = {}
     nxt = [0] * pp
     start: list = [None] * pp   # the resolved start of the device's next op
-    rem = [0.0] * pp            # core-seconds left of the running op
-    running = [False] * pp
-    began = [0.0] * pp
+    phase = [0] * pp            # 0 idle, 1 computing, 2 in its fixed part
+    rem = [0.0] * pp            # core-seconds of compute left
+    fix = [0.0] * pp            # seconds of the fixed part left
     busy = [0.0] * pp
-    t, left, eps = 0.0, n, 1e-12
+    t, left = 0.0, n
+
+    def done(r):
+        k = seq[r][nxt[r]]
+        E[k], known[k] = t, 1
+        busy[r] += t - S[k]
+        phase[r], start[r] = 0, None
+        nxt[r] += 1
+
     while left:
         # resolve what can be: a device's next op, once its inputs' ends are known (and, for a
         # transfer, the earlier transfers on its link)
         for r in range(pp):
-            if running[r] or start[r] is not None or nxt[r] >= len(seq[r]):
+            if phase[r] or start[r] is not None or nxt[r] >= len(seq[r]):
                 continue
             k = seq[r][nxt[r]]
             pv, dp, pi, _di, li = ops[k - 1]
@@ -453,35 +472,48 @@ def _run_shared(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...], p
             else:
                 a = E[dp]
             start[r] = max(a, s, t)
-        # start what starts now
+        # start what starts now; an op without compute goes straight to its fixed part
+        instant = False
         for r in range(pp):
-            if not running[r] and start[r] is not None and start[r] <= t + eps:
-                running[r], began[r] = True, t
-                rem[r] = dur[ops[seq[r][nxt[r]] - 1][3]] / sh.share[r]
+            if not phase[r] and start[r] is not None and start[r] <= t:
+                k = seq[r][nxt[r]]
+                di = ops[k - 1][3]
+                d = dur[di]
+                x = min(d, fixed[(nc if di >= nc else 0) + di % nc])
+                S[k], phase[r], rem[r], fix[r] = t, 1, (d - x) / sh.share[r], x
+                if rem[r] <= 0.0:
+                    phase[r] = 2
+                    if fix[r] <= 0.0:
+                        done(r)
+                        left -= 1
+                        instant = True
+        if instant:  # an op took no time: what waits on it may start now
+            continue
         rate = [1.0] * pp
         for row, cores in machines:
-            active = sum(w for w, on in zip(row, running) if on)
+            active = sum(w for w, ph in zip(row, phase) if ph == 1)
             if active > cores:
                 for r in range(pp):
-                    if row[r] and running[r]:
+                    if row[r] and phase[r] == 1:
                         rate[r] = min(rate[r], cores / active)
-        t_next = min([start[r] for r in range(pp) if not running[r] and start[r] is not None]
-                     + [t + rem[r] / rate[r] for r in range(pp) if running[r]], default=None)
+        ends = [(t + rem[r] / rate[r]) if phase[r] == 1 else t + fix[r] for r in range(pp) if phase[r]]
+        t_next = min([start[r] for r in range(pp) if not phase[r] and start[r] is not None] + ends, default=None)
         if t_next is None:
             raise RuntimeError("pipeline simulation under processor sharing made no progress")
-        for r in range(pp):
-            if running[r]:
-                rem[r] -= rate[r] * (t_next - t)
+        dt = t_next - t
         t = t_next
+        tol = 1e-12 * max(1.0, t)
         for r in range(pp):
-            if running[r] and rem[r] <= eps * max(1.0, t):
-                k = seq[r][nxt[r]]
-                E[k], known[k] = t, 1
-                busy[r] += t - began[r]
-                running[r], start[r] = False, None
-                nxt[r] += 1
+            if phase[r] == 1:
+                rem[r] -= rate[r] * dt
+                if rem[r] <= tol:
+                    phase[r] = 2  # its fixed part starts now
+            elif phase[r] == 2:
+                fix[r] -= dt
+            if phase[r] == 2 and fix[r] <= tol and rem[r] <= tol:
+                done(r)
                 left -= 1
-    return E, [sent[k] for k in sorted(sent)], busy
+    return E, [sent[k] for k in sorted(sent)], busy, S
 
 
 def _durations(forward_s: tuple, backward_s: tuple, p2p_s: tuple, z: Compression | None) -> tuple[tuple, tuple]:
@@ -508,11 +540,13 @@ def _simulate(schedule: str, pp: int, m: int, v: int, forward_s: tuple[float, ..
               compression: Compression | None = None, sharing: Sharing | None = None) -> PipelineResult:
     comp = _compiled(schedule, pp, m, v, compression)
     nc = pp * v
-    E, _sends, elapsed = _pass(comp, *_durations(forward_s, backward_s, p2p_s, compression), posted, sharing)
+    E, _sends, elapsed, starts = _pass(comp, *_durations(forward_s, backward_s, p2p_s, compression), posted, sharing)
     makespan = max(E[k] for k in comp.dev_last)
     busy = tuple(m * sum(forward_s[c] + backward_s[c] for c in range(r, nc, pp)) for r in range(pp))
+    first_b = tuple(E[k] - backward_s[c] for c, k in enumerate(comp.first_b))
     if elapsed is not None:  # what the ops took at their processor-sharing rates (kernels included)
         busy = tuple(elapsed)
+        first_b = tuple(starts[k] for k in comp.first_b)
     return PipelineResult(
         makespan_s=makespan,
         busy_s=busy,
@@ -520,19 +554,22 @@ def _simulate(schedule: str, pp: int, m: int, v: int, forward_s: tuple[float, ..
         peak_live=comp.peak_live,
         peak_live_count=comp.peak_live_count,
         last_backward_end_s=tuple(E[k] for k in comp.last_b),
-        first_backward_start_s=tuple(E[k] - backward_s[c] for c, k in enumerate(comp.first_b)),
+        first_backward_start_s=first_b,
     )
 
 
 def _pass(comp: _Compiled, dur: tuple, P: tuple, posted: bool, sharing: Sharing | None):
-    """(op ends, transfer starts, per device busy time or None: the durations') of one run."""
-    return (*_run(comp, dur, P, posted), None) if sharing is None else _run_shared(comp, dur, P, posted, sharing)
+    """(op ends, transfer starts, per device busy time and per op start, or None for both: the
+    durations and what ``timeline`` reads back) of one run."""
+    return (*_run(comp, dur, P, posted), None, None) if sharing is None else _run_shared(comp, dur, P, posted, sharing)
 
 
-def _sharing(sh: Sharing | None, pp: int) -> Sharing | None:
+def _sharing(sh: Sharing | None, pp: int, nc: int) -> Sharing | None:
     if sh is None:
         return None
     share = _floats("sharing.share", sh.share, pp)
+    fixed = tuple(_floats(f"sharing.{name}", xs, nc) if xs else () for name, xs in
+                  (("fixed_forward", sh.fixed_forward), ("fixed_backward", sh.fixed_backward)))
     if min(share) < 1.0:
         raise ValueError(f"sharing.share entries must be >= 1, got {share!r}")
     weights = tuple(tuple(int(w) for w in row) for row in sh.weights)
@@ -541,7 +578,7 @@ def _sharing(sh: Sharing | None, pp: int) -> Sharing | None:
             not all(c > 0 and math.isfinite(c) for c in cores):
         raise ValueError(f"sharing needs one row of {pp} rank counts >= 0 per machine and one core count > 0 "
                          f"per machine, got weights={sh.weights!r}, cores={sh.cores!r}")
-    return Sharing(share, weights, cores)
+    return Sharing(share, weights, cores, *fixed)
 
 
 def _floats(name: str, xs: Sequence[float], n: int) -> tuple[float, ...]:
@@ -565,7 +602,7 @@ def simulate(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
     transfer starts only once its receiver has posted the receive (CPU processes: see ``_run``).
     ``compression``: compressed backward sends (:class:`Compression`); ``busy_s`` stays the ops'
     own work, without the compression kernels. ``sharing``: CPU ranks sharing cores, at
-    processor-sharing rates (:class:`Sharing`; ``busy_s`` stays at the durations given). Raises
+    processor-sharing rates (:class:`Sharing`; ``busy_s`` is then the time each device's ops took). Raises
     ValueError for an invalid shape and
     RuntimeError if the schedule's order can never progress. Results are cached on the arguments.
     """
@@ -574,7 +611,7 @@ def simulate(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
     return _simulate(schedule, pp, num_micro_batches, virtual_stages,
                      _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc),
                      _floats("p2p_s", p2p_s, nc - 1), bool(posted), _checked(compression, nc),
-                     _sharing(sharing, pp))
+                     _sharing(sharing, pp, nc))
 
 
 def _checked(z: Compression | None, nc: int) -> Compression | None:
@@ -631,15 +668,16 @@ def timeline(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
              posted: bool = False, compression: Compression | None = None,
              sharing: Sharing | None = None) -> Timeline:
     """The events of the step ``simulate`` prices: the same compiled schedule and the same pass
-    (``_run``); each op's start is read back from what it waited for (its device's previous op,
-    its input's arrival), so the events are exactly the simulated ones."""
+    (``_run``, or ``_run_shared`` under processor sharing); each op's start is read back from what
+    it waited for (its device's previous op, its input's arrival), so the events are exactly the
+    simulated ones."""
     _check_shape(schedule, pp, num_micro_batches, virtual_stages)
     m, nc = num_micro_batches, pp * virtual_stages
     fwd, bwd = _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc)
     z = _checked(compression, nc)
     dur, P = _durations(fwd, bwd, _floats("p2p_s", p2p_s, nc - 1), z)
     comp = _compiled(schedule, pp, m, virtual_stages, z)
-    E, sends, _busy = _pass(comp, dur, P, posted, _sharing(sharing, pp))
+    E, sends, _busy, _starts = _pass(comp, dur, P, posted, _sharing(sharing, pp, nc))
     sends = iter(sends)
     n_f = nc * m
     ops, transfers = [], []

@@ -9,6 +9,7 @@ alpha-beta: latency + bytes / bandwidth, on the slowest replica's link).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config import ParallelConfig
@@ -88,9 +89,29 @@ def pipeline_floor(c: ParallelConfig, fwd, bwd, n_chunks: int, sharing=None) -> 
     if sharing is None:
         return lower
     lower /= max(sharing.share)
+    # a machine computes at most its cores' work at once (the fixed parts are not compute)
+    ff = sharing.fixed_forward or (0.0,) * n_chunks
+    fb = sharing.fixed_backward or (0.0,) * n_chunks
+    work = [b - sum(ff[ci] + fb[ci] for ci in range(d, n_chunks, c.pp)) * c.num_micro_batches
+            for d, b in enumerate(busy)]
     for row, cores in zip(sharing.weights, sharing.cores):
-        lower = max(lower, sum(w * b / s for w, b, s in zip(row, busy, sharing.share)) / cores)
+        lower = max(lower, sum(w * max(0.0, x) / s for w, x, s in zip(row, work, sharing.share)) / cores)
     return lower
+
+
+def sharing(system: System, lay, ct):
+    """How the configuration's CPU ranks share their machines' cores (``System.cpu_sharing``),
+    with each chunk's communication (its tp, cp and ep collectives and inline data-parallel
+    traffic, not priced at the core share) as the fixed part of its ops; None where no CPU rank
+    shares cores."""
+    sh = system.cpu_sharing(lay.stage_devices)
+    if sh is None:
+        return None
+    n = lay.num_chunks
+    fwd = tuple(ct.tp_comm_forward_s[i] + ct.cp_comm_forward_s[i] + ct.ep_comm_forward_s[i] + ct.dp_inline_forward_s[i]
+                for i in range(n))
+    bwd = tuple(ct.tp_comm_s[i] + ct.cp_comm_s[i] + ct.ep_comm_s[i] + ct.dp_inline_s[i] - fwd[i] for i in range(n))
+    return dataclasses.replace(sh, fixed_forward=fwd, fixed_backward=bwd)
 
 
 def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:

@@ -145,7 +145,11 @@ class System:
     def cpu_sharing(self, stage_devs):
         """How the CPU ranks of a configuration share their machines' cores, for the schedule
         simulation (``pipeline.Sharing``: processor sharing instead of the fixed ``cpu_share``);
-        ``stage_devs[d]``: the devices of pipeline device d. None where no CPU rank shares cores."""
+        ``stage_devs[d]``: the devices of pipeline device d. None where no CPU rank shares cores.
+
+        A device's machine is its host's in the profile (hosts with one boot id are one machine).
+        A host the profile does not name is its own machine, given the cores at which its devices,
+        all computing, run at the fixed share (so that a full load is priced as before)."""
         if self.cpu_share("cpu") <= 1.0:
             return None
 
@@ -153,21 +157,25 @@ class System:
             from .pipeline import Sharing
             topo, share = self.topology, self.cpu_share("cpu")
             hosts = {h.name: h for h in self.profile.provenance.hosts}
-            least = min((h.cpu_count for h in hosts.values() if h.cpu_count), default=1)
             machine_of, cores = {}, {}
             for d in {d for devs in stage_devs for d in devs}:
                 if topo.kind_of[d] != "cpu":
                     continue
                 name = topo.host_name[topo.node_of[d]]
                 h = hosts.get(name)
-                key = (h.machine or name) if h is not None else name
+                if h is not None and h.cpu_count:
+                    key, n = h.machine or name, float(h.cpu_count)
+                else:
+                    key = ("host", topo.node_of[d])
+                    n = sum(topo.node_of[e] == topo.node_of[d] for e in range(topo.num_devices)) / share
                 machine_of[d] = key
-                n = h.cpu_count if h is not None and h.cpu_count else least
                 cores[key] = min(cores.get(key, n), n)
-            keys = sorted(cores)
+            if not cores:
+                return None
+            keys = sorted(cores, key=str)
             weights = tuple(tuple(sum(machine_of.get(d) == key for d in devs) for devs in stage_devs) for key in keys)
             shares = tuple(share if any(d in machine_of for d in devs) else 1.0 for devs in stage_devs)
-            return Sharing(shares, weights, tuple(float(cores[k]) for k in keys))
+            return Sharing(shares, weights, tuple(cores[k] for k in keys))
         return self.cached(("cpusharing", tuple(map(tuple, stage_devs))), make)
 
     def mask_bytes(self, kind: str) -> int:

@@ -23,7 +23,7 @@ from .compression import embedding_sync_s, pipeline_compression
 from .data_parallel import post_all_gather_s, reduction_spans
 from .layout import layout
 from .pipeline import Timeline, simulate, timeline
-from .schedule_time import chunk_p2p_times, pipeline_floor, posted_receives, run_schedule
+from .schedule_time import chunk_p2p_times, pipeline_floor, posted_receives, run_schedule, sharing
 from .system import System
 from .context_parallel import cp_times
 from .tensor_parallel import tp_times
@@ -77,7 +77,7 @@ def step_timeline(config: ParallelConfig, system: System) -> StepTimeline:
     m, v = c.num_micro_batches, lay.virtual_stages
     posted = posted_receives(ctx)
     z = pipeline_compression(ctx, c, lay, p2p)  # compressed backward sends: shorter transfers, kernels
-    sh = ctx.cpu_sharing(lay.stage_devices)  # CPU ranks sharing cores: processor sharing
+    sh = sharing(ctx, lay, ct)  # CPU ranks sharing cores: processor sharing
     tl = timeline(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z, sh)
     priced = run_schedule(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z, sh)
     floor = pipeline_floor(c, ct.forward_s, ct.backward_s, lay.num_chunks, sh)

@@ -420,13 +420,11 @@ def _run_shared(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...], p
     n, pp, nc = len(ops), len(comp.dev_last), len(comp.first_b)
     fixed = (sh.fixed_forward or (0.0,) * nc) + (sh.fixed_backward or (0.0,) * nc)
     seq: list[list[int]] = [[] for _ in range(pp)]
-    link_q: dict = {}
-    for k, (_pv, _dp, pi, _di, li) in enumerate(ops, 1):
+    for k in range(1, n + 1):
         seq[devs[k - 1]].append(k)
-        if pi and P[pi]:
-            link_q.setdefault(li, []).append(k)
-    head = dict.fromkeys(link_q, 0)
-    free = dict.fromkeys(link_q, 0.0)
+    # a link's transfers all go to one device, so they are claimed in that device's order: the
+    # topological order ``_run`` claims them in
+    free = [0.0] * (pp * pp)
     machines = [(row, c) for row, c in zip(sh.weights, sh.cores) if any(row)]
     E = [0.0] * (n + 1)
     S = [0.0] * (n + 1)
@@ -449,8 +447,7 @@ def _run_shared(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...], p
         nxt[r] += 1
 
     while left:
-        # resolve what can be: a device's next op, once its inputs' ends are known (and, for a
-        # transfer, the earlier transfers on its link)
+        # resolve what can be: a device's next op, once its inputs' ends are known
         for r in range(pp):
             if phase[r] or start[r] is not None or nxt[r] >= len(seq[r]):
                 continue
@@ -460,15 +457,12 @@ def _run_shared(comp: _Compiled, dur: tuple[float, ...], P: tuple[float, ...], p
                 continue
             s = E[pv]
             if pi and P[pi]:
-                if link_q[li][head[li]] != k:
-                    continue
                 a = E[dp] if E[dp] > free[li] else free[li]
                 if posted and s > a:
                     a = s
                 sent[k] = a
                 a += P[pi]
                 free[li] = a
-                head[li] += 1
             else:
                 a = E[dp]
             start[r] = max(a, s, t)
@@ -602,9 +596,9 @@ def simulate(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
     transfer starts only once its receiver has posted the receive (CPU processes: see ``_run``).
     ``compression``: compressed backward sends (:class:`Compression`); ``busy_s`` stays the ops'
     own work, without the compression kernels. ``sharing``: CPU ranks sharing cores, at
-    processor-sharing rates (:class:`Sharing`; ``busy_s`` is then the time each device's ops took). Raises
-    ValueError for an invalid shape and
-    RuntimeError if the schedule's order can never progress. Results are cached on the arguments.
+    processor-sharing rates (:class:`Sharing`; ``busy_s`` is then the time each device's ops
+    took). Raises ValueError for an invalid shape and RuntimeError if the schedule's order can
+    never progress. Results are cached on the arguments.
     """
     _check_shape(schedule, pp, num_micro_batches, virtual_stages)
     nc = pp * virtual_stages

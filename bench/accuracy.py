@@ -22,8 +22,9 @@ times the profile's reference block after each step (the trainer's --speed-probe
 the profile's time is the machine's drift since profiling, and one more prediction row scales the
 profile prediction by it (a correction measured beside the trial, not fitted to it).
 
-With more processes than cores the processes share cores; the cost model charges each busy rank
-its time-share (cores / ranks on the host, from the profile's host record).
+With more processes than cores the processes share cores; the cost model runs the pipeline at
+processor-sharing rates (a computing rank gets cores / ranks computing on its machine at that
+moment, at most one core; the profile records the machine's cores).
 """
 
 from __future__ import annotations
@@ -203,9 +204,8 @@ def main(argv=None) -> int:
         print(f"\nnoise floor: the same configuration's first two passes differ by {statistics.median(diffs):.0%} "
               f"(median), {max(diffs):.0%} (max)")
     if args.world > os.cpu_count():
-        print(f"\nnote: {args.world} processes on {os.cpu_count()} cores share cores; the cost model gives every "
-              "rank its time-share of them while busy (ranks idle in a pipeline bubble leave theirs to the others, "
-              "which it does not model)")
+        print(f"\nnote: {args.world} processes on {os.cpu_count()} cores share cores; the cost model runs the "
+              "pipeline at processor-sharing rates (a rank idle in a pipeline bubble leaves its core to the others)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([{k: v for k, v in r.items() if not k.startswith("_")} for r in rows], f, indent=1)

@@ -1122,15 +1122,16 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
         clusters = {n: synthetic_cluster(device, max_gpus, n) for n in net_names}
         device_name, per_node, top = device, NODES[device][0], max_gpus
     first = next(iter(clusters.values()))
+    prof_kind = None
     if profile is not None:
         from .cost.system import _profile_device_kind
         from .profile import check_profile_matches
         check_profile_matches(profile, model)
-        kind = _profile_device_kind(profile)
-        if kind not in first.device_kinds():
-            raise UserError(f"--profile was measured on {kind or 'several device kinds'}; the cluster's devices are "
-                            f"{', '.join(first.device_kinds())}: profile that device kind, or plan on it "
-                            f"(--device {kind} or a cluster file of it)")
+        prof_kind = _profile_device_kind(profile)
+        if prof_kind not in first.device_kinds():
+            raise UserError(f"--profile was measured on {prof_kind or 'several device kinds'}; the cluster's devices "
+                            f"are {', '.join(first.device_kinds())}: profile that device kind, or plan on it "
+                            f"(--device {prof_kind} or a cluster file of it)")
     if precision not in ("bf16", "fp8"):
         raise UserError(f"--precision {precision!r}; valid: bf16, fp8")
     if fp8_recipe is not None and precision != "fp8":
@@ -1211,10 +1212,7 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     if prec[0] == "fp8":
         notes.append(f"FP8 matmuls ({prec[1]} scaling) in every plan: faster GEMMs and different numerics than "
                      f"{model.dtype}; the attention core and the output layer stay in {model.dtype}")
-    prof_kind = None
     if profile is not None:
-        from .cost.system import _profile_device_kind
-        prof_kind = _profile_device_kind(profile)
         notes.append(f"device compute from the profile measured on {prof_kind} (per-layer times where it measured "
                      "this model, its GEMM table otherwise) and its collective efficiency; its measured links "
                      "replace the cluster's on the first hosts, in order (as `search --profile` does)")

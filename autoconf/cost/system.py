@@ -167,7 +167,7 @@ class System:
                     key, n = h.machine or name, float(h.cpu_count)
                 else:
                     key = ("host", topo.node_of[d])
-                    n = sum(topo.node_of[e] == topo.node_of[d] for e in range(topo.num_devices)) / share
+                    n = topo.node_of.count(topo.node_of[d]) / share
                 machine_of[d] = key
                 cores[key] = min(cores.get(key, n), n)
             if not cores:

@@ -38,6 +38,13 @@ class DeviceType:
     """Fraction of peak the fused (flash) attention kernel reaches, ``forward`` and ``backward``
     (FlashAttention-2 as PyTorch's SDPA runs it). None: the GEMM efficiency."""
 
+    unaligned_gemm_factor: float = 0.17
+    """A GEMM with a dimension that is not a multiple of 16 bytes (``cost.compute.aligned_gemm``)
+    runs at this fraction of the aligned rate. Measured on an H100 SXM (torch 2.11, cuBLAS of CUDA
+    13.0): a 50257-wide vocabulary projection reached 0.12-0.14 of the rate padded to a multiple
+    of 8 in the forward and 0.17-0.22 in the two backward GEMMs (bench/gpu_host_device.py). Other
+    GPUs take the same figure until measured: their cuBLAS kernels need the same 16-byte vectors."""
+
     dtype_gemm_efficiency: dict = None
     """Fraction of a dtype's peak a large GEMM reaches where it differs from ``gemm_efficiency``
     (FP8 GEMMs reach less of their doubled peak). None: ``gemm_efficiency`` for every dtype."""

@@ -84,6 +84,21 @@ class Framework:
     """Default value of each knob in KNOBS."""
     knobs: tuple
     """The knobs a user can switch in this framework (the search tries both values)."""
+    master_weights: bool = True
+    """16-bit training keeps an fp32 master copy of the parameters and fp32 Adam moments
+    (Megatron-LM's and DeepSpeed's mixed precision: 12 bytes of optimizer state per parameter).
+    False: ``torch.optim.AdamW`` steps the 16-bit parameters themselves and its moments take their
+    dtype (4 bytes), as the reference trainer does."""
+    optimizer_foreach: bool = False
+    """Its AdamW is torch's multi-tensor (foreach) implementation, torch's default on CUDA, which
+    allocates a moment-sized temporary for every local parameter during the step
+    (``memory.optimizer_temporary_bytes``). False: a fused kernel (Apex / Transformer Engine
+    FusedAdam in Megatron-LM and DeepSpeed, torchtitan's default ``fused``) with no temporaries."""
+    loss_backward_fp32_copy: bool = True
+    """The cross entropy's backward computes the logits' gradient in a new fp32 tensor (the
+    reference trainer clones the saved softmax; torch's cross entropy on ``logits.float()``
+    allocates its gradient). False: in place in the saved softmax (Megatron-LM's vocab-parallel
+    cross entropy, which Megatron-DeepSpeed shares)."""
     vocab_multiple: int = 1
     """The vocabulary is padded to a multiple of this times tp."""
     memory_fragmentation: float = 0.05
@@ -236,6 +251,7 @@ FRAMEWORKS = {
         name="reference", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1, 2, 3), layered_grad_accum=True,
         per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_EAGER,
+        master_weights=False, optimizer_foreach=True,
         defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False,
                   "torch_compile": False},
         knobs=(), all_reduce_algorithms={"flat": ("ring", "tree"), "hierarchical": ("hierarchical",)},
@@ -249,6 +265,7 @@ FRAMEWORKS = {
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
                   "torch_compile": False},
         knobs=("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"), vocab_multiple=128,
+        loss_backward_fp32_copy=False,
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
         capacity_factor=True),
@@ -267,7 +284,7 @@ FRAMEWORKS = {
         per_micro_batch_pipeline_buffers=False, fp32_grad_buffer_bf16=False, host=_MEGATRON_HOST,
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": True, "tp_comm_overlap": False,
                   "torch_compile": False},
-        knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE),
+        knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE, loss_backward_fp32_copy=False),
 }
 
 

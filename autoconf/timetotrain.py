@@ -487,8 +487,9 @@ class PointOptimizer:
             rest = rest + buffers * m * mbs * mod.seq_length / cp / sp_div * mod.hidden_size * mod.dtype_bytes
         fp32 = sys_.grad_bytes == 4 and mod.dtype != "fp32"
         # ZeRO shards over the gradient group: dp x cp (``data_parallel.grad_group``)
+        master = sys_.framework.master_weights
         per_param = np.array([(lambda st: st.parameters + st.optimizer)(state_bytes_per_param(mod.dtype, z, dp * cp,
-                                                                                              fp32))
+                                                                                              fp32, master))
                               for z in zeros])
         z3 = np.array([zero3_working_bytes(mod, tp) if (z == 3 and dp * cp > 1) else 0.0 for z in zeros])
         # options x zeros x stages

@@ -212,12 +212,42 @@ def test_embedding_and_head_times():
 def test_gemm_efficiency_interpolates_in_log_flops():
     p = make_profile()
     assert measured.gemm_efficiency(p, 32, 64, 64) == 0.2
-    assert measured.gemm_efficiency(p, 1, 1, 1) == 0.2  # clamped below
+    assert measured.gemm_efficiency(p, 4, 4, 4) == 0.2  # clamped below
     assert measured.gemm_efficiency(p, 4096, 4096, 4096) == 0.6  # clamped above
     mid = measured.gemm_efficiency(p, 64, 128, 64)  # FLOPs 4x the small, 1/4 the large: halfway in log
     assert mid == pytest.approx(0.4)
     assert measured.gemm_efficiency(p, 64, 128, 64, dtype="bf16") is None
     assert measured.gemm_efficiency(make_profile(gemm=()), 64, 128, 64) is None
+
+
+def test_gemm_efficiency_keeps_unaligned_gemms_apart():
+    """A GEMM with a dimension that is not a multiple of 16 bytes (an unpadded vocabulary) runs at a
+    fraction of an aligned one's rate: it neither drags aligned GEMMs down nor borrows their rate."""
+    from autoconf.cost.compute import aligned_gemm
+
+    assert aligned_gemm(2048, 50264, 2048, 2) and not aligned_gemm(2048, 50257, 2048, 2)
+    assert aligned_gemm(4, 8, 12, 4) and not aligned_gemm(4, 8, 10, 4)  # fp32: 4 elements
+    assert aligned_gemm(2048, 50257 / 3, 2048, 2)  # an average, not a shape
+    slow = GemmEntry(m=2048, n=50257, k=64, dtype="fp32", time_s=1e-6, flop_per_s=1e9, fraction_of_peak=0.05,
+                     device_kind="cpu")
+    p = make_profile()
+    p = dataclasses.replace(p, gemm=p.gemm + (slow,))
+    assert measured.gemm_efficiency(p, 64, 128, 64) == pytest.approx(0.4)  # as without the slow row
+    assert measured.gemm_efficiency(p, 4096, 4096, 4096) == 0.6
+    assert measured.gemm_efficiency(p, 64, 127, 64) == 0.05  # unaligned: only the unaligned row
+    assert measured.gemm_efficiency(make_profile(), 64, 127, 64) is None  # none measured: the catalog's
+
+
+def test_catalog_gemm_rate_falls_for_unaligned_dimensions():
+    """The roofline of a GPU charges an unaligned GEMM the catalog's measured factor; a CPU none."""
+    from autoconf.catalog import device_type
+    from autoconf.cost.compute import Roofline
+
+    h100 = Roofline.of(device_type("h100-sxm"), "bf16")
+    fast, slow = h100.gemm(8192, 50264, 2048, 2), h100.gemm(8192, 50257, 2048, 2)
+    assert slow / fast == pytest.approx(1 / device_type("h100-sxm").unaligned_gemm_factor, rel=0.02)
+    cpu = Roofline.of(device_type("cpu"), "fp32")
+    assert cpu.gemm(64, 127, 64, 4) == pytest.approx(cpu.gemm(64, 128, 64, 4), rel=0.02)
 
 
 def test_activation_bytes():

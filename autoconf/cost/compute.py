@@ -53,6 +53,9 @@ class Roofline:
     """Non-tensor-core rate for element-wise math (0: not modelled)."""
     attention_efficiency: tuple = ()
     """(forward, backward) fraction of peak of fused attention; empty: the GEMM efficiency."""
+    unaligned_gemm_factor: float = 1.0
+    """Rate of a GEMM with a dimension that is not a multiple of 16 bytes, relative to an aligned
+    one (``aligned_gemm``); 1.0: no penalty (CPU)."""
 
     @classmethod
     def of(cls, dev: DeviceType, dtype: str, gemm_eff=None) -> "Roofline":
@@ -60,7 +63,8 @@ class Roofline:
         return cls(dev.peak(dtype), dev.memory_bandwidth_bytes_per_s, dev.gemm_efficiency,
                    dev.memory_efficiency, dev.kernel_launch_s, gemm_eff, dev.sm_count,
                    dev.peak_flop_per_s.get("fp32", 0.0) if dev.sm_count else 0.0,
-                   (att["forward"], att["backward"]) if att else ())
+                   (att["forward"], att["backward"]) if att else (),
+                   dev.unaligned_gemm_factor if dev.sm_count else 1.0)
 
     def gemm(self, m: float, n: float, k: float, elem_bytes: int, batch: float = 1) -> float:
         flops = 2.0 * m * n * k * batch
@@ -70,6 +74,8 @@ class Roofline:
             eff = self.gemm_eff(m, n, k)
         if not eff:
             eff = self.gemm_efficiency * tile_efficiency(m, n, k, batch, self.sm_count)
+            if not aligned_gemm(m, n, k, elem_bytes):
+                eff *= self.unaligned_gemm_factor
         return max(flops / (self.peak_flop_per_s * eff),
                    nbytes / (self.memory_bandwidth_bytes_per_s * self.memory_efficiency)) + self.kernel_launch_s
 
@@ -79,6 +85,19 @@ class Roofline:
         if flops and self.vector_flop_per_s:
             t = max(t, flops / self.vector_flop_per_s)
         return t + kernels * self.kernel_launch_s
+
+
+def aligned_gemm(m: float, n: float, k: float, elem_bytes: float) -> bool:
+    """Whether every dimension of an (m x k) @ (k x n) GEMM is a multiple of 16 bytes of its
+    elements (8 for 16-bit, 16 for FP8). The matrices of a training step use each dimension as some
+    operand's leading dimension (the vocabulary projection's V is the output's in the forward and
+    an input's in both backward GEMMs), and cuBLAS's fast tensor-core kernels load 16-byte vectors
+    (Hopper: TMA, which needs 16-byte aligned strides): an unaligned one falls back to slower
+    kernels. On an H100 a GPT-2 vocabulary (50257) projection ran at 94-151 TFLOP/s against
+    699-819 padded to 50264 (bench/gpu_host_device.py). Dimensions that are not whole numbers
+    (averages, such as a mixture of experts' rows per expert) count as aligned."""
+    vec = max(1, round(16 / elem_bytes))
+    return not any(float(x).is_integer() and int(x) % vec for x in (m, n, k))
 
 
 # (tile rows, tile columns, relative efficiency of the tile's main loop): the cuBLAS / CUTLASS
@@ -451,11 +470,18 @@ def head_times(model: ModelSpec, b: int, tp: int, rf: Roofline) -> LayerTimes:
     return LayerTimes(fwd, bwd)
 
 
-def optimizer_s(num_params: float, master_copy: bool, rf: Roofline) -> float:
+def optimizer_s(num_params: float, master_copy: bool, rf: Roofline, param_bytes: int = 4,
+                foreach: bool = False) -> float:
     """AdamW step over ``num_params`` local parameters: memory-bound.
 
     Traffic per parameter: read grad, read/write m and v, read/write the fp32 master (16-bit
-    training: 2+4+8+8+8+2 = 32 bytes with the 16-bit copy written; fp32: 4+8+8+8 = 28 bytes).
+    training, one fused kernel: 2+4+8+8+8+2 = 32 bytes with the 16-bit copy written); without a
+    master copy the moments are in the parameters' dtype: read grad, read/write m, v and the
+    parameter, 7 x its bytes (fp32: 28 bytes; bf16: 14). ``foreach``: torch's multi-tensor AdamW
+    makes one pass per operation (torch/optim/adam.py ``_multi_tensor_adam``): weight decay (read
+    and write the parameter, 2), lerp of m (3), scale v (2), addcmul into v (4), sqrt(v) into a
+    temporary (2), divide (2) and add eps (2) in place, addcdiv into the parameter (4): 21 x its
+    bytes.
     """
-    per_param = 32 if master_copy else 28
+    per_param = 32 if master_copy else (21 if foreach else 7) * param_bytes
     return rf.elementwise(num_params * per_param, kernels=4)

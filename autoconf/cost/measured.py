@@ -198,18 +198,28 @@ def _tp_scale(profile, model, layer, mbs, tp0, tp) -> float:
 
 # -- GEMM efficiency -------------------------------------------------------------------------------------
 
+_ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+
 def gemm_efficiency(profile: Profile, m: int, n: int, k: int, dtype: str | None = None,
                     device_kind: str | None = None) -> float | None:
     """Fraction of catalog peak an (m x k) @ (k x n) GEMM reaches, from the profile's table.
 
     An exact shape returns its measurement; otherwise the fraction is interpolated linearly in
-    log(FLOPs) between the nearest smaller and larger measured GEMMs, clamped at the ends.
-    None when the table has no entry for the dtype and device (or the device is not in the catalog).
+    log(FLOPs) between the nearest smaller and larger measured GEMMs of the same 16-byte alignment
+    (``compute.aligned_gemm``: an unaligned vocabulary projection runs several times slower than
+    an aligned GEMM of its size), clamped at the ends. None when the table has no such entry for
+    the dtype and device (or the device is not in the catalog).
     """
+    from .compute import aligned_gemm
+
     dtype = dtype or profile.compute_dtype
     kind = device_kind if device_kind is not None else _default_kind(profile)
+    eb = _ELEM_BYTES.get(dtype.split("_")[0], 2)
+    same = aligned_gemm(m, n, k, eb)  # interpolate among GEMMs of the same alignment only
     rows = [(2.0 * e.m * e.n * e.k, e.fraction_of_peak, (e.m, e.n, e.k)) for e in profile.gemm
-            if e.dtype == dtype and e.device_kind == kind and e.fraction_of_peak is not None]
+            if e.dtype == dtype and e.device_kind == kind and e.fraction_of_peak is not None
+            and aligned_gemm(e.m, e.n, e.k, eb) == same]
     if not rows:
         return None
     for _, frac, shape in rows:

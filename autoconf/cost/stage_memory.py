@@ -17,7 +17,7 @@ from ..catalog import device_type
 from ..config import ParallelConfig
 from .activations import block_backward_temporary_bytes, embedding_activation_bytes, head_activation_bytes
 from .layout import Layout
-from .memory import BUCKET_BYTES, state_bytes_per_param, zero3_working_bytes
+from .memory import BUCKET_BYTES, optimizer_temporary_bytes, state_bytes_per_param, zero3_working_bytes
 from . import schedule_time
 from .pipeline import peak_memory
 from .system import System
@@ -50,8 +50,9 @@ class StageMemory:
 def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMemory]:
     """Memory of every pipeline stage for configuration ``c``."""
     m = system.model
+    master = system.framework.master_weights
     st = state_bytes_per_param(m.dtype, c.zero_stage, c.dp * c.cp,
-                               fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32")
+                               fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
     act_layer = system.layer_activations(c, _mask_bytes(system, lay))
     layered_pp1 = c.pp == 1 and c.layered_grad_accum
     if layered_pp1:
@@ -60,7 +61,7 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         peaks = _activation_peaks(system, c, lay, act_layer["total"], st.gradients)
     # a mixture of experts' routed experts: sharded by ZeRO over the ranks holding the same experts
     st_e = state_bytes_per_param(m.dtype, c.zero_stage, max(1, c.dp * c.cp // c.ep),
-                                 fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32")
+                                 fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
     out = []
     for s in range(c.pp):
         params = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, s))
@@ -71,9 +72,10 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
             grads += experts * (st_e.gradients - st.gradients)
         if c.recompute == "full" and not layered_pp1:  # layered: inside _layered_peak
             acts += max(act_layer.get("recompute_working_bytes", 0.0), _moe_working(system, c, lay))
-        other = _other_bytes(system, c, lay, s, acts)
+        optimizer = dense * st.optimizer + experts * st_e.optimizer
+        other = _other_bytes(system, c, lay, s, acts, optimizer)
         out.append(StageMemory(parameters=dense * st.parameters + experts * st_e.parameters, gradients=grads,
-                               optimizer=dense * st.optimizer + experts * st_e.optimizer, activations=acts,
+                               optimizer=optimizer, activations=acts,
                                other=sum(v for _, v in other), other_parts=other,
                                capacity=min(system.capacity_bytes(d) for d in lay.stage_devices[s])))
     return out
@@ -139,9 +141,16 @@ def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_byte
 
 
 def loss_grad_bytes(system: System, c: ParallelConfig) -> float:
-    """The loss gradient of one micro-batch's logits: fp32, vocabulary-parallel (padded vocabulary)."""
+    """What the loss's backward allocates per logit of one micro-batch (vocabulary-parallel, padded
+    vocabulary), next to the saved fp32 softmax: an fp32 gradient where the framework computes it
+    in a copy of the softmax (``Framework.loss_backward_fp32_copy``; Megatron-LM's cross entropy
+    writes it into the saved softmax in place), and the gradient cast back to the logits' 16-bit
+    dtype (the reference trainer's ``g.to(logits_dtype)``, autograd's cast of Megatron's
+    ``logits.float()``). An H100 run of GPT-3 1.3B peaked one 16-bit logits tensor per sequence
+    above the fp32 copy alone."""
     m = system.model_at(c.tp, c.cp)
-    return c.micro_batch_size * m.seq_length * (-(-m.vocab_size // c.tp)) * 4.0
+    per_logit = (4.0 if system.framework.loss_backward_fp32_copy else 0.0) + (m.dtype_bytes if m.dtype != "fp32" else 0.0)
+    return c.micro_batch_size * m.seq_length * (-(-m.vocab_size // c.tp)) * per_logit
 
 
 def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: dict, grad_bytes: float):
@@ -207,7 +216,8 @@ def linear_params_per_layer(m) -> float:
     return h * (m.q_size + 2 * m.kv_size) + m.q_size * h + m.mlp_matrices * h * f
 
 
-def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: float) -> tuple:
+def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: float,
+                 optimizer: float = 0.0) -> tuple:
     """Everything but model states and activations on stage ``s``.
 
     The framework's own overhead (catalog), ZeRO-3's gathered layers (``memory.zero3_working_bytes``),
@@ -219,7 +229,10 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
     _setup_backward_recv_info): a replica's whole batch of boundary activations, twice (the
     trainer passes return_outputs=False, so the last stage's outputs are not kept). And the
     gradient reduction's copy of one bucket (at most 25 MiB, as DDP) after the backward has freed
-    the activations: it raises the peak only where it exceeds them.
+    the activations: it raises the peak only where it exceeds them. Likewise the optimizer step's
+    temporaries (``memory.optimizer_temporary_bytes`` of the stage's ``optimizer`` state; a
+    framework stepping with torch's foreach AdamW, on a GPU: on CPU torch steps one parameter at a
+    time), after the bucket's: the step's peak is the larger of the two.
     """
     m, chunks = system.model, lay.chunks_of(c, s)
     parts = [("runtime context", max(device_type(k).framework_overhead_bytes for k in lay.stage_kinds[s]))]
@@ -243,7 +256,12 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
         from .compression import memory_parts
         parts += memory_parts(system, c, lay, s)
     layered_pp1 = c.pp == 1 and c.layered_grad_accum  # its units carry their copies already
+    after_backward = 0.0  # what the bucket copy already adds above the activations
     if c.dp * c.cp > 1 and c.zero_stage < 3 and not layered_pp1:
         bucket = min(BUCKET_BYTES, max(lay.chunk_params[ci] for ci in chunks) * system.grad_bytes)
-        parts.append(("gradient bucket copy", max(0.0, bucket - acts)))
+        after_backward = max(0.0, bucket - acts)
+        parts.append(("gradient bucket copy", after_backward))
+    if fw.optimizer_foreach and any(k != "cpu" for k in lay.stage_kinds[s]):
+        temp = optimizer_temporary_bytes(optimizer, m.dtype, fw.master_weights)
+        parts.append(("optimizer step temporaries", max(0.0, temp - acts - after_backward)))
     return tuple((k, v) for k, v in parts if v > 0)

@@ -300,7 +300,9 @@ class System:
         rate = self.optimizer_rate(kind)
         if rate > 0:
             return num_params * rate * self.cpu_share(kind)
-        return optimizer_s(num_params, self.model.dtype != "fp32", self.roofline(kind)) * self.cpu_share(kind)
+        fw = self.framework
+        return optimizer_s(num_params, self.model.dtype != "fp32" and fw.master_weights, self.roofline(kind),
+                           self.model.dtype_bytes, foreach=fw.optimizer_foreach and kind != "cpu") * self.cpu_share(kind)
 
     def copy_time(self, kinds, nbytes: float) -> float:
         """Seconds to stream ``nbytes`` through memory (read + write counted separately) on the slowest
@@ -359,7 +361,7 @@ class System:
         from .memory import bytes_per_param
         if self.framework.fp32_grad_buffer_bf16 and self.model.dtype == "bf16":
             return 4
-        return bytes_per_param(self.model.dtype)[1]
+        return bytes_per_param(self.model.dtype, self.framework.master_weights)[1]
 
     def capacity_bytes(self, device: int) -> float:
         """Usable memory of a device: its memory less the allocator's fragmentation margin

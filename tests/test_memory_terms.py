@@ -1,0 +1,74 @@
+"""Closed forms of the memory terms one H100 run corrected: optimizer state without a master copy,
+the foreach AdamW step's temporaries, and the loss gradient's copies."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoconf.cluster import cluster_from_mapping
+from autoconf.config import ParallelConfig
+from autoconf.cost.estimate import estimate
+from autoconf.cost.memory import bytes_per_param, optimizer_temporary_bytes, state_bytes_per_param
+from autoconf.model import load_model
+
+GIB = 2**30
+
+
+def _one(device: str):
+    return cluster_from_mapping({"node_groups": [{"count": 1, "device": device, "gpus_per_node": 1,
+                                                  "intra_node_bandwidth": "100 GB/s",
+                                                  "nics": {"count": 1, "bandwidth": "100 Gbit/s"}}]})
+
+
+def test_state_bytes_with_and_without_a_master_copy():
+    assert bytes_per_param("bf16") == (2, 2, 12)  # ZeRO paper: 2 + 2 + K, K = 12
+    assert bytes_per_param("bf16", master_copy=False) == (2, 2, 4)  # torch AdamW on bf16: m, v in bf16
+    assert bytes_per_param("fp32", master_copy=False) == bytes_per_param("fp32") == (4, 4, 8)
+    st = state_bytes_per_param("bf16", 1, 8, master_copy=False)
+    assert (st.parameters, st.gradients, st.optimizer) == (2, 2, 0.5)
+    # one moment: a third of (master, m, v), half of (m, v)
+    assert optimizer_temporary_bytes(12.0, "bf16", True) == 4.0
+    assert optimizer_temporary_bytes(4.0, "bf16", False) == 2.0
+    assert optimizer_temporary_bytes(8.0, "fp32", True) == 4.0
+
+
+def _parts(e) -> dict:
+    st = e.memory_by_stage[0]
+    return {"parameters": st.parameters, "gradients": st.gradients, "optimizer": st.optimizer,
+            "activations": st.activations, **dict(st.other_parts)}
+
+
+def test_reference_trainer_on_a_gpu_keeps_8_bytes_per_parameter_and_one_moment_more_at_the_step():
+    m = load_model("gpt3-1.3b")
+    n = m.num_params()
+    c = ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=1, num_micro_batches=8, recompute="full")
+    p = _parts(estimate(c, m, _one("h100-sxm")))
+    assert p["parameters"] == pytest.approx(2 * n) and p["gradients"] == pytest.approx(2 * n)
+    assert p["optimizer"] == pytest.approx(4 * n)
+    # full recompute keeps little: the step's sqrt(v) (2 bytes per parameter) is the peak's top
+    assert p["activations"] < 2 * n
+    assert p["optimizer step temporaries"] == pytest.approx(2 * n - p["activations"])
+    # Megatron-LM: fp32 main_grad and master copy, fused Adam (no temporaries)
+    q = _parts(estimate(c, m, _one("h100-sxm"), framework="megatron"))
+    assert q["optimizer"] == pytest.approx(12 * n, rel=0.01) and "optimizer step temporaries" not in q
+
+
+def test_no_step_temporaries_on_cpu_ranks():
+    """torch's AdamW steps CPU tensors one at a time (no foreach default there)."""
+    m = load_model("gpt2")
+    c = ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=1, num_micro_batches=2, recompute="full")
+    assert "optimizer step temporaries" not in _parts(estimate(c, m, _one("cpu")))
+
+
+def test_loss_gradient_is_an_fp32_copy_and_its_16_bit_cast():
+    from autoconf.cost.stage_memory import loss_grad_bytes
+    from autoconf.cost.system import System
+
+    m = load_model("gpt3-1.3b")
+    c = ParallelConfig(dp=1, pp=1, tp=2, micro_batch_size=2, num_micro_batches=4)
+    logits = 2 * m.seq_length * (-(-m.vocab_size // 2))
+    assert loss_grad_bytes(System(m, _one("h100-sxm")), c) == pytest.approx(6 * logits)
+    # Megatron-LM pads the vocabulary and writes the gradient into the saved softmax
+    mg = System(m, _one("h100-sxm"), framework="megatron")
+    vp = mg.model_at(2).vocab_size
+    assert loss_grad_bytes(mg, c) == pytest.approx(2 * 2 * m.seq_length * (-(-vp // 2)))

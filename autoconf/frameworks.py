@@ -237,9 +237,20 @@ def hierarchical_runs(g) -> bool:
 # Python-issued counted op and 20 us per autograd node: Megatron's model-parallel RNG tracker,
 # DeepSpeed's checkpointing wrappers and fp16 loss scaling add Python work around each. This is
 # the one figure of the model set from the development set, and the only place it shows. torch
-# eager without those wrappers (torchtitan, the reference trainer) is taken at the commonly
-# measured ~10 us per op and ~5 us per node.
+# eager without those wrappers (torchtitan) is taken at the commonly measured ~10 us per op and
+# ~5 us per node.
+#
+# The reference trainer was measured on one H100 SXM host (2026-11-24, torch 2.11, 16-core VM;
+# bench/gpu_host_device.py, bench/gpu_single.py): its ATen dispatches counted on the real block
+# (``compute.dispatch_op_counts``: 34 forward and 69 backward for a GPT-3 block) and 18 us each,
+# from a host-bound GPT-3 1.3B block at micro-batch 1 (forward 0.69 ms back to back for 34
+# dispatches: 20 us; backward at most 1.21 ms for 69: 17.6 us); 0.55 ms of host time per
+# torch.utils.checkpoint region, from the same model's steps (selective recomputation added
+# 0.69 ms per layer pass at micro-batch 1, of which 8 dispatches). Held out, GPT-2 large (36
+# layers of hidden 1280, host-bound up to micro-batch 2) then lands at a median 9% (was 47%).
+# A faster host CPU issues faster: a profile measures the layers as they run.
 _EAGER = HostCost(forward_op_s=10e-6, backward_op_s=5e-6)
+_REFERENCE_HOST = HostCost(forward_op_s=18e-6, backward_op_s=18e-6, dispatch_counts=True, checkpoint_s=0.55e-3)
 _MEGATRON_HOST = HostCost(forward_op_s=50e-6, backward_op_s=20e-6)
 
 # NCCL chooses ring or tree per call (NCCL_ALGO unset); gloo's all-reduce is a ring.
@@ -250,7 +261,7 @@ FRAMEWORKS = {
     "reference": Framework(
         name="reference", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1, 2, 3), layered_grad_accum=True,
-        per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_EAGER,
+        per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_REFERENCE_HOST,
         master_weights=False, optimizer_foreach=True,
         defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False,
                   "torch_compile": False},

@@ -134,6 +134,41 @@ class HostCost:
 
     forward_op_s: float = 0.0
     backward_op_s: float = 0.0
+    dispatch_counts: bool = False
+    """Count the operations as the reference trainer's block dispatches them (``dispatch_op_counts``:
+    every ATen call, the backward's several per autograd node); else ``block_op_counts``' structural
+    count, one per forward op and one per autograd node."""
+    checkpoint_s: float = 0.0
+    """Host seconds of one checkpointed region (``torch.utils.checkpoint``: saving and restoring the
+    RNG states, the saved-tensor hooks, re-entering the region in the backward), forward and
+    backward together; charged once per block under selective or full recomputation."""
+
+
+def dispatch_op_counts(model: ModelSpec, tp: int, sp: bool) -> tuple[int, int]:
+    """ATen operations ``autoconf.nn.Block`` dispatches in its forward and in its backward (views
+    and the gradient accumulation into ``.grad`` included), counted under a ``TorchDispatchMode``
+    (tests/test_memory_terms.py recounts them on the real module): 32 and 57 for a block with
+    LayerNorm, GeLU, no biases, learned positions, no dropout and fused attention; each feature
+    adds its own. Tensor parallelism adds each collective's two calls as ``block_op_counts``."""
+    fwd, bwd = 32, 57
+    if model.gated_mlp:
+        fwd, bwd = fwd + 2, bwd + 3
+    if model.norm == "rmsnorm":  # composed of pow, mean, add, rsqrt, mul, mul (LayerNorm: one kernel)
+        fwd, bwd = fwd + 6 * model.norms_per_block, bwd + 8 * model.norms_per_block
+    if model.bias:
+        fwd, bwd = fwd + 2, bwd + 12
+    elif model.qkv_bias:
+        bwd += 3
+    if model.position_embedding == "rope":
+        fwd, bwd = fwd + 17, bwd + 14
+    if model.dropout > 0:
+        fwd, bwd = fwd + 8, bwd + 2
+    if model.attention == "eager":
+        fwd, bwd = fwd + 21, bwd + 18
+    if tp > 1:
+        fwd += 2 * (2 if sp else 1)
+        bwd += 2 * (2 if sp else 1)
+    return fwd, bwd
 
 
 def block_op_counts(model: ModelSpec, tp: int, sp: bool) -> tuple[int, int]:
@@ -413,7 +448,7 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     rc = fwd if recompute == "full" else att_f if recompute == "selective" else 0.0
     host_f = host_b = 0.0
     if host is not None:
-        ops_f, ops_b = block_op_counts(model, tp, sp)
+        ops_f, ops_b = (dispatch_op_counts if host.dispatch_counts else block_op_counts)(model, tp, sp)
         if fp8 is not None:
             linears = 2 + model.mlp_matrices
             ops_f, ops_b = ops_f + linears * fp8.host_ops[0], ops_b + linears * fp8.host_ops[1]
@@ -426,7 +461,13 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
             ops_f = len(gemms) + calls + ew_kernels + (len(gemms) * 2 if fp8 is not None else 0)
             ops_b = 2 * ops_f
         host_f, host_b = ops_f * host.forward_op_s, ops_b * host.backward_op_s
-        host_b += host_f if recompute == "full" else 0.0  # the recomputed forward is issued again
+        if recompute == "full":  # the recomputed forward is issued again (and, counted by dispatch,
+            host_b += host_f * (2 if host.dispatch_counts else 1)  # its saved tensors unpacked)
+        if recompute == "selective" and host.dispatch_counts:  # the attention core re-run
+            host_b += 8 * host.backward_op_s
+        if recompute != "none" and not compiled:
+            host_f += host.checkpoint_s / 2
+            host_b += host.checkpoint_s / 2
     return LayerTimes(forward_s=fwd, backward_s=bwd + rc, recompute_s=rc, host_forward_s=host_f, host_backward_s=host_b)
 
 
@@ -436,11 +477,15 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
 EDGE_OPS = {"embedding": (5, 4), "head": (14, 8)}
 
 
+DISPATCH_EDGE_OPS = {"embedding": (3, 6), "head": (24, 22)}
+"""As ``EDGE_OPS``, counted as ``dispatch_op_counts`` on ``autoconf.nn``'s Embedding and Head."""
+
+
 def with_host(t: LayerTimes, which: str, host: HostCost | None) -> LayerTimes:
     """``t`` with the host's issue time of the embedding or output layer's operations."""
     if host is None:
         return t
-    f, b = EDGE_OPS[which]
+    f, b = (DISPATCH_EDGE_OPS if host.dispatch_counts else EDGE_OPS)[which]
     return LayerTimes(t.forward_s, t.backward_s, t.recompute_s, f * host.forward_op_s, b * host.backward_op_s)
 
 

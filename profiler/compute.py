@@ -101,18 +101,30 @@ def _step(mod, inputs, device, grad_cache: dict) -> tuple[float, float]:
     return t1 - t0, t2 - t1
 
 
-def _stream_times(mod, inputs, grad_cache: dict, repeats: int) -> tuple[list, list]:
+CHAIN = 4
+"""Blocks chained per timed pass on CUDA (``_stream_times``)."""
+
+
+def _stream_times(mod, inputs, grad_cache: dict, repeats: int, chain: int = 1) -> tuple[list, list]:
     """CUDA: ``repeats`` forward+backward passes back to back, CUDA events between them and one
     synchronisation at the end, as a training step issues them. Each pass then takes the larger of
     the host's issue time and the device's own time (the device waits for a slower host; a faster
     host runs ahead), which a per-call synchronisation would add up instead: on an H100 a
     GPT-3 1.3B block at micro-batch size 1 took 2.9 ms per pass timed call by call and 1.9 ms back
-    to back (bench/gpu_host_device.py)."""
+    to back (bench/gpu_host_device.py).
+
+    ``chain`` > 1 (blocks): each pass runs the block that many times in a row, its output the next
+    input, and one backward through all of them, and the times are per block. A step calls
+    ``backward`` once per micro-batch through every block of a stage; one call per block would
+    charge each block the call's fixed cost (handing the graph to autograd's device thread), which
+    host-bound blocks feel."""
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2 * repeats + 1)]
     torch.cuda.synchronize()
     ev[0].record()
     for i in range(repeats):
         out = mod(*inputs)
+        for _ in range(chain - 1):
+            out = mod(out)
         ev[2 * i + 1].record()
         if out.dim() == 0:
             out.backward()
@@ -123,8 +135,8 @@ def _stream_times(mod, inputs, grad_cache: dict, repeats: int) -> tuple[list, li
             out.backward(g)
         ev[2 * i + 2].record()
     torch.cuda.synchronize()
-    fwd = [ev[2 * i].elapsed_time(ev[2 * i + 1]) / 1e3 for i in range(repeats)]
-    bwd = [ev[2 * i + 1].elapsed_time(ev[2 * i + 2]) / 1e3 for i in range(repeats)]
+    fwd = [ev[2 * i].elapsed_time(ev[2 * i + 1]) / 1e3 / chain for i in range(repeats)]
+    bwd = [ev[2 * i + 1].elapsed_time(ev[2 * i + 2]) / 1e3 / chain for i in range(repeats)]
     return fwd, bwd
 
 
@@ -149,7 +161,10 @@ def time_item(model: ModelSpec, item: Item, device, warmup: int, repeats: int) -
     if device.type == "cuda":
         peak = float(torch.cuda.max_memory_allocated(device) - base)
     if device.type == "cuda":
-        fwd, bwd = _stream_times(mod, inputs, cache, repeats)
+        chain = 1
+        if item.layer == "block" and peak:  # as many copies as fit in half the free memory, at most 4
+            chain = max(1, min(CHAIN, int(0.5 * torch.cuda.mem_get_info(device)[0] // peak)))
+        fwd, bwd = _stream_times(mod, inputs, cache, repeats, chain)
     else:
         fwd, bwd = [], []
         for _ in range(repeats):

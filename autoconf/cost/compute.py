@@ -147,7 +147,7 @@ class HostCost:
 def dispatch_op_counts(model: ModelSpec, tp: int, sp: bool) -> tuple[int, int]:
     """ATen operations ``autoconf.nn.Block`` dispatches in its forward and in its backward (views
     and the gradient accumulation into ``.grad`` included), counted under a ``TorchDispatchMode``
-    (tests/test_memory_terms.py recounts them on the real module): 32 and 57 for a block with
+    (tests/test_host_cost.py recounts them on the real module): 32 and 57 for a block with
     LayerNorm, GeLU, no biases, learned positions, no dropout and fused attention; each feature
     adds its own. Tensor parallelism adds each collective's two calls as ``block_op_counts``."""
     fwd, bwd = 32, 57

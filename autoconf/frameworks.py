@@ -247,7 +247,8 @@ def hierarchical_runs(g) -> bool:
 # dispatches: 20 us; backward at most 1.21 ms for 69: 17.6 us); 0.55 ms of host time per
 # torch.utils.checkpoint region, from the same model's steps (selective recomputation added
 # 0.69 ms per layer pass at micro-batch 1, of which 8 dispatches). Held out, GPT-2 large (36
-# layers of hidden 1280, host-bound up to micro-batch 2) then lands at a median 9% (was 47%).
+# layers of hidden 1280, host-bound up to micro-batch 2) then lands at a median 4% over 6 rows
+# (was 47%), 9% over an earlier run's 9 rows with selective recomputation.
 # A faster host CPU issues faster: a profile measures the layers as they run.
 _EAGER = HostCost(forward_op_s=10e-6, backward_op_s=5e-6)
 _REFERENCE_HOST = HostCost(forward_op_s=18e-6, backward_op_s=18e-6, dispatch_counts=True, checkpoint_s=0.55e-3)

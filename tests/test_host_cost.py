@@ -53,9 +53,10 @@ VARIANTS = [{}, {"activation": "swiglu"}, {"norm": "rmsnorm"}, {"bias": True}, {
             {"bias": True, "dropout": 0.1, "activation": "gelu"}]  # GPT-2-like
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("over", VARIANTS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "base")
-def test_block_dispatch_counts_match_the_real_block(over):
-    m = dataclasses.replace(BASE, **over)
+def test_block_dispatch_counts_match_the_real_block(over, dtype):
+    m = dataclasses.replace(BASE, dtype=dtype, **over)
     assert dispatch_op_counts(m, 1, False) == _dispatched(m, "block")
 
 
@@ -91,3 +92,18 @@ def test_host_floor_of_a_block():
     assert t.host_backward_s == pytest.approx(b * 2e-5 + 2 * f * 1e-5 + 5e-4)
     t = block_times(BASE, 1, 1, False, "selective", rf, host=host)
     assert t.host_backward_s == pytest.approx(b * 2e-5 + 8 * 2e-5 + 5e-4)
+
+
+def test_selective_recompute_re_dispatches_the_attention_core():
+    """The re-run attention core's dispatches, fused or eager, within 20% of the real count."""
+    from autoconf.catalog import device_type
+    from autoconf.cost.compute import Roofline, block_times
+
+    rf = Roofline.of(device_type("h100-sxm"), "bf16")
+    host = HostCost(forward_op_s=1e-5, backward_op_s=1e-5, dispatch_counts=True)
+    for over in ({}, {"attention": "eager"}):
+        m = dataclasses.replace(BASE, **over)
+        _, b = dispatch_op_counts(m, 1, False)
+        _, b_sel = _dispatched(m, "block", "selective")
+        t = block_times(m, 1, 1, False, "selective", rf, host=host)
+        assert t.host_backward_s / 1e-5 - b == pytest.approx(b_sel - b, rel=0.2)

@@ -228,14 +228,24 @@ def test_gemm_efficiency_keeps_unaligned_gemms_apart():
     assert aligned_gemm(2048, 50264, 2048, 2) and not aligned_gemm(2048, 50257, 2048, 2)
     assert aligned_gemm(4, 8, 12, 4) and not aligned_gemm(4, 8, 10, 4)  # fp32: 4 elements
     assert aligned_gemm(2048, 50257 / 3, 2048, 2)  # an average, not a shape
+    def gpu(p):  # the same table, measured on an H100
+        return dataclasses.replace(p, gemm=tuple(dataclasses.replace(e, device_kind="h100-sxm") for e in p.gemm))
+
     slow = GemmEntry(m=2048, n=50257, k=64, dtype="fp32", time_s=1e-6, flop_per_s=1e9, fraction_of_peak=0.05,
                      device_kind="cpu")
-    p = make_profile()
-    p = dataclasses.replace(p, gemm=p.gemm + (slow,))
-    assert measured.gemm_efficiency(p, 64, 128, 64) == pytest.approx(0.4)  # as without the slow row
-    assert measured.gemm_efficiency(p, 4096, 4096, 4096) == 0.6
-    assert measured.gemm_efficiency(p, 64, 127, 64) == 0.05  # unaligned: only the unaligned row
-    assert measured.gemm_efficiency(make_profile(), 64, 127, 64) is None  # none measured: the catalog's
+    base = make_profile()
+    p = gpu(dataclasses.replace(base, gemm=base.gemm + (slow,)))
+    kw = {"device_kind": "h100-sxm"}
+    assert measured.gemm_efficiency(p, 64, 128, 64, **kw) == pytest.approx(0.4)  # as without the slow row
+    assert measured.gemm_efficiency(p, 4096, 4096, 4096, **kw) == 0.6
+    assert measured.gemm_efficiency(p, 64, 127, 64, **kw) == 0.05  # unaligned: only the unaligned row
+    # only aligned GEMMs measured: their rate at the catalog's unaligned factor
+    factor = measured.device_type("h100-sxm").unaligned_gemm_factor
+    assert measured.gemm_efficiency(gpu(base), 64, 127, 64, **kw) == pytest.approx(0.4 * factor, rel=0.05)
+    # a CPU has no such penalty: one table for every shape
+    cpu = dataclasses.replace(base, gemm=base.gemm + (slow,))
+    assert measured.gemm_efficiency(cpu, 64, 127, 64) == pytest.approx(
+        measured.gemm_efficiency(cpu, 64, 128, 64), rel=0.05)
 
 
 def test_catalog_gemm_rate_falls_for_unaligned_dimensions():

@@ -89,9 +89,10 @@ class Roofline:
 
 def aligned_gemm(m: float, n: float, k: float, elem_bytes: float) -> bool:
     """Whether every dimension of an (m x k) @ (k x n) GEMM is a multiple of 16 bytes of its
-    elements (8 for 16-bit, 16 for FP8). The matrices of a training step use each dimension as some
-    operand's leading dimension (the vocabulary projection's V is the output's in the forward and
-    an input's in both backward GEMMs), and cuBLAS's fast tensor-core kernels load 16-byte vectors
+    elements (8 for 16-bit, 16 for FP8). The weights' dimensions are leading dimensions of some
+    operand in the forward or a backward GEMM (the vocabulary projection's V is the output's in the
+    forward and an input's in both backward GEMMs; the token count, which is not, is a multiple of
+    8 in practice and is checked alike), and cuBLAS's fast tensor-core kernels load 16-byte vectors
     (Hopper: TMA, which needs 16-byte aligned strides): an unaligned one falls back to slower
     kernels. On an H100 a GPT-2 vocabulary (50257) projection ran at 94-151 TFLOP/s against
     699-819 padded to 50264 (bench/gpu_host_device.py). Dimensions that are not whole numbers
@@ -155,6 +156,8 @@ def dispatch_op_counts(model: ModelSpec, tp: int, sp: bool) -> tuple[int, int]:
         fwd, bwd = fwd + 2, bwd + 3
     if model.norm == "rmsnorm":  # composed of pow, mean, add, rsqrt, mul, mul (LayerNorm: one kernel)
         fwd, bwd = fwd + 6 * model.norms_per_block, bwd + 8 * model.norms_per_block
+        if model.dtype != "fp32":  # computed in fp32: the casts in and out
+            fwd, bwd = fwd + 2 * model.norms_per_block, bwd + 5 * model.norms_per_block
     if model.bias:
         fwd, bwd = fwd + 2, bwd + 12
     elif model.qkv_bias:
@@ -463,8 +466,9 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
         host_f, host_b = ops_f * host.forward_op_s, ops_b * host.backward_op_s
         if recompute == "full":  # the recomputed forward is issued again (and, counted by dispatch,
             host_b += host_f * (2 if host.dispatch_counts else 1)  # its saved tensors unpacked)
-        if recompute == "selective" and host.dispatch_counts:  # the attention core re-run
-            host_b += 8 * host.backward_op_s
+        if recompute == "selective" and host.dispatch_counts:  # the attention core re-run:
+            core = 8 if model.attention != "eager" else 28 + (5 if model.dropout > 0 else 0)  # counted
+            host_b += core * host.backward_op_s
         if recompute != "none" and not compiled:
             host_f += host.checkpoint_s / 2
             host_b += host.checkpoint_s / 2
@@ -506,7 +510,9 @@ def head_times(model: ModelSpec, b: int, tp: int, rf: Roofline) -> LayerTimes:
     in place, the softmax kept for the backward (8): 38 for 16-bit logits. Backward: scale by the
     loss gradient in place (8), cast back (6): 14. fp32 logits skip the casts (32 and 8).
     """
-    T, h, B, V = b * model.seq_length, model.hidden_size, model.dtype_bytes, model.vocab_size / tp
+    # each rank's vocabulary shard: a whole number of words (frameworks pad to a multiple of tp),
+    # which decides whether the projection's GEMMs are aligned (``aligned_gemm``)
+    T, h, B, V = b * model.seq_length, model.hidden_size, model.dtype_bytes, -(-model.vocab_size // tp)
     cast_f, cast_b = (6, 6) if B < 4 else (0, 0)
     fwd = rf.gemm(T, V, h, B) + rf.elementwise(2 * T * h * B + (32 + cast_f) * T * V, kernels=7,
                                                flops=4 * T * V)

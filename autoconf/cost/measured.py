@@ -176,7 +176,7 @@ def _shard_gemm(model: ModelSpec, layer: str, mbs: int, tp: int) -> tuple[int, i
     if layer == "block":
         return tokens, max(1, model.ffn_hidden_size // tp), model.hidden_size
     if layer == "head":
-        return tokens, max(1, model.vocab_size // tp), model.hidden_size
+        return tokens, max(1, -(-model.vocab_size // tp)), model.hidden_size  # the trainer pads to tp
     return None
 
 
@@ -206,22 +206,39 @@ def gemm_efficiency(profile: Profile, m: int, n: int, k: int, dtype: str | None 
     """Fraction of catalog peak an (m x k) @ (k x n) GEMM reaches, from the profile's table.
 
     An exact shape returns its measurement; otherwise the fraction is interpolated linearly in
-    log(FLOPs) between the nearest smaller and larger measured GEMMs of the same 16-byte alignment
-    (``compute.aligned_gemm``: an unaligned vocabulary projection runs several times slower than
-    an aligned GEMM of its size), clamped at the ends. None when the table has no such entry for
-    the dtype and device (or the device is not in the catalog).
+    log(FLOPs) between the nearest smaller and larger measured GEMMs, clamped at the ends. On a GPU
+    only GEMMs of the query's 16-byte alignment take part (``compute.aligned_gemm``: an unaligned
+    vocabulary projection runs several times slower than an aligned GEMM of its size); an
+    unaligned query with only aligned GEMMs measured gets their rate times the catalog's
+    ``unaligned_gemm_factor``. None when the table has no entry for the dtype and device (or the
+    device is not in the catalog), or on a GPU only unaligned ones for an aligned query.
     """
     from .compute import aligned_gemm
 
     dtype = dtype or profile.compute_dtype
     kind = device_kind if device_kind is not None else _default_kind(profile)
     eb = _ELEM_BYTES.get(dtype.split("_")[0], 2)
-    same = aligned_gemm(m, n, k, eb)  # interpolate among GEMMs of the same alignment only
     rows = [(2.0 * e.m * e.n * e.k, e.fraction_of_peak, (e.m, e.n, e.k)) for e in profile.gemm
-            if e.dtype == dtype and e.device_kind == kind and e.fraction_of_peak is not None
-            and aligned_gemm(e.m, e.n, e.k, eb) == same]
+            if e.dtype == dtype and e.device_kind == kind and e.fraction_of_peak is not None]
+    try:
+        dev = device_type(kind) if kind else None
+    except UserError:
+        dev = None
+    if dev is not None and dev.sm_count:  # a GPU: interpolate among GEMMs of the query's alignment
+        same = aligned_gemm(m, n, k, eb)
+        alike = [r for r in rows if aligned_gemm(*r[2], eb) == same]
+        if not alike and not same and rows:  # unaligned, only aligned ones measured
+            eff = _interpolate(rows, m, n, k)
+            return eff * dev.unaligned_gemm_factor
+        rows = alike
     if not rows:
         return None
+    return _interpolate(rows, m, n, k)
+
+
+def _interpolate(rows: list, m: int, n: int, k: int) -> float:
+    """Linear in log(FLOPs) between the nearest measured GEMMs (``rows``: (flops, fraction, shape)),
+    an exact shape's own measurement, clamped at the ends."""
     for _, frac, shape in rows:
         if shape == (m, n, k):
             return frac

@@ -4,9 +4,9 @@ Model states follow the ZeRO paper (Rajbhandari et al., arXiv 1910.02054, sectio
 precision Adam keeps 2 bytes of 16-bit parameters, 2 of 16-bit gradients and K = 12 bytes of
 optimizer state (fp32 master copy, momentum, variance) per parameter: 16 in all. ZeRO-1 shards the
 12 over dp, ZeRO-2 also the gradients, ZeRO-3 also the parameters: 16, 4 + 12/d, 2 + 14/d, 16/d.
-Plain fp32 training keeps 4 + 4 + 8 (no master copy), and so does 16-bit training without a
-master copy (``torch.optim.AdamW`` on bf16 parameters, as the reference trainer runs it): its
-moments are in the parameters' dtype, 2 + 2 + 4. Activations come from
+Plain fp32 training keeps 4 + 4 + 8 (no master copy). 16-bit training without a master copy
+(``torch.optim.AdamW`` on bf16 parameters, as the reference trainer runs it) keeps its moments in
+the parameters' dtype: 2 + 2 + 4. Activations come from
 ``activations.layer_activation_bytes`` (Korthikanti et al., arXiv 2205.05198, generalised to what
 this project's block really saves) times the live micro-batches the schedule simulation found.
 """

@@ -73,7 +73,10 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         if c.recompute == "full" and not layered_pp1:  # layered: inside _layered_peak
             acts += max(act_layer.get("recompute_working_bytes", 0.0), _moe_working(system, c, lay))
         optimizer = dense * st.optimizer + experts * st_e.optimizer
-        other = _other_bytes(system, c, lay, s, acts, optimizer)
+        # the step holds every gradient; the activation peak may come before the last ones exist
+        # (layered accumulation, interleaved schedules)
+        shortfall = max(0.0, dense * st.gradients + experts * st_e.gradients - grads)
+        other = _other_bytes(system, c, lay, s, acts, optimizer, shortfall)
         out.append(StageMemory(parameters=dense * st.parameters + experts * st_e.parameters, gradients=grads,
                                optimizer=optimizer, activations=acts,
                                other=sum(v for _, v in other), other_parts=other,
@@ -120,8 +123,9 @@ def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_byte
 
     Liveness is structural (independent of durations): the steady-state size is simulated and
     scaled for the schedules that keep every micro-batch alive (gpipe, breadth-first, layered).
-    The last chunk's backward starts from the loss gradient of one micro-batch's logits (fp32,
-    vocabulary-parallel), alive next to its saved activations. ZeRO-2/3 reduce (and drop) each
+    The last chunk's backward starts from the loss gradient of one micro-batch's logits
+    (``loss_grad_bytes``: fp32 and its 16-bit cast, vocabulary-parallel), alive next to its saved
+    activations. ZeRO-2/3 reduce (and drop) each
     layer's full gradient during the backward of every micro-batch: one layer's worth is in
     flight next to the activations. Gradients coexist with the activations only from each chunk's
     first backward on (so GPipe / layered peak with almost none).
@@ -164,7 +168,7 @@ def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: di
     activations its recompute materialises again for one micro-batch (``recompute_working_bytes``,
     one block at a time) plus the gradients its backward holds between nodes
     (``activations.block_backward_temporary_bytes``); the head's is the loss gradient of one
-    micro-batch's logits (fp32).
+    micro-batch's logits (``loss_grad_bytes``).
     Block and head inputs have a gradient (``schedule_time.boundary_bytes``), the token ids do not.
     """
     m, mask = system.model_at(c.tp), _mask_bytes(system, lay)
@@ -217,7 +221,7 @@ def linear_params_per_layer(m) -> float:
 
 
 def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: float,
-                 optimizer: float = 0.0) -> tuple:
+                 optimizer: float = 0.0, grad_shortfall: float = 0.0) -> tuple:
     """Everything but model states and activations on stage ``s``.
 
     The framework's own overhead (catalog), ZeRO-3's gathered layers (``memory.zero3_working_bytes``),
@@ -232,7 +236,8 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
     the activations: it raises the peak only where it exceeds them. Likewise the optimizer step's
     temporaries (``memory.optimizer_temporary_bytes`` of the stage's ``optimizer`` state; a
     framework stepping with torch's foreach AdamW, on a GPU: on CPU torch steps one parameter at a
-    time), after the bucket's: the step's peak is the larger of the two.
+    time), after the bucket's: the step's peak is the larger of the two. The step holds every
+    gradient, ``grad_shortfall`` more than the activation peak did.
     """
     m, chunks = system.model, lay.chunks_of(c, s)
     parts = [("runtime context", max(device_type(k).framework_overhead_bytes for k in lay.stage_kinds[s]))]
@@ -263,5 +268,5 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
         parts.append(("gradient bucket copy", after_backward))
     if fw.optimizer_foreach and any(k != "cpu" for k in lay.stage_kinds[s]):
         temp = optimizer_temporary_bytes(optimizer, m.dtype, fw.master_weights)
-        parts.append(("optimizer step temporaries", max(0.0, temp - acts - after_backward)))
+        parts.append(("optimizer step temporaries", max(0.0, temp + grad_shortfall - acts - after_backward)))
     return tuple((k, v) for k, v in parts if v > 0)

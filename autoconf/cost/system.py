@@ -311,8 +311,10 @@ class System:
         worst = 0.0
         for kind in kinds:
             rate = self.optimizer_rate(kind)
-            if rate > 0:
-                t = nbytes * rate / (32 if self.model.dtype != "fp32" else 28)
+            if rate > 0:  # the profiler steps torch.optim.AdamW on the model's dtype: foreach on a GPU
+                moved = (21 * self.model.dtype_bytes if kind != "cpu"
+                         else 32 if self.model.dtype != "fp32" else 28)
+                t = nbytes * rate / moved
             else:
                 t = self.roofline(kind).elementwise(nbytes, kernels=0)
             worst = max(worst, t * self.cpu_share(kind))

@@ -89,6 +89,14 @@ def _step(mod, inputs, device, grad_cache: dict) -> tuple[float, float]:
     out = mod(*inputs)
     _sync(device)
     t1 = time.perf_counter()
+    _backward(out, grad_cache)
+    _sync(device)
+    t2 = time.perf_counter()
+    return t1 - t0, t2 - t1
+
+
+def _backward(out, grad_cache: dict) -> None:
+    """Backward from a loss (a scalar) or from a layer's output with a cached random gradient."""
     if out.dim() == 0:
         out.backward()
     else:
@@ -96,9 +104,6 @@ def _step(mod, inputs, device, grad_cache: dict) -> tuple[float, float]:
         if g is None or g.shape != out.shape:
             g = grad_cache["g"] = torch.randn_like(out)
         out.backward(g)
-    _sync(device)
-    t2 = time.perf_counter()
-    return t1 - t0, t2 - t1
 
 
 CHAIN = 4
@@ -126,13 +131,7 @@ def _stream_times(mod, inputs, grad_cache: dict, repeats: int, chain: int = 1) -
         for _ in range(chain - 1):
             out = mod(out)
         ev[2 * i + 1].record()
-        if out.dim() == 0:
-            out.backward()
-        else:
-            g = grad_cache.get("g")
-            if g is None or g.shape != out.shape:
-                g = grad_cache["g"] = torch.randn_like(out)
-            out.backward(g)
+        _backward(out, grad_cache)
         ev[2 * i + 2].record()
     torch.cuda.synchronize()
     fwd = [ev[2 * i].elapsed_time(ev[2 * i + 1]) / 1e3 / chain for i in range(repeats)]

@@ -208,7 +208,8 @@ def _stage_shape(r):
 
 
 def test_search_result_does_not_depend_on_the_order_of_node_groups():
-    m = preset("gpt3-1.3b")
+    # large enough that its blocks are device-bound: the device kinds' order matters before placement
+    m = preset("gpt3-2.7b")
     reordered = dataclasses.replace(TWO, node_groups=tuple(reversed(TWO.node_groups)))
     kw = dict(storage=None, place=True, top=1, max_micro_batch=1)
     a, b = search(m, TWO, 48, **kw), search(m, reordered, 48, **kw)
@@ -222,7 +223,7 @@ def test_search_result_does_not_depend_on_the_order_of_node_groups():
 
 
 def test_faster_gpus_change_the_searched_prediction():
-    m = preset("gpt3-1.3b")
+    m = preset("gpt3-2.7b")  # GPT-3 1.3B's blocks at micro-batch 1 are host-bound: any GPU takes as long
     slow = dataclasses.replace(TWO, node_groups=tuple(dataclasses.replace(g, device="a100-80gb")
                                                       for g in TWO.node_groups))
     kw = dict(storage=None, place=True, top=1, max_micro_batch=1)

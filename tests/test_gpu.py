@@ -68,8 +68,8 @@ def test_profile_predicts_the_trainer(tmp_path):
     training step issues them (a host-bound block then costs its issue time, not issue time plus
     device time) and chains blocks so one backward call covers several, as in a step: the
     prediction from that profile lands within 30% of the trainer's step. Measured on an H100
-    (2026-11-24): +23% (+36% chaining none, +47% timing call by call); host-bound blocks are still
-    over-predicted (bench/RESULTS.md)."""
+    (2026-11-24): +23% (+36% without chaining); host-bound blocks are still over-predicted
+    (bench/RESULTS.md)."""
     import yaml
 
     from autoconf.config import ParallelConfig

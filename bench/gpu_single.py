@@ -89,6 +89,11 @@ def one_device_cluster(kind: str):
          "nics": {"count": 1, "bandwidth": "100 Gbit/s"}}]}, where="gpu_single")
 
 
+def one_gpu_config(mbs: int, recompute: str, global_batch: int) -> ParallelConfig:
+    return ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=mbs, num_micro_batches=global_batch // mbs,
+                          recompute=recompute)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt3-1.3b", help="preset, model YAML or HF config.json")
@@ -140,8 +145,7 @@ def main(argv=None) -> int:
         for rc in modes:
             if args.global_batch % mbs:
                 continue
-            c = ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=mbs, num_micro_batches=args.global_batch // mbs,
-                               recompute=rc)
+            c = one_gpu_config(mbs, rc, args.global_batch)
             row = {"micro_batch_size": mbs, "recompute": rc, "global_batch": args.global_batch}
             try:
                 row["pred_catalog"] = predicted(estimate(c, model, cluster))
@@ -184,8 +188,7 @@ def reprice(path: str, profile_path: str | None) -> int:
           f"(torch {env.get('torch', '?')}); predicted now" + (f" (profile {profile_path})" if profile else ""))
     rows = []
     for r in doc["rows"]:
-        c = ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=r["micro_batch_size"],
-                           num_micro_batches=r["global_batch"] // r["micro_batch_size"], recompute=r["recompute"])
+        c = one_gpu_config(r["micro_batch_size"], r["recompute"], r["global_batch"])
         new = {k: v for k, v in r.items() if not k.startswith("pred")}
         new["pred_catalog"] = predicted(estimate(c, model, cluster))
         if profile is not None:

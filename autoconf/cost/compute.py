@@ -534,5 +534,9 @@ def optimizer_s(num_params: float, master_copy: bool, rf: Roofline, param_bytes:
     temporary (2), divide (2) and add eps (2) in place, addcdiv into the parameter (4): 21 x its
     bytes.
     """
-    per_param = 32 if master_copy else (21 if foreach else 7) * param_bytes
-    return rf.elementwise(num_params * per_param, kernels=4)
+    return rf.elementwise(num_params * adamw_bytes_per_param(master_copy, param_bytes, foreach), kernels=4)
+
+
+def adamw_bytes_per_param(master_copy: bool, param_bytes: int = 4, foreach: bool = False) -> int:
+    """Bytes an AdamW step moves per parameter (``optimizer_s``)."""
+    return 32 if master_copy else (21 if foreach else 7) * param_bytes

@@ -22,7 +22,8 @@ from ..model import ModelSpec
 from ..topology import Topology
 from . import comm
 from .activations import layer_activation_bytes
-from .compute import Fp8, LayerTimes, Roofline, block_times, embedding_times, head_times, optimizer_s, with_host
+from .compute import (Fp8, LayerTimes, Roofline, adamw_bytes_per_param, block_times, embedding_times, head_times,
+                      optimizer_s, with_host)
 
 _OPS = {comm.all_reduce_s: "all_reduce", comm.all_gather_s: "all_gather", comm.reduce_scatter_s: "reduce_scatter"}
 """Profile name of each collective. ``comm.reduce_scatter_s`` *is* ``comm.all_gather_s`` (the same
@@ -312,9 +313,9 @@ class System:
         for kind in kinds:
             rate = self.optimizer_rate(kind)
             if rate > 0:  # the profiler steps torch.optim.AdamW on the model's dtype: foreach on a GPU
-                moved = (21 * self.model.dtype_bytes if kind != "cpu"
-                         else 32 if self.model.dtype != "fp32" else 28)
-                t = nbytes * rate / moved
+                gpu = kind != "cpu"
+                t = nbytes * rate / adamw_bytes_per_param(not gpu and self.model.dtype != "fp32",
+                                                          self.model.dtype_bytes, foreach=gpu)
             else:
                 t = self.roofline(kind).elementwise(nbytes, kernels=0)
             worst = max(worst, t * self.cpu_share(kind))

@@ -25,6 +25,9 @@ stacks. What differs, and is modelled here from each framework's own code and do
 - **host cost**: eager PyTorch issues every operation from Python (about 5-20 us each on a server
   CPU) and every backward node from the autograd engine; small layers are host-bound;
 - **vocabulary padding**: Megatron pads the vocabulary to a multiple of 128 x tp;
+- **softmax kernel**: Megatron's fused scale-mask-softmax kernel (eager attention) takes only
+  some shapes (keys 17-4096, micro-batch x local heads a multiple of 4); elsewhere it falls back to
+  torch's softmax in fp32, with more kernels and host operations (``megatron_softmax``);
 - **all-reduce algorithms**: which algorithms the runtime's all-reduce really runs, so the cost
   model credits no other (``Framework.all_reduce_algorithms``): NCCL (Megatron-LM, torchtitan,
   DeepSpeed, and the reference trainer on GPUs) picks ring or tree per call and has no
@@ -99,6 +102,12 @@ class Framework:
     reference trainer clones the saved softmax; torch's cross entropy on ``logits.float()``
     allocates its gradient). False: in place in the saved softmax (Megatron-LM's vocab-parallel
     cross entropy, which Megatron-DeepSpeed shares)."""
+    megatron_softmax: bool = False
+    """Eager (unflashed) attention in 16-bit runs Megatron's ``FusedScaleMaskSoftmax``: one fused
+    CUDA kernel where that kernel takes the shape (``compute.fused_softmax_available``), else
+    torch's path in fp32 (cast, scale, mask fill, softmax, cast back: five kernels and five host
+    operations, and the fp32 softmax output kept for the backward). False: the softmax as this
+    model otherwise prices it."""
     vocab_multiple: int = 1
     """The vocabulary is padded to a multiple of this times tp."""
     memory_fragmentation: float = 0.05
@@ -277,7 +286,7 @@ FRAMEWORKS = {
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
                   "torch_compile": False},
         knobs=("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"), vocab_multiple=128,
-        loss_backward_fp32_copy=False,
+        loss_backward_fp32_copy=False, megatron_softmax=True,
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
         capacity_factor=True),

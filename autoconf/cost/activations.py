@@ -54,7 +54,7 @@ def _check(micro_batch_size: int, tp: int, recompute: str = "none") -> None:
 
 
 def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: int,
-                        norm_stat_bytes: int | None, selective: bool) -> dict[str, float]:
+                        norm_stat_bytes: int | None, selective: bool, fp32_softmax: bool = False) -> dict[str, float]:
     """Korthikanti et al. section 4.1 (attention 11sbh + 5as^2b, MLP 19sbh, norms 4sbh), generalised."""
     e, s, h, a = model.dtype_bytes, model.seq_length, model.hidden_size, model.num_attention_heads
     q, f = model.q_size, model.ffn_hidden_size
@@ -75,8 +75,9 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
     p["qkv"] = e * tok * qkv_width / t
     if not selective:
         if eager:
-            # softmax output (the paper's 2as^2b); with dropout, its mask and output (as^2b + 2as^2b)
-            p["attention_softmax"] = e * a * s * s * b / t
+            # softmax output (the paper's 2as^2b; fp32 where the softmax runs in fp32); with
+            # dropout, its mask and output (as^2b + 2as^2b)
+            p["attention_softmax"] = (4 if fp32_softmax else e) * a * s * s * b / t
             if drop:
                 p["attention_dropout_mask"] = mask_bytes * a * s * s * b / t
                 p["attention_dropout_output"] = e * a * s * s * b / t
@@ -102,7 +103,7 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
 def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                            recompute: str = "none", mask_bytes: int = 1,
                            norm_stat_bytes: int | None = None, cp: int = 1,
-                           fp8_inputs: bool = False) -> dict[str, float]:
+                           fp8_inputs: bool = False, fp32_softmax: bool = False) -> dict[str, float]:
     """Bytes one transformer block keeps for backward, per micro-batch and per TP rank.
 
     Korthikanti et al. (arXiv 2205.05198) eq. 1-5 and Table 2, generalised (see the module docstring).
@@ -118,12 +119,14 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
     (each rank's queries against the keys they see), so everything is divided by cp.
     ``fp8_inputs``: the linear layers keep their inputs for the backward in FP8, 1 byte per
     element (Transformer Engine): the qkv, projection, MLP and down-projection inputs.
+    ``fp32_softmax``: eager attention's softmax runs in fp32 and keeps its fp32 output (Megatron's
+    fallback from its fused kernel, ``compute.fused_softmax_available``).
     """
     _check(micro_batch_size, tp, recompute)
     sp = bool(sequence_parallel) and tp > 1
     b, t = micro_batch_size, tp
-    full = _fp8_saved(model, b, t, _no_recompute_parts(model, b, t, sp, mask_bytes, norm_stat_bytes, selective=False),
-                      fp8_inputs)
+    full = _fp8_saved(model, b, t, _no_recompute_parts(model, b, t, sp, mask_bytes, norm_stat_bytes, selective=False,
+                                                       fp32_softmax=fp32_softmax), fp8_inputs)
     full_total = sum(full.values())
     if recompute == "full":
         # only the block's input is kept (checkpoint stores it); sequence-sharded under SP

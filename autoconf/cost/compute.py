@@ -311,13 +311,37 @@ def window_work(model: ModelSpec) -> float:
     return ((model.num_layers - windowed) + windowed * frac) / model.num_layers
 
 
+def fused_softmax_available(b: int, heads: float, s_q: float, s_k: float) -> bool:
+    """Whether Megatron's fused causal scale-mask-softmax kernel takes attention scores of ``b``
+    sequences x ``heads`` local heads x ``s_q`` queries x ``s_k`` keys
+    (``FusedScaleMaskSoftmax.is_kernel_available`` in Megatron-LM, Megatron-DeepSpeed and
+    megatron-core's local attention): keys in (16, 4096], both lengths multiples of 4, and the
+    attention batches (b x heads) a multiple of 4 and of the kernel's batches per block (128 threads
+    of warps as wide as the keys' next power of two up to 32, each warp taking 2 rows up to 128
+    keys, else 1: 8 for keys up to 128, 4 above). Elsewhere Megatron runs torch's softmax in fp32."""
+    batches = b * heads
+    if not (16 < s_k <= 4096 and s_q % 4 == 0 and s_k % 4 == 0 and batches == int(batches) and batches % 4 == 0):
+        return False
+    pow2 = 1 << max(0, math.ceil(math.log2(s_k)))
+    per_block = (128 // min(pow2, 32)) * (2 if pow2 <= 128 else 1)
+    return batches % per_block == 0
+
+
+UNFUSED_SOFTMAX_BYTES = 33
+"""Bytes per attention score that Megatron's unfused softmax moves beyond twice the model's element
+size (``attention_core_times``): cast to fp32 (read e, write 4), scale (4 + 4), mask fill (4 + 4,
+the mask 1), softmax (4 + 4), cast back (4, write e); its backward the same in reverse."""
+
+
 def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: int = 1,
-                         ring_math: bool = False) -> tuple[float, float]:
+                         ring_math: bool = False, unfused_softmax: bool = False) -> tuple[float, float]:
     """(forward, backward) seconds of one block's attention core on a rank: its heads (a/tp), its
     s/cp queries against the keys they see (``block_times`` explains the context-parallel split),
     the partial outputs merged where cp > 1. ``ring_math``: with cp > 1 the ring's blocks run as
     explicit tensor operations (scores, softmax, weighted sum; the reference trainer's
-    ``ring_attention``), recomputed in the backward, whatever the model's attention kind."""
+    ``ring_attention``), recomputed in the backward, whatever the model's attention kind.
+    ``unfused_softmax``: eager attention's softmax runs as torch's five fp32 kernels
+    (:data:`UNFUSED_SOFTMAX_BYTES`; Megatron where its fused kernel does not take the shape)."""
     if ring_math and cp > 1 and model.attention == "flash":
         import dataclasses
         f, b_ = attention_core_times(dataclasses.replace(model, attention="eager", dropout=0.0), b, tp, rf, cp)
@@ -352,6 +376,10 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
         # scale, mask, max, exp, sum, divide: ~6 vector FLOPs per score (softmax backward ~4)
         att_f = bmm + rf.elementwise(probs * (3 + drop), kernels=calls * (2 + drop // 2), flops=6 * probs / B)
         att_b = 2 * bmm + rf.elementwise(probs * (4 + drop), kernels=calls * (2 + drop // 2), flops=4 * probs / B)
+        if unfused_softmax:  # torch's fp32 path instead of the one fused kernel, forward and backward
+            scores = probs / B
+            att_f += rf.elementwise(scores * (UNFUSED_SOFTMAX_BYTES + 2 * B) - probs * 3, kernels=calls * 4)
+            att_b += rf.elementwise(scores * (UNFUSED_SOFTMAX_BYTES + 2 * B) - probs * 4, kernels=calls * 4)
     if cp > 1:  # merge each chunk's partial output: read and write the fp32 output and its lse
         merge = (cp - 1) * T * q / tp * 4 * 2
         att_f += rf.elementwise(merge, kernels=2 * (cp - 1))
@@ -361,7 +389,8 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
 
 def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf: Roofline,
                 host: HostCost | None = None, cp: int = 1, fp8: Fp8 | None = None,
-                compiled: bool = False, moe: Moe | None = None, ring_math: bool = False) -> LayerTimes:
+                compiled: bool = False, moe: Moe | None = None, ring_math: bool = False,
+                unfused_softmax: bool = False) -> LayerTimes:
     """One transformer block shard (of a tp-way split) for a micro-batch of b sequences: device
     times, and with ``host`` the host's time to issue the operations (``block_op_counts``).
 
@@ -377,7 +406,10 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     experts (``Moe``): the router's GEMM and softmax, the tokens permuted to their experts and back
     (memory-bound), the routed experts as a grouped GEMM (``local_experts`` GEMMs of ``rows``
     tokens each, the tile model applied to the whole group), the shared experts on every token; the
-    all-to-alls are priced in ``cost.moe``."""
+    all-to-alls are priced in ``cost.moe``. ``unfused_softmax``: eager attention's softmax as
+    torch's fp32 kernels, four more forward operations and four more backward nodes than the fused
+    kernel (``attention_core_times``)."""
+    unfused_softmax = unfused_softmax and model.attention == "eager"
     s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
     q, kv, B = model.q_size, model.kv_size, model.dtype_bytes
     s_loc = s / cp
@@ -425,7 +457,7 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
         g_fwd += sum(nb * fp8_gemm(fp8.rf, m, n, k) for m, n, k, nb in grouped)
         g_bwd += sum(nb * (fp8_gemm(fp8.rf, m, k, n) + fp8_gemm(fp8.rf, n, k, m)) for m, n, k, nb in grouped)
         qf, qb = quantize_times(gemms + [(m * nb, n, k) for m, n, k, nb in grouped], fp8, rf, compiled)
-    att_f, att_b = attention_core_times(model, b, tp, rf, cp, ring_math)
+    att_f, att_b = attention_core_times(model, b, tp, rf, cp, ring_math, unfused_softmax)
     calls = 1 if cp == 1 else cp  # ring attention: one call per key/value chunk
     # element-wise: norms (read + write), residual adds, dropouts, activation, rope
     drop_k = 2 if model.dropout > 0 else 0
@@ -457,6 +489,8 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
             ops_f, ops_b = ops_f + linears * fp8.host_ops[0], ops_b + linears * fp8.host_ops[1]
         if moe is not None:  # router, top-k, sort, counts, permute, the grouped GEMM calls, unpermute
             ops_f, ops_b = ops_f + 20, ops_b + 15
+        if unfused_softmax:  # cast, scale, mask fill, softmax, cast back instead of one call
+            ops_f, ops_b = ops_f + 4 * calls, ops_b + 4 * calls
         if cp > 1:  # per extra chunk: the exchange (send, receive, wait), the attention call, the merge
             ops_f += 6 * (cp - 1)
             ops_b += 6 * (cp - 1)

@@ -22,8 +22,8 @@ from ..model import ModelSpec
 from ..topology import Topology
 from . import comm
 from .activations import layer_activation_bytes
-from .compute import (Fp8, LayerTimes, Roofline, adamw_bytes_per_param, block_times, embedding_times, head_times,
-                      optimizer_s, with_host)
+from .compute import (Fp8, LayerTimes, Roofline, adamw_bytes_per_param, block_times, embedding_times,
+                      fused_softmax_available, head_times, optimizer_s, with_host)
 
 _OPS = {comm.all_reduce_s: "all_reduce", comm.all_gather_s: "all_gather", comm.reduce_scatter_s: "reduce_scatter"}
 """Profile name of each collective. ``comm.reduce_scatter_s`` *is* ``comm.all_gather_s`` (the same
@@ -201,9 +201,18 @@ class System:
             f8 = None if fp8 is None else Fp8(self.fp8_roofline(kind, fp8), fp8, self.framework.fp8_host_ops,
                                               recast=not self.framework.fp8_saves_inputs)
             return block_times(self.model, b, tp, sp, recompute, self.roofline(kind), self.host_cost(kind),
-                               cp=cp, fp8=f8, compiled=compiled, moe=moe, ring_math=self.framework.ring_math)
+                               cp=cp, fp8=f8, compiled=compiled, moe=moe, ring_math=self.framework.ring_math,
+                               unfused_softmax=self.unfused_softmax(b, tp, cp))
         return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled, moe),
                            lambda: _shared(make(), self.cpu_share(kind)))
+
+    def unfused_softmax(self, b: int, tp: int, cp: int = 1) -> bool:
+        """Whether this framework's eager attention falls back from its fused softmax kernel to
+        torch's fp32 path at micro-batch ``b`` on tp ranks (``Framework.megatron_softmax``,
+        ``compute.fused_softmax_available``)."""
+        m = self.model
+        return (self.framework.megatron_softmax and m.attention == "eager" and m.dtype != "fp32"
+                and not fused_softmax_available(b, m.num_attention_heads / tp, m.seq_length / cp, m.seq_length))
 
     def block_for(self, kind: str, c, moe: bool = False) -> LayerTimes:
         """:meth:`block` for configuration ``c`` (its micro-batch, tp, cp, precision, compile);
@@ -273,7 +282,8 @@ class System:
 
         def make():
             base = layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask,
-                                          cp=c.cp, fp8_inputs=fp8_inputs)
+                                          cp=c.cp, fp8_inputs=fp8_inputs,
+                                          fp32_softmax=self.unfused_softmax(c.micro_batch_size, c.tp, c.cp))
             if self.measured_for():
                 from .measured import activation_bytes
                 got = activation_bytes(self.profile, self.model, c.micro_batch_size, c.tp, c.sequence_parallel,

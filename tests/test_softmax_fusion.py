@@ -1,0 +1,83 @@
+"""Megatron's fused scale-mask-softmax and its fp32 fallback: which shapes the kernel takes, and
+what the fallback costs in device time, host operations and saved bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autoconf.catalog import device_type
+from autoconf.cluster import cluster_from_mapping
+from autoconf.cost.activations import layer_activation_bytes
+from autoconf.cost.compute import (UNFUSED_SOFTMAX_BYTES, HostCost, Roofline, block_times,
+                                   fused_softmax_available)
+from autoconf.cost.system import System
+from autoconf.model import ModelSpec
+
+NODE = cluster_from_mapping({"node_groups": [{"count": 1, "device": "a100-80gb", "gpus_per_node": 8,
+                                              "intra_node_bandwidth": "300 GB/s",
+                                              "nics": {"count": 1, "bandwidth": "200 Gbit/s"}}]})
+
+
+def _gpt(seq: int = 1024, heads: int = 16, attention: str = "eager", dtype: str = "fp16") -> ModelSpec:
+    return ModelSpec(num_layers=12, hidden_size=1024, num_attention_heads=heads, num_kv_heads=heads,
+                     ffn_hidden_size=4096, vocab_size=50257, seq_length=seq, activation="gelu", dtype=dtype,
+                     norm="layernorm", position_embedding="learned", bias=True, dropout=0.1, attention=attention)
+
+
+@pytest.mark.parametrize("b, heads, s, ok", [
+    (1, 2, 1024, False),   # 16 heads over tp 8 at micro-batch 1: 2 attention batches, not a multiple of 4
+    (2, 2, 1024, True),    # micro-batch 2: 4
+    (1, 4, 1024, True),    # tp 4
+    (1, 4, 4096, True),    # the kernel's longest keys
+    (1, 4, 8192, False),   # longer keys: torch's softmax
+    (1, 4, 16, False),     # keys must be more than 16
+    (1, 4, 64, False),     # up to 128 keys a block takes 8 rows: 4 batches is not a multiple of 8
+    (2, 4, 64, True),
+    (1, 28, 2048, True),   # BLOOM-176B at tp 4 (112 heads)
+    (1, 6, 1022, False),   # keys not a multiple of 4
+])
+def test_kernel_availability_follows_megatrons_rule(b, heads, s, ok):
+    assert fused_softmax_available(b, heads, s, s) is ok
+
+
+def test_fallback_adds_the_fp32_kernels_bytes_and_host_operations():
+    m = _gpt()
+    rf = Roofline.of(device_type("a100-80gb"), "fp16")
+    host = HostCost(forward_op_s=50e-6, backward_op_s=20e-6)
+    fused = block_times(m, 1, 8, False, "none", rf, host)
+    unfused = block_times(m, 1, 8, False, "none", rf, host, unfused_softmax=True)
+    # four more operations in the forward, four more autograd nodes in the backward
+    assert unfused.host_forward_s - fused.host_forward_s == pytest.approx(4 * 50e-6)
+    assert unfused.host_backward_s - fused.host_backward_s == pytest.approx(4 * 20e-6)
+    # device: 2 local heads x 1024 x 1024 scores, (33 + 2 x 2) bytes each instead of 3 x 2 forward
+    # and 4 x 2 backward, and four more kernels each way
+    scores = 1 * 2 * 1024 * 1024
+    bw = rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency
+    assert unfused.forward_s - fused.forward_s == pytest.approx(
+        scores * (UNFUSED_SOFTMAX_BYTES + 4 - 6) / bw + 4 * rf.kernel_launch_s)
+    assert unfused.backward_s - fused.backward_s == pytest.approx(
+        scores * (UNFUSED_SOFTMAX_BYTES + 4 - 8) / bw + 4 * rf.kernel_launch_s)
+    # flash attention has no softmax kernel to fall back from
+    flash = dataclasses.replace(m, attention="flash")
+    assert block_times(flash, 1, 8, False, "none", rf, host, unfused_softmax=True) == \
+        block_times(flash, 1, 8, False, "none", rf, host)
+
+
+def test_fallback_keeps_the_softmax_output_in_fp32():
+    m = _gpt()
+    a = layer_activation_bytes(m, 1, 8)
+    b = layer_activation_bytes(m, 1, 8, fp32_softmax=True)
+    assert b["attention_softmax"] == 2 * a["attention_softmax"] == 4 * 16 * 1024 * 1024 / 8
+    assert b["total"] - a["total"] == a["attention_softmax"]
+
+
+def test_only_megatron_falls_back_and_only_where_the_kernel_refuses():
+    m = _gpt()
+    meg = System(m, NODE, framework="megatron")
+    assert meg.unfused_softmax(1, 8) and not meg.unfused_softmax(2, 8) and not meg.unfused_softmax(1, 4)
+    assert not System(m, NODE, framework="reference").unfused_softmax(1, 8)
+    assert not System(_gpt(attention="flash"), NODE, framework="megatron").unfused_softmax(1, 8)
+    assert not System(_gpt(dtype="fp32"), NODE, framework="megatron").unfused_softmax(1, 8)
+    assert System(_gpt(seq=8192), NODE, framework="megatron").unfused_softmax(4, 1)

@@ -12,6 +12,10 @@ catalog's ``a100-80gb`` with nothing fitted to these rows. Printed:
 - per (shape, GPUs, global batch) group: rows, median / max |error|, median signed error,
   Spearman rank correlation, regret (measured time of the predicted best over the measured best);
 - the 10 worst rows with their breakdown;
+- how the measured rows are built (each layout's time is exactly fixed + m x one per-micro-batch
+  figure, the same at every dp), the model's error on the per-micro-batch and the fixed part per
+  (tp, pp), the host floor per hidden size and tp, and how many of the groups that miss the regret
+  target are decided between two configurations the model holds at the host's floor;
 - predicted against measured all-reduce times per message size and group size.
 
     python bench/gpu_devset.py [--recompute none|full] [--json out.json]
@@ -122,6 +126,119 @@ def report(rows: list[dict]) -> dict:
     return summary
 
 
+def _line(points: list[tuple[int, float]]) -> tuple[float, float, float]:
+    """Least-squares (intercept, slope) of time against m, and the largest relative residual."""
+    n = len(points)
+    mx, my = sum(p[0] for p in points) / n, sum(p[1] for p in points) / n
+    sxx = sum((p[0] - mx) ** 2 for p in points)
+    slope = sum((p[0] - mx) * (p[1] - my) for p in points) / sxx
+    icpt = my - slope * mx
+    return icpt, slope, max(abs(p[1] - icpt - slope * p[0]) / p[1] for p in points)
+
+
+def structure(rows: list[dict], host_free: dict) -> dict:
+    """How the measured rows are built, and where the model's error sits.
+
+    Every row's time is fitted as ``fixed + m x per_micro_batch`` over the rows of one
+    (hidden, layers, tp, pp, micro-batch) layout that differ in global batch and dp (m micro-batches
+    per step). Printed: how exactly the measured rows follow that line and whether the slope depends
+    on dp; per (tp, pp), the model's error on the per-micro-batch slope and on the fixed part;
+    the host floor (per layer and micro-batch at micro-batch 1, pp 1) by hidden size and tp; and,
+    for the groups whose regret exceeds 1.03, whether the model holds both the measured best and
+    its own pick at the host's floor (``host_free``: the same rows predicted with no host cost)."""
+    series = defaultdict(list)
+    for r in rows:
+        m = r["global_batch"] // (r["dp"] * r["micro_batch"])
+        series[(r["hidden_size"], r["num_layers"], r["tp"], r["pp"], r["micro_batch"])].append((r["dp"], m, r))
+    resid, slope_spread, slope_err, icpt_err = 0.0, 0.0, defaultdict(list), defaultdict(list)
+    fitted = {}
+    for key, pts in series.items():
+        by_dp = defaultdict(list)
+        for dp, m, r in pts:
+            by_dp[dp].append((m, r))
+        slopes = []
+        for dp, ms in by_dp.items():
+            if len({m for m, _ in ms}) < 2:
+                continue
+            a, b, res = _line([(m, r["measured_s"]) for m, r in ms])
+            pa, pb, _ = _line([(m, r["predicted_s"]) for m, r in ms])
+            resid = max(resid, res)
+            slopes.append(b)
+            fitted[key] = b
+            slope_err[(key[2], key[3])].append(pb / b - 1)
+            icpt_err[(key[2], key[3])].append(pa - a)
+        if len(slopes) > 1:
+            slope_spread = max(slope_spread, (max(slopes) - min(slopes)) / min(slopes))
+    print("\nstructure of the measured rows: time = fixed + m x per-micro-batch, fitted per layout over its "
+          "global batches")
+    print(f"  largest residual of that line: {resid:.1e} of the row's time; largest difference of the "
+          f"per-micro-batch time between dp degrees: {slope_spread:.1e}")
+    print("  (the per-micro-batch time of a layout is one figure shared by every group that layout is in)")
+    print(f"\n{'tp':>3} {'pp':>3} {'fits':>7} {'per-mb error: median':>21} {'range':>13} "
+          f"{'fixed part error (ms): median':>30}")
+    out = {"line_residual": resid, "slope_spread_over_dp": slope_spread, "per_tp_pp": {}}
+    for k in sorted(slope_err):
+        e, f = slope_err[k], icpt_err[k]
+        print(f"{k[0]:>3} {k[1]:>3} {len(e):>7} {statistics.median(e):>+21.1%} "
+              f"{min(e):>+6.0%}..{max(e):>+5.0%} {statistics.median(f) * 1e3:>+30.1f}")
+        out["per_tp_pp"][f"tp{k[0]}_pp{k[1]}"] = {"fits": len(e), "median_slope_error": statistics.median(e),
+                                                   "median_fixed_error_s": statistics.median(f)}
+    # host floor: per layer per micro-batch at micro-batch 1 without pipelining
+    floor = defaultdict(list)
+    for (h, L, tp, pp, mb), b in fitted.items():
+        if pp == 1 and mb == 1:
+            floor[(h, tp)].append(b / L)
+    print("\nper layer and micro-batch at micro-batch 1, pp 1 (ms; host-bound where the model says so):")
+    print("  " + "  ".join(f"h{h} tp{tp}: {statistics.median(v) * 1e3:.2f}" for (h, tp), v in sorted(floor.items())))
+    # non-monotonic series: more tokens per micro-batch, less time per micro-batch
+    drops = []
+    for (h, L, tp, pp, mb), b in fitted.items():
+        for bigger in (2 * mb, 4 * mb):
+            nb = fitted.get((h, L, tp, pp, bigger))
+            if nb is not None and nb < b:
+                drops.append((b / nb - 1, (h, L, tp, pp, mb, bigger)))
+    drops.sort(reverse=True)
+    print(f"\nlayouts whose per-micro-batch time falls as the micro-batch grows: {len(drops)} of {len(fitted)}"
+          + (f"; largest {drops[0][0]:.0%} (h{drops[0][1][0]} L{drops[0][1][1]} tp{drops[0][1][2]} "
+             f"pp{drops[0][1][3]}, micro-batch {drops[0][1][4]} -> {drops[0][1][5]})" if drops else ""))
+    out["falls_with_micro_batch"] = len(drops)
+    # regret failures decided at the host floor
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["hidden_size"], r["num_layers"], r["gpus"], r["global_batch"])].append(r)
+    failing, at_floor = 0, 0
+    for g in groups.values():
+        best, pick = min(g, key=lambda r: r["measured_s"]), min(g, key=lambda r: r["predicted_s"])
+        if pick["measured_s"] / best["measured_s"] <= 1.03:
+            continue
+        failing += 1
+        share = [1 - host_free[_row_key(r)] / r["predicted_s"] for r in (best, pick)]
+        at_floor += min(share) > 0.05
+    print(f"groups with regret > 1.03: {failing}; in {at_floor} of them the model has both the measured best and "
+          f"its pick more than 5% host-bound (their order is set by the host's floor)")
+    out["regret_failures"], out["regret_failures_host_bound"] = failing, at_floor
+    return out
+
+
+def _row_key(r: dict) -> tuple:
+    return tuple(r[k] for k in ("hidden_size", "num_layers", "gpus", "global_batch", "micro_batch", "tp", "dp", "pp"))
+
+
+def host_free_times(rows: list[dict], recompute: str, framework: str) -> dict:
+    """Each row predicted as if the host issued every operation in no time."""
+    import dataclasses
+
+    from autoconf.cost.compute import HostCost
+    from autoconf.frameworks import framework as framework_model
+    fw = dataclasses.replace(framework_model(framework), host=HostCost(0.0, 0.0))
+    saved = [(r["predicted_s"], r["fits"], r["breakdown"], r["error"]) for r in rows]
+    predict(rows, recompute, fw)
+    out = {_row_key(r): r["predicted_s"] for r in rows}
+    for r, (p, f, b, e) in zip(rows, saved):
+        r["predicted_s"], r["fits"], r["breakdown"], r["error"] = p, f, b, e
+    return out
+
+
 def all_reduce_check() -> dict:
     """Predicted against measured nccl-tests all-reduce (out-of-place) on n GPUs of the node."""
     from autoconf.cost import comm
@@ -170,6 +287,8 @@ def main() -> int:
     rows = load_rows()
     predict(rows, args.recompute, args.framework if args.framework != "none" else None)
     summary = report(rows)
+    fw = args.framework if args.framework != "none" else None
+    summary["structure"] = structure(rows, host_free_times(rows, args.recompute, fw))
     summary["all_reduce"] = all_reduce_check()
     if args.json:
         with open(args.json, "w") as f:

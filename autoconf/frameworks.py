@@ -97,11 +97,13 @@ class Framework:
     allocates a moment-sized temporary for every local parameter during the step
     (``memory.optimizer_temporary_bytes``). False: a fused kernel (Apex / Transformer Engine
     FusedAdam in Megatron-LM and DeepSpeed, torchtitan's default ``fused``) with no temporaries."""
-    loss_backward_fp32_copy: bool = True
-    """The cross entropy's backward computes the logits' gradient in a new fp32 tensor (the
-    reference trainer clones the saved softmax; torch's cross entropy on ``logits.float()``
-    allocates its gradient). False: in place in the saved softmax (Megatron-LM's vocab-parallel
-    cross entropy, which Megatron-DeepSpeed shares)."""
+    loss_backward_fp32_tensors: int = 1
+    """Logits-sized fp32 tensors the cross entropy's backward allocates next to the saved fp32
+    softmax (``stage_memory.loss_grad_bytes``): 1, the reference trainer, which computes the
+    gradient in a clone of the saved softmax; 2, torch's ``F.cross_entropy`` on ``logits.float()``
+    (torchtitan), whose log-softmax backward holds the nll loss's gradient and writes its own
+    (measured on CPU, tests/test_memory_terms.py); 0, in place in the saved softmax (Megatron-LM's
+    vocab-parallel cross entropy, which Megatron-DeepSpeed shares)."""
     megatron_softmax: bool = False
     """Eager (unflashed) attention in 16-bit runs Megatron's ``FusedScaleMaskSoftmax``: one fused
     CUDA kernel where that kernel takes the shape (``compute.fused_softmax_available``), else
@@ -286,7 +288,7 @@ FRAMEWORKS = {
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
                   "torch_compile": False},
         knobs=("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"), vocab_multiple=128,
-        loss_backward_fp32_copy=False, megatron_softmax=True,
+        loss_backward_fp32_tensors=0, megatron_softmax=True,
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
         capacity_factor=True),
@@ -296,7 +298,7 @@ FRAMEWORKS = {
         per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_EAGER,
         defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False,
                   "torch_compile": False},
-        knobs=("tp_comm_overlap", "torch_compile"), all_reduce_algorithms=_NCCL_ALL_REDUCE,
+        knobs=("tp_comm_overlap", "torch_compile"), all_reduce_algorithms=_NCCL_ALL_REDUCE, loss_backward_fp32_tensors=2,
         cp_comm="all_gather", fp8_recipes=("rowwise", "tensorwise", "mxfp8"), fp8_host_ops=(16, 16),
         fp8_all_gather=True, expert_parallel=True, expert_tensor_parallel=False),
     "deepspeed": Framework(
@@ -305,7 +307,8 @@ FRAMEWORKS = {
         per_micro_batch_pipeline_buffers=False, fp32_grad_buffer_bf16=False, host=_MEGATRON_HOST,
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": True, "tp_comm_overlap": False,
                   "torch_compile": False},
-        knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE, loss_backward_fp32_copy=False),
+        knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE,
+        loss_backward_fp32_tensors=0),
 }
 
 

@@ -3,6 +3,8 @@ the foreach AdamW step's temporaries, and the loss gradient's copies."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from autoconf.cluster import cluster_from_mapping
@@ -87,3 +89,35 @@ def test_loss_gradient_is_an_fp32_copy_and_its_16_bit_cast():
     mg = System(m, _one("h100-sxm"), framework="megatron")
     vp = mg.model_at(2).vocab_size
     assert loss_grad_bytes(mg, c) == pytest.approx(2 * 2 * m.seq_length * (-(-vp // 2)))
+
+
+def test_torch_cross_entropy_backward_holds_two_fp32_logit_tensors_beside_the_saved_softmax():
+    """Measured, not assumed: torch's ``F.cross_entropy`` on ``logits.float()`` (torchtitan's loss)
+    on CPU under MemTracker. Its backward peaks at the saved fp32 log-softmax plus two fp32
+    logits-sized gradients, which is what the torchtitan model prices (4 + 8 bytes per logit)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from autoconf.cost.stage_memory import loss_grad_bytes
+    from autoconf.cost.system import System
+
+    T, V, h = 512, 32000, 64
+    torch.manual_seed(0)
+    hid = torch.randn(T, h, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(V, h, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, V, (T,))
+    mt = MemTracker()
+    mt.track_external(hid, w)
+    with mt:
+        pred = hid @ w.t()
+        loss = F.cross_entropy(pred.float(), y)
+        del pred
+        loss.backward()
+    peak = max(int(v.get("Total", 0)) for v in mt.get_tracker_snapshot("peak").values())
+    measured = (peak - 2 * 2 * (hid.numel() + w.numel())) / (T * V)  # less parameters and gradients
+    m = dataclasses.replace(load_model("gpt3-1.3b"), vocab_size=V, seq_length=T, dtype="bf16")
+    c = ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1)
+    modelled = 4 + loss_grad_bytes(System(m, _one("h100-sxm"), framework="torchtitan"), c) / (T * V)
+    assert modelled == 12
+    assert measured == pytest.approx(modelled, rel=0.05)

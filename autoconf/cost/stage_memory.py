@@ -146,14 +146,20 @@ def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_byte
 
 def loss_grad_bytes(system: System, c: ParallelConfig) -> float:
     """What the loss's backward allocates per logit of one micro-batch (vocabulary-parallel, padded
-    vocabulary), next to the saved fp32 softmax: an fp32 gradient where the framework computes it
-    in a copy of the softmax (``Framework.loss_backward_fp32_copy``; Megatron-LM's cross entropy
-    writes it into the saved softmax in place), and the gradient cast back to the logits' 16-bit
-    dtype (the reference trainer's ``g.to(logits_dtype)``, autograd's cast of Megatron's
-    ``logits.float()``). An H100 run of GPT-3 1.3B peaked one 16-bit logits tensor per sequence
-    above the fp32 copy alone."""
+    vocabulary) at its peak, next to the saved fp32 softmax (``Framework.loss_backward_fp32_tensors``):
+
+    - 0 (Megatron-LM's cross entropy writes the gradient into the saved softmax in place): the
+      gradient cast back to the logits' 16-bit dtype (autograd's cast of ``logits.float()``);
+    - 1 (the reference trainer computes it in a copy of the softmax): that copy and its 16-bit cast
+      (``g.to(logits_dtype)``); an H100 run of GPT-3 1.3B peaked one 16-bit logits tensor per
+      sequence above the fp32 copy alone;
+    - 2 (torch's ``F.cross_entropy``): the nll loss's fp32 gradient and the log-softmax's, both
+      alive while the saved softmax is; the cast that follows holds one fp32 and one 16-bit tensor
+      after the saved softmax is freed, less than that."""
     m = system.model_at(c.tp, c.cp)
-    per_logit = (4.0 if system.framework.loss_backward_fp32_copy else 0.0) + (m.dtype_bytes if m.dtype != "fp32" else 0.0)
+    n = system.framework.loss_backward_fp32_tensors
+    cast = m.dtype_bytes if m.dtype != "fp32" else 0.0
+    per_logit = 8.0 if n >= 2 else 4.0 * n + cast
     return c.micro_batch_size * m.seq_length * (-(-m.vocab_size // c.tp)) * per_logit
 
 

@@ -13,6 +13,7 @@ from autoconf.cost.activations import layer_activation_bytes
 from autoconf.cost.compute import (UNFUSED_SOFTMAX_BYTES, HostCost, Roofline, block_times,
                                    fused_softmax_available)
 from autoconf.cost.system import System
+from autoconf.frameworks import framework as framework_model
 from autoconf.model import ModelSpec
 
 NODE = cluster_from_mapping({"node_groups": [{"count": 1, "device": "a100-80gb", "gpus_per_node": 8,
@@ -81,3 +82,23 @@ def test_only_megatron_falls_back_and_only_where_the_kernel_refuses():
     assert not System(_gpt(attention="flash"), NODE, framework="megatron").unfused_softmax(1, 8)
     assert not System(_gpt(dtype="fp32"), NODE, framework="megatron").unfused_softmax(1, 8)
     assert System(_gpt(seq=8192), NODE, framework="megatron").unfused_softmax(4, 1)
+
+
+def test_estimate_says_when_the_softmax_falls_back_and_prices_it():
+    from autoconf.config import ParallelConfig
+    from autoconf.cost.estimate import estimate
+
+    m = _gpt()
+    one = ParallelConfig(dp=1, pp=1, tp=8, micro_batch_size=1, num_micro_batches=2, recompute="full")
+    two = ParallelConfig(dp=1, pp=1, tp=8, micro_batch_size=2, num_micro_batches=1, recompute="full")
+    e1 = estimate(one, m, NODE, framework="megatron")
+    e2 = estimate(two, m, NODE, framework="megatron")
+    assert any("fused softmax" in n for n in e1.notes)
+    assert not any("fused softmax" in n for n in e2.notes)
+    # the reference trainer runs its own eager softmax: no Megatron kernel, no note
+    ref = estimate(one, m, NODE, framework="reference")
+    assert not any("fused softmax" in n for n in ref.notes)
+    # the same framework with the kernel taking every shape: the fallback costs time and memory
+    off = estimate(one, m, NODE, framework=dataclasses.replace(framework_model("megatron"), megatron_softmax=False))
+    assert e1.step_time_s > off.step_time_s
+    assert e1.peak_memory_bytes > off.peak_memory_bytes

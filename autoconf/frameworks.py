@@ -26,8 +26,9 @@ stacks. What differs, and is modelled here from each framework's own code and do
   CPU) and every backward node from the autograd engine; small layers are host-bound;
 - **vocabulary padding**: Megatron pads the vocabulary to a multiple of 128 x tp;
 - **softmax kernel**: Megatron's fused scale-mask-softmax kernel (eager attention) takes only
-  some shapes (keys 17-4096, micro-batch x local heads a multiple of 4); elsewhere it falls back to
-  torch's softmax in fp32, with more kernels and host operations (``megatron_softmax``);
+  some shapes (``compute.fused_softmax_available``: keys 17-4096 and a multiple of 4, micro-batch
+  x local heads a multiple of 4, of 8 up to 128 keys); elsewhere it falls back to torch's softmax
+  in fp32, with more kernels and host operations (``megatron_softmax``);
 - **all-reduce algorithms**: which algorithms the runtime's all-reduce really runs, so the cost
   model credits no other (``Framework.all_reduce_algorithms``): NCCL (Megatron-LM, torchtitan,
   DeepSpeed, and the reference trainer on GPUs) picks ring or tree per call and has no

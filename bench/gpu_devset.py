@@ -14,8 +14,9 @@ catalog's ``a100-80gb`` with nothing fitted to these rows. Printed:
 - the 10 worst rows with their breakdown;
 - how the measured rows are built (each layout's time is exactly fixed + m x one per-micro-batch
   figure, the same at every dp), the model's error on the per-micro-batch and the fixed part per
-  (tp, pp), the host floor per hidden size and tp, and how many of the groups that miss the regret
-  target are decided between two configurations the model holds at the host's floor;
+  (tp, pp), the measured time per layer at micro-batch 1 per hidden size and tp, the layouts whose
+  per-micro-batch time falls as the micro-batch grows, and in how many of the groups that miss the
+  regret target the model holds both configurations more than 5% host-bound;
 - predicted against measured all-reduce times per message size and group size.
 
     python bench/gpu_devset.py [--recompute none|full] [--json out.json]
@@ -142,10 +143,12 @@ def structure(rows: list[dict], host_free: dict) -> dict:
     Every row's time is fitted as ``fixed + m x per_micro_batch`` over the rows of one
     (hidden, layers, tp, pp, micro-batch) layout that differ in global batch and dp (m micro-batches
     per step). Printed: how exactly the measured rows follow that line and whether the slope depends
-    on dp; per (tp, pp), the model's error on the per-micro-batch slope and on the fixed part;
-    the host floor (per layer and micro-batch at micro-batch 1, pp 1) by hidden size and tp; and,
-    for the groups whose regret exceeds 1.03, whether the model holds both the measured best and
-    its own pick at the host's floor (``host_free``: the same rows predicted with no host cost)."""
+    on dp; per (tp, pp), the model's error on the per-micro-batch slope and on the fixed part (one
+    fit per layout and dp); the measured time per layer and micro-batch at micro-batch 1, pp 1 (the
+    embedding and head included) by hidden size and tp; the layouts whose per-micro-batch time
+    falls as the micro-batch grows; and, for the groups whose regret exceeds 1.03, in how many the
+    model has both the measured best and its own pick more than 5% host-bound, i.e. predicted more
+    than 5% faster with no host cost (``host_free``: the same rows predicted so)."""
     series = defaultdict(list)
     for r in rows:
         m = r["global_batch"] // (r["dp"] * r["micro_batch"])
@@ -188,7 +191,7 @@ def structure(rows: list[dict], host_free: dict) -> dict:
     for (h, L, tp, pp, mb), b in fitted.items():
         if pp == 1 and mb == 1:
             floor[(h, tp)].append(b / L)
-    print("\nper layer and micro-batch at micro-batch 1, pp 1 (ms; host-bound where the model says so):")
+    print("\nmeasured time per layer and micro-batch at micro-batch 1, pp 1 (ms; embedding and head included):")
     print("  " + "  ".join(f"h{h} tp{tp}: {statistics.median(v) * 1e3:.2f}" for (h, tp), v in sorted(floor.items())))
     # non-monotonic series: more tokens per micro-batch, less time per micro-batch
     drops = []
@@ -198,10 +201,12 @@ def structure(rows: list[dict], host_free: dict) -> dict:
             if nb is not None and nb < b:
                 drops.append((b / nb - 1, (h, L, tp, pp, mb, bigger)))
     drops.sort(reverse=True)
-    print(f"\nlayouts whose per-micro-batch time falls as the micro-batch grows: {len(drops)} of {len(fitted)}"
+    falling = len({d[1][:5] for d in drops})
+    print(f"\nlayouts whose per-micro-batch time falls as the micro-batch grows: {falling} of {len(fitted)} "
+          f"({len(drops)} pairs of micro-batch sizes)"
           + (f"; largest {drops[0][0]:.0%} (h{drops[0][1][0]} L{drops[0][1][1]} tp{drops[0][1][2]} "
              f"pp{drops[0][1][3]}, micro-batch {drops[0][1][4]} -> {drops[0][1][5]})" if drops else ""))
-    out["falls_with_micro_batch"] = len(drops)
+    out["falls_with_micro_batch"] = falling
     # regret failures decided at the host floor
     groups = defaultdict(list)
     for r in rows:
@@ -215,7 +220,7 @@ def structure(rows: list[dict], host_free: dict) -> dict:
         share = [1 - host_free[_row_key(r)] / r["predicted_s"] for r in (best, pick)]
         at_floor += min(share) > 0.05
     print(f"groups with regret > 1.03: {failing}; in {at_floor} of them the model has both the measured best and "
-          f"its pick more than 5% host-bound (their order is set by the host's floor)")
+          f"its pick more than 5% host-bound (predicted more than 5% faster with no host cost)")
     out["regret_failures"], out["regret_failures_host_bound"] = failing, at_floor
     return out
 

@@ -95,7 +95,7 @@ def test_torch_cross_entropy_backward_holds_two_fp32_logit_tensors_beside_the_sa
     """Measured, not assumed: torch's ``F.cross_entropy`` on ``logits.float()`` (torchtitan's loss)
     on CPU under MemTracker. Its backward peaks at the saved fp32 log-softmax plus two fp32
     logits-sized gradients, which is what the torchtitan model prices (4 + 8 bytes per logit)."""
-    import torch
+    torch = pytest.importorskip("torch")
     import torch.nn.functional as F
     from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -115,9 +115,10 @@ def test_torch_cross_entropy_backward_holds_two_fp32_logit_tensors_beside_the_sa
         del pred
         loss.backward()
     peak = max(int(v.get("Total", 0)) for v in mt.get_tracker_snapshot("peak").values())
-    measured = (peak - 2 * 2 * (hid.numel() + w.numel())) / (T * V)  # less parameters and gradients
+    # less the parameters (their gradients are written after the loss's backward, past the peak)
+    measured = (peak - 2 * (hid.numel() + w.numel())) / (T * V)
     m = dataclasses.replace(load_model("gpt3-1.3b"), vocab_size=V, seq_length=T, dtype="bf16")
     c = ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1)
     modelled = 4 + loss_grad_bytes(System(m, _one("h100-sxm"), framework="torchtitan"), c) / (T * V)
     assert modelled == 12
-    assert measured == pytest.approx(modelled, rel=0.05)
+    assert measured == pytest.approx(modelled, rel=0.005)

@@ -10,8 +10,7 @@ import pytest
 from autoconf.catalog import device_type
 from autoconf.cluster import cluster_from_mapping
 from autoconf.cost.activations import layer_activation_bytes
-from autoconf.cost.compute import (UNFUSED_SOFTMAX_BYTES, HostCost, Roofline, block_times,
-                                   fused_softmax_available)
+from autoconf.cost.compute import HostCost, Roofline, block_times, fused_softmax_available
 from autoconf.cost.system import System
 from autoconf.frameworks import framework as framework_model
 from autoconf.model import ModelSpec
@@ -52,14 +51,17 @@ def test_fallback_adds_the_fp32_kernels_bytes_and_host_operations():
     # four more operations in the forward, four more autograd nodes in the backward
     assert unfused.host_forward_s - fused.host_forward_s == pytest.approx(4 * 50e-6)
     assert unfused.host_backward_s - fused.host_backward_s == pytest.approx(4 * 20e-6)
-    # device: 2 local heads x 1024 x 1024 scores, (33 + 2 x 2) bytes each instead of 3 x 2 forward
-    # and 4 x 2 backward, and four more kernels each way
+    # device: 2 local heads x 1024 x 1024 scores; each kernel of torch's fp32 path, (read, write)
+    # bytes per score in fp16 (e = 2), tallied op by op, in place of the fused kernel's (2e, 3e)
+    e = 2
+    forward = [(e, 4), (4, 4), (4 + 1, 4), (4, 4), (4, e)]  # cast, scale, mask fill, softmax, cast back
+    backward = [(e, 4), (4 + 4, 4), (4 + 1, 4), (4, 4), (4, e)]  # their gradients, in reverse
     scores = 1 * 2 * 1024 * 1024
     bw = rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency
     assert unfused.forward_s - fused.forward_s == pytest.approx(
-        scores * (UNFUSED_SOFTMAX_BYTES + 4 - 6) / bw + 4 * rf.kernel_launch_s)
+        scores * (sum(r + w for r, w in forward) - 2 * e) / bw + 4 * rf.kernel_launch_s)
     assert unfused.backward_s - fused.backward_s == pytest.approx(
-        scores * (UNFUSED_SOFTMAX_BYTES + 4 - 8) / bw + 4 * rf.kernel_launch_s)
+        scores * (sum(r + w for r, w in backward) - 3 * e) / bw + 4 * rf.kernel_launch_s)
     # flash attention has no softmax kernel to fall back from
     flash = dataclasses.replace(m, attention="flash")
     assert block_times(flash, 1, 8, False, "none", rf, host, unfused_softmax=True) == \
@@ -71,7 +73,42 @@ def test_fallback_keeps_the_softmax_output_in_fp32():
     a = layer_activation_bytes(m, 1, 8)
     b = layer_activation_bytes(m, 1, 8, fp32_softmax=True)
     assert b["attention_softmax"] == 2 * a["attention_softmax"] == 4 * 16 * 1024 * 1024 / 8
-    assert b["total"] - a["total"] == a["attention_softmax"]
+    assert b["total"] - a["total"] == a["attention_softmax"]  # dropout keeps its own mask and output
+    # without dropout the weighted sum keeps the 16-bit cast beside the fp32 softmax output
+    nd = dataclasses.replace(m, dropout=0.0)
+    a, b = layer_activation_bytes(nd, 1, 8), layer_activation_bytes(nd, 1, 8, fp32_softmax=True)
+    assert b["total"] - a["total"] == 4 * 16 * 1024 * 1024 / 8
+
+
+def test_fallback_saves_what_torch_saves():
+    """The fp32 path run on CPU: the bytes autograd keeps for the backward per score, with and
+    without dropout, against the activation model's attention parts."""
+    torch = pytest.importorskip("torch")
+    b, heads, s = 1, 2, 64
+    for dropout in (0.0, 0.1):
+        saved = []
+
+        def pack(t):
+            saved.append(t)
+            return t
+
+        q = torch.randn(b * heads, s, 16, dtype=torch.bfloat16, requires_grad=True)
+        v = torch.randn(b * heads, s, 16, dtype=torch.bfloat16, requires_grad=True)
+        mask = torch.ones(s, s, dtype=torch.bool).triu(1)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            scores = torch.bmm(q, q.transpose(1, 2))
+            x = scores.float() * 0.125
+            x.masked_fill_(mask, -10000.0)
+            p = torch.softmax(x, dim=-1).bfloat16()
+            if dropout:
+                p = torch.nn.functional.dropout(p, dropout)
+            torch.bmm(p, v)
+        big = {t.data_ptr(): t for t in saved if t.dim() == 3 and t.shape[-1] == s and t.shape[-2] == s}
+        per_score = sum(t.element_size() for t in big.values())  # the s x s tensors kept (dropout's mask too)
+        m = dataclasses.replace(_gpt(seq=s, heads=heads, dtype="bf16"), dropout=dropout)
+        parts = layer_activation_bytes(m, b, 1, fp32_softmax=True, mask_bytes=2)  # CPU dropout: a 16-bit mask
+        modelled = sum(v_ for k, v_ in parts.items() if k.startswith("attention_") and k != "attention_dropout_mask_out")
+        assert modelled / (b * heads * s * s) == per_score == (8 if dropout else 6)
 
 
 def test_only_megatron_falls_back_and_only_where_the_kernel_refuses():

@@ -76,8 +76,11 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
     if not selective:
         if eager:
             # softmax output (the paper's 2as^2b; fp32 where the softmax runs in fp32); with
-            # dropout, its mask and output (as^2b + 2as^2b)
+            # dropout, its mask and output (as^2b + 2as^2b); without, an fp32 softmax's 16-bit cast
+            # is what the weighted sum keeps
             p["attention_softmax"] = (4 if fp32_softmax else e) * a * s * s * b / t
+            if fp32_softmax and not drop:
+                p["attention_softmax_cast"] = e * a * s * s * b / t
             if drop:
                 p["attention_dropout_mask"] = mask_bytes * a * s * s * b / t
                 p["attention_dropout_output"] = e * a * s * s * b / t

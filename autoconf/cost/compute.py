@@ -327,10 +327,17 @@ def fused_softmax_available(b: int, heads: float, s_q: float, s_k: float) -> boo
     return batches % per_block == 0
 
 
-UNFUSED_SOFTMAX_BYTES = 33
+UNFUSED_SOFTMAX_BYTES = (33, 37)
 """Bytes per attention score that Megatron's unfused softmax moves beyond twice the model's element
-size (``attention_core_times``): cast to fp32 (read e, write 4), scale (4 + 4), mask fill (4 + 4,
-the mask 1), softmax (4 + 4), cast back (4, write e); its backward the same in reverse."""
+size e (``attention_core_times``), forward and backward. Forward: cast to fp32 (read e, write 4),
+scale (4 + 4), mask fill (4 + 4, the mask 1), softmax (4 + 4), cast back (4, write e). Backward:
+the cast's (read e, write 4), the softmax's (read the gradient and the saved output, write: 12),
+the mask fill's (4 + 4, the mask 1), the scale's (4 + 4), the first cast's (4, write e). Megatron-
+DeepSpeed and Megatron-LM with query-key layer scaling (their old default) run all five; without
+it, megatron-core skips the scale (8 bytes and one kernel less each way, not modelled)."""
+FUSED_SOFTMAX_BYTES = (2, 3)
+"""Multiples of e the fused kernel moves per score: read the scores, write the probabilities;
+backward read the gradient and the probabilities, write the gradient."""
 
 
 def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: int = 1,
@@ -377,9 +384,10 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
         att_f = bmm + rf.elementwise(probs * (3 + drop), kernels=calls * (2 + drop // 2), flops=6 * probs / B)
         att_b = 2 * bmm + rf.elementwise(probs * (4 + drop), kernels=calls * (2 + drop // 2), flops=4 * probs / B)
         if unfused_softmax:  # torch's fp32 path instead of the one fused kernel, forward and backward
+            (uf, ub), (ff, fb) = UNFUSED_SOFTMAX_BYTES, FUSED_SOFTMAX_BYTES
             scores = probs / B
-            att_f += rf.elementwise(scores * (UNFUSED_SOFTMAX_BYTES + 2 * B) - probs * 3, kernels=calls * 4)
-            att_b += rf.elementwise(scores * (UNFUSED_SOFTMAX_BYTES + 2 * B) - probs * 4, kernels=calls * 4)
+            att_f += rf.elementwise(scores * (uf + 2 * B) - probs * ff, kernels=calls * 4)
+            att_b += rf.elementwise(scores * (ub + 2 * B) - probs * fb, kernels=calls * 4)
     if cp > 1:  # merge each chunk's partial output: read and write the fp32 output and its lse
         merge = (cp - 1) * T * q / tp * 4 * 2
         att_f += rf.elementwise(merge, kernels=2 * (cp - 1))

@@ -200,11 +200,12 @@ def _finish(c: ParallelConfig, ctx: System, breakdown: dict, memory: list, step:
                             "has one rank per host" if flat[0].local_size == 1 else
                             "spans hosts holding different numbers of its ranks")
                          + "; the trainer runs the flat all-reduce there, and so does this estimate")
-    if ctx.unfused_softmax(c.micro_batch_size, c.tp, c.cp) and not ctx.measured_for():
-        notes.append(f"{ctx.framework.name}'s fused softmax kernel does not take this shape (micro-batch x "
-                     f"{m.num_attention_heads / c.tp:g} local heads = {c.micro_batch_size * m.num_attention_heads / c.tp:g} "
-                     f"attention batches, sequence {m.seq_length}; it needs a multiple of 4 and at most 4096): "
-                     "the softmax runs unfused in fp32, priced so")
+    if ctx.unfused_softmax(c.micro_batch_size, c.tp, c.cp):
+        batches = c.micro_batch_size * m.num_attention_heads / c.tp
+        notes.append(f"{ctx.framework.name}'s fused softmax kernel does not take {batches:g} attention batches "
+                     f"(micro-batch x local heads) of {m.seq_length // c.cp} keys (it needs keys 17-4096, a "
+                     "multiple of 4, and batches a multiple of 4, of 8 up to 128 keys): where a block is priced "
+                     "from the roofline, its softmax runs unfused in fp32")
     return Estimate(config=c, step_time_s=step, breakdown_s=breakdown, memory_by_stage=tuple(memory),
                     peak_memory_bytes=max(mm.total for mm in memory), fits=not reasons,
                     tokens_per_s=tokens / step,

@@ -212,7 +212,7 @@ class System:
         ``compute.fused_softmax_available``)."""
         m = self.model
         return (self.framework.megatron_softmax and m.attention == "eager" and m.dtype != "fp32"
-                and not fused_softmax_available(b, m.num_attention_heads / tp, m.seq_length / cp, m.seq_length))
+                and not fused_softmax_available(b, m.num_attention_heads / tp, m.seq_length / cp, m.seq_length / cp))
 
     def block_for(self, kind: str, c, moe: bool = False) -> LayerTimes:
         """:meth:`block` for configuration ``c`` (its micro-batch, tp, cp, precision, compile);
@@ -289,6 +289,9 @@ class System:
                 got = activation_bytes(self.profile, self.model, c.micro_batch_size, c.tp, c.sequence_parallel,
                                        c.recompute)
                 if got:  # measured over the whole sequence in the model's dtype: scaled as the formula is
+                    # (the measured block is priced as it ran, as its time is: no softmax fallback)
+                    base = layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel,
+                                                  c.recompute, mask, cp=c.cp, fp8_inputs=fp8_inputs)
                     full = layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel,
                                                   c.recompute, mask)["total"]
                     return {**base, "total": float(got) * base["total"] / full if full else float(got)}

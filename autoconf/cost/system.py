@@ -281,9 +281,7 @@ class System:
         fp8_inputs = c.precision == "fp8" and self.framework.fp8_saves_inputs
 
         def make():
-            base = layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask,
-                                          cp=c.cp, fp8_inputs=fp8_inputs,
-                                          fp32_softmax=self.unfused_softmax(c.micro_batch_size, c.tp, c.cp))
+            kw = {"cp": c.cp, "fp8_inputs": fp8_inputs}
             if self.measured_for():
                 from .measured import activation_bytes
                 got = activation_bytes(self.profile, self.model, c.micro_batch_size, c.tp, c.sequence_parallel,
@@ -291,11 +289,12 @@ class System:
                 if got:  # measured over the whole sequence in the model's dtype: scaled as the formula is
                     # (the measured block is priced as it ran, as its time is: no softmax fallback)
                     base = layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel,
-                                                  c.recompute, mask, cp=c.cp, fp8_inputs=fp8_inputs)
+                                                  c.recompute, mask, **kw)
                     full = layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel,
                                                   c.recompute, mask)["total"]
                     return {**base, "total": float(got) * base["total"] / full if full else float(got)}
-            return base
+            return layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute,
+                                          mask, **kw, fp32_softmax=self.unfused_softmax(c.micro_batch_size, c.tp, c.cp))
         return self.cached(("act", c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask, c.cp, fp8_inputs),
                            make)
 

@@ -35,8 +35,14 @@ class DeviceType:
     bandwidth, ``short_ring_loss`` of short rings inside a host (see ``cost.comm.CollectiveTuning``). None: the bare alpha-beta model."""
 
     attention_efficiency: dict = None
-    """Fraction of peak the fused (flash) attention kernel reaches, ``forward`` and ``backward``
-    (FlashAttention-2 as PyTorch's SDPA runs it). None: the GEMM efficiency."""
+    """Fraction of peak the fused (flash) attention kernel the frameworks run by default reaches,
+    ``forward`` and ``backward``, causal, at head dim 128 over long sequences (FlashAttention-2 on
+    A100, cuDNN's on Hopper; ``cost.compute.attention_shape_efficiency`` scales it to the shape).
+    None: the GEMM efficiency."""
+
+    special_function_per_s: float = 0.0
+    """Exponentials per second of the special-function units (GPUs): the softmax's share of fused
+    attention, which makes a small head dimension slower per FLOP. 0: not modelled."""
 
     unaligned_gemm_factor: float = 0.17
     """A GEMM with a dimension that is not a multiple of 16 bytes (``cost.compute.aligned_gemm``)

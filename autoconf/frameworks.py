@@ -160,6 +160,18 @@ class Framework:
     pipeline, then reduce that sum over the replicas on its own, after the chunks' reductions
     (the reference trainer). Elsewhere the copies go in the chunks' data-parallel buckets (their
     first/last-stage sum is not priced)."""
+    eager_elementwise: bool = False
+    """Its norms, rotary embedding, gated activation and QKV split run as eager torch operations
+    (the reference trainer's ``autoconf.nn``: RMSNorm as ten fp32 kernels, the rotary embedding as
+    five per tensor; ``compute.eager_elementwise_bytes``), not as fused kernels (Megatron-LM's and
+    DeepSpeed's Transformer Engine / Apex kernels; torchtitan is taken as fused too: its
+    ``nn.RMSNorm`` and, usually, ``torch.compile``). Not under ``torch_compile``."""
+    grad_accumulation_kernel: bool = False
+    """Every micro-batch's weight gradients are added into ``.grad`` by a separate kernel per
+    parameter (eager torch; the reference trainer, measured on an H100). Megatron-LM fuses the
+    accumulation into the weight-gradient GEMM (``gradient_accumulation_fusion``, its default).
+    torchtitan and DeepSpeed are left without it: their gradients are sharded or bucketed in ways
+    not measured here."""
     compression: bool = False
     """Whether it runs Optimus-CC's compressed traffic (``pp_compression``, ``dp_compression_stages``,
     ``fused_embedding_sync``): the reference trainer only. Megatron-LM, torchtitan and DeepSpeed
@@ -281,7 +293,8 @@ FRAMEWORKS = {
         knobs=(), all_reduce_algorithms={"flat": ("ring", "tree"), "hierarchical": ("hierarchical",)},
         cp_comm="ring", ring_math=True, fp8_recipes=("tensorwise", "rowwise"), fp8_host_ops=(16, 16),
         expert_parallel=True, expert_zero_stages=(0, 1), expert_tensor_parallel=False,
-        capacity_factor=True, compression=True, tied_sync_after_pipeline=True),
+        capacity_factor=True, compression=True, tied_sync_after_pipeline=True,
+        eager_elementwise=True, grad_accumulation_kernel=True),
     "megatron": Framework(
         name="megatron", schedules=("1f1b", "interleaved"),
         zero_stages=(0, 1), zero_stages_with_pp=(0, 1), layered_grad_accum=False,

@@ -56,6 +56,8 @@ class Roofline:
     unaligned_gemm_factor: float = 1.0
     """Rate of a GEMM with a dimension that is not a multiple of 16 bytes, relative to an aligned
     one (``aligned_gemm``); 1.0: no penalty (CPU)."""
+    special_function_per_s: float = 0.0
+    """Exponentials per second (``DeviceType.special_function_per_s``); 0: not modelled."""
 
     @classmethod
     def of(cls, dev: DeviceType, dtype: str, gemm_eff=None) -> "Roofline":
@@ -64,7 +66,7 @@ class Roofline:
                    dev.memory_efficiency, dev.kernel_launch_s, gemm_eff, dev.sm_count,
                    dev.peak_flop_per_s.get("fp32", 0.0) if dev.sm_count else 0.0,
                    (att["forward"], att["backward"]) if att else (),
-                   dev.unaligned_gemm_factor if dev.sm_count else 1.0)
+                   dev.unaligned_gemm_factor if dev.sm_count else 1.0, dev.special_function_per_s)
 
     def gemm(self, m: float, n: float, k: float, elem_bytes: int, batch: float = 1) -> float:
         flops = 2.0 * m * n * k * batch
@@ -201,6 +203,59 @@ def block_op_counts(model: ModelSpec, tp: int, sp: bool) -> tuple[int, int]:
     return fwd, bwd
 
 
+def eager_elementwise_bytes(model: ModelSpec, T_rep: float, T: float, tp: int, mlp_tokens_f: float
+                            ) -> tuple[float, float, int, int]:
+    """Bytes and kernels that ``autoconf.nn.Block``'s eager element-wise code moves beyond the fused
+    kernels :func:`block_times` prices by default (forward extra, backward extra, forward kernels,
+    backward kernels), tallied op by op from the code (read + write of every operand; per-token
+    vectors such as 1/rms are negligible). ``e`` is the model's element size, fp32 is 4 bytes.
+
+    - RMSNorm (``_RMSNormFn``), per element of each norm's input: forward cast to fp32 (e + 4),
+      square (8), mean (4), scale by 1/rms (8), cast back (4 + e), times the weight (2e), against a
+      fused kernel's 2e; backward (recompute x-hat: cast and scale, 4 + e + 8; cast the gradient,
+      4 + e; g * x-hat, 12; its sum over tokens, 4; g * w, 8; (g w) * x-hat, 12; its mean, 4; x-hat
+      times it, 8; the difference, 12; times 1/rms, 8; cast back, 4 + e) against 4e. Without a cast
+      (fp32 models) the casts' kernels and bytes drop out.
+    - Rotary embedding (``_rope``) on Q and K, per rotated element: x cos (2e), the negated half
+      (e), the concatenation (2e), x sin (2e), the sum (3e): 10e against 2e, and as many in the
+      backward (the same products, the concatenation's split and the two gradients' sum) against
+      4e; V is copied to a contiguous tensor (2e forward).
+    - Gated MLP: the activation (2e) and the product (3e) on views of the first linear's output,
+      against 3e; backward: the product's two gradients (6e), the activation's (3e), and the two
+      halves' concatenation into the linear's output gradient (4e per element of each half),
+      against 6e.
+    - The split of the fused QKV output: its backward concatenates the three gradients
+      (2e per element of Q, K and V).
+
+    On an H100 (bench/gpu_kernels.py, ``--breakdown``) the element-wise kernels of a Llama-3-8B
+    block at micro-batch 1 took 0.95 ms forward and 2.6 ms backward; the fused-kernel count alone
+    priced them at 0.26 and 0.52."""
+    e = model.dtype_bytes
+    cast = 0 if e == 4 else 4 + e
+    cast_k = 0 if e == 4 else 1
+    xf = xb = 0.0
+    kf = kb = 0
+    if model.norm == "rmsnorm":
+        n = model.norms_per_block * T_rep * model.hidden_size
+        xf += n * (cast + 8 + 4 + 8 + cast + 2 * e - 2 * e)
+        xb += n * ((cast + 8) + cast + 12 + 4 + 8 + 12 + 4 + 8 + 12 + 8 + cast - 4 * e)
+        kf += model.norms_per_block * (6 + 2 * cast_k - 1)
+        kb += model.norms_per_block * (11 + 3 * cast_k - 2)
+    if model.position_embedding == "rope":
+        rot = T * (model.q_size + model.kv_size) / tp * model.rotary_dim / max(1, model.head_size)
+        xf += rot * (10 * e - 2 * e) + T * model.kv_size / tp * 2 * e
+        xb += rot * (10 * e - 4 * e)
+        kf += 2 * 5 - 2 + 1
+        kb += 2 * 5 - 2
+    if model.gated_mlp:
+        xf += mlp_tokens_f * (5 * e - 3 * e)
+        xb += mlp_tokens_f * (13 * e - 6 * e)
+        kb += 2
+    xb += T * (model.q_size + 2 * model.kv_size) / tp * 2 * e
+    kb += 1
+    return xf, xb, kf, kb
+
+
 @dataclass(frozen=True)
 class LayerTimes:
     forward_s: float
@@ -311,6 +366,48 @@ def window_work(model: ModelSpec) -> float:
     return ((model.num_layers - windowed) + windowed * frac) / model.num_layers
 
 
+ATTENTION_KEY_TILE = 128
+"""Keys per tile of the fused attention kernels (FlashAttention-2 and cuDNN's on A100 / Hopper)."""
+ATTENTION_TILE_OVERHEAD = (1.1, 3.15)
+"""Fixed work per query tile of fused attention (loading the queries, the final rescale and
+store; in the backward also the keys' and values' gradients and the dot(dO, O) pass), in units of
+one key tile's work, forward and backward. Fitted jointly over 22 measured sequence lengths
+(512-16384) of two kernel families (cuDNN's and FlashAttention-2), head dims 64 and 128,
+multi-head and grouped-query, on an H100 (bench/gpu_kernels.py): within 3% rms of every curve once
+each has its own long-sequence rate."""
+
+
+def attention_shape_efficiency(rf: "Roofline", eff_f: float, eff_b: float, head_dim: float, keys: float,
+                               window: float | None = None) -> tuple[float, float]:
+    """The fused attention kernel's fraction of peak at this shape, from its long-sequence rate at
+    head dim 128 (``eff_f``, ``eff_b``, the catalog's ``attention_efficiency``):
+
+    - tiles: each query tile of a causal pass computes the key tiles it sees, the diagonal one in
+      full (half of it masked), plus a fixed overhead (``ATTENTION_TILE_OVERHEAD``). Over s keys,
+      with n = s / 128 key tiles, the useful fraction is n / (n + 1 + 2 c0); under a sliding window
+      of w keys each query tile sees w / 128 useful tiles and about one masked at the band's edges:
+      (w / 128) / (w / 128 + 1 + c0).
+    - head dim: the softmax costs one exponential per score forward and two backward (recomputed
+      probabilities and their gradient) on the special-function units, against 4 d and 10 d
+      tensor-core FLOPs per score; a smaller d leaves more of the time there:
+      1 / eff(d) = 1 / eff(128) + peak / X * (k / (F d) - k / (F 128)), k = 1 and 2, F = 4 and 10.
+      On an H100 this predicts 0.48 and 0.43 at head dim 64 from 0.63 and 0.52 (measured 0.47, 0.43).
+    """
+    out = []
+    for eff, c0, k, F in ((eff_f, ATTENTION_TILE_OVERHEAD[0], 1, 4), (eff_b, ATTENTION_TILE_OVERHEAD[1], 2, 10)):
+        if rf.special_function_per_s and head_dim > 0:
+            ratio = rf.peak_flop_per_s / rf.special_function_per_s
+            eff = 1.0 / max(1e-9, 1.0 / eff + ratio * (k / (F * head_dim) - k / (F * 128.0)))
+        if window is not None and window < keys:
+            n = window / ATTENTION_KEY_TILE
+            eff *= n / (n + 1 + c0)
+        else:
+            n = keys / ATTENTION_KEY_TILE
+            eff *= n / (n + 1 + 2 * c0)
+        out.append(eff)
+    return out[0], out[1]
+
+
 def fused_softmax_available(b: int, heads: float, s_q: float, s_k: float) -> bool:
     """Whether Megatron's fused causal scale-mask-softmax kernel takes attention scores of ``b``
     sequences x ``heads`` local heads x ``s_q`` queries x ``s_k`` keys
@@ -365,6 +462,10 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
         flops = 2.0 * b * s * s * (q + out_w) / tp * 0.5 / cp * window_work(model)
         io = (T * (q + k_w + v_w) / tp + T * out_w / tp) * B
         eff_f, eff_b = rf.attention_efficiency or (rf.gemm_efficiency, rf.gemm_efficiency)
+        if rf.sm_count:  # a GPU's fused kernel: its tiles and softmax at this shape
+            heads_total = model.num_attention_heads
+            eff_f, eff_b = attention_shape_efficiency(rf, eff_f, eff_b, (q + out_w) / (2 * heads_total),
+                                                      s_loc if cp > 1 else s, model.sliding_window)
         if rf.gemm_eff is not None:  # a profile measured this device: scale by its large-GEMM rate
             eff_f, eff_b = (e * (rf.gemm_eff(8192, 8192, 8192) or rf.gemm_efficiency) / rf.gemm_efficiency
                             for e in (eff_f, eff_b))
@@ -398,7 +499,8 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
 def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf: Roofline,
                 host: HostCost | None = None, cp: int = 1, fp8: Fp8 | None = None,
                 compiled: bool = False, moe: Moe | None = None, ring_math: bool = False,
-                unfused_softmax: bool = False) -> LayerTimes:
+                unfused_softmax: bool = False, eager_elementwise: bool = False,
+                grad_accumulation: bool = False) -> LayerTimes:
     """One transformer block shard (of a tp-way split) for a micro-batch of b sequences: device
     times, and with ``host`` the host's time to issue the operations (``block_op_counts``).
 
@@ -416,7 +518,13 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     tokens each, the tile model applied to the whole group), the shared experts on every token; the
     all-to-alls are priced in ``cost.moe``. ``unfused_softmax``: eager attention's softmax as
     torch's fp32 kernels, four more forward operations and four more backward nodes than the fused
-    kernel (``attention_core_times``)."""
+    kernel (``attention_core_times``). ``eager_elementwise``: the norms, rotary embedding, gated
+    activation and QKV split run as ``autoconf.nn``'s eager torch operations
+    (:func:`eager_elementwise_bytes`), not as fused kernels (the reference trainer; not under
+    ``compiled``). ``grad_accumulation``: each backward adds the block's weight gradients into the
+    ones accumulated so far with a separate kernel per parameter (eager torch's ``.grad``
+    accumulation: read both, write one, in the parameters' dtype), as on every micro-batch but the
+    first of a step; Megatron-LM fuses it into the weight-gradient GEMM (its fp32 ``main_grad``)."""
     unfused_softmax = unfused_softmax and model.attention == "eager"
     s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
     q, kv, B = model.q_size, model.kv_size, model.dtype_bytes
@@ -484,8 +592,15 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     # GeGLU's GeLU and product ~21
     act_flops = {"gelu": 20, "swiglu": 6, "geglu": 21}[model.activation]
     ew_flops = norms * 8 * T_rep * h + act_flops * mlp_tokens_f
-    ew_f = rf.elementwise(ew_bytes, ew_kernels, flops=ew_flops)
-    ew_b = rf.elementwise(2 * ew_bytes, 2 * ew_kernels, flops=2 * ew_flops)
+    xf = xb = 0.0
+    kf = kb = 0
+    if eager_elementwise and not compiled:
+        xf, xb, kf, kb = eager_elementwise_bytes(model, T_rep, T, tp, mlp_tokens_f)
+    if grad_accumulation and moe is None:
+        xb += 3 * model.layer_params() / tp * B
+        kb += 4 * (2 if model.bias else 1) + model.norms_per_block * (2 if model.norm == "layernorm" else 1)
+    ew_f = rf.elementwise(ew_bytes + xf, ew_kernels + kf, flops=ew_flops)
+    ew_b = rf.elementwise(2 * ew_bytes + xb, 2 * ew_kernels + kb, flops=2 * ew_flops)
     fwd = g_fwd + att_f + ew_f + qf + moe_f
     bwd = g_bwd + att_b + ew_b + qb + moe_b
     rc = fwd if recompute == "full" else att_f if recompute == "selective" else 0.0

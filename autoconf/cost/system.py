@@ -202,7 +202,9 @@ class System:
                                               recast=not self.framework.fp8_saves_inputs)
             return block_times(self.model, b, tp, sp, recompute, self.roofline(kind), self.host_cost(kind),
                                cp=cp, fp8=f8, compiled=compiled, moe=moe, ring_math=self.framework.ring_math,
-                               unfused_softmax=self.unfused_softmax(b, tp, cp))
+                               unfused_softmax=self.unfused_softmax(b, tp, cp),
+                               eager_elementwise=self.framework.eager_elementwise,
+                               grad_accumulation=self.framework.grad_accumulation_kernel)
         return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled, moe),
                            lambda: _shared(make(), self.cpu_share(kind)))
 

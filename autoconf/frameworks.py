@@ -160,6 +160,10 @@ class Framework:
     pipeline, then reduce that sum over the replicas on its own, after the chunks' reductions
     (the reference trainer). Elsewhere the copies go in the chunks' data-parallel buckets (their
     first/last-stage sum is not priced)."""
+    fp8_eager_quantize: bool = False
+    """Its FP8 linears quantise every operand with eager torch operations before each GEMM
+    (``autoconf.fp8``; ``compute.EAGER_QUANT_BYTES``), not with fused cast kernels (Transformer
+    Engine, torchao under torch.compile as torchtitan runs it)."""
     eager_elementwise: bool = False
     """Its norms, rotary embedding, gated activation and QKV split run as eager torch operations
     (the reference trainer's ``autoconf.nn``: RMSNorm as ten fp32 kernels, the rotary embedding as
@@ -294,7 +298,7 @@ FRAMEWORKS = {
         cp_comm="ring", ring_math=True, fp8_recipes=("tensorwise", "rowwise"), fp8_host_ops=(16, 16),
         expert_parallel=True, expert_zero_stages=(0, 1), expert_tensor_parallel=False,
         capacity_factor=True, compression=True, tied_sync_after_pipeline=True,
-        eager_elementwise=True, grad_accumulation_kernel=True),
+        eager_elementwise=True, grad_accumulation_kernel=True, fp8_eager_quantize=True),
     "megatron": Framework(
         name="megatron", schedules=("1f1b", "interleaved"),
         zero_stages=(0, 1), zero_stages_with_pp=(0, 1), layered_grad_accum=False,

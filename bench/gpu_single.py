@@ -89,9 +89,11 @@ def one_device_cluster(kind: str):
          "nics": {"count": 1, "bandwidth": "100 Gbit/s"}}]}, where="gpu_single")
 
 
-def one_gpu_config(mbs: int, recompute: str, global_batch: int) -> ParallelConfig:
+def one_gpu_config(mbs: int, recompute: str, global_batch: int, precision: str = "bf16") -> ParallelConfig:
+    """``precision``: bf16, or fp8-RECIPE (fp8-tensorwise, fp8-rowwise)."""
+    fp8 = {"precision": "fp8", "fp8_recipe": precision.split("-", 1)[1]} if precision.startswith("fp8") else {}
     return ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=mbs, num_micro_batches=global_batch // mbs,
-                          recompute=recompute)
+                          recompute=recompute, **fp8)
 
 
 def main(argv=None) -> int:
@@ -101,6 +103,7 @@ def main(argv=None) -> int:
     ap.add_argument("--micro-batch-sizes", default="1,2,4")
     ap.add_argument("--recompute", default="none,selective,full")
     ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--precisions", default="bf16", help="comma list: bf16, fp8-tensorwise, fp8-rowwise")
     ap.add_argument("--steps", type=int, default=8, help="steps per trial, warm-up included")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default=None, help="catalog device kind (default: what the profile measured, "
@@ -141,30 +144,29 @@ def main(argv=None) -> int:
           f"{model.dtype}; cluster one {kind}", flush=True)
 
     rows = []
-    for mbs in mbs_list:
-        for rc in modes:
-            if args.global_batch % mbs:
-                continue
-            c = one_gpu_config(mbs, rc, args.global_batch)
-            row = {"micro_batch_size": mbs, "recompute": rc, "global_batch": args.global_batch}
-            try:
-                row["pred_catalog"] = predicted(estimate(c, model, cluster))
-                if profile is not None:
-                    row["pred_profile"] = predicted(estimate(c, model, cluster, profile))
-            except Exception as ex:  # a prediction the model refuses is a row, not the end of the run
-                row["pred_error"] = f"{type(ex).__name__}: {ex}"
-            if time.perf_counter() - t_start > args.budget_s:
-                row.update(ok=False, reason="not run: --budget-s spent")
-            else:
-                res = run_trial(LaunchPlan(c, model), steps=args.steps, warmup=args.warmup, timeout_s=240)
-                row.update(ok=res.ok, reason=res.reason, step_time_s=res.step_time_s,
-                           peak_memory_bytes=res.peak_memory_bytes, memory_method=res.memory_method,
-                           wall_s=res.wall_s, step_times_s=[r.get("step_times_s") for r in res.per_rank][:1])
-            rows.append(row)
-            print(line(row), flush=True)
-            with open(os.path.join(args.out, "rows.json"), "w") as f:
-                json.dump({"environment": env, "model": model.to_dict(), "device_kind": kind, "rows": rows}, f,
-                          indent=1)
+    runs = [(mbs, rc, p) for p in args.precisions.split(",") for mbs in mbs_list for rc in modes
+            if args.global_batch % mbs == 0]
+    for mbs, rc, prec in runs:
+        c = one_gpu_config(mbs, rc, args.global_batch, prec)
+        row = {"micro_batch_size": mbs, "recompute": rc, "global_batch": args.global_batch, "precision": prec}
+        try:
+            row["pred_catalog"] = predicted(estimate(c, model, cluster))
+            if profile is not None:
+                row["pred_profile"] = predicted(estimate(c, model, cluster, profile))
+        except Exception as ex:  # a prediction the model refuses is a row, not the end of the run
+            row["pred_error"] = f"{type(ex).__name__}: {ex}"
+        if time.perf_counter() - t_start > args.budget_s:
+            row.update(ok=False, reason="not run: --budget-s spent")
+        else:
+            res = run_trial(LaunchPlan(c, model), steps=args.steps, warmup=args.warmup, timeout_s=240)
+            row.update(ok=res.ok, reason=res.reason, step_time_s=res.step_time_s,
+                       peak_memory_bytes=res.peak_memory_bytes, memory_method=res.memory_method,
+                       wall_s=res.wall_s, step_times_s=[r.get("step_times_s") for r in res.per_rank][:1])
+        rows.append(row)
+        print(line(row), flush=True)
+        with open(os.path.join(args.out, "rows.json"), "w") as f:
+            json.dump({"environment": env, "model": model.to_dict(), "device_kind": kind, "rows": rows}, f,
+                      indent=1)
     print()
     summary(rows)
     print(f"total {time.perf_counter() - t_start:.0f} s")
@@ -188,7 +190,7 @@ def reprice(path: str, profile_path: str | None) -> int:
           f"(torch {env.get('torch', '?')}); predicted now" + (f" (profile {profile_path})" if profile else ""))
     rows = []
     for r in doc["rows"]:
-        c = one_gpu_config(r["micro_batch_size"], r["recompute"], r["global_batch"])
+        c = one_gpu_config(r["micro_batch_size"], r["recompute"], r["global_batch"], r.get("precision", "bf16"))
         new = {k: v for k, v in r.items() if not k.startswith("pred")}
         new["pred_catalog"] = predicted(estimate(c, model, cluster))
         if profile is not None:
@@ -225,7 +227,8 @@ def _err(p, m):
 def line(r: dict) -> str:
     cat, pro = r.get("pred_catalog") or {}, r.get("pred_profile") or {}
     m, mem = r.get("step_time_s"), r.get("peak_memory_bytes")
-    s = (f"mbs {r['micro_batch_size']:2d} {r['recompute']:<9} measured {_ms(m)} ms {_gib(mem)} GiB | "
+    prec = r.get("precision", "bf16")
+    s = (f"{'' if prec == 'bf16' else prec + ' '}mbs {r['micro_batch_size']:2d} {r['recompute']:<9} measured {_ms(m)} ms {_gib(mem)} GiB | "
          f"catalog {_ms(cat.get('step_time_s'))} ms {_err(cat.get('step_time_s'), m)} "
          f"{_gib(cat.get('peak_memory_bytes'))} GiB {_err(cat.get('peak_memory_bytes'), mem)} | "
          f"profile {_ms(pro.get('step_time_s'))} ms {_err(pro.get('step_time_s'), m)} "

@@ -134,3 +134,30 @@ def test_attention_head_dim_closed_form():
     assert 1 / b64 == pytest.approx(1 / b128 + r * 2 * (1 / 640 - 1 / 1280), rel=1e-2)
     # what the H100 measured at head dim 64 (bench/data/h100-2026-11-24/kernels.json, cuDNN): 0.47 / 0.43
     assert f64 == pytest.approx(0.47, abs=0.02) and b64 == pytest.approx(0.43, abs=0.02)
+
+
+@pytest.mark.parametrize("dim", [None, -1])
+def test_fp8_quantize_bytes_match_the_dispatched_operations(dim):
+    """``autoconf.fp8.quantize`` (tensorwise: dim None; rowwise: one scale per row) moves
+    ``EAGER_QUANT_BYTES`` per element of a bf16 operand."""
+    torch = pytest.importorskip("torch")
+    from autoconf import fp8
+    from autoconf.cost.compute import EAGER_QUANT_BYTES
+
+    t = torch.randn(512, 256, dtype=torch.bfloat16)
+    moved = _bytes_moved(lambda: fp8.quantize(t, fp8.FWD_DTYPE, dim))
+    assert moved / t.numel() == pytest.approx(EAGER_QUANT_BYTES, rel=0.03)
+
+
+def test_eager_fp8_quantisation_is_priced_per_operand():
+    from autoconf.cost.compute import EAGER_QUANT_BYTES, EAGER_QUANT_KERNELS, Fp8, quantize_times
+
+    rf = Roofline.of(device_type("h100-sxm"), "bf16")
+    m, n, k = 4096.0, 28672.0, 4096.0
+    f, b = quantize_times([(m, n, k)], Fp8(rf, "tensorwise", eager=True), rf)
+    bw = rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency
+    assert f == pytest.approx((m * k + k * n) * EAGER_QUANT_BYTES / bw + 2 * EAGER_QUANT_KERNELS * rf.kernel_launch_s)
+    assert b == pytest.approx(((2 * m * n + k * n + m * k) * EAGER_QUANT_BYTES + 2 * (k * n + m * n + m * k)) / bw
+                              + (4 * EAGER_QUANT_KERNELS + 3) * rf.kernel_launch_s)
+    fused_f, fused_b = quantize_times([(m, n, k)], Fp8(rf, "tensorwise"), rf)
+    assert f > 5 * fused_f and b > 5 * fused_b

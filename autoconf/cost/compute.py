@@ -287,6 +287,11 @@ class Fp8:
     """The backward casts X and W again (transposed) from the high-precision tensors it kept
     (torchao, the reference trainer), instead of using transposed FP8 copies written in the
     forward (Transformer Engine's cast-transpose)."""
+    eager: bool = False
+    """Every operand is quantised by eager torch operations, its amax recomputed before each GEMM
+    (``autoconf.fp8``, the reference trainer): :data:`EAGER_QUANT_BYTES` per element and
+    :data:`EAGER_QUANT_KERNELS` kernels, plus the layout copies cuBLASLt's TN-only FP8 kernels force,
+    in place of the fused kernels of :data:`QUANT_BYTES`."""
 
 
 # Bytes moved per element quantised (read the 16-bit source, write 1-byte FP8 copies), by recipe:
@@ -300,6 +305,17 @@ class Fp8:
 QUANT_BYTES = {"tensorwise": (6.0, 6.0, 0.0), "delayed": (4.0, 4.0, 0.0), "rowwise": (5.0, 10.0, 5.0),
                "mxfp8": (4.0625, 4.0625, 0.0)}
 QUANT_KERNELS = {"tensorwise": (2, 2, 0), "delayed": (1, 1, 0), "rowwise": (2, 4, 2), "mxfp8": (1, 1, 0)}
+
+
+EAGER_QUANT_BYTES = 39.0
+"""Bytes ``autoconf.fp8.quantize`` moves per element of a 16-bit operand, either recipe: the fp32
+copy (2 + 4), abs (4 + 4), amax (4), divide by the scale (4 + 4), clamp (4 + 4), cast to FP8
+(4 + 1); tests/test_eager_elementwise.py tallies the dispatched operations. On an H100 the
+reference trainer's FP8 steps of a Llama-3-8B-shaped model took 1.7-2.1x its bf16 steps
+(bench/data/h100-2026-11-24/llama3-8l-fp8.json): the quantisation outweighs the faster GEMMs."""
+EAGER_QUANT_KERNELS = 8
+"""Kernels per quantised operand: cast, abs, amax, the scale's clamp and division, the operand's
+division, clamp, cast."""
 
 
 def fp8_gemm(rf: Roofline, m: float, n: float, k: float) -> float:
@@ -317,6 +333,14 @@ def quantize_times(gemms, fp8: Fp8, rf: Roofline, compiled: bool = False) -> tup
     (``gemms``: their (m, n, k)), memory-bound at ``rf``'s bandwidth. Compiled (torch.compile),
     the cast of an input produced by an element-wise kernel (the norms' outputs, the activation's)
     is fused into it: only the FP8 writes remain (half the forward bytes of X), and no launch."""
+    if fp8.eager:
+        # forward: X and W; backward: dY twice (dgrad, then transposed for wgrad), W and X again;
+        # copies to the layouts _scaled_mm takes: W for dgrad, dY^T and X for wgrad (1 + 1 bytes)
+        q, qk = EAGER_QUANT_BYTES, EAGER_QUANT_KERNELS
+        fwd_bytes = sum((m * k + k * n) * q for m, n, k in gemms)
+        bwd_bytes = sum((2 * m * n + k * n + m * k) * q + 2.0 * (k * n + m * n + m * k) for m, n, k in gemms)
+        return (rf.elementwise(fwd_bytes, 2 * qk * len(gemms)),
+                rf.elementwise(bwd_bytes, (4 * qk + 3) * len(gemms)))
     xb, dyb, xrb = QUANT_BYTES[fp8.recipe]
     xk, dyk, xrk = QUANT_KERNELS[fp8.recipe]
     if fp8.recast and fp8.recipe in ("tensorwise", "delayed"):

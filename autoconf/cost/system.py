@@ -199,7 +199,8 @@ class System:
                     rc = got[0] if recompute == "full" else 0.0
                     return LayerTimes(got[0], got[1], rc)
             f8 = None if fp8 is None else Fp8(self.fp8_roofline(kind, fp8), fp8, self.framework.fp8_host_ops,
-                                              recast=not self.framework.fp8_saves_inputs)
+                                              recast=not self.framework.fp8_saves_inputs,
+                                              eager=self.framework.fp8_eager_quantize)
             return block_times(self.model, b, tp, sp, recompute, self.roofline(kind), self.host_cost(kind),
                                cp=cp, fp8=f8, compiled=compiled, moe=moe, ring_math=self.framework.ring_math,
                                unfused_softmax=self.unfused_softmax(b, tp, cp),

@@ -3,7 +3,8 @@ SDPA backend and sequence length, torch's fp32 softmax (Megatron's fallback when
 refuses the shape), and memory-bound element-wise kernels by size.
 
     python bench/gpu_kernels.py --json out.json          # measure (needs a CUDA device)
-    python bench/gpu_kernels.py --compare out.json       # the model against stored rows (any machine)
+    python bench/gpu_kernels.py --compare out.json       # the model against stored rows (any machine):
+                                                         # attention, element-wise, the GEMM sweep
 
 Attention: ``torch.nn.functional.scaled_dot_product_attention``, bf16, causal, [b, s, h, d] inputs
 transposed to [b, h, s, d] as a model passes them, for every backend that takes the shape (flash,
@@ -16,7 +17,14 @@ Softmax: Megatron's ``FusedScaleMaskSoftmax.forward_torch_softmax`` on bf16 scor
 ``float()``, scale, ``masked_fill`` with a causal mask, ``softmax``, cast back, and its backward.
 
 Element-wise: ``torch.mul(x, 2, out=y)`` in bf16 from 256 KiB to 2 GiB (bytes read + written), and
-an empty back-to-back kernel's device time.
+an empty back-to-back kernel's time.
+
+GEMMs: nn.Linear's three GEMMs of a layer's four projections over hidden sizes, tp and token
+counts (``--gemm-*``); one GEMM under different data and duty cycles (``conditions``). Blocks:
+``--breakdown MODELS`` times every kernel of one block's forward and backward with torch.profiler
+and sums them by class (GEMM, attention, other). The softmax, conditions and breakdown rows are
+read from the JSON (printed when measured); ``--compare`` holds the model against the attention,
+element-wise and GEMM-sweep rows.
 """
 
 from __future__ import annotations
@@ -311,20 +319,33 @@ def measure_breakdown(out: dict, models, mbs_list, repeats: int = 5) -> None:
 def compare(path: str) -> int:
     """The catalog's H100 roofline against stored rows."""
     from autoconf.catalog import device_type
-    from autoconf.cost.compute import Roofline
+    from autoconf.cost.compute import Roofline, attention_shape_efficiency
 
     data = json.load(open(path))
     dev = device_type("h100-sxm")
     rf = Roofline.of(dev, "bf16")
     peak = rf.peak_flop_per_s
     ef, eb = rf.attention_efficiency
-    print(f"attention (catalog h100-sxm: forward {ef:.2f}, backward {eb:.2f} of {peak / 1e12:.0f} TFLOP/s)")
-    print(f"{'backend':<10} {'d':>4} {'s':>6} | {'fwd frac':>8} {'bwd frac':>8}")
+    print(f"attention (catalog h100-sxm: forward {ef:.2f}, backward {eb:.2f} of {peak / 1e12:.0f} TFLOP/s at head "
+          f"dim 128 on long sequences; the model's column scales it by shape, for the default backend)")
+    print(f"{'backend':<10} {'d':>4} {'s':>6} | {'fwd frac':>8} {'bwd frac':>8} | {'model fwd':>9} {'model bwd':>9}")
     for r in data["attention"]:
         if "error" in r:
             continue
+        mf, mb = attention_shape_efficiency(rf, ef, eb, r["head_dim"], r["seq"])
         print(f"{r['backend']:<10} {r['head_dim']:>4} {r['seq']:>6} | {r['flops_fwd'] / r['fwd_s'] / peak:8.3f} "
-              f"{r['flops_bwd'] / r['bwd_s'] / peak:8.3f}")
+              f"{r['flops_bwd'] / r['bwd_s'] / peak:8.3f} | {mf:9.3f} {mb:9.3f}")
+    if data.get("gemm"):
+        print("\nGEMM sweep against the catalog's tile model (signed error of predicted time), by measured time")
+        buckets: dict = {}
+        for r in data["gemm"]:
+            e = rf.gemm(r["m"], r["n"], r["k"], 2) / r["time_s"] - 1
+            t = r["time_s"]
+            key = "< 40 us (host-bound)" if t < 40e-6 else "40-200 us" if t < 200e-6 else "0.2-1 ms" if t < 1e-3 else ">= 1 ms"
+            buckets.setdefault(key, []).append(e)
+        for key, es in buckets.items():
+            print(f"  {key:<22} n={len(es):4d} median {statistics.median(es):+6.1%} "
+                  f"mean |e| {statistics.mean(abs(x) for x in es):5.1%}")
     bw = rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency
     print(f"\nelement-wise (catalog: {bw / 1e9:.0f} GB/s + {rf.kernel_launch_s * 1e6:.0f} us per kernel)")
     for r in data["elementwise"]:

@@ -115,6 +115,10 @@ def main(argv=None) -> int:
                     help="no GPU needed: predict the measured rows of an earlier run (its rows.json) with today's "
                     "cost model (with --profile FILE: also from that profile)")
     args = ap.parse_args(argv)
+    bad = [p for p in args.precisions.split(",") if p not in ("bf16", "fp8-tensorwise", "fp8-rowwise")]
+    if bad:
+        print(f"error: --precisions {bad[0]!r} is not one of bf16, fp8-tensorwise, fp8-rowwise", file=sys.stderr)
+        return 2
     if args.reprice:
         return reprice(args.reprice, None if args.profile in ("fresh", "none") else args.profile)
 

@@ -161,3 +161,32 @@ def test_eager_fp8_quantisation_is_priced_per_operand():
                               + (4 * EAGER_QUANT_KERNELS + 3) * rf.kernel_launch_s)
     fused_f, fused_b = quantize_times([(m, n, k)], Fp8(rf, "tensorwise"), rf)
     assert f > 5 * fused_f and b > 5 * fused_b
+
+
+def test_attention_efficiency_against_the_measured_h100_rows():
+    """The H100 catalog's cuDNN attention (0.63 / 0.52 at head dim 128, scaled by shape) against every
+    measured cuDNN row: head dims 64 and 128, multi-head and grouped-query, 512-16384 tokens."""
+    import json
+    import os
+
+    here = os.path.join(os.path.dirname(__file__), "..", "bench", "data", "h100-2026-11-24")
+    rows = []
+    for name in ("kernels.json", "kernels-gqa-breakdown.json"):
+        with open(os.path.join(here, name)) as f:
+            rows += json.load(f)["attention"]
+    rf = Roofline.of(device_type("h100-sxm"), "bf16")
+    att = device_type("h100-sxm").attention_efficiency
+    checked = 0
+    for r in rows:
+        if r["backend"] != "cudnn" or "error" in r:
+            continue
+        f, b = attention_shape_efficiency(rf, att["forward"], att["backward"], r["head_dim"], r["seq"])
+        measured_f = r["flops_fwd"] / r["fwd_s"] / rf.peak_flop_per_s
+        measured_b = r["flops_bwd"] / r["bwd_s"] / rf.peak_flop_per_s
+        assert f == pytest.approx(measured_f, rel=0.09), r
+        assert b == pytest.approx(measured_b, rel=0.09), r
+        checked += 1
+    assert checked == 17
+    # a constant rate (the catalog's old FlashAttention-2 figure) misses them by far more
+    assert not all(0.35 == pytest.approx(r["flops_fwd"] / r["fwd_s"] / rf.peak_flop_per_s, rel=0.09)
+                   for r in rows if r["backend"] == "cudnn" and "error" not in r)

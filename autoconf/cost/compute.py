@@ -219,7 +219,9 @@ def eager_elementwise_bytes(model: ModelSpec, T_rep: float, T: float, tp: int, m
     - Rotary embedding (``_rope``) on Q and K, per rotated element: x cos (2e), the negated half
       (e), the concatenation (2e), x sin (2e), the sum (3e): 10e against 2e, and as many in the
       backward (the same products, the concatenation's split and the two gradients' sum) against
-      4e; V is copied to a contiguous tensor (2e forward).
+      4e; V is copied to a contiguous tensor (2e forward). Partial rotary concatenates the rotated
+      part with the rest (2e per head element), and its backward zero-fills each slice's gradient to
+      full width and adds the two (6e). Not under multi-head latent attention (not in autoconf.nn).
     - Gated MLP: the activation (2e) and the product (3e) on views of the first linear's output,
       against 3e; backward: the product's two gradients (6e), the activation's (3e), and the two
       halves' concatenation into the linear's output gradient (4e per element of each half),
@@ -235,22 +237,29 @@ def eager_elementwise_bytes(model: ModelSpec, T_rep: float, T: float, tp: int, m
     cast_k = 0 if e == 4 else 1
     xf = xb = 0.0
     kf = kb = 0
-    if model.norm == "rmsnorm":
+    if model.norm == "rmsnorm":  # 8 kernels forward and 14 backward (6 and 9 without casts)
         n = model.norms_per_block * T_rep * model.hidden_size
         xf += n * (cast + 8 + 4 + 8 + cast + 2 * e - 2 * e)
         xb += n * ((cast + 8) + cast + 12 + 4 + 8 + 12 + 4 + 8 + 12 + 8 + cast - 4 * e)
         kf += model.norms_per_block * (6 + 2 * cast_k - 1)
-        kb += model.norms_per_block * (11 + 3 * cast_k - 2)
-    if model.position_embedding == "rope":
-        rot = T * (model.q_size + model.kv_size) / tp * model.rotary_dim / max(1, model.head_size)
+        kb += model.norms_per_block * (9 + 5 * cast_k - 2)
+    if model.position_embedding == "rope" and not model.is_mla:
+        heads_el = T * (model.q_size + model.kv_size) / tp
+        rot = heads_el * model.rotary_dim / max(1, model.head_size)
         xf += rot * (10 * e - 2 * e) + T * model.kv_size / tp * 2 * e
         xb += rot * (10 * e - 4 * e)
         kf += 2 * 5 - 2 + 1
-        kb += 2 * 5 - 2
+        kb += 2 * 5 - 4
+        if model.rotary_dim < model.head_size:
+            # partial rotary: the rotated part and the pass-through concatenated (2e per head
+            # element); backward, each slice's gradient zero-filled to full width and the two added
+            xf += heads_el * 2 * e
+            xb += heads_el * 6 * e
+            kf += 2
+            kb += 2 * 3
     if model.gated_mlp:
         xf += mlp_tokens_f * (5 * e - 3 * e)
         xb += mlp_tokens_f * (13 * e - 6 * e)
-        kb += 2
     xb += T * (model.q_size + 2 * model.kv_size) / tp * 2 * e
     kb += 1
     return xf, xb, kf, kb
@@ -395,10 +404,10 @@ ATTENTION_KEY_TILE = 128
 ATTENTION_TILE_OVERHEAD = (1.1, 3.15)
 """Fixed work per query tile of fused attention (loading the queries, the final rescale and
 store; in the backward also the keys' and values' gradients and the dot(dO, O) pass), in units of
-one key tile's work, forward and backward. Fitted jointly over 22 measured sequence lengths
-(512-16384) of two kernel families (cuDNN's and FlashAttention-2), head dims 64 and 128,
-multi-head and grouped-query, on an H100 (bench/gpu_kernels.py): within 3% rms of every curve once
-each has its own long-sequence rate."""
+one key tile's work, forward and backward. Fitted jointly over sequence lengths 512-16384
+of two kernel families (cuDNN's and FlashAttention-2), head dims 64 and 128,
+multi-head and grouped-query, on an H100 (bench/gpu_kernels.py: 34 points over 6 lengths): 3.2% /
+2.7% rms pooled, at most 5.1% for one curve, once each curve has its own long-sequence rate."""
 
 
 def attention_shape_efficiency(rf: "Roofline", eff_f: float, eff_b: float, head_dim: float, keys: float,
@@ -415,11 +424,15 @@ def attention_shape_efficiency(rf: "Roofline", eff_f: float, eff_b: float, head_
       probabilities and their gradient) on the special-function units, against 4 d and 10 d
       tensor-core FLOPs per score; a smaller d leaves more of the time there:
       1 / eff(d) = 1 / eff(128) + peak / X * (k / (F d) - k / (F 128)), k = 1 and 2, F = 4 and 10.
-      On an H100 this predicts 0.48 and 0.43 at head dim 64 from 0.63 and 0.52 (measured 0.47, 0.43).
+      On an H100 this predicts 0.49 and 0.43 at head dim 64 from 0.63 and 0.52 (measured 0.47, 0.43).
+      Head dims above 128 keep the catalog's rate (not measured).
+
+    The tile constants were measured on an H100 only; the A100's FlashAttention-2 takes the same
+    (its long-sequence rate is Dao's).
     """
     out = []
     for eff, c0, k, F in ((eff_f, ATTENTION_TILE_OVERHEAD[0], 1, 4), (eff_b, ATTENTION_TILE_OVERHEAD[1], 2, 10)):
-        if rf.special_function_per_s and head_dim > 0:
+        if rf.special_function_per_s and 0 < head_dim < 128:  # above 128: not measured, no gain taken
             ratio = rf.peak_flop_per_s / rf.special_function_per_s
             eff = 1.0 / max(1e-9, 1.0 / eff + ratio * (k / (F * head_dim) - k / (F * 128.0)))
         if window is not None and window < keys:
@@ -483,19 +496,28 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
     if model.attention == "flash":
         # causal blocks skipped; scores over the Q/K width, the weighted sum over V's (they differ
         # under multi-head latent attention); windowed blocks see fewer keys (window_work)
-        flops = 2.0 * b * s * s * (q + out_w) / tp * 0.5 / cp * window_work(model)
+        full = 2.0 * b * s * s * (q + out_w) / tp * 0.5 / cp
         io = (T * (q + k_w + v_w) / tp + T * out_w / tp) * B
-        eff_f, eff_b = rf.attention_efficiency or (rf.gemm_efficiency, rf.gemm_efficiency)
-        if rf.sm_count:  # a GPU's fused kernel: its tiles and softmax at this shape
-            heads_total = model.num_attention_heads
-            eff_f, eff_b = attention_shape_efficiency(rf, eff_f, eff_b, (q + out_w) / (2 * heads_total),
-                                                      s_loc if cp > 1 else s, model.sliding_window)
-        if rf.gemm_eff is not None:  # a profile measured this device: scale by its large-GEMM rate
-            eff_f, eff_b = (e * (rf.gemm_eff(8192, 8192, 8192) or rf.gemm_efficiency) / rf.gemm_efficiency
-                            for e in (eff_f, eff_b))
         mem = io / (rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency)
-        att_f = max(flops / (rf.peak_flop_per_s * eff_f), mem) + calls * rf.kernel_launch_s
-        att_b = max(2.5 * flops / (rf.peak_flop_per_s * eff_b), 2.5 * mem) + calls * rf.kernel_launch_s
+        # the windowed layers' share of the blocks and their work relative to a full causal layer
+        # (window_work averages the two over the blocks): each kind at its own kernel efficiency
+        w = model.sliding_window if model.sliding_window is not None and model.sliding_window < s else None
+        windowed = model.num_windowed_layers / model.num_layers if w else 0.0
+        w_frac = (s * w - w * w / 2) / (s * s / 2) if w else 1.0
+        att_f = att_b = calls * rf.kernel_launch_s
+        for share, flops, window in ((1.0 - windowed, full, None), (windowed, full * w_frac, w)):
+            if share <= 0:
+                continue
+            eff_f, eff_b = rf.attention_efficiency or (rf.gemm_efficiency, rf.gemm_efficiency)
+            if rf.sm_count:  # a GPU's fused kernel: its tiles and softmax at this shape
+                eff_f, eff_b = attention_shape_efficiency(rf, eff_f, eff_b,
+                                                          (q + out_w) / (2 * model.num_attention_heads),
+                                                          s_loc if cp > 1 else s, window)
+            if rf.gemm_eff is not None:  # a profile measured this device: scale by its large-GEMM rate
+                eff_f, eff_b = (e * (rf.gemm_eff(8192, 8192, 8192) or rf.gemm_efficiency) / rf.gemm_efficiency
+                                for e in (eff_f, eff_b))
+            att_f += share * max(flops / (rf.peak_flop_per_s * eff_f), mem)
+            att_b += share * max(2.5 * flops / (rf.peak_flop_per_s * eff_b), 2.5 * mem)
     else:
         # each query chunk against the key chunks it sees: at cp > 1 the rank's two of 2cp chunks
         # (i and 2cp-1-i) attend over i+1 and 2cp-i chunks, blocks wholly above the diagonal
@@ -548,7 +570,9 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     ``compiled``). ``grad_accumulation``: each backward adds the block's weight gradients into the
     ones accumulated so far with a separate kernel per parameter (eager torch's ``.grad``
     accumulation: read both, write one, in the parameters' dtype), as on every micro-batch but the
-    first of a step; Megatron-LM fuses it into the weight-gradient GEMM (its fp32 ``main_grad``)."""
+    first of a step (charged on each: 1/m of the term too much); Megatron-LM fuses it into the
+    weight-gradient GEMM (its fp32 ``main_grad``). Not for mixture-of-experts blocks (not
+    priced)."""
     unfused_softmax = unfused_softmax and model.attention == "eager"
     s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
     q, kv, B = model.q_size, model.kv_size, model.dtype_bytes
@@ -596,7 +620,9 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
         g_bwd = sum(fp8_gemm(fp8.rf, m, k, n) + fp8_gemm(fp8.rf, n, k, m) for m, n, k in gemms)
         g_fwd += sum(nb * fp8_gemm(fp8.rf, m, n, k) for m, n, k, nb in grouped)
         g_bwd += sum(nb * (fp8_gemm(fp8.rf, m, k, n) + fp8_gemm(fp8.rf, n, k, m)) for m, n, k, nb in grouped)
-        qf, qb = quantize_times(gemms + [(m * nb, n, k) for m, n, k, nb in grouped], fp8, rf, compiled)
+        # the reference trainer's experts (fp8.eager) are not FP8 linears: only the dense GEMMs quantise
+        quantised = gemms[:n_attn] if fp8.eager and moe is not None else gemms + [(m * nb, n, k) for m, n, k, nb in grouped]
+        qf, qb = quantize_times(quantised, fp8, rf, compiled)
     att_f, att_b = attention_core_times(model, b, tp, rf, cp, ring_math, unfused_softmax)
     calls = 1 if cp == 1 else cp  # ring attention: one call per key/value chunk
     # element-wise: norms (read + write), residual adds, dropouts, activation, rope

@@ -184,13 +184,15 @@ class System:
         return self.model.dtype_bytes if kind == "cpu" else 1
 
     def block(self, kind: str, b: int, tp: int, sp: bool, recompute: str, cp: int = 1, fp8: str | None = None,
-              compiled: bool = False, moe=None) -> LayerTimes:
+              compiled: bool = False, moe=None, accumulates: bool = True) -> LayerTimes:
         """One transformer block shard per micro-batch on ``kind``: the profile's measured layer
         times (``measured.block_times``; measured in the model's dtype over the whole sequence, so
         only for a dense block at cp = 1 without FP8), else the roofline per op
         (``compute.block_times``); at the CPU time-share. ``fp8``: the FP8 recipe of the linear
         layers (None: the model's dtype); ``moe``: a mixture-of-experts block's MLP
-        (``compute.Moe``, from ``moe.moe_shape``)."""
+        (``compute.Moe``, from ``moe.moe_shape``). ``accumulates``: the step adds micro-batches'
+        weight gradients into ``.grad`` (more than one micro-batch, gradients not reduced away
+        after each backward), which a framework with ``grad_accumulation_kernel`` pays for."""
         def make():
             if self.measured_for(kind) and cp == 1 and fp8 is None and not compiled and moe is None:
                 from .measured import block_times as measured_block
@@ -205,8 +207,8 @@ class System:
                                cp=cp, fp8=f8, compiled=compiled, moe=moe, ring_math=self.framework.ring_math,
                                unfused_softmax=self.unfused_softmax(b, tp, cp),
                                eager_elementwise=self.framework.eager_elementwise,
-                               grad_accumulation=self.framework.grad_accumulation_kernel)
-        return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled, moe),
+                               grad_accumulation=self.framework.grad_accumulation_kernel and accumulates)
+        return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled, moe, accumulates),
                            lambda: _shared(make(), self.cpu_share(kind)))
 
     def unfused_softmax(self, b: int, tp: int, cp: int = 1) -> bool:
@@ -224,9 +226,12 @@ class System:
         if moe:
             from .moe import moe_shape
             shape = moe_shape(self, c)
+        # ZeRO-2/3 with data parallelism reduce each micro-batch's gradients and drop them (not
+        # under layered accumulation): nothing accumulates in .grad
+        accumulates = c.num_micro_batches > 1 and (c.zero_stage <= 1 or c.dp == 1 or c.layered_grad_accum)
         return self.block(kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
                           c.fp8_recipe if c.precision == "fp8" else None,
-                          self.framework.knob(c, "torch_compile"), shape)
+                          self.framework.knob(c, "torch_compile"), shape, accumulates)
 
     def fp8_roofline(self, kind: str, recipe: str) -> Roofline:
         """The roofline of FP8 GEMMs on ``kind``: the catalog's FP8 peak (MXFP8's for the mxfp8

@@ -316,7 +316,8 @@ class PointOptimizer:
             sys_ = self.system
             c = self._prec(ParallelConfig(dp=1, pp=1, tp=tp, micro_batch_size=mbs, num_micro_batches=1,
                                           recompute=rc, sequence_parallel=sp, cp=cp))
-            lts = [sys_.block(k, mbs, tp, sp, rc, cp=cp, fp8=self.fp8, compiled=comp)
+            # accumulates=False: no .grad accumulation pass (the least any configuration pays)
+            lts = [sys_.block(k, mbs, tp, sp, rc, cp=cp, fp8=self.fp8, compiled=comp, accumulates=False)
                    for k in self.kinds for comp in self.compiled]
             tpt = tp_times(sys_, c, [self.kinds]) if tp > 1 else None
             act = sys_.layer_activations(c, min(sys_.mask_bytes(k) for k in self.kinds))["total"]

@@ -313,15 +313,20 @@ def test_inner_choices_cover_what_the_bounds_key():
         assert {(sp, rc) for sp, rc, _ in keys} == opts
 
 
-def test_fp8_plans_are_faster_on_h100():
-    """FP8 GEMMs run at twice the dense peak on Hopper: every fastest plan per GPU count is
-    faster than in bf16, and the notes say the numerics change."""
+def test_fp8_plans_are_faster_on_h100_with_fused_casts():
+    """FP8 GEMMs run at twice the dense peak on Hopper: with Megatron-LM's fused casts (Transformer
+    Engine) every fastest plan per GPU count is faster than in bf16, and the notes say the numerics
+    change. The reference trainer quantises every operand with eager operations
+    (``compute.EAGER_QUANT_BYTES``; measured 1.7-2.1x slower than bf16 on an H100): its FP8 plans
+    are slower."""
     kw = dict(device="h100-sxm", max_gpus=64, tokens=2.6e10, compare_networks=())
-    bf, f8 = T.plan(GPT, **kw), T.plan(GPT, precision="fp8", **kw)
-    assert f8.precision == ("fp8", "tensorwise") and any("different numerics" in n for n in f8.notes)
+    bf, f8 = T.plan(GPT, framework="megatron", **kw), T.plan(GPT, framework="megatron", precision="fp8", **kw)
+    assert f8.precision[0] == "fp8" and any("different numerics" in n for n in f8.notes)
     for a, b in zip(bf.per_gpus(), f8.per_gpus()):
         assert b.estimate.config.precision == "fp8" and b.step_time_s < a.step_time_s
-    assert "--precision fp8 --fp8-recipe tensorwise" in f8.search_command(f8.shortest())
+    assert f"--precision fp8 --fp8-recipe {f8.precision[1]}" in f8.search_command(f8.shortest())
+    ref_bf, ref_f8 = T.plan(GPT, **kw), T.plan(GPT, precision="fp8", **kw)
+    assert all(b.step_time_s > a.step_time_s for a, b in zip(ref_bf.per_gpus(), ref_f8.per_gpus()))
 
 
 PROFILE = os.path.join(os.path.dirname(__file__), "..", "examples", "profiles", "bench-h256-cpu2.json")

@@ -387,16 +387,21 @@ class Moe:
     """The experts' tensor-parallel split (0: tp; 1: whole experts on every tp rank)."""
 
 
+def windowed_blocks(model: ModelSpec) -> tuple[float, float]:
+    """(share of the blocks that attend over a sliding window, a windowed block's work relative to
+    full causal attention): (0, 1) without windows; a windowed block (window w < s) computes
+    s x w - w^2 / 2 query-key pairs against the causal s^2 / 2."""
+    if model.sliding_window is None or model.sliding_window >= model.seq_length:
+        return 0.0, 1.0
+    s, w = model.seq_length, model.sliding_window
+    return model.num_windowed_layers / model.num_layers, (s * w - w * w / 2) / (s * s / 2)
+
+
 def window_work(model: ModelSpec) -> float:
     """The attention core's work per block relative to full causal attention, averaged over the
-    blocks: 1 without sliding windows; a windowed block (window w < s) computes s x w - w^2 / 2
-    query-key pairs against the causal s^2 / 2."""
-    if model.sliding_window is None or model.sliding_window >= model.seq_length:
-        return 1.0
-    s, w = model.seq_length, model.sliding_window
-    windowed = model.num_windowed_layers
-    frac = (s * w - w * w / 2) / (s * s / 2)
-    return ((model.num_layers - windowed) + windowed * frac) / model.num_layers
+    blocks (:func:`windowed_blocks`): 1 without sliding windows."""
+    share, frac = windowed_blocks(model)
+    return (1.0 - share) + share * frac
 
 
 ATTENTION_KEY_TILE = 128
@@ -501,11 +506,9 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
         mem = io / (rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency)
         # the windowed layers' share of the blocks and their work relative to a full causal layer
         # (window_work averages the two over the blocks): each kind at its own kernel efficiency
-        w = model.sliding_window if model.sliding_window is not None and model.sliding_window < s else None
-        windowed = model.num_windowed_layers / model.num_layers if w else 0.0
-        w_frac = (s * w - w * w / 2) / (s * s / 2) if w else 1.0
+        windowed, w_frac = windowed_blocks(model)
         att_f = att_b = calls * rf.kernel_launch_s
-        for share, flops, window in ((1.0 - windowed, full, None), (windowed, full * w_frac, w)):
+        for share, flops, window in ((1.0 - windowed, full, None), (windowed, full * w_frac, model.sliding_window)):
             if share <= 0:
                 continue
             eff_f, eff_b = rf.attention_efficiency or (rf.gemm_efficiency, rf.gemm_efficiency)

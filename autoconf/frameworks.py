@@ -176,6 +176,11 @@ class Framework:
     accumulation into the weight-gradient GEMM (``gradient_accumulation_fusion``, its default).
     torchtitan and DeepSpeed are left without it: their gradients are sharded or bucketed in ways
     not measured here."""
+    fused_glu: bool = False
+    """A gated MLP's activation (SwiGLU, GeGLU) is one autograd function that keeps only its input
+    and recomputes act(gate) in the backward: Megatron-LM's ``bias_swiglu_impl`` /
+    ``bias_geglu_impl`` (``--bias-swiglu-fusion``, on by default; its experts too). Three f-wide
+    tensors per token instead of eager's four (``activations.mlp_hidden_rows``)."""
     compression: bool = False
     """Whether it runs Optimus-CC's compressed traffic (``pp_compression``, ``dp_compression_stages``,
     ``fused_embedding_sync``): the reference trainer only. Megatron-LM, torchtitan and DeepSpeed
@@ -309,7 +314,7 @@ FRAMEWORKS = {
         loss_backward_fp32_tensors=0, megatron_softmax=True,
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
-        capacity_factor=True),
+        capacity_factor=True, fused_glu=True),
     "torchtitan": Framework(
         name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 2, 3), zero_stages_with_pp=(0, 2, 3), layered_grad_accum=False,

@@ -89,6 +89,76 @@ def test_gqa_swiglu_terms():
     assert sel["qkv"] == p["qkv"]
 
 
+def test_fused_glu_keeps_three_rows():
+    """Megatron-LM's fused SwiGLU (``bias_swiglu_impl``: one autograd function saving its 2f input)
+    keeps 3 f-wide rows per token where eager keeps 4; a GeLU MLP keeps 2 either way."""
+    m = preset("llama-3-8b")
+    s, f, b, t = m.seq_length, m.ffn_hidden_size, 2, 4
+    for rc in ("none", "selective"):
+        eager = layer_activation_bytes(m, b, t, True, rc)
+        fused = layer_activation_bytes(m, b, t, True, rc, fused_glu=True)
+        assert eager["mlp_hidden"] == 2 * s * b * 4 * f / t
+        assert fused["mlp_hidden"] == 2 * s * b * 3 * f / t
+        assert eager["total"] - fused["total"] == 2 * s * b * f / t
+    gelu = dataclasses.replace(m, activation="gelu")
+    assert (layer_activation_bytes(gelu, b, t, True, "none", fused_glu=True)
+            == layer_activation_bytes(gelu, b, t, True, "none"))
+    # full recomputation keeps the block input only; its working set shrinks the same way
+    full_e = layer_activation_bytes(m, b, t, True, "full")
+    full_f = layer_activation_bytes(m, b, t, True, "full", fused_glu=True)
+    assert full_e["total"] == full_f["total"]
+    assert full_e["recompute_working_bytes"] - full_f["recompute_working_bytes"] == 2 * s * b * f / t
+
+
+def test_fused_glu_rows_as_autograd_saves_them():
+    """What torch's autograd really keeps (saved-tensor hooks), per token of f: eager
+    ``silu(gate) * up`` after a fused gate_up output, then a down projection; and the same with
+    the activation as one autograd function that saves only its input, as Megatron-LM's
+    ``SwiGLUFunction`` does."""
+    torch = pytest.importorskip("torch")
+    F = torch.nn.functional
+
+    class SwiGLUFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            g, u = torch.chunk(x, 2, -1)
+            return F.silu(g) * u
+
+        @staticmethod
+        def backward(ctx, dy):
+            (x,) = ctx.saved_tensors
+            with torch.enable_grad():
+                xx = x.detach().requires_grad_()
+                g, u = torch.chunk(xx, 2, -1)
+                out = F.silu(g) * u
+            return torch.autograd.grad(out, xx, dy)[0]
+
+    T, h, f = 8, 16, 32
+    w_up, w_down = torch.randn(2 * f, h, requires_grad=True), torch.randn(h, f, requires_grad=True)
+    x = torch.randn(T, h, requires_grad=True)
+
+    def rows(act) -> float:
+        seen = {}
+
+        def pack(t):
+            if t.dim() == 2 and t.shape[0] == T:  # activations, not weights
+                seen[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))] = t.numel()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            F.linear(act(F.linear(x, w_up)), w_down).sum()
+        return (sum(seen.values()) - T * h) / (T * f)  # less the up projection's own input
+
+    def eager(y):
+        g, u = torch.chunk(y, 2, -1)
+        return F.silu(g) * u
+
+    m = preset("llama-3-8b")
+    assert rows(eager) == layer_activation_bytes(m, 1, 1, False, "none")["mlp_hidden"] / (2 * m.seq_length * m.ffn_hidden_size)
+    assert rows(SwiGLUFunction.apply) == layer_activation_bytes(m, 1, 1, False, "none", fused_glu=True)["mlp_hidden"] / (
+        2 * m.seq_length * m.ffn_hidden_size)
+
+
 SHAPES = [
     dict(num_layers=2, hidden_size=h, num_attention_heads=a, num_kv_heads=kv, ffn_hidden_size=f, vocab_size=1000,
          seq_length=s, activation=act, attention=att, dropout=p, dtype=dt, norm=norm)

@@ -114,8 +114,9 @@ def test_moe_activation_memory_closed_form():
     dense = s.layer_activations(c, 1)
     got = moe_activation_bytes(s, c, 1)
     T, e, k, h = 4096, 2, 8, 2048
-    dense_mlp = e * T * 4 * 8192 / 2
-    expert = e * 4 * (T * k * 768 + T * 768) / 2  # routed rows (T x k) and the shared expert's T rows
+    # Megatron-LM's fused SwiGLU keeps 3 f-wide rows per token (its 2f input and the product)
+    dense_mlp = e * T * 3 * 8192 / 2
+    expert = e * 3 * (T * k * 768 + T * 768) / 2  # routed rows (T x k) and the shared expert's T rows
     extra = 2 * e * T * k * h + 4 * T * 64
     assert got["total"] == pytest.approx(dense["total"] - dense_mlp + expert + extra)
 

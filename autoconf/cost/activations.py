@@ -53,8 +53,22 @@ def _check(micro_batch_size: int, tp: int, recompute: str = "none") -> None:
         raise ValueError(f"micro_batch_size={micro_batch_size} and tp={tp} must be positive")
 
 
+def mlp_hidden_rows(model: ModelSpec, fused_glu: bool = False) -> int:
+    """f-wide tensors per token the MLP keeps for the backward: the up projection's output (the
+    activation's input) and the activation's output (the down projection's input), 2; a gated MLP
+    run as eager operations (autoconf.nn, torchtitan, Megatron-DeepSpeed's ``swiglu``) keeps the
+    fused gate_up output (2f), act(gate) for the product's backward (f) and the product (f), 4;
+    ``fused_glu``, one autograd function that saves only its 2f input (Megatron-LM's
+    ``bias_swiglu_impl`` / ``bias_geglu_impl``, on by default through ``--bias-swiglu-fusion``)
+    and recomputes act(gate) in its backward, 3."""
+    if not model.gated_mlp:
+        return 2
+    return 3 if fused_glu else 4
+
+
 def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: int,
-                        norm_stat_bytes: int | None, selective: bool, fp32_softmax: bool = False) -> dict[str, float]:
+                        norm_stat_bytes: int | None, selective: bool, fp32_softmax: bool = False,
+                        fused_glu: bool = False) -> dict[str, float]:
     """Korthikanti et al. section 4.1 (attention 11sbh + 5as^2b, MLP 19sbh, norms 4sbh), generalised."""
     e, s, h, a = model.dtype_bytes, model.seq_length, model.hidden_size, model.num_attention_heads
     q, f = model.q_size, model.ffn_hidden_size
@@ -92,12 +106,9 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
         p["attention_dropout_mask_out"] = mask_bytes * rep * h
     if not model.shared_norm:  # a shared norm's output is the qkv input, kept once
         p["mlp_input"] = e * rep * h
-    if model.gated_mlp:
-        # fused gate_up output (2f), act(gate) (f), act(gate)*up = down input (f)
-        p["mlp_hidden"] = e * tok * 4 * f / t
-    else:
-        # fc1 output = gelu input (f), gelu output = fc2 input (f): the paper's 8sbh + 8sbh at f = 4h
-        p["mlp_hidden"] = e * tok * 2 * f / t
+    # fc1 output = gelu input (f), gelu output = fc2 input (f): the paper's 8sbh + 8sbh at f = 4h;
+    # gated: ``mlp_hidden_rows``
+    p["mlp_hidden"] = e * tok * mlp_hidden_rows(model, fused_glu) * f / t
     if drop:
         p["mlp_dropout_mask"] = mask_bytes * rep * h
     return p
@@ -106,7 +117,8 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
 def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                            recompute: str = "none", mask_bytes: int = 1,
                            norm_stat_bytes: int | None = None, cp: int = 1,
-                           fp8_inputs: bool = False, fp32_softmax: bool = False) -> dict[str, float]:
+                           fp8_inputs: bool = False, fp32_softmax: bool = False,
+                           fused_glu: bool = False) -> dict[str, float]:
     """Bytes one transformer block keeps for backward, per micro-batch and per TP rank.
 
     Korthikanti et al. (arXiv 2205.05198) eq. 1-5 and Table 2, generalised (see the module docstring).
@@ -124,12 +136,14 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
     element (Transformer Engine): the qkv, projection, MLP and down-projection inputs.
     ``fp32_softmax``: eager attention's softmax runs in fp32 and keeps its fp32 output (Megatron's
     fallback from its fused kernel, ``compute.fused_softmax_available``).
+    ``fused_glu``: a gated MLP's activation is one autograd function keeping only its input
+    (Megatron-LM; ``mlp_hidden_rows``).
     """
     _check(micro_batch_size, tp, recompute)
     sp = bool(sequence_parallel) and tp > 1
     b, t = micro_batch_size, tp
     full = _fp8_saved(model, b, t, _no_recompute_parts(model, b, t, sp, mask_bytes, norm_stat_bytes, selective=False,
-                                                       fp32_softmax=fp32_softmax), fp8_inputs)
+                                                       fp32_softmax=fp32_softmax, fused_glu=fused_glu), fp8_inputs)
     full_total = sum(full.values())
     if recompute == "full":
         # only the block's input is kept (checkpoint stores it); sequence-sharded under SP
@@ -138,7 +152,7 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
         working = full_total
     elif recompute == "selective":
         parts = _fp8_saved(model, b, t, _no_recompute_parts(model, b, t, sp, mask_bytes, norm_stat_bytes,
-                                                             selective=True), fp8_inputs)
+                                                             selective=True, fused_glu=fused_glu), fp8_inputs)
         working = full_total - sum(parts.values())
     else:
         parts, working = full, 0.0

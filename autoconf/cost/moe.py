@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from ..config import ParallelConfig
 from . import comm
+from .activations import mlp_hidden_rows
 from .compute import Moe
 from .system import System
 from .tensor_parallel import axis_links
@@ -109,7 +110,7 @@ def moe_activation_bytes(system: System, c: ParallelConfig, mask: int) -> dict:
         return dense  # only the block's input is kept; the working set is recomputed
     e, tp = m.dtype_bytes, c.tp
     T = c.micro_batch_size * m.seq_length / c.cp
-    hidden_per_row = (4 if m.gated_mlp else 2)
+    hidden_per_row = mlp_hidden_rows(m, system.framework.fused_glu)
     dense_mlp = e * T * hidden_per_row * m.ffn_hidden_size / tp
     sh = moe_shape(system, c)
     expert_mlp = e * hidden_per_row * (sh.assignments * m.expert_ffn + sh.tokens * sh.shared_ffn) / sh.etp

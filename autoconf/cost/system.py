@@ -289,7 +289,7 @@ class System:
         fp8_inputs = c.precision == "fp8" and self.framework.fp8_saves_inputs
 
         def make():
-            kw = {"cp": c.cp, "fp8_inputs": fp8_inputs}
+            kw = {"cp": c.cp, "fp8_inputs": fp8_inputs, "fused_glu": self.framework.fused_glu}
             if self.measured_for():
                 from .measured import activation_bytes
                 got = activation_bytes(self.profile, self.model, c.micro_batch_size, c.tp, c.sequence_parallel,

@@ -176,6 +176,10 @@ class Framework:
     accumulation into the weight-gradient GEMM (``gradient_accumulation_fusion``, its default).
     torchtitan and DeepSpeed are left without it: their gradients are sharded or bucketed in ways
     not measured here."""
+    tp_backward_overlap: bool = False
+    """A column-parallel linear's backward launches its tensor-parallel collectives asynchronously
+    beside its GEMMs (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``, which
+    Megatron-DeepSpeed shares; ``tensor_parallel.overlapped``). Elsewhere they run in turn."""
     fused_glu: bool = False
     """A gated MLP's activation (SwiGLU, GeGLU) is one autograd function that keeps only its input
     and recomputes act(gate) in the backward: Megatron-LM's ``bias_swiglu_impl`` /
@@ -314,7 +318,7 @@ FRAMEWORKS = {
         loss_backward_fp32_tensors=0, megatron_softmax=True,
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
-        capacity_factor=True, fused_glu=True),
+        capacity_factor=True, fused_glu=True, tp_backward_overlap=True),
     "torchtitan": Framework(
         name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 2, 3), zero_stages_with_pp=(0, 2, 3), layered_grad_accum=False,
@@ -331,7 +335,7 @@ FRAMEWORKS = {
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": True, "tp_comm_overlap": False,
                   "torch_compile": False},
         knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE,
-        loss_backward_fp32_tensors=0),
+        loss_backward_fp32_tensors=0, tp_backward_overlap=True),
 }
 
 

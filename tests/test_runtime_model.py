@@ -290,3 +290,64 @@ def test_pipeline_transfers_of_the_replicas_share_the_nic():
         200e-6 + nbytes / 10e6)
     assert p2p_times(System(model=preset("tiny"), cluster=hosts(2)), two, nbytes)[0] == pytest.approx(
         200e-6 + nbytes / 5e6)
+
+
+def test_tp_collectives_hide_only_under_the_gemm_beside_them():
+    """``tensor_parallel.overlapped`` against its closed form: Megatron-LM's column-parallel
+    backward (asynchronous collectives beside its GEMMs) and Transformer Engine's pipelined
+    forward (``tp_comm_overlap``); torchtitan without async TP runs every collective in turn."""
+    from autoconf.cost import comm
+    from autoconf.cost.compute import linear_gemms
+    from autoconf.cost.system import System
+    from autoconf.cost.tensor_parallel import _pipelined, axis_links, collective_s, tp_times
+    m = preset("llama-3-8b")
+    cl = _a100_node(1)
+    kinds = [("a100-80gb",)]
+
+    def parts(fw, **kw):
+        c = ParallelConfig(dp=1, pp=1, tp=4, micro_batch_size=1, num_micro_batches=1, **kw)
+        s = System(m, cl, framework=fw)
+        rf, B = s.roofline("a100-80gb"), m.dtype_bytes
+        nbytes = m.seq_length * m.hidden_size * B
+        links = axis_links(s, c, "tp")
+        lin = linear_gemms(m, 1, 4)
+        g = {k: v[0] for k, v in lin.items()}
+        fwd = {k: rf.gemm(a, n, k_, B) for k, (a, n, k_) in g.items()}
+        chunked = {k: 4 * rf.gemm(a / 4, n, k_, B) for k, (a, n, k_) in g.items()}
+        dgrad = {k: rf.gemm(a, k_, n, B) for k, (a, n, k_) in g.items()}
+        chunked_dgrad = {k: 4 * rf.gemm(a / 4, k_, n, B) for k, (a, n, k_) in g.items()}
+        wgrad = {k: rf.gemm(n, k_, a, B) for k, (a, n, k_) in g.items()}
+        ag = collective_s(s, links, comm.all_gather_s, 4, nbytes)
+        rs = collective_s(s, links, comm.reduce_scatter_s, 4, nbytes)
+        ar = collective_s(s, links, comm.all_reduce_s, 4, nbytes, lambda _: ("ring", "tree"))
+        return tp_times(s, c, kinds), ag, rs, ar, fwd, chunked, dgrad, chunked_dgrad, wgrad
+
+    assert _pipelined(4.0, 2.0, 2) == pytest.approx(4.0 + 1.0)  # transfer-bound: all of it, then a chunk
+    assert _pipelined(1.0, 8.0, 4) == pytest.approx(8.0)  # GEMM-bound: the GEMM alone
+    # Megatron, no sequence parallelism: the backward all-reduce of each column layer's input
+    # gradient runs under its weight-gradient GEMM
+    t, ag, rs, ar, fwd, _, _, _, wgrad = parts("megatron")
+    assert t.forward_per_layer_s == pytest.approx(2 * ar)
+    assert t.backward_per_layer_s == pytest.approx(max(0, ar - wgrad["attention_in"]) + max(0, ar - wgrad["mlp_in"]))
+    assert t.backward_per_layer_s < 2 * ar
+    # Megatron with sequence parallelism: the row layers' gathers exposed, the column layers'
+    # re-gather under the input-gradient GEMM, their reduce-scatter under the weight-gradient one
+    t, ag, rs, ar, fwd, chunked, dgrad, chunked_dgrad, wgrad = parts("megatron", sequence_parallel=True)
+    col = [("attention_in"), ("mlp_in")]
+    want = sum(ag + max(0, ag - dgrad[k]) + max(0, rs - wgrad[k]) for k in col)
+    assert t.forward_per_layer_s == pytest.approx(2 * (ag + rs))
+    assert t.backward_per_layer_s == pytest.approx(want)
+    # ... and with Transformer Engine's tp_comm_overlap the forward pairs pipeline with their GEMMs
+    t, ag, rs, ar, fwd, chunked, dgrad, chunked_dgrad, wgrad = parts("megatron", sequence_parallel=True,
+                                                                     tp_comm_overlap=True)
+    want_f = sum(_pipelined(ag, chunked[c_], 4) - fwd[c_] + _pipelined(rs, chunked[r_], 4) - fwd[r_]
+                 for c_, r_ in (("attention_in", "attention_out"), ("mlp_in", "mlp_out")))
+    assert t.forward_per_layer_s == pytest.approx(want_f)
+    want_b = sum(_pipelined(ag, chunked_dgrad[r_], 4) - dgrad[r_] + max(0, ag - dgrad[c_]) + max(0, rs - wgrad[c_])
+                 for c_, r_ in (("attention_in", "attention_out"), ("mlp_in", "mlp_out")))
+    assert t.backward_per_layer_s == pytest.approx(want_b)
+    # torchtitan (no asynchronous backward): every collective in turn; full recompute repeats the forward's
+    t, ag, rs, *_ = parts("torchtitan", sequence_parallel=True)
+    assert (t.forward_per_layer_s, t.backward_per_layer_s) == pytest.approx((2 * (ag + rs), 2 * (ag + rs)))
+    t, ag, rs, *_ = parts("torchtitan", sequence_parallel=True, recompute="full")
+    assert t.backward_per_layer_s == pytest.approx(4 * (ag + rs))

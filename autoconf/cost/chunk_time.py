@@ -82,10 +82,7 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
         f, bw_, rc, host_f, host_b = chunk_compute(system, c, lay, ci)
         tpf = nl * tpt.forward_per_layer_s + (tpt.edge_s if ci == 0 else 0.0)
         tpb = nl * tpt.backward_per_layer_s + (tpt.edge_s if ci == lay.num_chunks - 1 else 0.0)
-        if lay.overlaps and system.framework.knob(c, "tp_comm_overlap"):
-            # the all-gather / reduce-scatter pairs run in chunks under the GEMMs they feed
-            # (Megatron's userbuffers, torch's asynchronous TP): only what outlasts them is exposed
-            tpf, tpb = max(0.0, tpf - f), max(0.0, tpb - bw_)
+        # (what the framework hides under the GEMMs is already out: ``tensor_parallel.overlapped``)
         cpf, cpb = nl * cpt.forward_per_layer_s, nl * cpt.backward_per_layer_s
         n_moe = lay.chunk_moe_layers[ci] if lay.chunk_moe_layers else 0
         epf, epb = n_moe * a2a[0], n_moe * a2a[1]

@@ -545,6 +545,26 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
     return att_f, att_b
 
 
+def linear_gemms(model: ModelSpec, b: int, tp: int, cp: int = 1) -> dict:
+    """The dense block's linear layers as GEMM shapes (m, n, k) = (tokens, outputs, inputs) of one
+    tp shard, by where they sit around Megatron's tensor-parallel split: ``attention_in`` (the
+    column-parallel projections of the block input: fused QKV; MLA's low-rank projections and
+    the heads' up-projections), ``attention_out`` (the row-parallel output projection),
+    ``mlp_in`` (fc1, gate and up fused when gated) and ``mlp_out`` (fc2)."""
+    s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
+    T = b * s / cp
+    if model.is_mla:  # low-rank Q and KV projections, then the heads' up-projections
+        nope_rope, a_tp = model.qk_nope_head_dim + model.qk_rope_head_dim, model.num_attention_heads / tp
+        attn = ([(T, model.q_lora_rank, h), (T, a_tp * nope_rope, model.q_lora_rank)] if model.q_lora_rank
+                else [(T, a_tp * nope_rope, h)])
+        attn += [(T, model.kv_lora_rank + model.qk_rope_head_dim, h),
+                 (T, a_tp * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank)]
+    else:
+        attn = [(T, (model.q_size + 2 * model.kv_size) / tp, h)]
+    return {"attention_in": attn, "attention_out": [(T, h, model.attn_out_size / tp)],
+            "mlp_in": [(T, (2 * f if model.gated_mlp else f) / tp, h)], "mlp_out": [(T, h, f / tp)]}
+
+
 def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf: Roofline,
                 host: HostCost | None = None, cp: int = 1, fp8: Fp8 | None = None,
                 compiled: bool = False, moe: Moe | None = None, ring_math: bool = False,
@@ -583,17 +603,9 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     T = b * s_loc
     T_rep = T / tp if sp else T  # tokens each rank touches in norms / dropout / residual
     # GEMMs: (m, n, k)
-    if model.is_mla:  # low-rank Q and KV projections, then the heads' up-projections
-        nope_rope, a_tp = model.qk_nope_head_dim + model.qk_rope_head_dim, model.num_attention_heads / tp
-        attn = ([(T, model.q_lora_rank, h), (T, a_tp * nope_rope, model.q_lora_rank)] if model.q_lora_rank
-                else [(T, a_tp * nope_rope, h)])
-        attn += [(T, model.kv_lora_rank + model.qk_rope_head_dim, h),
-                 (T, a_tp * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank)]
-    else:
-        attn = [(T, (q + 2 * kv) / tp, h)]
-    gemms = attn + [(T, h, model.attn_out_size / tp),
-                    (T, (2 * f if model.gated_mlp else f) / tp, h), (T, h, f / tp)]
-    n_attn = len(attn) + 1  # the attention's GEMMs come first, then the MLP's two
+    lin = linear_gemms(model, b, tp, cp)
+    gemms = lin["attention_in"] + lin["attention_out"] + lin["mlp_in"] + lin["mlp_out"]
+    n_attn = len(lin["attention_in"]) + 1  # the attention's GEMMs come first, then the MLP's two
     grouped = []  # (m, n, k, batch): the routed experts' grouped GEMMs
     mlp_tokens_f = T * f / tp  # elements of the MLP's hidden activation (per matrix)
     moe_f = moe_b = 0.0

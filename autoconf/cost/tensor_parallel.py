@@ -80,23 +80,115 @@ class TpTimes:
 
 def tp_times(system: System, c: ParallelConfig, stage_kinds) -> TpTimes:
     """Megatron's 2 collectives per block in the forward and 2 in the backward (all-reduce, or
-    all-gather + reduce-scatter with sequence parallelism) of one micro-batch's activation; the
-    profile's in-place measurement replaces them when it has one (``System.measured_tp_comm``)."""
+    all-gather + reduce-scatter with sequence parallelism) of one micro-batch's activation, less
+    what the framework hides under the GEMMs on accelerators (``overlapped``); the profile's
+    in-place measurement replaces them when it has one (``System.measured_tp_comm``)."""
     if c.tp == 1:
         return TpTimes()
     m, tp = system.model, c.tp
     nbytes = c.micro_batch_size * (m.seq_length // c.cp) * m.hidden_size * m.dtype_bytes
     links = axis_links(system, c, "tp")
+    ag = rs = ar = 0.0
     if c.sequence_parallel:
-        one = (collective_s(system, links, comm.all_gather_s, tp, nbytes)
-               + collective_s(system, links, comm.reduce_scatter_s, tp, nbytes))
+        ag = collective_s(system, links, comm.all_gather_s, tp, nbytes)
+        rs = collective_s(system, links, comm.reduce_scatter_s, tp, nbytes)
+        one = ag + rs
     else:
         flat = system.framework.flat_all_reduce_algorithms(system.gloo)  # tp's all-reduce is always the library's
-        one = collective_s(system, links, comm.all_reduce_s, tp, nbytes, lambda g: flat)
+        ar = one = collective_s(system, links, comm.all_reduce_s, tp, nbytes, lambda g: flat)
     fwd = bwd = 2 * one
     measured = system.measured_tp_comm(c, stage_kinds)
+    fw = system.framework
     if measured is not None:  # the profile timed the block with its real collectives
         fwd, bwd = measured
         one = fwd / 2
+    elif (not any("cpu" in k for ks in stage_kinds for k in ks)
+          and (fw.tp_backward_overlap or fw.knob(c, "tp_comm_overlap"))):
+        fwd, bwd = overlapped(system, c, stage_kinds, ag, rs, ar)
     bwd += fwd if c.recompute == "full" else 0.0
     return TpTimes(fwd, bwd, one)
+
+
+def _pipelined(comm_s: float, chunked_gemm_s: float, k: int) -> float:
+    """A collective split into k chunks pipelined with the GEMM it feeds or drains, the GEMM
+    split the same way (Transformer Engine's ring-exchange all-gather and pipelined
+    reduce-scatter, torch's micro-pipelined async TP): k - 1 steps of the longer of a GEMM chunk
+    and a transfer, and one GEMM chunk with nothing beside it."""
+    return (k - 1) * max(chunked_gemm_s / k, comm_s / (k - 1)) + chunked_gemm_s / k
+
+
+def overlapped(system: System, c: ParallelConfig, stage_kinds, ag: float, rs: float, ar: float) -> tuple:
+    """Exposed tensor-parallel time per block (forward, backward without recomputation) where the
+    framework hides collectives under GEMMs; ``ag`` / ``rs`` (sequence parallelism) or ``ar``:
+    one collective of the block's activation. Each collective hides only under the GEMM it is
+    issued beside, priced by the roofline (``compute.linear_gemms``); what is left is exposed.
+
+    - ``Framework.tp_backward_overlap`` (Megatron-LM's ``LinearWithGradAccumulationAndAsync
+      Communication``, in Megatron-DeepSpeed too): a column-parallel layer's backward (QKV, fc1)
+      launches its collectives asynchronously under ``CUDA_DEVICE_MAX_CONNECTIONS=1``: with
+      sequence parallelism the re-gather of its saved input shard runs under the input-gradient
+      GEMM and the reduce-scatter of the input gradient under the weight-gradient GEMM; without,
+      the all-reduce of the input gradient under the weight-gradient GEMM. The row-parallel
+      layer's backward gathers its output gradient (sequence parallelism) before it can start:
+      exposed. So the backward moves 3 collectives per sub-block under sequence parallelism
+      (one more all-gather than the forward), 1 without, and most of it hides.
+    - ``tp_comm_overlap`` (Transformer Engine's userbuffers in Megatron-LM, torch's async TP):
+      the forward's all-gather and reduce-scatter are split into tp chunks pipelined with the
+      GEMM they feed / drain (``_pipelined``; the chunked GEMMs at their own, lower, efficiency:
+      M / tp rows each); in the backward the row-parallel layer's gather pipelines with its
+      input-gradient GEMM too.
+
+    GEMMs at the fastest device kind of any stage (the least that hides). A mixture of experts'
+    MLP collectives are left exposed (its dispatcher's, not priced as overlapped here)."""
+    from .compute import fp8_gemm, linear_gemms
+    m, tp, b = system.model, c.tp, c.micro_batch_size
+    fw = system.framework
+    tpo = fw.knob(c, "tp_comm_overlap") and c.sequence_parallel
+    kinds = sorted({k for ks in stage_kinds for k in ks})
+    fp8 = c.fp8_recipe if c.precision == "fp8" else None
+
+    def gemm_s(shapes, which: str, chunks: int = 1) -> float:
+        best = None
+        for kind in kinds:
+            if fp8 is not None:
+                rf8 = system.fp8_roofline(kind, fp8)
+                g = lambda mm, n, k: fp8_gemm(rf8, mm, n, k)  # noqa: E731
+            else:
+                rf = system.roofline(kind)
+                g = lambda mm, n, k: rf.gemm(mm, n, k, m.dtype_bytes)  # noqa: E731
+            t = 0.0
+            for mm, n, k in shapes:
+                if which == "fwd":
+                    t += chunks * g(mm / chunks, n, k)
+                elif which == "dgrad":
+                    t += chunks * g(mm / chunks, k, n)
+                else:  # wgrad: (n x k) from the tokens
+                    t += g(n, k, mm)
+            best = t if best is None else min(best, t)
+        return best
+
+    lin = linear_gemms(m, b, tp, c.cp)
+    subs = [("attention_in", "attention_out")] + ([] if m.is_moe else [("mlp_in", "mlp_out")])
+    exposed_subs = 2 - len(subs)  # MoE: the MLP's collectives as they are
+    fwd = exposed_subs * (ag + rs + ar)
+    bwd = exposed_subs * (ag + rs + ar)
+    for col, row in subs:
+        if tpo:
+            fwd += (_pipelined(ag, gemm_s(lin[col], "fwd", tp), tp) - gemm_s(lin[col], "fwd")
+                    + _pipelined(rs, gemm_s(lin[row], "fwd", tp), tp) - gemm_s(lin[row], "fwd"))
+        else:
+            fwd += ag + rs + ar
+        if fw.tp_backward_overlap:
+            if c.sequence_parallel:
+                gather = (_pipelined(ag, gemm_s(lin[row], "dgrad", tp), tp) - gemm_s(lin[row], "dgrad")
+                          if tpo else ag)
+                bwd += (gather + max(0.0, ag - gemm_s(lin[col], "dgrad"))
+                        + max(0.0, rs - gemm_s(lin[col], "wgrad")))
+            else:
+                bwd += max(0.0, ar - gemm_s(lin[col], "wgrad"))
+        elif tpo:  # the pair of the backward, pipelined with the input-gradient GEMMs they touch
+            bwd += (_pipelined(ag, gemm_s(lin[row], "dgrad", tp), tp) - gemm_s(lin[row], "dgrad")
+                    + _pipelined(rs, gemm_s(lin[col], "dgrad", tp), tp) - gemm_s(lin[col], "dgrad"))
+        else:
+            bwd += ag + rs + ar
+    return fwd, bwd

@@ -22,6 +22,11 @@ stacks. What differs, and is modelled here from each framework's own code and do
   in DDP / FSDP2), whether ZeRO's parameter gathers are prefetched (``overlap_param_gather``) and whether
   tensor-parallel communication overlaps the GEMMs (``tp_comm_overlap``; Megatron with Transformer
   Engine userbuffers, torchtitan's asynchronous TP);
+- **tensor-parallel backward**: Megatron-LM launches a column-parallel layer's backward
+  collectives asynchronously beside its GEMMs (``tp_backward_overlap``,
+  ``tensor_parallel.overlapped``); the others run them in turn;
+- **gated activation**: Megatron-LM's fused SwiGLU / GeGLU keeps its input only, 3 f-wide
+  tensors per token against eager's 4 (``fused_glu``);
 - **host cost**: eager PyTorch issues every operation from Python (about 5-20 us each on a server
   CPU) and every backward node from the autograd engine; small layers are host-bound;
 - **vocabulary padding**: Megatron pads the vocabulary to a multiple of 128 x tp;
@@ -179,7 +184,9 @@ class Framework:
     tp_backward_overlap: bool = False
     """A column-parallel linear's backward launches its tensor-parallel collectives asynchronously
     beside its GEMMs (Megatron-LM's ``LinearWithGradAccumulationAndAsyncCommunication``, which
-    Megatron-DeepSpeed shares; ``tensor_parallel.overlapped``). Elsewhere they run in turn."""
+    Megatron-DeepSpeed shares; ``tensor_parallel.overlapped``). Elsewhere they run in turn:
+    torchtitan's DTensor redistributions, the reference trainer, DeepSpeed's AutoTP layers (what
+    the emitted DeepSpeed files use)."""
     fused_glu: bool = False
     """A gated MLP's activation (SwiGLU, GeGLU) is one autograd function that keeps only its input
     and recomputes act(gate) in the backward: Megatron-LM's ``bias_swiglu_impl`` /
@@ -335,7 +342,7 @@ FRAMEWORKS = {
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": True, "tp_comm_overlap": False,
                   "torch_compile": False},
         knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE,
-        loss_backward_fp32_tensors=0, tp_backward_overlap=True),
+        loss_backward_fp32_tensors=0),
 }
 
 

@@ -124,7 +124,7 @@ def overlapped(system: System, c: ParallelConfig, stage_kinds, ag: float, rs: fl
     issued beside, priced by the roofline (``compute.linear_gemms``); what is left is exposed.
 
     - ``Framework.tp_backward_overlap`` (Megatron-LM's ``LinearWithGradAccumulationAndAsync
-      Communication``, in Megatron-DeepSpeed too): a column-parallel layer's backward (QKV, fc1)
+      Communication``, in Megatron-DeepSpeed too, not in DeepSpeed's AutoTP): a column-parallel layer's backward (QKV, fc1)
       launches its collectives asynchronously under ``CUDA_DEVICE_MAX_CONNECTIONS=1``: with
       sequence parallelism the re-gather of its saved input shard runs under the input-gradient
       GEMM and the reduce-scatter of the input gradient under the weight-gradient GEMM; without,

@@ -141,6 +141,12 @@ def _node_script(plan, k: int, hosts: list[dict], vis, master_port: int, script,
             lines.append(': "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"')
     if vis is not None:
         lines.append(f"export CUDA_VISIBLE_DEVICES={quote(vis)}  # local rank i runs on the i-th of these")
+    if script is None and plan.framework == "megatron" and plan.config.tp > 1:
+        # Megatron-LM's column-parallel backward issues its collectives asynchronously beside its
+        # GEMMs (the cost model prices them so: cost/tensor_parallel.overlapped); one hardware
+        # queue keeps them in issue order (its own example scripts set it; sequence parallelism
+        # requires it)
+        lines.append("export CUDA_DEVICE_MAX_CONNECTIONS=1")
     if script is not None:
         target = [script, *script_args, Raw('"$@"')]
     else:

@@ -24,7 +24,8 @@ stacks. What differs, and is modelled here from each framework's own code and do
   Engine userbuffers, torchtitan's asynchronous TP);
 - **tensor-parallel backward**: Megatron-LM launches a column-parallel layer's backward
   collectives asynchronously beside its GEMMs (``tp_backward_overlap``,
-  ``tensor_parallel.overlapped``); the others run them in turn;
+  ``tensor_parallel.overlapped``); the others run them in turn, unless ``tp_comm_overlap``
+  pipelines them (torchtitan's async TP);
 - **gated activation**: Megatron-LM's fused SwiGLU / GeGLU keeps its input only, 3 f-wide
   tensors per token against eager's 4 (``fused_glu``);
 - **host cost**: eager PyTorch issues every operation from Python (about 5-20 us each on a server
@@ -188,10 +189,11 @@ class Framework:
     torchtitan's DTensor redistributions, the reference trainer, DeepSpeed's AutoTP layers (what
     the emitted DeepSpeed files use)."""
     fused_glu: bool = False
-    """A gated MLP's activation (SwiGLU, GeGLU) is one autograd function that keeps only its input
-    and recomputes act(gate) in the backward: Megatron-LM's ``bias_swiglu_impl`` /
-    ``bias_geglu_impl`` (``--bias-swiglu-fusion``, on by default; its experts too). Three f-wide
-    tensors per token instead of eager's four (``activations.mlp_hidden_rows``)."""
+    """A gated MLP's activation is one autograd function that keeps only its input and recomputes
+    act(gate) in the backward: Megatron-LM's ``bias_swiglu_impl`` (``bias_swiglu_fusion``, on
+    unless ``--no-bias-swiglu-fusion``; its experts too; ``bias_geglu_impl`` for GeGLU in
+    megatron-core, though ``pretrain_gpt.py`` has no GeGLU flag). Three f-wide tensors per token
+    instead of eager's four (``activations.mlp_hidden_rows``)."""
     compression: bool = False
     """Whether it runs Optimus-CC's compressed traffic (``pp_compression``, ``dp_compression_stages``,
     ``fused_embedding_sync``): the reference trainer only. Megatron-LM, torchtitan and DeepSpeed

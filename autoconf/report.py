@@ -20,7 +20,7 @@ from .units import fmt_bytes, fmt_seconds
 TERM_SOURCES = {
     "compute": "cost/compute.py: roofline per op, or the host's issue time where longer (cost/chunk_time.py); or the profile's measured layer times",
     "recompute": "cost/compute.py: forward recomputed in backward (full / selective)",
-    "tp_comm": "cost/comm.py: Megatron all-reduces (SP: all-gather + reduce-scatter) per layer",
+    "tp_comm": "cost/tensor_parallel.py: Megatron all-reduces (SP: all-gather + reduce-scatter) per layer, less what the framework hides under the GEMMs beside them",
     "cp_comm": "cost/context_parallel.py: key/value exchange of the sequence split, beyond the attention it hides behind",
     "ep_comm": "cost/moe.py: the MoE blocks' dispatch and combine all-to-alls over the expert-parallel group",
     "bubble": "cost/pipeline.py: simulated schedule, idle time without transfers",

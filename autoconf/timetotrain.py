@@ -388,7 +388,7 @@ class PointOptimizer:
         tb = np.outer(a[:, 3], layers)
         hf = np.outer(a[:, 4], layers) + edge[2]
         hb = np.outer(a[:, 5], layers) + edge[3]
-        if self.tp_overlap:  # the collectives can hide under the GEMMs (chunk_time)
+        if self.tp_overlap:  # the collectives can hide under the GEMMs (tensor_parallel.overlapped)
             fwd, bwd = np.maximum(np.maximum(f, tf), hf), np.maximum(np.maximum(b, tb), hb)
         else:
             fwd, bwd = np.maximum(f + tf, hf), np.maximum(b + tb, hb)

@@ -108,6 +108,8 @@ def test_megatron_args_parse_back_to_the_plan(tmp_path, case):
     node = open(files["node-0.sh"]).read()
     assert 'source ./megatron_args.sh' in node and '/pretrain_gpt.py" "${MEGATRON_ARGS[@]}" "$@"' in node
     assert f"--nnodes={c.world_size // 8}" in node and "--node-rank=0" in node  # 8 GPUs per a100-4x8 host
+    # the asynchronous tensor-parallel backward the cost model prices needs one hardware queue
+    assert ("export CUDA_DEVICE_MAX_CONNECTIONS=1" in node) == (c.tp > 1)
     # Megatron's data-parallel size is world / (tp x pp x cp): the global batch splits into the plan's micro-batches
     assert int(o["global_batch_size"]) == c.world_size // (c.tp * c.pp * c.cp) * c.micro_batch_size * c.num_micro_batches
 

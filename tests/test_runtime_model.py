@@ -346,8 +346,34 @@ def test_tp_collectives_hide_only_under_the_gemm_beside_them():
     want_b = sum(_pipelined(ag, chunked_dgrad[r_], 4) - dgrad[r_] + max(0, ag - dgrad[c_]) + max(0, rs - wgrad[c_])
                  for c_, r_ in (("attention_in", "attention_out"), ("mlp_in", "mlp_out")))
     assert t.backward_per_layer_s == pytest.approx(want_b)
+    # torchtitan with async TP: both directions pipelined with the input-gradient GEMMs they touch
+    t, ag, rs, ar, fwd, chunked, dgrad, chunked_dgrad, wgrad = parts("torchtitan", sequence_parallel=True,
+                                                                     tp_comm_overlap=True)
+    assert t.forward_per_layer_s == pytest.approx(want_f)
+    assert t.backward_per_layer_s == pytest.approx(sum(
+        max(0, _pipelined(ag, chunked_dgrad[r_], 4) - dgrad[r_]) + max(0, _pipelined(rs, chunked_dgrad[c_], 4) - dgrad[c_])
+        for c_, r_ in (("attention_in", "attention_out"), ("mlp_in", "mlp_out"))))
     # torchtitan (no asynchronous backward): every collective in turn; full recompute repeats the forward's
     t, ag, rs, *_ = parts("torchtitan", sequence_parallel=True)
     assert (t.forward_per_layer_s, t.backward_per_layer_s) == pytest.approx((2 * (ag + rs), 2 * (ag + rs)))
     t, ag, rs, *_ = parts("torchtitan", sequence_parallel=True, recompute="full")
     assert t.backward_per_layer_s == pytest.approx(4 * (ag + rs))
+
+
+def test_tp_overlap_is_not_priced_on_cpu_processes():
+    """CPU processes run their collectives on the cores that compute: Megatron's asynchronous
+    backward hides nothing there (the same times as a framework that runs them in turn)."""
+    from autoconf.cluster import cluster_from_mapping
+    from autoconf.cost.system import System
+    from autoconf.cost.tensor_parallel import tp_times
+    m = preset("gpt2")
+    cl = cluster_from_mapping({"name": "cpu", "node_groups": [{
+        "count": 1, "device": "cpu", "gpus_per_node": 4, "intra_node_bandwidth": "5 GB/s",
+        "nics": {"count": 1, "bandwidth": "1 Gbit/s", "kind": "ethernet"}}]})
+    c = ParallelConfig(dp=1, pp=1, tp=2, micro_batch_size=1, num_micro_batches=1)
+    meg = tp_times(System(m, cl, framework="megatron"), c, [("cpu",)])
+    ref = tp_times(System(m, cl, framework="reference"), c, [("cpu",)])
+    assert meg.forward_per_layer_s > 0
+    assert meg.backward_per_layer_s == pytest.approx(meg.forward_per_layer_s)
+    assert (meg.forward_per_layer_s, meg.backward_per_layer_s) == pytest.approx(
+        (ref.forward_per_layer_s, ref.backward_per_layer_s))

@@ -108,6 +108,43 @@ def test_the_bounds_are_bounds(network, framework, device, precision, model):
     assert len(cps) > 1 if model is LONG else cps == {1}
 
 
+@pytest.mark.parametrize("framework", ["megatron", "torchtitan"])
+def test_the_bounds_are_bounds_with_a_gpu_profile(framework):
+    """With a profile's measured GEMM table (which can rate small GEMMs faster than large ones, so
+    a GEMM split into tp chunks faster than whole) the exposed tensor-parallel time of a pipelined
+    ``tp_comm_overlap`` is never negative, and every bound stays at or below the estimate."""
+    from autoconf.model import load_model
+    from autoconf.profile import load_profile
+
+    root = os.path.join(os.path.dirname(__file__), "..", "examples")
+    model = load_model(os.path.join(root, "models", "llama3-8l.yaml"))
+    system = T.planning_system(model, T.synthetic_cluster("h100-sxm", 16, "ib"), framework=framework,
+                               profile=load_profile(os.path.join(root, "profiles", "h100-sxm-llama3-8l.json")))
+    opt = T.PointOptimizer(system)
+    rng = random.Random(3)
+    checked = overlapped = 0
+    for batch in (32, 128):
+        pts = opt.points(16, batch)
+        for p in rng.sample(pts, min(len(pts), 40)):
+            b = opt.bounds(p, batch)
+            dp, pp, tp, mbs, sched, v, layered, cp = p
+            for c in framework_inner(system.framework, dp, pp, tp, mbs, sched, v, layered, batch,
+                                     dp_hierarchical(system, dp, pp, tp), cp):
+                c = opt._prec(c)
+                if check(c, model):
+                    continue
+                e = _estimate(c, system)
+                assert e.breakdown_s.get("tp_comm", 0.0) >= 0.0, c.short()
+                key = (c.sequence_parallel, c.recompute, c.zero_stage)
+                if key not in b:
+                    assert not e.fits
+                    continue
+                assert b[key] <= e.step_time_s * (1 + 1e-9), (c.short(), b[key], e.step_time_s)
+                checked += 1
+                overlapped += bool(c.tp_comm_overlap)
+    assert checked > 100 and overlapped > 10
+
+
 def test_the_bounds_are_bounds_on_cpu_ranks_sharing_cores():
     """On an oversubscribed CPU testbed (four ranks, two emulated nodes, one 2-core machine, from a
     committed profile) the schedule simulation runs at processor-sharing rates, faster than the

@@ -59,8 +59,9 @@ def mlp_hidden_rows(model: ModelSpec, fused_glu: bool = False) -> int:
     run as eager operations (autoconf.nn, torchtitan, Megatron-DeepSpeed's ``swiglu``) keeps the
     fused gate_up output (2f), act(gate) for the product's backward (f) and the product (f), 4;
     ``fused_glu``, one autograd function that saves only its 2f input (Megatron-LM's
-    ``bias_swiglu_impl`` / ``bias_geglu_impl``, on by default through ``--bias-swiglu-fusion``)
-    and recomputes act(gate) in its backward, 3."""
+    ``bias_swiglu_impl`` / ``bias_geglu_impl``, on unless ``--no-bias-swiglu-fusion``) and
+    recomputes act(gate) in its backward, 3. (Megatron-DeepSpeed's eager ``swiglu`` keeps 4; the
+    GPU development set, Megatron-DeepSpeed priced as ``megatron``, is GeLU, where both keep 2.)"""
     if not model.gated_mlp:
         return 2
     return 3 if fused_glu else 4

@@ -2,6 +2,8 @@
 each against its closed form."""
 
 
+import dataclasses
+
 import pytest
 
 from autoconf.catalog import device_type
@@ -377,3 +379,47 @@ def test_tp_overlap_is_not_priced_on_cpu_processes():
     assert meg.backward_per_layer_s == pytest.approx(meg.forward_per_layer_s)
     assert (meg.forward_per_layer_s, meg.backward_per_layer_s) == pytest.approx(
         (ref.forward_per_layer_s, ref.backward_per_layer_s))
+
+
+def test_deepspeed_gradient_handling():
+    """DeepSpeed, against DeepSpeed 0.19.8's code: ZeRO-0/1 leave accumulation to autograd (one
+    read-read-write pass over the block's bf16 gradients per micro-batch); bf16 without ZeRO under
+    its pipeline engine runs the BF16 optimizer, which keeps an fp32 copy of every gradient and
+    moves 20 bytes per parameter after every backward, two kernels per parameter tensor."""
+    from autoconf.cost.compute import BF16_OPTIMIZER_UPDATE
+    from autoconf.cost.estimate import estimate
+    from autoconf.cost.system import System
+    m = preset("llama-3-8b")
+    cl = _a100_node(1)
+    s = System(m, cl, framework="deepspeed")
+    rf = s.roofline("a100-80gb")
+    bw = rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency
+    tensors = 4 + m.norms_per_block  # no biases, RMSNorm: one weight each
+
+    def block(**kw):
+        return s.block_for("a100-80gb", ParallelConfig(dp=1, tp=1, micro_batch_size=1, **kw))
+
+    plain = block(pp=1, num_micro_batches=1)
+    acc = block(pp=1, num_micro_batches=4)
+    bf16opt = block(pp=2, num_micro_batches=4)
+    zero1 = s.block_for("a100-80gb", ParallelConfig(dp=2, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4,
+                                                    zero_stage=1))
+    assert s.bf16_optimizer(ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4))
+    assert acc.backward_s - plain.backward_s == pytest.approx(
+        3 * 2 * m.layer_params() / bw + tensors * rf.kernel_launch_s, rel=1e-6)
+    assert zero1.backward_s == pytest.approx(acc.backward_s)
+    assert bf16opt.backward_s - plain.backward_s == pytest.approx(
+        BF16_OPTIMIZER_UPDATE[0] * m.layer_params() / bw + BF16_OPTIMIZER_UPDATE[1] * tensors * rf.kernel_launch_s,
+        rel=1e-6)
+    # memory: the fp32 gradient copies, 4 bytes per parameter of the stage, on top of the bf16 ones
+    c0 = ParallelConfig(dp=2, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4)
+    e0 = estimate(c0, m, cl, ctx=s)
+    e1 = estimate(dataclasses.replace(c0, zero_stage=1), m, cl, ctx=s)
+    for a, b in zip(e0.memory_by_stage, e1.memory_by_stage):  # ZeRO-1 keeps the bf16 gradients only
+        assert a.gradients - b.gradients == pytest.approx(4 / 6 * a.gradients, rel=1e-6)
+    # Megatron-LM fuses its accumulation into the weight-gradient GEMM: no such pass
+    meg = System(m, cl, framework="megatron")
+    c = ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4)
+    assert not meg.bf16_optimizer(c)
+    assert meg.block_for("a100-80gb", c).backward_s == pytest.approx(
+        meg.block_for("a100-80gb", dataclasses.replace(c, num_micro_batches=1)).backward_s)

@@ -545,6 +545,15 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
     return att_f, att_b
 
 
+BF16_OPTIMIZER_UPDATE = (20.0, 2)
+"""DeepSpeed's ``BF16_Optimizer`` (bf16 without ZeRO under its pipeline engine; read in DeepSpeed
+0.19.8, ``runtime/bf16_optimizer.py``), every micro-batch: ``clear_lp_grads`` zeroes the bf16
+gradients before the backward (write 2 bytes per parameter, one foreach call), and
+``update_hp_grads`` adds them into the fp32 copies after it, ``hp.add_(lp.grad.to(fp32))`` per
+parameter (read 2 and write 4 for the cast, read 4 + 4 and write 4 for the add): 20 bytes per
+parameter, two kernels per parameter tensor."""
+
+
 def linear_gemms(model: ModelSpec, b: int, tp: int, cp: int = 1) -> dict:
     """The dense block's linear layers as GEMM shapes (m, n, k) = (tokens, outputs, inputs) of one
     tp shard, by where they sit around Megatron's tensor-parallel split: ``attention_in`` (the
@@ -569,7 +578,7 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
                 host: HostCost | None = None, cp: int = 1, fp8: Fp8 | None = None,
                 compiled: bool = False, moe: Moe | None = None, ring_math: bool = False,
                 unfused_softmax: bool = False, eager_elementwise: bool = False,
-                grad_accumulation: bool = False) -> LayerTimes:
+                grad_accumulation: bool = False, grad_update: tuple = (0.0, 0)) -> LayerTimes:
     """One transformer block shard (of a tp-way split) for a micro-batch of b sequences: device
     times, and with ``host`` the host's time to issue the operations (``block_op_counts``).
 
@@ -594,7 +603,9 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     ones accumulated so far with a separate kernel per parameter (eager torch's ``.grad``
     accumulation: read both, write one, in the parameters' dtype), as on every micro-batch but the
     first of a step (charged on each: 1/m of the term too much); Megatron-LM fuses it into the
-    weight-gradient GEMM (its fp32 ``main_grad``). Not for mixture-of-experts blocks (not
+    weight-gradient GEMM (its fp32 ``main_grad``). ``grad_update``: (bytes per parameter,
+    kernels per parameter tensor) a framework moves after every backward instead (DeepSpeed's
+    BF16 optimizer: ``BF16_OPTIMIZER_UPDATE``). Neither for mixture-of-experts blocks (not
     priced)."""
     unfused_softmax = unfused_softmax and model.attention == "eager"
     s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
@@ -661,9 +672,13 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     kf = kb = 0
     if eager_elementwise and not compiled:
         xf, xb, kf, kb = eager_elementwise_bytes(model, T_rep, T, tp, mlp_tokens_f)
+    tensors = 4 * (2 if model.bias else 1) + model.norms_per_block * (2 if model.norm == "layernorm" else 1)
     if grad_accumulation and moe is None:
         xb += 3 * model.layer_params() / tp * B
-        kb += 4 * (2 if model.bias else 1) + model.norms_per_block * (2 if model.norm == "layernorm" else 1)
+        kb += tensors
+    if grad_update[0] and moe is None:
+        xb += grad_update[0] * model.layer_params() / tp
+        kb += grad_update[1] * tensors
     ew_f = rf.elementwise(ew_bytes + xf, ew_kernels + kf, flops=ew_flops)
     ew_b = rf.elementwise(2 * ew_bytes + xb, 2 * ew_kernels + kb, flops=2 * ew_flops)
     fwd = g_fwd + att_f + ew_f + qf + moe_f

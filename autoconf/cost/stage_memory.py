@@ -73,6 +73,8 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         if c.recompute == "full" and not layered_pp1:  # layered: inside _layered_peak
             acts += max(act_layer.get("recompute_working_bytes", 0.0), _moe_working(system, c, lay))
         optimizer = dense * st.optimizer + experts * st_e.optimizer
+        if system.bf16_optimizer(c):  # DeepSpeed's BF16 optimizer: an fp32 copy of every gradient
+            grads += 4.0 * params
         # the step holds every gradient; the activation peak may come before the last ones exist
         # (layered accumulation, interleaved schedules)
         shortfall = max(0.0, dense * st.gradients + experts * st_e.gradients - grads)

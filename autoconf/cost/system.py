@@ -22,8 +22,8 @@ from ..model import ModelSpec
 from ..topology import Topology
 from . import comm
 from .activations import layer_activation_bytes
-from .compute import (Fp8, LayerTimes, Roofline, adamw_bytes_per_param, block_times, embedding_times,
-                      fused_softmax_available, head_times, optimizer_s, with_host)
+from .compute import (BF16_OPTIMIZER_UPDATE, Fp8, LayerTimes, Roofline, adamw_bytes_per_param, block_times,
+                      embedding_times, fused_softmax_available, head_times, optimizer_s, with_host)
 
 _OPS = {comm.all_reduce_s: "all_reduce", comm.all_gather_s: "all_gather", comm.reduce_scatter_s: "reduce_scatter"}
 """Profile name of each collective. ``comm.reduce_scatter_s`` *is* ``comm.all_gather_s`` (the same
@@ -184,7 +184,7 @@ class System:
         return self.model.dtype_bytes if kind == "cpu" else 1
 
     def block(self, kind: str, b: int, tp: int, sp: bool, recompute: str, cp: int = 1, fp8: str | None = None,
-              compiled: bool = False, moe=None, accumulates: bool = True) -> LayerTimes:
+              compiled: bool = False, moe=None, accumulates: bool = True, bf16_optimizer: bool = False) -> LayerTimes:
         """One transformer block shard per micro-batch on ``kind``: the profile's measured layer
         times (``measured.block_times``; measured in the model's dtype over the whole sequence, so
         only for a dense block at cp = 1 without FP8), else the roofline per op
@@ -192,7 +192,9 @@ class System:
         layers (None: the model's dtype); ``moe``: a mixture-of-experts block's MLP
         (``compute.Moe``, from ``moe.moe_shape``). ``accumulates``: the step adds micro-batches'
         weight gradients into ``.grad`` (more than one micro-batch, gradients not reduced away
-        after each backward), which a framework with ``grad_accumulation_kernel`` pays for."""
+        after each backward), which a framework with ``grad_accumulation_kernel`` pays for;
+        ``bf16_optimizer``: DeepSpeed's BF16 optimizer moves every micro-batch's gradients into
+        fp32 copies instead (:meth:`bf16_optimizer`)."""
         def make():
             if self.measured_for(kind) and cp == 1 and fp8 is None and not compiled and moe is None:
                 from .measured import block_times as measured_block
@@ -207,8 +209,10 @@ class System:
                                cp=cp, fp8=f8, compiled=compiled, moe=moe, ring_math=self.framework.ring_math,
                                unfused_softmax=self.unfused_softmax(b, tp, cp),
                                eager_elementwise=self.framework.eager_elementwise,
-                               grad_accumulation=self.framework.grad_accumulation_kernel and accumulates)
-        return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled, moe, accumulates),
+                               grad_accumulation=(self.framework.grad_accumulation_kernel and accumulates
+                                                  and not bf16_optimizer),
+                               grad_update=BF16_OPTIMIZER_UPDATE if bf16_optimizer else (0.0, 0))
+        return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled, moe, accumulates, bf16_optimizer),
                            lambda: _shared(make(), self.cpu_share(kind)))
 
     def unfused_softmax(self, b: int, tp: int, cp: int = 1) -> bool:
@@ -231,7 +235,16 @@ class System:
         accumulates = c.num_micro_batches > 1 and (c.zero_stage <= 1 or c.dp == 1 or c.layered_grad_accum)
         return self.block(kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
                           c.fp8_recipe if c.precision == "fp8" else None,
-                          self.framework.knob(c, "torch_compile"), shape, accumulates)
+                          self.framework.knob(c, "torch_compile"), shape, accumulates, self.bf16_optimizer(c))
+
+    def bf16_optimizer(self, c) -> bool:
+        """Whether configuration ``c`` runs DeepSpeed's ``BF16_Optimizer``: bf16 training without
+        ZeRO under its pipeline engine (``Framework.bf16_optimizer_with_pp``; DeepSpeed's engine
+        picks it there, ``_do_optimizer_sanity_check``). It keeps an fp32 copy of every gradient
+        (4 bytes per parameter, ``stage_memory``) and moves each micro-batch's gradients into it
+        (``compute.BF16_OPTIMIZER_UPDATE``)."""
+        return (self.framework.bf16_optimizer_with_pp and self.model.dtype == "bf16" and c.pp > 1
+                and c.zero_stage == 0)
 
     def fp8_roofline(self, kind: str, recipe: str) -> Roofline:
         """The roofline of FP8 GEMMs on ``kind``: the catalog's FP8 peak (MXFP8's for the mxfp8

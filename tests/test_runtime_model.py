@@ -417,6 +417,8 @@ def test_deepspeed_gradient_handling():
     e1 = estimate(dataclasses.replace(c0, zero_stage=1), m, cl, ctx=s)
     for a, b in zip(e0.memory_by_stage, e1.memory_by_stage):  # ZeRO-1 keeps the bf16 gradients only
         assert a.gradients - b.gradients == pytest.approx(4 / 6 * a.gradients, rel=1e-6)
+        assert a.optimizer == pytest.approx(b.optimizer)  # both shard the fp32 states over dp
+    assert e0.breakdown_s["dp_comm"] > 0
     # Megatron-LM fuses its accumulation into the weight-gradient GEMM: no such pass
     meg = System(m, cl, framework="megatron")
     c = ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4)

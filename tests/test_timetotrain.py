@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from autoconf import timetotrain as T
-from autoconf.config import check, inner_choices, make_config, point_config
+from autoconf.config import ParallelConfig, check, inner_choices, make_config, point_config
 from autoconf.cost.estimate import _estimate
 from autoconf.cost.system import System
 from autoconf.errors import UserError
@@ -70,7 +70,7 @@ LONG = dataclasses.replace(preset("llama-3-8b"), seq_length=32768)
     ("100gbe", "megatron", "a100-80gb", BF16, GPT), ("ib", "torchtitan", "a100-80gb", BF16, GPT),
     ("ib", "megatron", "h100-sxm", ("fp8", "delayed"), GPT), ("25gbe", None, "h100-sxm", ("fp8", "rowwise"), GPT),
     ("ib", None, "h100-sxm", BF16, LONG), ("100gbe", "megatron", "h100-sxm", BF16, LONG),
-    ("ib", "torchtitan", "h100-sxm", ("fp8", "rowwise"), LONG)])
+    ("ib", "torchtitan", "h100-sxm", ("fp8", "rowwise"), LONG), ("25gbe", "deepspeed", "a100-80gb", BF16, GPT)])
 def test_the_bounds_are_bounds(network, framework, device, precision, model):
     """Every pruning bound is at most what the cost model computes: the time bound of each inner
     choice, and a memory floor over capacity only where the estimate does not fit (also in FP8,
@@ -429,3 +429,19 @@ def test_placement_is_the_reference_trainers():
     r = T.plan(GPT, device="a100-80gb", max_gpus=16, tokens=2.6e10, compare_networks=(), framework="megatron",
                place=True)
     assert r.placed is None and any("placement not searched: framework megatron" in n for n in r.notes)
+
+
+def test_deepspeed_bf16_optimizer_memory_floor_shards_the_optimizer():
+    """DeepSpeed's BF16 optimizer (bf16, pipeline, no ZeRO) shards its fp32 states over dp as
+    ZeRO-1 does: the planner's memory floor for ZeRO-0 there is ZeRO-1's, and stays below the
+    estimate (which keeps the fp32 gradient copies on top)."""
+    model = preset("gpt3-13b")
+    system = T.planning_system(model, T.synthetic_cluster("a100-80gb", 64, "ib"), framework="deepspeed")
+    opt = T.PointOptimizer(system)
+    point = (8, 4, 2, 1, "1f1b", 1, False, 1)
+    floors = opt._memory_floors(point, 16, [0.0], [0, 1])
+    assert floors[0][0] == pytest.approx(floors[0][1])
+    c = ParallelConfig(dp=8, pp=4, tp=2, micro_batch_size=1, num_micro_batches=16)
+    e = _estimate(c, system)
+    assert floors[0][0] <= e.peak_memory_bytes
+    assert system.bf16_optimizer(c) and not system.bf16_optimizer(dataclasses.replace(c, pp=1, dp=32))

@@ -113,12 +113,14 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
 
 def optimizer_step_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     """The optimizer step on the slowest device: AdamW over its local parameters (sharded over dp
-    from ZeRO-1 on), at the System's measured or memory-bound rate (``compute.optimizer_s``)."""
+    from ZeRO-1 on, and under DeepSpeed's BF16 optimizer), at the System's measured or memory-bound
+    rate (``compute.optimizer_s``)."""
     opt = 0.0
     for dev in range(c.pp):
         params = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev))
         experts = sum(lay.chunk_expert_params[ci] for ci in lay.chunks_of(c, dev)) if lay.chunk_expert_params else 0.0
-        if c.zero_stage >= 1:  # the experts are sharded over the ranks holding the same experts
+        # (DeepSpeed's BF16 optimizer shards its fp32 states as ZeRO-1 does: System.bf16_optimizer)
+        if c.zero_stage >= 1 or system.bf16_optimizer(c):  # experts: over the ranks holding the same experts
             local = (params - experts) / (c.dp * c.cp) + experts / max(1, c.dp * c.cp // c.ep)
         else:
             local = params

@@ -78,8 +78,9 @@ def tied_params(system: System, c: ParallelConfig, ci: int) -> float:
 
 def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds, dev: int = 0) -> float:
     """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic (PowerSGD's
-    three all-reduces per bucket where pipeline rank ``dev`` compresses its gradients)."""
-    g_bytes = system.grad_bytes
+    three all-reduces per bucket where pipeline rank ``dev`` compresses its gradients). DeepSpeed's
+    BF16 optimizer all-reduces its fp32 gradient copies (``System.bf16_optimizer``)."""
+    g_bytes = 4 if system.bf16_optimizer(c) else system.grad_bytes
     n, axis = grad_group(c)
     if dp_compressed(c, dev):
         return (powersgd_reduction_s(system, c, lay, ci, kinds, axis_links(system, c, axis), n)
@@ -212,9 +213,11 @@ def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     """ZeRO-1/2: the updated parameter shards gathered back after the optimizer step (each owner's
     shard is flattened, sent and copied back into the parameters); 0 otherwise. With
     ``overlap_param_gather`` (Megatron's distributed optimizer) each layer's gather runs under the
-    next step's forward, layer by layer: only the first layer's share waits."""
+    next step's forward, layer by layer: only the first layer's share waits. DeepSpeed's BF16
+    optimizer shards its fp32 master weights and moments over dp as ZeRO-1 does and gathers the
+    updated bf16 parameters the same way (``System.bf16_optimizer``)."""
     n, axis = grad_group(c)
-    if n == 1 or c.zero_stage not in (1, 2):
+    if n == 1 or (c.zero_stage not in (1, 2) and not system.bf16_optimizer(c)):
         return 0.0
     links = axis_links(system, c, axis)
     post_ag = 0.0

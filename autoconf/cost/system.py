@@ -241,8 +241,10 @@ class System:
         """Whether configuration ``c`` runs DeepSpeed's ``BF16_Optimizer``: bf16 training without
         ZeRO under its pipeline engine (``Framework.bf16_optimizer_with_pp``; DeepSpeed's engine
         picks it there, ``_do_optimizer_sanity_check``). It keeps an fp32 copy of every gradient
-        (4 bytes per parameter, ``stage_memory``) and moves each micro-batch's gradients into it
-        (``compute.BF16_OPTIMIZER_UPDATE``)."""
+        (4 bytes per parameter, ``stage_memory``), moves each micro-batch's gradients into it
+        (``compute.BF16_OPTIMIZER_UPDATE``), all-reduces those fp32 copies, and shards its fp32
+        master weights and moments over dp, gathering the updated parameters after the step, as
+        ZeRO-1 does (``data_parallel``)."""
         return (self.framework.bf16_optimizer_with_pp and self.model.dtype == "bf16" and c.pp > 1
                 and c.zero_stage == 0)
 

@@ -30,8 +30,9 @@ stacks. What differs, and is modelled here from each framework's own code and do
   tensors per token against eager's 4 (``fused_glu``);
 - **gradient accumulation**: eager autograd adds each micro-batch's gradients into ``.grad``
   (the reference trainer, DeepSpeed ZeRO-0/1: ``grad_accumulation_kernel``); DeepSpeed's BF16
-  optimizer (bf16, pipeline, no ZeRO) adds them into fp32 copies it keeps
-  (``bf16_optimizer_with_pp``); Megatron-LM fuses it into the weight-gradient GEMM;
+  optimizer (bf16, pipeline, no ZeRO) also adds them into a second copy it keeps and shards its
+  fp32 states over dp (``bf16_optimizer_with_pp``); Megatron-LM fuses it into the
+  weight-gradient GEMM;
 - **host cost**: eager PyTorch issues every operation from Python (about 5-20 us each on a server
   CPU) and every backward node from the autograd engine; small layers are host-bound;
 - **vocabulary padding**: Megatron pads the vocabulary to a multiple of 128 x tp;
@@ -184,7 +185,7 @@ class Framework:
     """Every micro-batch's weight gradients are added into ``.grad`` by a separate kernel per
     parameter (eager torch autograd; the reference trainer, measured on an H100; DeepSpeed, whose
     ZeRO-0/1 leave the accumulation to autograd until the boundary, read in DeepSpeed 0.19.8
-    ``stage_1_and_2.py``; its BF16 optimizer does more instead, ``bf16_optimizer_with_pp``).
+    ``stage_1_and_2.py``; its BF16 optimizer adds a pass of its own, ``bf16_optimizer_with_pp``).
     Megatron-LM fuses the accumulation into the weight-gradient GEMM
     (``gradient_accumulation_fusion``, its default). torchtitan is left without it: FSDP2's
     gradients are reduced and sharded in ways not measured here."""
@@ -194,10 +195,16 @@ class Framework:
     Megatron-DeepSpeed shares; ``tensor_parallel.overlapped``). Elsewhere they run in turn:
     torchtitan's DTensor redistributions, the reference trainer, DeepSpeed's AutoTP layers (what
     the emitted DeepSpeed files use)."""
+    step_gather_overlaps: bool = True
+    """Under ``overlap_param_gather`` the parameter gather after a ZeRO-1/2 step runs layer by
+    layer under the next forward (Megatron-LM's distributed optimizer). False: the step gathers
+    them before it returns (DeepSpeed: ``all_gather_dp_groups`` inside ``step``; its
+    ``overlap_param_gather`` default stands for ZeRO-3's prefetching only)."""
     bf16_optimizer_with_pp: bool = False
     """bf16 without ZeRO under pipeline parallelism runs DeepSpeed's ``BF16_Optimizer``, which
-    keeps an fp32 copy of every gradient and adds each micro-batch's bf16 gradients into it
-    (``System.bf16_optimizer``, ``compute.BF16_OPTIMIZER_UPDATE``): DeepSpeed."""
+    keeps a second copy of every gradient (in bf16 unless ``grad_accum_dtype`` says otherwise),
+    adds each micro-batch's gradients into it and shards its fp32 master weights and moments over
+    dp (``System.bf16_optimizer``, ``compute.BF16_OPTIMIZER_UPDATE``): DeepSpeed."""
     fused_glu: bool = False
     """A gated MLP's activation is one autograd function that keeps only its input and recomputes
     act(gate) in the backward: Megatron-LM's ``bias_swiglu_impl`` (``bias_swiglu_fusion``, on
@@ -354,7 +361,8 @@ FRAMEWORKS = {
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": True, "tp_comm_overlap": False,
                   "torch_compile": False},
         knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE,
-        loss_backward_fp32_tensors=0, grad_accumulation_kernel=True, bf16_optimizer_with_pp=True),
+        loss_backward_fp32_tensors=0, grad_accumulation_kernel=True, bf16_optimizer_with_pp=True,
+        step_gather_overlaps=False),
 }
 
 

@@ -490,7 +490,7 @@ class PointOptimizer:
         # ZeRO shards over the gradient group: dp x cp (``data_parallel.grad_group``)
         master = sys_.framework.master_weights
         # DeepSpeed's BF16 optimizer (bf16, pipeline, no ZeRO) shards its fp32 states as ZeRO-1 does
-        bf16_opt = sys_.framework.bf16_optimizer_with_pp and mod.dtype == "bf16" and pp > 1
+        bf16_opt = sys_.bf16_optimizer(ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1))
         per_param = np.array([(lambda st: st.parameters + st.optimizer)(state_bytes_per_param(
             mod.dtype, 1 if (z == 0 and bf16_opt) else z, dp * cp, fp32, master)) for z in zeros])
         z3 = np.array([zero3_working_bytes(mod, tp) if (z == 3 and dp * cp > 1) else 0.0 for z in zeros])
@@ -504,7 +504,8 @@ class PointOptimizer:
         dp, pp, tp, mbs, sched, v, layered, cp = point
         top = float(self._stage_params(pp, tp, v)[0].max())
         # DeepSpeed's BF16 optimizer (bf16, pipeline, no ZeRO) steps its shard as ZeRO-1 does
-        bf16_opt = self.system.framework.bf16_optimizer_with_pp and self.model.dtype == "bf16" and pp > 1
+        bf16_opt = self.system.bf16_optimizer(ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1,
+                                                             num_micro_batches=1))
         return np.array([min(self.system.optimizer_time(k, top / (dp * cp if (z >= 1 or bf16_opt) else 1))
                              for k in self.kinds) for z in zeros])
 

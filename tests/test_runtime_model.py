@@ -383,11 +383,15 @@ def test_tp_overlap_is_not_priced_on_cpu_processes():
 
 def test_deepspeed_gradient_handling():
     """DeepSpeed, against DeepSpeed 0.19.8's code: ZeRO-0/1 leave accumulation to autograd (one
-    read-read-write pass over the block's bf16 gradients per micro-batch); bf16 without ZeRO under
-    its pipeline engine runs the BF16 optimizer, which keeps an fp32 copy of every gradient and
-    moves 20 bytes per parameter after every backward, two kernels per parameter tensor."""
-    from autoconf.cost.compute import BF16_OPTIMIZER_UPDATE
+    read-read-write pass over the block's bf16 gradients per micro-batch, a kernel per tensor);
+    bf16 without ZeRO under its pipeline engine runs the BF16 optimizer, which zeroes the bf16
+    gradients before each backward (2 bytes per parameter) and adds them into a second bf16 copy
+    after it (read 2 + 2, write 2; a kernel per tensor), on top of autograd's pass; it keeps that
+    copy (2 bytes per parameter), shards its fp32 states over dp and gathers the parameters inside
+    the step."""
+    from autoconf.cost.data_parallel import post_all_gather_s
     from autoconf.cost.estimate import estimate
+    from autoconf.cost.layout import layout
     from autoconf.cost.system import System
     m = preset("llama-3-8b")
     cl = _a100_node(1)
@@ -397,30 +401,33 @@ def test_deepspeed_gradient_handling():
     tensors = 4 + m.norms_per_block  # no biases, RMSNorm: one weight each
 
     def block(**kw):
-        return s.block_for("a100-80gb", ParallelConfig(dp=1, tp=1, micro_batch_size=1, **kw))
+        return s.block_for("a100-80gb", ParallelConfig(tp=1, micro_batch_size=1, **kw))
 
-    plain = block(pp=1, num_micro_batches=1)
-    acc = block(pp=1, num_micro_batches=4)
-    bf16opt = block(pp=2, num_micro_batches=4)
-    zero1 = s.block_for("a100-80gb", ParallelConfig(dp=2, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4,
-                                                    zero_stage=1))
+    plain = block(dp=1, pp=1, num_micro_batches=1)
+    acc = block(dp=1, pp=1, num_micro_batches=4)
+    bf16opt = block(dp=1, pp=2, num_micro_batches=4)
+    zero1 = block(dp=2, pp=2, num_micro_batches=4, zero_stage=1)
     assert s.bf16_optimizer(ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4))
     assert acc.backward_s - plain.backward_s == pytest.approx(
-        3 * 2 * m.layer_params() / bw + tensors * rf.kernel_launch_s, rel=1e-6)
+        (2 + 2 + 2) * m.layer_params() / bw + tensors * rf.kernel_launch_s, rel=1e-6)
     assert zero1.backward_s == pytest.approx(acc.backward_s)
     assert bf16opt.backward_s - plain.backward_s == pytest.approx(
-        BF16_OPTIMIZER_UPDATE[0] * m.layer_params() / bw + BF16_OPTIMIZER_UPDATE[1] * tensors * rf.kernel_launch_s,
-        rel=1e-6)
-    # memory: the fp32 gradient copies, 4 bytes per parameter of the stage, on top of the bf16 ones
+        (6 + 8) * m.layer_params() / bw + 2 * tensors * rf.kernel_launch_s, rel=1e-6)
+    # memory: the second gradient copy (2 bytes per parameter of the stage) on top of the bf16
+    # gradients, fp32 states sharded as under ZeRO-1
     c0 = ParallelConfig(dp=2, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4)
     e0 = estimate(c0, m, cl, ctx=s)
     e1 = estimate(dataclasses.replace(c0, zero_stage=1), m, cl, ctx=s)
-    for a, b in zip(e0.memory_by_stage, e1.memory_by_stage):  # ZeRO-1 keeps the bf16 gradients only
-        assert a.gradients - b.gradients == pytest.approx(4 / 6 * a.gradients, rel=1e-6)
-        assert a.optimizer == pytest.approx(b.optimizer)  # both shard the fp32 states over dp
-    assert e0.breakdown_s["dp_comm"] > 0
-    # Megatron-LM fuses its accumulation into the weight-gradient GEMM: no such pass
+    for a, b in zip(e0.memory_by_stage, e1.memory_by_stage):
+        assert a.gradients == pytest.approx(2 * b.gradients, rel=1e-6)
+        assert a.optimizer == pytest.approx(b.optimizer)
+    # the parameters are gathered inside the step, not under the next forward (DeepSpeed's
+    # overlap_param_gather default is ZeRO-3's prefetch)
+    gather = post_all_gather_s(s, c0, layout(s, c0))
     meg = System(m, cl, framework="megatron")
+    c_meg = dataclasses.replace(c0, zero_stage=1, overlap_param_gather=True)
+    assert gather > 0 and gather > 4 * post_all_gather_s(meg, c_meg, layout(meg, c_meg))
+    # Megatron-LM fuses its accumulation into the weight-gradient GEMM: no such pass
     c = ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4)
     assert not meg.bf16_optimizer(c)
     assert meg.block_for("a100-80gb", c).backward_s == pytest.approx(

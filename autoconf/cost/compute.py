@@ -545,13 +545,16 @@ def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: in
     return att_f, att_b
 
 
-BF16_OPTIMIZER_UPDATE = (20.0, 2)
+BF16_OPTIMIZER_UPDATE = (8.0, 1)
 """DeepSpeed's ``BF16_Optimizer`` (bf16 without ZeRO under its pipeline engine; read in DeepSpeed
 0.19.8, ``runtime/bf16_optimizer.py``), every micro-batch: ``clear_lp_grads`` zeroes the bf16
-gradients before the backward (write 2 bytes per parameter, one foreach call), and
-``update_hp_grads`` adds them into the fp32 copies after it, ``hp.add_(lp.grad.to(fp32))`` per
-parameter (read 2 and write 4 for the cast, read 4 + 4 and write 4 for the add): 20 bytes per
-parameter, two kernels per parameter tensor."""
+gradients before the backward (write 2 bytes per parameter, a foreach call), and
+``update_hp_grads`` adds them into its own gradient copies after it,
+``hp.add_(lp.grad.to(hp.dtype))`` per parameter. The copies take the gradient-accumulation dtype,
+which is the model's (bf16) unless ``data_types.grad_accum_dtype`` says otherwise (and DeepSpeed
+refuses fp32 there without ZeRO): the cast is a no-op and the add reads 2 + 2 and writes 2. So 8
+bytes per parameter, one kernel per parameter tensor, on top of autograd's own ``.grad``
+accumulation (the zeroed gradients are added into, not replaced)."""
 
 
 def linear_gemms(model: ModelSpec, b: int, tp: int, cp: int = 1) -> dict:
@@ -604,7 +607,7 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     accumulation: read both, write one, in the parameters' dtype), as on every micro-batch but the
     first of a step (charged on each: 1/m of the term too much); Megatron-LM fuses it into the
     weight-gradient GEMM (its fp32 ``main_grad``). ``grad_update``: (bytes per parameter,
-    kernels per parameter tensor) a framework moves after every backward instead (DeepSpeed's
+    kernels per parameter tensor) a framework moves after every backward as well (DeepSpeed's
     BF16 optimizer: ``BF16_OPTIMIZER_UPDATE``). Neither for mixture-of-experts blocks (not
     priced)."""
     unfused_softmax = unfused_softmax and model.attention == "eager"

@@ -4,7 +4,8 @@
   Rajbhandari et al., arXiv 1910.02054) is queued per device as each chunk's gradients become
   final, in 25 MiB buckets as PyTorch DDP (Li et al., VLDB 2020), overlapped with the rest of the
   backward where a copy engine / NIC does the work (:func:`reduction_tail_s`).
-- ZeRO-1/2 gather the updated parameter shards after the optimizer step (:func:`post_all_gather_s`).
+- ZeRO-1/2 (and DeepSpeed's BF16 optimizer) gather the updated parameter shards after the
+  optimizer step (:func:`post_all_gather_s`).
 - ZeRO-2/3 reduce-scatter every micro-batch's gradients, ZeRO-3 gathers parameters before each
   pass over a chunk (FSDP's prefetching hides all but the first layer's gather):
   :func:`per_micro_batch_s`.
@@ -78,9 +79,8 @@ def tied_params(system: System, c: ParallelConfig, ci: int) -> float:
 
 def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds, dev: int = 0) -> float:
     """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic (PowerSGD's
-    three all-reduces per bucket where pipeline rank ``dev`` compresses its gradients). DeepSpeed's
-    BF16 optimizer all-reduces its fp32 gradient copies (``System.bf16_optimizer``)."""
-    g_bytes = 4 if system.bf16_optimizer(c) else system.grad_bytes
+    three all-reduces per bucket where pipeline rank ``dev`` compresses its gradients)."""
+    g_bytes = system.grad_bytes
     n, axis = grad_group(c)
     if dp_compressed(c, dev):
         return (powersgd_reduction_s(system, c, lay, ci, kinds, axis_links(system, c, axis), n)
@@ -210,12 +210,13 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
 
 
 def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
-    """ZeRO-1/2: the updated parameter shards gathered back after the optimizer step (each owner's
-    shard is flattened, sent and copied back into the parameters); 0 otherwise. With
-    ``overlap_param_gather`` (Megatron's distributed optimizer) each layer's gather runs under the
-    next step's forward, layer by layer: only the first layer's share waits. DeepSpeed's BF16
-    optimizer shards its fp32 master weights and moments over dp as ZeRO-1 does and gathers the
-    updated bf16 parameters the same way (``System.bf16_optimizer``)."""
+    """ZeRO-1/2, and DeepSpeed's BF16 optimizer (which shards its fp32 master weights and moments
+    as ZeRO-1 does, ``System.bf16_optimizer``): the updated parameter shards gathered back after
+    the optimizer step (each owner's shard is flattened, sent and copied back into the
+    parameters); 0 otherwise. With ``overlap_param_gather`` (Megatron's distributed optimizer)
+    each layer's gather runs under the next step's forward, layer by layer: only the first
+    layer's share waits; not where the framework gathers inside the step
+    (``Framework.step_gather_overlaps``: DeepSpeed)."""
     n, axis = grad_group(c)
     if n == 1 or (c.zero_stage not in (1, 2) and not system.bf16_optimizer(c)):
         return 0.0
@@ -225,6 +226,6 @@ def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
         nbytes = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev)) * system.model.dtype_bytes
         post_ag = max(post_ag, collective_s(system, links, comm.all_gather_s, n, nbytes)
                       + system.copy_time(lay.stage_kinds[dev], (4 - 2 / n) * nbytes))
-    if lay.overlap_param_gather:
+    if lay.overlap_param_gather and system.framework.step_gather_overlaps:
         return post_ag / max(1, system.model.num_layers // c.pp)
     return post_ag

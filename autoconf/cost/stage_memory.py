@@ -73,14 +73,14 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         if c.recompute == "full" and not layered_pp1:  # layered: inside _layered_peak
             acts += max(act_layer.get("recompute_working_bytes", 0.0), _moe_working(system, c, lay))
         optimizer = dense * st.optimizer + experts * st_e.optimizer
-        if system.bf16_optimizer(c):
-            # DeepSpeed's BF16 optimizer: an fp32 copy of every gradient, and its fp32 master
-            # weights and moments sharded over dp (runtime/bf16_optimizer.py: ZeRO-1's layout)
-            grads += 4.0 * params
-            optimizer /= c.dp * c.cp
         # the step holds every gradient; the activation peak may come before the last ones exist
         # (layered accumulation, interleaved schedules)
         shortfall = max(0.0, dense * st.gradients + experts * st_e.gradients - grads)
+        if system.bf16_optimizer(c):
+            # DeepSpeed's BF16 optimizer: a second copy of every gradient (the model's dtype), and
+            # its fp32 master weights and moments sharded over dp (runtime/bf16_optimizer.py)
+            grads += m.dtype_bytes * params
+            optimizer /= c.dp * c.cp
         other = _other_bytes(system, c, lay, s, acts, optimizer, shortfall)
         out.append(StageMemory(parameters=dense * st.parameters + experts * st_e.parameters, gradients=grads,
                                optimizer=optimizer, activations=acts,

@@ -193,8 +193,8 @@ class System:
         (``compute.Moe``, from ``moe.moe_shape``). ``accumulates``: the step adds micro-batches'
         weight gradients into ``.grad`` (more than one micro-batch, gradients not reduced away
         after each backward), which a framework with ``grad_accumulation_kernel`` pays for;
-        ``bf16_optimizer``: DeepSpeed's BF16 optimizer moves every micro-batch's gradients into
-        fp32 copies instead (:meth:`bf16_optimizer`)."""
+        ``bf16_optimizer``: DeepSpeed's BF16 optimizer also adds every micro-batch's gradients into
+        its own copies (:meth:`bf16_optimizer`)."""
         def make():
             if self.measured_for(kind) and cp == 1 and fp8 is None and not compiled and moe is None:
                 from .measured import block_times as measured_block
@@ -209,8 +209,7 @@ class System:
                                cp=cp, fp8=f8, compiled=compiled, moe=moe, ring_math=self.framework.ring_math,
                                unfused_softmax=self.unfused_softmax(b, tp, cp),
                                eager_elementwise=self.framework.eager_elementwise,
-                               grad_accumulation=(self.framework.grad_accumulation_kernel and accumulates
-                                                  and not bf16_optimizer),
+                               grad_accumulation=self.framework.grad_accumulation_kernel and accumulates,
                                grad_update=BF16_OPTIMIZER_UPDATE if bf16_optimizer else (0.0, 0))
         return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled, moe, accumulates, bf16_optimizer),
                            lambda: _shared(make(), self.cpu_share(kind)))
@@ -240,11 +239,11 @@ class System:
     def bf16_optimizer(self, c) -> bool:
         """Whether configuration ``c`` runs DeepSpeed's ``BF16_Optimizer``: bf16 training without
         ZeRO under its pipeline engine (``Framework.bf16_optimizer_with_pp``; DeepSpeed's engine
-        picks it there, ``_do_optimizer_sanity_check``). It keeps an fp32 copy of every gradient
-        (4 bytes per parameter, ``stage_memory``), moves each micro-batch's gradients into it
-        (``compute.BF16_OPTIMIZER_UPDATE``), all-reduces those fp32 copies, and shards its fp32
-        master weights and moments over dp, gathering the updated parameters after the step, as
-        ZeRO-1 does (``data_parallel``)."""
+        picks it there, ``_do_optimizer_sanity_check``). It keeps a second copy of every gradient
+        in the model's dtype (``stage_memory``), adds each micro-batch's gradients into it
+        (``compute.BF16_OPTIMIZER_UPDATE``), all-reduces those copies, and shards its fp32 master
+        weights and moments over dp, gathering the updated parameters inside the step, as ZeRO-1
+        does (``data_parallel``)."""
         return (self.framework.bf16_optimizer_with_pp and self.model.dtype == "bf16" and c.pp > 1
                 and c.zero_stage == 0)
 

@@ -4,7 +4,8 @@ The same recipe as ``estimate._estimate``, kept as events instead of sums: the c
 (``chunk_time``), the transfers between chunks (``schedule_time.chunk_p2p_times``), the schedule's
 ops and transfers from the pipeline simulation itself (``pipeline.timeline``), each chunk's
 gradient reductions as they queue after its last backward (``data_parallel.reduction_spans``),
-then ZeRO-1/2's parameter gather and the optimizer step. Pure: no I/O, no plotting.
+then ZeRO-1/2's (or DeepSpeed's BF16 optimizer's) parameter gather and the optimizer step. Pure:
+no I/O, no plotting.
 
 The estimate simulates a few micro-batches and extrapolates the steady state
 (``schedule_time.run_schedule``); the timeline simulates all of them. Where the estimate
@@ -50,7 +51,7 @@ class StepTimeline:
     dp_tail_s: float
     """How far the reductions run past the pipeline."""
     post_gather_s: float
-    """ZeRO-1/2's parameter all-gather after the optimizer step (its exposed part)."""
+    """ZeRO-1/2's (or the BF16 optimizer's) parameter all-gather after the optimizer step (its exposed part)."""
     optimizer_s: float
     priced_makespan_s: float
     """The pipeline time the estimate priced (extrapolated past ``simulated_micro_batches``)."""

@@ -108,6 +108,28 @@ def test_the_bounds_are_bounds(network, framework, device, precision, model):
     assert len(cps) > 1 if model is LONG else cps == {1}
 
 
+def _checked_estimates(system, opt, model, points, batch: int):
+    """Every valid inner configuration of ``points`` at ``batch`` with its estimate, checked
+    against the point's bounds: a memory floor refuses only what does not fit, a time bound is at
+    most the estimate. Yields (configuration, estimate, whether a time bound covered it)."""
+    for p in points:
+        b = opt.bounds(p, batch)
+        dp, pp, tp, mbs, sched, v, layered, cp = p
+        for c in framework_inner(system.framework, dp, pp, tp, mbs, sched, v, layered, batch,
+                                 dp_hierarchical(system, dp, pp, tp), cp):
+            c = opt._prec(c)
+            if check(c, model):
+                continue
+            e = _estimate(c, system)
+            key = (c.sequence_parallel, c.recompute, c.zero_stage)
+            if key not in b:
+                assert not e.fits, f"memory floor refused {c.short()} that fits"
+                yield c, e, False
+                continue
+            assert b[key] <= e.step_time_s * (1 + 1e-9), (c.short(), b[key], e.step_time_s)
+            yield c, e, True
+
+
 @pytest.mark.parametrize("framework", ["megatron", "torchtitan"])
 def test_the_bounds_are_bounds_with_a_gpu_profile(framework):
     """With a profile's measured GEMM table (which can rate small GEMMs faster than large ones, so
@@ -125,23 +147,10 @@ def test_the_bounds_are_bounds_with_a_gpu_profile(framework):
     checked = overlapped = 0
     for batch in (32, 128):
         pts = opt.points(16, batch)
-        for p in rng.sample(pts, min(len(pts), 40)):
-            b = opt.bounds(p, batch)
-            dp, pp, tp, mbs, sched, v, layered, cp = p
-            for c in framework_inner(system.framework, dp, pp, tp, mbs, sched, v, layered, batch,
-                                     dp_hierarchical(system, dp, pp, tp), cp):
-                c = opt._prec(c)
-                if check(c, model):
-                    continue
-                e = _estimate(c, system)
-                assert e.breakdown_s.get("tp_comm", 0.0) >= 0.0, c.short()
-                key = (c.sequence_parallel, c.recompute, c.zero_stage)
-                if key not in b:
-                    assert not e.fits
-                    continue
-                assert b[key] <= e.step_time_s * (1 + 1e-9), (c.short(), b[key], e.step_time_s)
-                checked += 1
-                overlapped += bool(c.tp_comm_overlap)
+        for c, e, bounded in _checked_estimates(system, opt, model, rng.sample(pts, min(len(pts), 40)), batch):
+            assert e.breakdown_s.get("tp_comm", 0.0) >= 0.0, c.short()
+            checked += bounded
+            overlapped += bounded and bool(c.tp_comm_overlap)
     assert checked > 100 and overlapped > 10
 
 
@@ -162,22 +171,9 @@ def test_the_bounds_are_bounds_on_cpu_ranks_sharing_cores():
     opt = T.PointOptimizer(system)
     checked = pipelined = 0
     for batch in (8, 16):
-        for p in opt.points(4, batch):
-            b = opt.bounds(p, batch)
-            dp, pp, tp, mbs, sched, v, layered, cp = p
-            for c in framework_inner(system.framework, dp, pp, tp, mbs, sched, v, layered, batch,
-                                     dp_hierarchical(system, dp, pp, tp), cp):
-                c = opt._prec(c)
-                if check(c, model):
-                    continue
-                e = _estimate(c, system)
-                key = (c.sequence_parallel, c.recompute, c.zero_stage)
-                if key not in b:
-                    assert not e.fits
-                    continue
-                assert b[key] <= e.step_time_s * (1 + 1e-9), (c.short(), b[key], e.step_time_s)
-                checked += 1
-                pipelined += pp > 1
+        for c, e, bounded in _checked_estimates(system, opt, model, opt.points(4, batch), batch):
+            checked += bounded
+            pipelined += bounded and c.pp > 1
     assert checked > 50 and pipelined > 20
 
 

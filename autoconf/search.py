@@ -185,11 +185,14 @@ class _Evaluator:
         every precision and expert-parallel degree tried."""
         dp, pp, tp, mbs, sched, v, layered, cp = point
         fw = self.ctx.framework
-        for sp in ((False, True) if tp > 1 else (False,)):
+        # tp_comm_overlap is not always cheaper: its chunked GEMMs can cost more than the
+        # collectives they hide (tensor_parallel.overlapped), so both settings are bounds
+        tpos = (False, True) if "tp_comm_overlap" in fw.knobs else (None,)
+        for sp, tpo in ((s_, o) for s_ in ((False, True) if tp > 1 else (False,)) for o in tpos if s_ or not o):
             c = make_config(dp, pp, tp, mbs, sched, v, layered, 1 if dp * cp > 1 else 0, "none", sp,
                             self.global_batch, cp)
-            # the switchable knobs at their cheapest (overlap on), so the bound stays a lower bound
-            c = dataclasses.replace(c, **{k: (sp if k == "tp_comm_overlap" else True) for k in fw.knobs})
+            # the other switchable knobs at their cheapest (overlap on), so the bound stays a lower bound
+            c = dataclasses.replace(c, **{k: (tpo if k == "tp_comm_overlap" else True) for k in fw.knobs})
             # the cheapest precision and expert-parallel degree are not known in advance
             for prec, ep in ((p_, e) for p_ in self.precisions for e in self._eps_of(point)):
                 cc = dataclasses.replace(c, precision=prec[0], fp8_recipe=prec[1], ep=ep)

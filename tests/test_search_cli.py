@@ -208,3 +208,32 @@ def test_a_resumed_study_asked_for_more_finds_the_new_runners_up(tmp_path):
     again = search(m, A100, 64, gpus=8, storage=url, trials=20, top=7)  # now all known: nothing re-evaluated
     assert again.trials_run == 0 and again.earlier_trials == more.trials_total
     assert [e.step_time_s for e in again.top] == pytest.approx(_gpt13_times()[:7], rel=1e-12)
+
+
+def test_no_point_is_pruned_while_one_of_its_configurations_beats_the_incumbent():
+    """The bound that prunes an outer point (``_Evaluator._dominated``) is at most every inner
+    configuration's time. With a GPU profile's GEMM table Megatron's tp_comm_overlap can be slower
+    than no overlap (its chunked GEMMs cost more than the collectives they hide), so the bound
+    takes both settings: here at tp 8, micro-batch 1."""
+    import dataclasses
+
+    from autoconf.model import load_model
+    from autoconf.profile import load_profile
+    from autoconf.search import _Evaluator, framework_inner
+    from autoconf.timetotrain import synthetic_cluster
+    m = load_model("examples/models/llama3-8l.yaml")
+    cl = synthetic_cluster("h100-sxm", 8, "ib")
+    s = System(m, cl, load_profile("examples/profiles/h100-sxm-llama3-8l.json"), framework="megatron")
+    checked = slower = 0
+    for tp, mbs in ((8, 1), (8, 4), (4, 2), (2, 8)):
+        dp = 8 // tp
+        point = (dp, 1, tp, mbs, "1f1b", 1, False, 1)
+        for c in framework_inner(s.framework, dp, 1, tp, mbs, "1f1b", 1, False, 64):
+            t = _estimate(c, s).step_time_s
+            if c.tp_comm_overlap:
+                slower += t > _estimate(dataclasses.replace(c, tp_comm_overlap=False), s).step_time_s
+            ev = _Evaluator(s, 64, {})
+            ev._kept = [(t * (1 + 1e-9), None, "incumbent")]
+            assert not ev._dominated(point), c.short()
+            checked += 1
+    assert checked > 50 and slower  # the overlap costs more somewhere in what was checked

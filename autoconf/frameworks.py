@@ -178,7 +178,8 @@ class Framework:
     eager_elementwise: bool = False
     """Its norms, rotary embedding, gated activation and QKV split run as eager torch operations
     (the reference trainer's ``autoconf.nn``: RMSNorm as 8 kernels forward and 14 backward, mostly
-    fp32, the rotary embedding as five per tensor; ``compute.eager_elementwise_bytes``), not as fused kernels (Megatron-LM's and
+    fp32, the rotary embedding as five per tensor; ``compute.eager_elementwise_bytes``), not as
+    fused kernels (Megatron-LM's and
     DeepSpeed's Transformer Engine / Apex kernels; torchtitan is taken as fused too: its
     ``nn.RMSNorm`` and, usually, ``torch.compile``). Not under ``torch_compile``."""
     grad_accumulation_kernel: bool = False

@@ -489,10 +489,8 @@ class PointOptimizer:
         fp32 = sys_.grad_bytes == 4 and mod.dtype != "fp32"
         # ZeRO shards over the gradient group: dp x cp (``data_parallel.grad_group``)
         master = sys_.framework.master_weights
-        # DeepSpeed's BF16 optimizer (bf16, pipeline, no ZeRO) shards its fp32 states as ZeRO-1 does
-        bf16_opt = sys_.bf16_optimizer(ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1))
         per_param = np.array([(lambda st: st.parameters + st.optimizer)(state_bytes_per_param(
-            mod.dtype, 1 if (z == 0 and bf16_opt) else z, dp * cp, fp32, master)) for z in zeros])
+            mod.dtype, self._state_zero(point, z), dp * cp, fp32, master)) for z in zeros])
         z3 = np.array([zero3_working_bytes(mod, tp) if (z == 3 and dp * cp > 1) else 0.0 for z in zeros])
         # options x zeros x stages
         tot = (np.asarray(acts, dtype=float)[:, None, None] * units[None, None, :]
@@ -503,11 +501,14 @@ class PointOptimizer:
         import numpy as np
         dp, pp, tp, mbs, sched, v, layered, cp = point
         top = float(self._stage_params(pp, tp, v)[0].max())
-        # DeepSpeed's BF16 optimizer (bf16, pipeline, no ZeRO) steps its shard as ZeRO-1 does
-        bf16_opt = self.system.bf16_optimizer(ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1,
-                                                             num_micro_batches=1))
-        return np.array([min(self.system.optimizer_time(k, top / (dp * cp if (z >= 1 or bf16_opt) else 1))
+        return np.array([min(self.system.optimizer_time(k, top / (dp * cp if self._state_zero(point, z) >= 1 else 1))
                              for k in self.kinds) for z in zeros])
+
+    def _state_zero(self, point, zero: int) -> int:
+        """``System.state_zero_stage`` at an outer point and ZeRO stage."""
+        dp, pp, tp, mbs, sched, v, layered, cp = point
+        return self.system.state_zero_stage(ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1,
+                                                           num_micro_batches=1, zero_stage=zero))
 
     def _reduction_floor(self, point, zeros) -> list:
         """Per ZeRO stage: the busiest device's gradient reductions back to back (the model queues

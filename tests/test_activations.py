@@ -154,9 +154,9 @@ def test_fused_glu_rows_as_autograd_saves_them():
         return F.silu(g) * u
 
     m = preset("llama-3-8b")
-    assert rows(eager) == layer_activation_bytes(m, 1, 1, False, "none")["mlp_hidden"] / (2 * m.seq_length * m.ffn_hidden_size)
-    assert rows(SwiGLUFunction.apply) == layer_activation_bytes(m, 1, 1, False, "none", fused_glu=True)["mlp_hidden"] / (
-        2 * m.seq_length * m.ffn_hidden_size)
+    per_row = 2 * m.seq_length * m.ffn_hidden_size  # bf16 bytes of one f-wide tensor per sequence
+    assert rows(eager) == layer_activation_bytes(m, 1, 1, False, "none")["mlp_hidden"] / per_row
+    assert rows(SwiGLUFunction.apply) == layer_activation_bytes(m, 1, 1, False, "none", fused_glu=True)["mlp_hidden"] / per_row
 
 
 SHAPES = [

@@ -353,7 +353,8 @@ def test_tp_collectives_hide_only_under_the_gemm_beside_them():
                                                                      tp_comm_overlap=True)
     assert t.forward_per_layer_s == pytest.approx(want_f)
     assert t.backward_per_layer_s == pytest.approx(sum(
-        max(0, _pipelined(ag, chunked_dgrad[r_], 4) - dgrad[r_]) + max(0, _pipelined(rs, chunked_dgrad[c_], 4) - dgrad[c_])
+        max(0, _pipelined(ag, chunked_dgrad[r_], 4) - dgrad[r_])
+        + max(0, _pipelined(rs, chunked_dgrad[c_], 4) - dgrad[c_])
         for c_, r_ in (("attention_in", "attention_out"), ("mlp_in", "mlp_out"))))
     # torchtitan (no asynchronous backward): every collective in turn; full recompute repeats the forward's
     t, ag, rs, *_ = parts("torchtitan", sequence_parallel=True)

@@ -119,8 +119,7 @@ def optimizer_step_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     for dev in range(c.pp):
         params = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev))
         experts = sum(lay.chunk_expert_params[ci] for ci in lay.chunks_of(c, dev)) if lay.chunk_expert_params else 0.0
-        # (DeepSpeed's BF16 optimizer shards its fp32 states as ZeRO-1 does: System.bf16_optimizer)
-        if c.zero_stage >= 1 or system.bf16_optimizer(c):  # experts: over the ranks holding the same experts
+        if system.state_zero_stage(c) >= 1:  # the experts are sharded over the ranks holding the same experts
             local = (params - experts) / (c.dp * c.cp) + experts / max(1, c.dp * c.cp // c.ep)
         else:
             local = params

@@ -650,7 +650,8 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
         g_fwd += sum(nb * fp8_gemm(fp8.rf, m, n, k) for m, n, k, nb in grouped)
         g_bwd += sum(nb * (fp8_gemm(fp8.rf, m, k, n) + fp8_gemm(fp8.rf, n, k, m)) for m, n, k, nb in grouped)
         # the reference trainer's experts (fp8.eager) are not FP8 linears: only the dense GEMMs quantise
-        quantised = gemms[:n_attn] if fp8.eager and moe is not None else gemms + [(m * nb, n, k) for m, n, k, nb in grouped]
+        quantised = (gemms[:n_attn] if fp8.eager and moe is not None
+                     else gemms + [(m * nb, n, k) for m, n, k, nb in grouped])
         qf, qb = quantize_times(quantised, fp8, rf, compiled)
     att_f, att_b = attention_core_times(model, b, tp, rf, cp, ring_math, unfused_softmax)
     calls = 1 if cp == 1 else cp  # ring attention: one call per key/value chunk

@@ -218,7 +218,7 @@ def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     layer's share waits; not where the framework gathers inside the step
     (``Framework.step_gather_overlaps``: DeepSpeed)."""
     n, axis = grad_group(c)
-    if n == 1 or (c.zero_stage not in (1, 2) and not system.bf16_optimizer(c)):
+    if n == 1 or system.state_zero_stage(c) not in (1, 2):
         return 0.0
     links = axis_links(system, c, axis)
     post_ag = 0.0

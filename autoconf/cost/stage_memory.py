@@ -51,7 +51,8 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
     """Memory of every pipeline stage for configuration ``c``."""
     m = system.model
     master = system.framework.master_weights
-    st = state_bytes_per_param(m.dtype, c.zero_stage, c.dp * c.cp,
+    zero = system.state_zero_stage(c)  # DeepSpeed's BF16 optimizer: ZeRO-1's layout without ZeRO
+    st = state_bytes_per_param(m.dtype, zero, c.dp * c.cp,
                                fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
     act_layer = system.layer_activations(c, _mask_bytes(system, lay))
     layered_pp1 = c.pp == 1 and c.layered_grad_accum
@@ -60,7 +61,7 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
     else:
         peaks = _activation_peaks(system, c, lay, act_layer["total"], st.gradients)
     # a mixture of experts' routed experts: sharded by ZeRO over the ranks holding the same experts
-    st_e = state_bytes_per_param(m.dtype, c.zero_stage, max(1, c.dp * c.cp // c.ep),
+    st_e = state_bytes_per_param(m.dtype, zero, max(1, c.dp * c.cp // c.ep),
                                  fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
     out = []
     for s in range(c.pp):
@@ -76,11 +77,8 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         # the step holds every gradient; the activation peak may come before the last ones exist
         # (layered accumulation, interleaved schedules)
         shortfall = max(0.0, dense * st.gradients + experts * st_e.gradients - grads)
-        if system.bf16_optimizer(c):
-            # DeepSpeed's BF16 optimizer: a second copy of every gradient (the model's dtype), and
-            # its fp32 master weights and moments sharded over dp (runtime/bf16_optimizer.py)
+        if system.bf16_optimizer(c):  # DeepSpeed's BF16 optimizer: a second copy of every gradient
             grads += m.dtype_bytes * params
-            optimizer /= c.dp * c.cp
         other = _other_bytes(system, c, lay, s, acts, optimizer, shortfall)
         out.append(StageMemory(parameters=dense * st.parameters + experts * st_e.parameters, gradients=grads,
                                optimizer=optimizer, activations=acts,

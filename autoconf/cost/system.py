@@ -247,6 +247,12 @@ class System:
         return (self.framework.bf16_optimizer_with_pp and self.model.dtype == "bf16" and c.pp > 1
                 and c.zero_stage == 0)
 
+    def state_zero_stage(self, c) -> int:
+        """The ZeRO stage by which configuration ``c`` lays out its fp32 master weights and
+        optimizer moments (memory, the optimizer step, the gather after it): its own, or 1 where
+        DeepSpeed's BF16 optimizer shards them over dp without ZeRO (:meth:`bf16_optimizer`)."""
+        return 1 if self.bf16_optimizer(c) else c.zero_stage
+
     def fp8_roofline(self, kind: str, recipe: str) -> Roofline:
         """The roofline of FP8 GEMMs on ``kind``: the catalog's FP8 peak (MXFP8's for the mxfp8
         recipe) at its FP8 GEMM efficiency; a profile's measured FP8 GEMM table where it has one.

@@ -185,7 +185,7 @@ def _overlapped_on(system: System, c: ParallelConfig, kind: str, ag: float, rs: 
     exposed_subs = 2 - len(subs)  # MoE: the MLP's collectives as they are
     fwd = bwd = exposed_subs * (ag + rs + ar)
     for col, row in subs:
-        fwd += piped(ag, lin[col], "fwd") + piped(rs, lin[row], "fwd") if tpo else ag + rs + ar
+        fwd += (piped(ag, lin[col], "fwd") + piped(rs, lin[row], "fwd")) if tpo else ag + rs + ar
         if fw.tp_backward_overlap:
             if c.sequence_parallel:
                 gather = piped(ag, lin[row], "dgrad") if tpo else ag

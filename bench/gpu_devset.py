@@ -11,6 +11,8 @@ catalog's ``a100-80gb`` with nothing fitted to these rows. Printed:
 
 - per (shape, GPUs, global batch) group: rows, median / max |error|, median signed error,
   Spearman rank correlation, regret (measured time of the predicted best over the measured best);
+  overall, also the groups whose regret is within 1.03 once the model's top K are measured and
+  the fastest kept, as ``search --verify K`` does (K = 2, 3, 4);
 - the 10 worst rows with their breakdown;
 - how the measured rows are built (each layout's time is exactly fixed + m x one per-micro-batch
   figure, the same at every dp), the model's error on the per-micro-batch and the fixed part per
@@ -116,6 +118,10 @@ def report(rows: list[dict]) -> dict:
                "max_regret": max(regrets), "median_regret": statistics.median(regrets),
                "groups_regret_le_1.03": sum(r <= 1.03 for r in regrets),
                "false_oom": sum(not r["fits"] for r in rows)}
+    for k in (2, 3, 4):  # what `search --verify K` returns: the measured best of the model's top K
+        summary[f"groups_regret_le_1.03_verify_{k}"] = sum(
+            min(r["measured_s"] for r in sorted(g, key=lambda r: r["predicted_s"])[:k])
+            <= 1.03 * min(r["measured_s"] for r in g) for g in groups.values())
     print()
     print("overall: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     print("\n10 worst rows:")

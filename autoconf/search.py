@@ -180,17 +180,21 @@ class _Evaluator:
 
     def _dominated(self, point) -> bool:
         """Whether even the least work of this point is slower than the incumbent: then no inner
-        choice can beat it. Least work: no recomputation, ZeRO-1 (ZeRO-0's compute and traffic
-        during the pipeline, with the optimizer step sharded), either sequence-parallel setting,
-        every precision and expert-parallel degree tried."""
+        choice can beat it. Least work: no recomputation, either sequence-parallel setting, every
+        ZeRO stage the framework runs here, every precision and expert-parallel degree tried.
+        (No one ZeRO stage is the least work everywhere: ZeRO-1 shards the optimizer step but may
+        gather the parameters after it in the open (DeepSpeed), and where autograd adds every
+        micro-batch's gradients into ``.grad`` by a kernel of its own, ZeRO-0/1 pay that pass and
+        ZeRO-2/3, which reduce-scatter each micro-batch's gradients, do not.)"""
         dp, pp, tp, mbs, sched, v, layered, cp = point
         fw = self.ctx.framework
+        zeros = self._least_work_zero_stages(point)
         # tp_comm_overlap is not always cheaper: its chunked GEMMs can cost more than the
         # collectives they hide (tensor_parallel.overlapped), so both settings are bounds
         tpos = (False, True) if "tp_comm_overlap" in fw.knobs else (None,)
-        for sp, tpo in ((s_, o) for s_ in ((False, True) if tp > 1 else (False,)) for o in tpos if s_ or not o):
-            c = make_config(dp, pp, tp, mbs, sched, v, layered, 1 if dp * cp > 1 else 0, "none", sp,
-                            self.global_batch, cp)
+        for sp, tpo, zero in ((s_, o, z) for s_ in ((False, True) if tp > 1 else (False,)) for o in tpos
+                              for z in zeros if s_ or not o):
+            c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, "none", sp, self.global_batch, cp)
             # the other switchable knobs at their cheapest (overlap on), so the bound stays a lower bound
             c = dataclasses.replace(c, **{k: (tpo if k == "tp_comm_overlap" else True) for k in fw.knobs})
             # the cheapest precision and expert-parallel degree are not known in advance
@@ -200,6 +204,26 @@ class _Evaluator:
                                                                    bound=self.incumbent) is not None:
                     return False
         return True
+
+    def _least_work_zero_stages(self, point) -> list:
+        """The ZeRO stages of which one has the least work at ``point``, of those the framework runs
+        there: ZeRO-1 (its optimizer step sharded, nothing extra during the pipeline); ZeRO-0 too
+        where the step gathers the parameters in the open (``Framework.step_gather_overlaps``
+        False); ZeRO-2 too where autograd's own accumulation pass is charged and ZeRO-2 escapes it
+        (``System.accumulates``: data parallelism outside layered accumulation), or the framework
+        has no ZeRO-1. ZeRO-3 does ZeRO-2's work and gathers the parameters besides, so it only
+        stands in for a missing ZeRO-2."""
+        dp, pp, tp, mbs, sched, v, layered, cp = point
+        fw = self.ctx.framework
+        stages = fw.zero_stages_with_pp if pp > 1 else fw.zero_stages
+        if dp * cp == 1:
+            return [0] if 0 in stages else [min(stages)]
+        out = [z for z in (1,) if z in stages]
+        if 0 in stages and (not out or not fw.step_gather_overlaps):
+            out.append(0)
+        if (not out or fw.grad_accumulation_kernel or fw.bf16_optimizer_with_pp) and not layered:
+            out += [2] if 2 in stages else [3] if 3 in stages else []
+        return out or [min(stages)]
 
     def _eps_of(self, point) -> tuple:
         """The expert-parallel degrees tried at an outer point (1 for dense models): of those

@@ -237,3 +237,29 @@ def test_no_point_is_pruned_while_one_of_its_configurations_beats_the_incumbent(
             assert not ev._dominated(point), c.short()
             checked += 1
     assert checked > 50 and slower  # the overlap costs more somewhere in what was checked
+
+
+@pytest.mark.parametrize("fw", ["deepspeed", "reference"])
+def test_no_point_is_pruned_whatever_zero_stage_is_fastest(fw):
+    """No one ZeRO stage is an outer point's least work: where autograd adds every micro-batch's
+    gradients into ``.grad`` (DeepSpeed, the reference trainer) ZeRO-0/1 pay that pass and ZeRO-2,
+    which reduce-scatters each micro-batch's gradients, does not; DeepSpeed's ZeRO-1 gathers the
+    parameters after the step in the open, which ZeRO-0 does not. So the bound takes every stage
+    the framework runs, and no point is pruned while one of its configurations beats the
+    incumbent; and somewhere here ZeRO-1 is not the fastest stage of its point."""
+    from autoconf.search import _Evaluator, framework_inner
+    from autoconf.timetotrain import synthetic_cluster
+    s = System(preset("gpt2"), synthetic_cluster("a100-80gb", 16, "ib"), framework=fw)
+    checked, beaten = 0, False
+    for dp, pp, tp, mbs in ((8, 1, 2, 1), (16, 1, 1, 4), (4, 2, 2, 2)):
+        point = (dp, pp, tp, mbs, "1f1b", 1, False, 1)
+        times = {}
+        for c in framework_inner(s.framework, dp, pp, tp, mbs, "1f1b", 1, False, 64):
+            t = _estimate(c, s).step_time_s
+            times.setdefault(c.zero_stage, []).append(t)
+            ev = _Evaluator(s, 64, {})
+            ev._kept = [(t * (1 + 1e-9), None, "incumbent")]
+            assert not ev._dominated(point), c.short()
+            checked += 1
+        beaten |= 1 in times and min(times[1]) > min(min(v) for v in times.values())
+    assert checked > 30 and beaten

@@ -433,3 +433,38 @@ def test_deepspeed_gradient_handling():
     assert not meg.bf16_optimizer(c)
     assert meg.block_for("a100-80gb", c).backward_s == pytest.approx(
         meg.block_for("a100-80gb", dataclasses.replace(c, num_micro_batches=1)).backward_s)
+
+
+def test_deepspeed_gradient_passes_cover_the_embedding_and_output_layer():
+    """The embedding's and the output layer's weights take the same gradient passes as a block's
+    (``System.edge_gradient_s``): per micro-batch, autograd's read-read-write over their 16-bit
+    gradients and, under the BF16 optimizer, its 8 bytes per parameter; a tied output layer on
+    the last stage has its own copy. The BF16 optimizer zeroes the gradients instead of freeing
+    them, so autograd's pass runs even at one micro-batch."""
+    from autoconf.cost.chunk_time import chunk_compute
+    from autoconf.cost.layout import layout
+    from autoconf.cost.system import System
+    m = preset("gpt2")  # tied embeddings, learned positions
+    cl = _a100_node(1)
+    s = System(m, cl, framework="deepspeed")
+    rf = s.roofline("a100-80gb")
+    bw = rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency
+    mp = s.model_at(1)
+    c = ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=1)  # gpt2 trains in bf16
+    assert s.bf16_optimizer(c) and s.accumulates(c)
+    lay = layout(s, c)
+    first, last = chunk_compute(s, c, lay, 0), chunk_compute(s, c, lay, 1)
+    blk = s.block_for("a100-80gb", c)
+    emb, head = s.edge("a100-80gb", 1, 1, "embedding"), s.edge("a100-80gb", 1, 1, "head")
+    per_param = (6 + 8) / bw
+    assert first[1] - lay.chunk_layers[0] * blk.backward_s - emb.backward_s == pytest.approx(
+        mp.embedding_params() * per_param + 2 * rf.kernel_launch_s, rel=1e-6)
+    assert last[1] - lay.chunk_layers[1] * blk.backward_s - head.backward_s == pytest.approx(
+        (mp.output_params() + mp.vocab_size * mp.hidden_size) * per_param + 2 * rf.kernel_launch_s, rel=1e-6)
+    # Megatron-LM: fused accumulation, no BF16 optimizer: nothing added
+    meg = System(m, cl, framework="megatron")
+    lay_m = layout(meg, c)
+    assert meg.edge_gradient_s("a100-80gb", c, 1e9) == 0.0
+    assert chunk_compute(meg, c, lay_m, 0)[1] == pytest.approx(
+        lay_m.chunk_layers[0] * meg.block_for("a100-80gb", c).backward_s
+        + meg.edge("a100-80gb", 1, 1, "embedding").backward_s, rel=1e-9)

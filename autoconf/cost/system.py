@@ -229,12 +229,35 @@ class System:
         if moe:
             from .moe import moe_shape
             shape = moe_shape(self, c)
-        # ZeRO-2/3 with data parallelism reduce each micro-batch's gradients and drop them (not
-        # under layered accumulation): nothing accumulates in .grad
-        accumulates = c.num_micro_batches > 1 and (c.zero_stage <= 1 or c.dp == 1 or c.layered_grad_accum)
         return self.block(kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
                           c.fp8_recipe if c.precision == "fp8" else None,
-                          self.framework.knob(c, "torch_compile"), shape, accumulates, self.bf16_optimizer(c))
+                          self.framework.knob(c, "torch_compile"), shape, self.accumulates(c),
+                          self.bf16_optimizer(c))
+
+    def accumulates(self, c) -> bool:
+        """Whether autograd adds micro-batches' weight gradients into ``.grad``: more than one
+        micro-batch, or DeepSpeed's BF16 optimizer, which zeroes the gradients before each
+        backward instead of freeing them (``clear_lp_grads``); not where ZeRO-2/3 with data
+        parallelism reduce each micro-batch's gradients and drop them (outside layered
+        accumulation)."""
+        return ((c.num_micro_batches > 1 or self.bf16_optimizer(c))
+                and (c.zero_stage <= 1 or c.dp == 1 or c.layered_grad_accum))
+
+    def edge_gradient_s(self, kind: str, c, params: float) -> float:
+        """Seconds per micro-batch of the gradient passes :meth:`block` charges a block, for the
+        embedding's or output layer's ``params`` on a rank: autograd's accumulation into ``.grad``
+        (``Framework.grad_accumulation_kernel``) and DeepSpeed's BF16 optimizer's copy
+        (``compute.BF16_OPTIMIZER_UPDATE``); one tensor each. Not with a measured profile (its
+        layers are timed as they run)."""
+        if self.measured_for(kind) or params <= 0:
+            return 0.0
+        acc = self.framework.grad_accumulation_kernel and self.accumulates(c)
+        upd = self.bf16_optimizer(c)
+        if not (acc or upd):
+            return 0.0
+        nbytes = params * ((3 * self.model.dtype_bytes if acc else 0) + (BF16_OPTIMIZER_UPDATE[0] if upd else 0))
+        kernels = int(acc) + (BF16_OPTIMIZER_UPDATE[1] if upd else 0)
+        return self.roofline(kind).elementwise(nbytes, kernels) * self.cpu_share(kind)
 
     def bf16_optimizer(self, c) -> bool:
         """Whether configuration ``c`` runs DeepSpeed's ``BF16_Optimizer``: bf16 training without

@@ -210,18 +210,20 @@ class _Evaluator:
         there: ZeRO-1 (its optimizer step sharded, nothing extra during the pipeline); ZeRO-0 too
         where the step gathers the parameters in the open (``Framework.step_gather_overlaps``
         False); ZeRO-2 too where autograd's own accumulation pass is charged and ZeRO-2 escapes it
-        (``System.accumulates``: data parallelism outside layered accumulation), or the framework
-        has no ZeRO-1. ZeRO-3 does ZeRO-2's work and gathers the parameters besides, so it only
-        stands in for a missing ZeRO-2."""
+        (``System.accumulates``: data parallelism outside layered accumulation); where the
+        framework has no ZeRO-1 (torchtitan), ZeRO-0 and ZeRO-2 (the sharded step). ZeRO-3 does
+        ZeRO-2's work and gathers the parameters besides, so it only stands in for a missing
+        ZeRO-2."""
         dp, pp, tp, mbs, sched, v, layered, cp = point
         fw = self.ctx.framework
         stages = fw.zero_stages_with_pp if pp > 1 else fw.zero_stages
         if dp * cp == 1:
             return [0] if 0 in stages else [min(stages)]
-        out = [z for z in (1,) if z in stages]
-        if 0 in stages and (not out or not fw.step_gather_overlaps):
+        has1 = 1 in stages
+        out = [1] if has1 else []
+        if 0 in stages and (not has1 or not fw.step_gather_overlaps):
             out.append(0)
-        if (not out or fw.grad_accumulation_kernel or fw.bf16_optimizer_with_pp) and not layered:
+        if not has1 or ((fw.grad_accumulation_kernel or fw.bf16_optimizer_with_pp) and not layered):
             out += [2] if 2 in stages else [3] if 3 in stages else []
         return out or [min(stages)]
 

@@ -239,14 +239,15 @@ def test_no_point_is_pruned_while_one_of_its_configurations_beats_the_incumbent(
     assert checked > 50 and slower  # the overlap costs more somewhere in what was checked
 
 
-@pytest.mark.parametrize("fw", ["deepspeed", "reference"])
+@pytest.mark.parametrize("fw", ["deepspeed", "reference", "torchtitan"])
 def test_no_point_is_pruned_whatever_zero_stage_is_fastest(fw):
     """No one ZeRO stage is an outer point's least work: where autograd adds every micro-batch's
     gradients into ``.grad`` (DeepSpeed, the reference trainer) ZeRO-0/1 pay that pass and ZeRO-2,
     which reduce-scatters each micro-batch's gradients, does not; DeepSpeed's ZeRO-1 gathers the
-    parameters after the step in the open, which ZeRO-0 does not. So the bound takes every stage
-    the framework runs, and no point is pruned while one of its configurations beats the
-    incumbent; and somewhere here ZeRO-1 is not the fastest stage of its point."""
+    parameters after the step in the open, which ZeRO-0 does not; torchtitan has no ZeRO-1 (its
+    ZeRO-2 shards the step). So the bound takes the stages that can be the least work, and no
+    point is pruned while one of its configurations beats the incumbent; and somewhere here
+    ZeRO-1 is not the fastest stage of its point."""
     from autoconf.search import _Evaluator, framework_inner
     from autoconf.timetotrain import synthetic_cluster
     s = System(preset("gpt2"), synthetic_cluster("a100-80gb", 16, "ib"), framework=fw)
@@ -262,4 +263,4 @@ def test_no_point_is_pruned_whatever_zero_stage_is_fastest(fw):
             assert not ev._dominated(point), c.short()
             checked += 1
         beaten |= 1 in times and min(times[1]) > min(min(v) for v in times.values())
-    assert checked > 30 and beaten
+    assert checked > 30 and (beaten or 1 not in s.framework.zero_stages)

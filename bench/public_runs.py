@@ -11,7 +11,10 @@ Published figures used (nothing here is fitted to them):
 
 - BLOOM-176B (BigScience, arXiv 2211.05100, sec. 3.4-3.5 and the model card): 384 A100-80GB in 48
   nodes (8 per node, NVLink; 4 x 100 Gbit/s Omni-Path per node), Megatron-DeepSpeed with tp 4,
-  pp 12, dp 8, micro-batch 2, ZeRO-1, activation checkpointing; global batch 2048 x 2048 tokens
+  pp 12, dp 8, micro-batch 2, ZeRO-1, activation checkpointing (BigScience's training script ran
+  DeepSpeed at ZeRO stage 0 with bf16, which selects DeepSpeed's BF16 optimizer, its own ZeRO-1
+  equivalent: the second row prices that with ``--framework deepspeed``, whose layers are AutoTP's,
+  not Megatron's; the first prices Megatron-LM's runtime); global batch 2048 x 2048 tokens
   (after a ramp-up from 16 sequences, not modelled); 366B tokens; 11 March to 6 July 2022,
   about 3.5 months; 1,082,990 GPU-hours (= 117.5 days on 384 GPUs).
   Model: 70 layers, hidden 14336, 112 heads, vocabulary 250,880, ALiBi (no position parameters),
@@ -30,6 +33,7 @@ in 54 days on 16,384 H100s (Dubey et al., arXiv 2407.21783, sec. 3.3.4: 54 x 24 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -77,6 +81,17 @@ def main() -> None:
     out.add_row("BLOOM-176B, as run", compact(cfg) + f" ({'fits' if e.fits else 'OOM'})", f"{e.step_time_s:.3g}",
                 f"{steps:,.0f}", f"{days:.1f}", f"{days * 24 * 384:,.0f}", f"{pub_days:.1f} d",
                 f"{days / pub_days:.2f}")
+    # the same run with DeepSpeed's engine as it ran BLOOM: bf16 under its pipeline engine with
+    # ZeRO stage 0 selects its BF16 optimizer, which shards the fp32 states as ZeRO-1 does and adds
+    # every micro-batch's gradients into its own copy (System.bf16_optimizer); but this framework's
+    # layers are DeepSpeed's AutoTP ones, not the Megatron layers BLOOM ran, so the two rows
+    # bracket Megatron-DeepSpeed rather than model it
+    cfg_ds = dataclasses.replace(cfg, zero_stage=0)
+    e_ds = estimate(cfg_ds, BLOOM, JEAN_ZAY, framework="deepspeed")
+    days_ds = restarts(steps * e_ds.step_time_s, 384) / 86400
+    out.add_row("BLOOM-176B, as run, --framework deepspeed", compact(cfg_ds) + " BF16 optimizer"
+                + f" ({'fits' if e_ds.fits else 'OOM'})", f"{e_ds.step_time_s:.3g}", f"{steps:,.0f}",
+                f"{days_ds:.1f}", f"{days_ds * 24 * 384:,.0f}", f"{pub_days:.1f} d", f"{days_ds / pub_days:.2f}")
     r = plan(BLOOM, cluster=JEAN_ZAY, max_gpus=384, framework="megatron", tokens=366e9, batch_law="fixed",
              global_batch=2048, mtbf_per_gpu_h=MTBF_H, checkpoint_s=CKPT_S, restart_s=RESTART_S, max_days=10_000)
     best = [x for x in r.select(method="all") if x.gpus == 384][0]

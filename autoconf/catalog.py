@@ -90,6 +90,18 @@ def _catalog() -> dict:
     return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
 
 
+@lru_cache(maxsize=1)
+def stated_accuracy() -> dict | None:
+    """The cost model's stated step-time accuracy: ``step_time`` of ``autoconf/data/accuracy.json``
+    (median and max relative error, what it was measured on, the bench that measured it; written
+    by ``bench/gpu_devset.py --write-accuracy``), or None where the file is missing."""
+    try:
+        text = resources.files("autoconf").joinpath("data/accuracy.json").read_text()
+    except (FileNotFoundError, OSError):
+        return None
+    return json.loads(text).get("step_time")
+
+
 def device_names() -> list[str]:
     return list(_catalog())
 

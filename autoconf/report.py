@@ -469,6 +469,7 @@ def _plan_table(title: str):
 def plan_report(r, console) -> None:
     """``autoconf plan``'s report (a ``timetotrain.PlanResult``; every line within 80 columns)."""
     from . import scaling
+    from .catalog import stated_accuracy
     from .timetotrain import LEGEND, _days, _gib, _num, compact
     m, bud = r.model, r.budget
     say = console.print
@@ -518,6 +519,13 @@ def plan_report(r, console) -> None:
     say(f"[bold]shortest time: {_days(sh.days)} days[/bold] on {sh.gpus:,} GPUs, batch {sh.batch:,}: "
         f"{sh.steps:,.0f} steps x {sh.step_time_s:.3g} s ({compact(sh.estimate.config)}, "
         f"MFU {100 * sh.estimate.mfu:.0f}%)")
+    acc, rng = stated_accuracy(), r.days_range(sh)
+    if acc is not None:
+        say(f"[dim]step times are the cost model's: median |error| {100 * acc['median_abs_error']:.1f}%, max "
+            f"{100 * acc['max_abs_error']:.0f}% against {acc['rows']:,} measured A100 iterations ({acc['framework']} "
+            f"runtime, datasheet mode; {acc['bench']}, {acc['date']}); so {_days(sh.days)} days reads as "
+            f"{_days(rng['median'][0])}-{_days(rng['median'][1])} (median error), "
+            f"{_days(rng['max'][0])}-{_days(rng['max'][1])} (max)[/dim]")
     if sat is not None and sat.gpus < sh.gpus:
         say(f"adding GPUs stops paying at {sat.gpus:,}: {_days(sat.days)} days, within 10% of the shortest "
             f"with {sh.gpus / sat.gpus:.2g}x fewer GPUs")

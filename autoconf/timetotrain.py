@@ -36,6 +36,7 @@ import math
 import time
 from dataclasses import dataclass, field
 
+from .catalog import stated_accuracy
 from .config import RECOMPUTE, ParallelConfig, check, cp_choices, outer_space, point_config
 from .cost.estimate import Estimate, _estimate
 from .cost.system import System
@@ -1046,7 +1047,20 @@ class PlanResult:
             out["budget_plan"] = r.to_dict() if r else None
         if sh is not None:
             out["search_command"] = self.search_command(sh)
+        out["step_time_accuracy"] = stated_accuracy()
+        out["shortest_days_range"] = self.days_range(sh) if sh is not None else None
         return out
+
+    def days_range(self, row) -> dict | None:
+        """The days of ``row`` read with the cost model's stated step-time error e
+        (``catalog.stated_accuracy``; e = predicted / measured - 1): {"median": (low, high),
+        "max": (low, high)}, the days over 1 + e and over 1 - e, for the median and the max |e|;
+        None where none is stated."""
+        acc = stated_accuracy()
+        if acc is None:
+            return None
+        return {k: (row.days / (1 + acc[f"{k}_abs_error"]), row.days / (1 - acc[f"{k}_abs_error"]))
+                for k in ("median", "max")}
 
     def methods_table(self) -> list:
         """Per network and method: the shortest time, its GPUs and configuration, and how much

@@ -294,6 +294,9 @@ def main() -> int:
     ap.add_argument("--recompute", default="full", choices=("none", "selective", "full"))
     ap.add_argument("--framework", default="megatron")
     ap.add_argument("--json", help="write the summary and every row here")
+    ap.add_argument("--write-accuracy", action="store_true",
+                    help="record the step-time accuracy in autoconf/data/accuracy.json, which autoconf plan "
+                         "states beside its days (only with --framework megatron --recompute full)")
     args = ap.parse_args()
     rows = load_rows()
     predict(rows, args.recompute, args.framework if args.framework != "none" else None)
@@ -304,7 +307,36 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    if args.write_accuracy:
+        if (args.framework, args.recompute) != ("megatron", "full"):
+            print("--write-accuracy records the bench as stated: --framework megatron --recompute full", file=sys.stderr)
+            return 2
+        write_accuracy(summary)
     return 0
+
+
+ACCURACY = os.path.join(os.path.dirname(__file__), "..", "autoconf", "data", "accuracy.json")
+
+
+def write_accuracy(summary: dict) -> None:
+    """The step-time accuracy autoconf states (``autoconf.catalog.stated_accuracy``): this bench's
+    summary, with what it was measured on."""
+    import datetime
+    doc = {"step_time": {
+        "what": "datasheet-mode step time (catalog device, no profile) against measured training iterations",
+        "measured_on": f"{summary['rows']:,} Megatron-DeepSpeed iterations of GPT models (hidden 1024-2048, "
+                       "12-24 layers) on one node of 8 x A100-SXM4, every tp x pp x dp layout (vTrain repository)",
+        "framework": "megatron", "bench": "python bench/gpu_devset.py --write-accuracy",
+        "date": datetime.date.today().isoformat(), "rows": summary["rows"],
+        "median_abs_error": round(summary["median_abs_error"], 4),
+        "max_abs_error": round(summary["max_abs_error"], 4),
+        "median_signed_error": round(summary["median_signed_error"], 4)}}
+    tmp = ACCURACY + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, ACCURACY)
+    print(f"\nwrote {os.path.normpath(ACCURACY)}")
 
 
 if __name__ == "__main__":

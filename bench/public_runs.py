@@ -44,6 +44,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from autoconf import scaling  # noqa: E402
+from autoconf.catalog import stated_accuracy  # noqa: E402
 from autoconf.cluster import cluster_from_mapping  # noqa: E402
 from autoconf.config import ParallelConfig  # noqa: E402
 from autoconf.cost.estimate import estimate  # noqa: E402
@@ -58,7 +59,9 @@ JEAN_ZAY = cluster_from_mapping({"name": "jean-zay-a100", "node_groups": [
     {"count": 48, "device": "a100-80gb", "gpus_per_node": 8, "intra_node_bandwidth": "300 GB/s",
      "nics": {"count": 4, "bandwidth": "100 Gbit/s", "kind": "omnipath"}}]})
 MTBF_H, CKPT_S, RESTART_S = 50_000.0, 300.0, 1800.0
-STATED = "median |error| 5.8%, max 24% (bench/RESULTS.md, GPU development set)"
+_ACC = stated_accuracy()
+STATED = (f"median |error| {100 * _ACC['median_abs_error']:.1f}%, max {100 * _ACC['max_abs_error']:.0f}% "
+          f"({_ACC['bench']}, {_ACC['date']})")
 
 
 def restarts(work_s: float, gpus: int) -> float:

@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+from importlib import resources
 
 import pytest
 
@@ -319,6 +320,14 @@ def test_the_command_prints_80_columns_json_and_plots(tmp_path):
     doc = json.loads(j.stdout)
     assert doc["shortest"]["gpus"] <= 32 and doc["deadline_days"] == 2.0
     assert {r["network"] for r in doc["rows"]} == {"ib"}
+    # the days come with the cost model's stated step-time accuracy and what it means for them
+    stated = json.loads(resources.files("autoconf").joinpath("data/accuracy.json").read_text())["step_time"]
+    assert doc["step_time_accuracy"] == stated
+    days, e = doc["shortest"]["days"], stated["max_abs_error"]
+    assert doc["shortest_days_range"]["max"] == pytest.approx([days / (1 + e), days / (1 - e)])
+    assert 0 < stated["median_abs_error"] < stated["max_abs_error"] < 1
+    text = " ".join(lines)
+    assert f"median |error| {100 * stated['median_abs_error']:.1f}%" in text and "reads as" in text
 
 
 def test_reproduce_command_finds_the_same_step_time(tmp_path):

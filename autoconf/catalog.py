@@ -91,15 +91,19 @@ def _catalog() -> dict:
 
 
 @lru_cache(maxsize=1)
+def _accuracy_text() -> str | None:
+    try:
+        return resources.files("autoconf").joinpath("data/accuracy.json").read_text()
+    except OSError:
+        return None
+
+
 def stated_accuracy() -> dict | None:
     """The cost model's stated step-time accuracy: ``step_time`` of ``autoconf/data/accuracy.json``
     (median and max relative error, what it was measured on, the bench that measured it; written
-    by ``bench/gpu_devset.py --write-accuracy``), or None where the file is missing."""
-    try:
-        text = resources.files("autoconf").joinpath("data/accuracy.json").read_text()
-    except (FileNotFoundError, OSError):
-        return None
-    return json.loads(text).get("step_time")
+    by ``bench/gpu_devset.py --write-accuracy``), a fresh dict; None where the file is missing."""
+    text = _accuracy_text()
+    return None if text is None else json.loads(text).get("step_time")
 
 
 def device_names() -> list[str]:

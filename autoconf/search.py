@@ -180,12 +180,10 @@ class _Evaluator:
 
     def _dominated(self, point) -> bool:
         """Whether even the least work of this point is slower than the incumbent: then no inner
-        choice can beat it. Least work: no recomputation, either sequence-parallel setting, every
-        ZeRO stage the framework runs here, every precision and expert-parallel degree tried.
-        (No one ZeRO stage is the least work everywhere: ZeRO-1 shards the optimizer step but may
-        gather the parameters after it in the open (DeepSpeed), and where autograd adds every
-        micro-batch's gradients into ``.grad`` by a kernel of its own, ZeRO-0/1 pay that pass and
-        ZeRO-2/3, which reduce-scatter each micro-batch's gradients, do not.)"""
+        choice can beat it. Least work: no recomputation, either sequence-parallel setting, the
+        ZeRO stages of which one has the least (``_least_work_zero_stages``), every precision and
+        expert-parallel degree tried; each bounded by the pipeline floor plus the optimizer step
+        (``cost.estimate._lower_bound``)."""
         dp, pp, tp, mbs, sched, v, layered, cp = point
         fw = self.ctx.framework
         zeros = self._least_work_zero_stages(point)
@@ -200,29 +198,29 @@ class _Evaluator:
             # the cheapest precision and expert-parallel degree are not known in advance
             for prec, ep in ((p_, e) for p_ in self.precisions for e in self._eps_of(point)):
                 cc = dataclasses.replace(c, precision=prec[0], fp8_recipe=prec[1], ep=ep)
-                if check(cc, self.ctx.model) is None and _estimate(self._placed(cc), self.ctx,
-                                                                   bound=self.incumbent) is not None:
+                if check(cc, self.ctx.model) is None and fw.check(cc) is None and _estimate(
+                        self._placed(cc), self.ctx, bound=self.incumbent) is not None:
                     return False
         return True
 
     def _least_work_zero_stages(self, point) -> list:
-        """The ZeRO stages of which one has the least work at ``point``, of those the framework runs
-        there: ZeRO-1 (its optimizer step sharded, nothing extra during the pipeline); ZeRO-0 too
-        where the step gathers the parameters in the open (``Framework.step_gather_overlaps``
-        False); ZeRO-2 too where autograd's own accumulation pass is charged and ZeRO-2 escapes it
-        (``System.accumulates``: data parallelism outside layered accumulation); where the
-        framework has no ZeRO-1 (torchtitan), ZeRO-0 and ZeRO-2 (the sharded step). ZeRO-3 does
-        ZeRO-2's work and gathers the parameters besides, so it only stands in for a missing
-        ZeRO-2."""
+        """The ZeRO stages of which one has the least pipeline floor plus optimizer step at
+        ``point`` (the bound ``_dominated`` takes), of those the framework runs there: ZeRO-1 (its
+        step sharded, no traffic during the pipeline); ZeRO-2 too where autograd's own
+        accumulation pass is charged and ZeRO-2 escapes it (``System.accumulates``: data
+        parallelism outside layered accumulation); where the framework has no ZeRO-1
+        (torchtitan), ZeRO-0 (no per-micro-batch reduce-scatter) and ZeRO-2 (the sharded step).
+        ZeRO-0 has ZeRO-1's floor and an unsharded step; ZeRO-3 has ZeRO-2's floor and its
+        gathers besides, so it only stands in for a missing ZeRO-2. (Over the whole step the order
+        can differ, e.g. DeepSpeed's ZeRO-1 gathers after the step in the open; the floor leaves
+        the step's tail out.)"""
         dp, pp, tp, mbs, sched, v, layered, cp = point
         fw = self.ctx.framework
         stages = fw.zero_stages_with_pp if pp > 1 else fw.zero_stages
         if dp * cp == 1:
             return [0] if 0 in stages else [min(stages)]
         has1 = 1 in stages
-        out = [1] if has1 else []
-        if 0 in stages and (not has1 or not fw.step_gather_overlaps):
-            out.append(0)
+        out = [1] if has1 else [0] if 0 in stages else []
         if not has1 or ((fw.grad_accumulation_kernel or fw.bf16_optimizer_with_pp) and not layered):
             out += [2] if 2 in stages else [3] if 3 in stages else []
         return out or [min(stages)]

@@ -1055,12 +1055,13 @@ class PlanResult:
         """The days of ``row`` read with the cost model's stated step-time error e
         (``catalog.stated_accuracy``; e = predicted / measured - 1): {"median": (low, high),
         "max": (low, high)}, the days over 1 + e and over 1 - e, for the median and the max |e|;
-        None where none is stated."""
+        None where none is stated. (Approximate where restarts are counted: their share of the
+        days is not linear in the step time.)"""
         acc = stated_accuracy()
         if acc is None:
             return None
-        return {k: (row.days / (1 + acc[f"{k}_abs_error"]), row.days / (1 - acc[f"{k}_abs_error"]))
-                for k in ("median", "max")}
+        return {k: (row.days / (1 + e), row.days / (1 - e) if e < 1 else math.inf)
+                for k, e in ((k, acc[f"{k}_abs_error"]) for k in ("median", "max"))}
 
     def methods_table(self) -> list:
         """Per network and method: the shortest time, its GPUs and configuration, and how much

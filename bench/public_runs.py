@@ -61,7 +61,7 @@ JEAN_ZAY = cluster_from_mapping({"name": "jean-zay-a100", "node_groups": [
 MTBF_H, CKPT_S, RESTART_S = 50_000.0, 300.0, 1800.0
 _ACC = stated_accuracy()
 STATED = (f"median |error| {100 * _ACC['median_abs_error']:.1f}%, max {100 * _ACC['max_abs_error']:.0f}% "
-          f"({_ACC['bench']}, {_ACC['date']})")
+          f"({_ACC['bench']}, {_ACC['date']})" if _ACC else "none stated (autoconf/data/accuracy.json is missing)")
 
 
 def restarts(work_s: float, gpus: int) -> float:

@@ -461,6 +461,18 @@ def test_deepspeed_gradient_passes_cover_the_embedding_and_output_layer():
         mp.embedding_params() * per_param + 2 * rf.kernel_launch_s, rel=1e-6)
     assert last[1] - lay.chunk_layers[1] * blk.backward_s - head.backward_s == pytest.approx(
         (mp.output_params() + mp.vocab_size * mp.hidden_size) * per_param + 2 * rf.kernel_launch_s, rel=1e-6)
+    # tp 2: the vocabulary's rows are split, the position table and the final norm are not; at
+    # pp 1 (ZeRO-0, 4 micro-batches: autograd's pass only) the tied output layer is the
+    # embedding's matrix, so the head adds its norm only
+    c2 = ParallelConfig(dp=1, pp=1, tp=2, micro_batch_size=1, num_micro_batches=4)
+    m2 = s.model_at(2)
+    assert not s.bf16_optimizer(c2) and s.accumulates(c2)
+    lay2 = layout(s, c2)
+    only = chunk_compute(s, c2, lay2, 0)[1] - lay2.chunk_layers[0] * s.block_for("a100-80gb", c2).backward_s \
+        - s.edge("a100-80gb", 1, 2, "embedding").backward_s - s.edge("a100-80gb", 1, 2, "head").backward_s
+    vocab, pos = m2.vocab_size * m2.hidden_size, m2.seq_length * m2.hidden_size
+    assert only == pytest.approx(6 * (vocab / 2 + pos) / bw + rf.kernel_launch_s
+                                 + 6 * m2.norm_params() / bw + rf.kernel_launch_s, rel=1e-6)
     # Megatron-LM: fused accumulation, no BF16 optimizer: nothing added
     meg = System(m, cl, framework="megatron")
     lay_m = layout(meg, c)

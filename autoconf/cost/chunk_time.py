@@ -66,11 +66,15 @@ def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tu
             if here:
                 e = system.edge(kind, b, tp, which, c.cp)
                 f, bw_, hf, hb = f + e.forward_s, bw_ + e.backward_s, hf + e.host_forward_s, hb + e.host_backward_s
-                # its weights' gradient passes, as a block's (a tied output layer on another stage
-                # has its own copy; at pp 1 it shares the embedding's)
-                params = m.embedding_params() if which == "embedding" else m.output_params() + (
-                    m.vocab_size * m.hidden_size if m.tied_embeddings and c.pp > 1 else 0)
-                bw_ += system.edge_gradient_s(kind, c, params / tp)
+                # its weights' gradient passes, as a block's, on this rank's shard: the vocabulary
+                # is split over tp, the position table and the final norm are not (a tied output
+                # layer on another stage has its own copy; at pp 1 it shares the embedding's)
+                vocab = m.vocab_size * m.hidden_size / tp
+                if which == "embedding":
+                    params = vocab + m.embedding_params() - m.vocab_size * m.hidden_size
+                else:
+                    params = m.norm_params() + (vocab if not m.tied_embeddings or c.pp > 1 else 0.0)
+                bw_ += system.edge_gradient_s(kind, c, params)
         if best is None or max(f + bw_, hf + hb) > max(best[0] + best[1], best[3] + best[4]):
             best = (f, bw_, rc, hf, hb)
     return best

@@ -241,15 +241,15 @@ class System:
         parallelism reduce each micro-batch's gradients and drop them (outside layered
         accumulation)."""
         return ((c.num_micro_batches > 1 or self.bf16_optimizer(c))
-                and (c.zero_stage <= 1 or c.dp == 1 or c.layered_grad_accum))
+                and (c.zero_stage <= 1 or c.dp * c.cp == 1 or c.layered_grad_accum))
 
     def edge_gradient_s(self, kind: str, c, params: float) -> float:
         """Seconds per micro-batch of the gradient passes :meth:`block` charges a block, for the
         embedding's or output layer's ``params`` on a rank: autograd's accumulation into ``.grad``
         (``Framework.grad_accumulation_kernel``) and DeepSpeed's BF16 optimizer's copy
-        (``compute.BF16_OPTIMIZER_UPDATE``); one tensor each. Not with a measured profile (its
-        layers are timed as they run)."""
-        if self.measured_for(kind) or params <= 0:
+        (``compute.BF16_OPTIMIZER_UPDATE``); one tensor each. Not where :meth:`edge` takes a
+        measured profile's times (its layers are timed as they run)."""
+        if (self.measured_for(kind) and c.cp == 1) or params <= 0:
             return 0.0
         acc = self.framework.grad_accumulation_kernel and self.accumulates(c)
         upd = self.bf16_optimizer(c)

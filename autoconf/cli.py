@@ -359,6 +359,9 @@ def cmd_search(args) -> int:
             return 1
     doc["top"] = doc["top"][:args.top]
     doc["best"] = best.to_dict()
+    if not verified:
+        from .report import near_ties
+        doc["near_ties"] = near_ties(result.top[:args.top])
     if args.emit:
         from .emit import DEFAULT_PORT, emit
         if cluster is None:  # the hosts and devices the profile measured

@@ -86,6 +86,11 @@ def test_cli_human_output():
                 "--gpus", "8", "--storage", "none")
     assert p.returncode == 0, p.stderr
     assert "best:" in p.stdout and "rejected" in p.stdout
+    j = run_cli("search", "--model", "gpt2", "--cluster", "examples/clusters/a100-4x8.yaml", "--global-batch", "64",
+                "--gpus", "8", "--storage", "none", "--json")
+    ties = json.loads(j.stdout)["near_ties"]
+    said = " ".join(p.stdout.split())  # the line wraps at 80 columns
+    assert (f"--verify {ties['count']} measures them" in said) == (ties["count"] > 1)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -193,8 +198,18 @@ def test_cli_top_k_matches_brute_force():
     p = run_cli("search", "--model", "gpt3-1.3b", "--cluster", "examples/clusters/a100-4x8.yaml", "--gpus", "8",
                 "--global-batch", "64", "--storage", "none", "--no-place", "--trials", "30", "--top", "6", "--json")
     assert p.returncode == 0, p.stderr
-    got = [e["step_time_s"] for e in json.loads(p.stdout)["top"]]
+    doc = json.loads(p.stdout)
+    got = [e["step_time_s"] for e in doc["top"]]
     assert got == pytest.approx(_gpt13_times()[:6], rel=1e-12)
+    # the near ties: the shown configurations predicted within the stated median error of the best
+    from autoconf.catalog import stated_accuracy
+    e = stated_accuracy()["median_abs_error"]
+    ties = doc["near_ties"]
+    assert ties["within"] == e
+    from autoconf.config import ParallelConfig
+    close = [x for x in doc["top"] if x["fits"] and x["step_time_s"] <= got[0] * (1 + e)]
+    assert ties["count"] == len(close) >= 1
+    assert ties["configs"] == [ParallelConfig.from_dict(x["config"]).short() for x in close]
 
 
 def test_a_resumed_study_asked_for_more_finds_the_new_runners_up(tmp_path):

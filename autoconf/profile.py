@@ -132,6 +132,16 @@ class GemmEntry:
 
 
 @dataclass(frozen=True)
+class MemoryEntry:
+    """One element-wise kernel timed on the device (``torch.add`` into a third tensor):
+    ``bytes`` moved per call (three operands) and the median seconds per call, launch included."""
+    bytes: float
+    time_s: float
+    dtype: str
+    device_kind: str | None
+
+
+@dataclass(frozen=True)
 class ActivationEntry:
     layer: str
     micro_batch_size: int
@@ -255,6 +265,8 @@ class Profile:
     """OptimizerTiming entries (absent in older profiles)."""
     pipeline_overhead: tuple = ()
     """PipelineOverheadTiming entries, one per schedule (absent in older profiles)."""
+    memory: tuple = ()
+    """MemoryEntry entries: the memory-bound kernel's time over sizes (absent in older profiles)."""
 
     @property
     def world_size(self) -> int:
@@ -292,6 +304,7 @@ class Profile:
             compute_dtype=d["compute_dtype"],
             compute=tuple(LayerTiming(**x) for x in d.get("compute", ())),
             gemm=tuple(GemmEntry(**x) for x in d.get("gemm", ())),
+            memory=tuple(MemoryEntry(**x) for x in d.get("memory", ())),
             activations=tuple(ActivationEntry(**x) for x in d.get("activations", ())),
             parameters=tuple(ParameterEntry(**x) for x in d.get("parameters", ())),
             overhead=MemoryOverhead(**ov) if ov else None,
@@ -370,6 +383,8 @@ PROFILE_SCHEMA = Dict(
         "gemm": List(_entry({"m": Int(1, 1 << 30), "n": Int(1, 1 << 30), "k": Int(1, 1 << 30),
                              "dtype": Str(DTYPES + GEMM_FP8_DTYPES), "time_s": _POS_SECONDS, "flop_per_s": Num(0.0, 1e20, lo_open=True),
                              "fraction_of_peak": Null(Num(0.0, 1e3)), "device_kind": _KIND}, what="a GEMM entry")),
+        "memory": List(_entry({"bytes": _BYTES, "time_s": _POS_SECONDS, "dtype": Str(DTYPES), "device_kind": _KIND},
+                              what="a memory entry")),
         "activations": List(_entry({"layer": Str(LAYER_KINDS), "micro_batch_size": _MBS, "tp": _TP,
                                     "sequence_parallel": Bool(), "recompute": Str(RECOMPUTE_MODES),
                                     "bytes": _BYTES}, what="an activation entry")),

@@ -11,7 +11,8 @@ from autoconf.catalog import device_type
 from autoconf.errors import UserError
 from autoconf.profile import (PROFILE_VERSION, ActivationEntry, CollectiveEntry, GemmEntry, HostInfo, LayerTiming,
                               OptimizerTiming, PipelineOverheadTiming, TpBlockTiming,
-                              LinkEntry, MemoryOverhead, ParameterEntry, Profile, Provenance, RankInfo)
+                              LinkEntry, MemoryEntry, MemoryOverhead, ParameterEntry, Profile, Provenance,
+                              RankInfo)
 
 from .links import merge_collectives
 
@@ -42,7 +43,7 @@ def assemble(args, model, everyone: list[dict], gathered: list[dict], backend: s
             seen.add(h["name"])
             hosts.append(HostInfo(name=h["name"], interfaces=tuple(h["interfaces"]), cpu_count=h["cpu_count"],
                                   memory_bytes=h["memory_bytes"], machine=h.get("machine", "")))
-    compute, gemm, acts, params, step_peaks = [], [], {}, {}, {}
+    compute, gemm, acts, params, step_peaks, memory = [], [], {}, {}, {}, []
     for r, g in enumerate(gathered):
         kind = g["kind"]
         for t in g["timings"]:
@@ -59,6 +60,8 @@ def assemble(args, model, everyone: list[dict], gathered: list[dict], backend: s
             peak = _peak(kind, x["dtype"])
             gemm.append(GemmEntry(m=x["m"], n=x["n"], k=x["k"], dtype=x["dtype"], time_s=x["time_s"], flop_per_s=flops,
                                   fraction_of_peak=flops / peak if peak else None, device_kind=kind))
+        for x in g.get("memory", ()):
+            memory.append(MemoryEntry(bytes=x["bytes"], time_s=x["time_s"], dtype=x["dtype"], device_kind=kind))
         for a in g["acts"]:
             key = (a["layer"], a["micro_batch_size"], a["tp"], a["sequence_parallel"], a["recompute"])
             acts[key] = ActivationEntry(**a)
@@ -89,6 +92,7 @@ def assemble(args, model, everyone: list[dict], gathered: list[dict], backend: s
         version=PROFILE_VERSION, provenance=prov, model=model, ranks=ranks, compute_dtype=model.dtype,
         compute=tuple(sorted(compute, key=lambda c: (order[c.layer], c.tp, c.micro_batch_size, c.recompute))),
         gemm=tuple(sorted(gemm, key=lambda e: (e.m * e.n * e.k, e.m, e.n, e.k, e.dtype.startswith("fp8_"), e.dtype))),
+        memory=tuple(sorted(memory, key=lambda e: (e.device_kind or "", e.dtype, e.bytes))),
         activations=tuple(sorted(acts.values(), key=lambda a: (order[a.layer], a.tp, a.sequence_parallel,
                                                                a.micro_batch_size, a.recompute))),
         parameters=tuple(sorted(params.values(), key=lambda p: (order[p.layer], p.tp))),

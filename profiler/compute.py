@@ -263,6 +263,27 @@ def time_gemm(m: int, n: int, k: int, dtype_name: str, device, repeats: int, min
     return _time_call(lambda: torch.matmul(a, b), device, repeats, min_sample_s)
 
 
+MEMORY_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
+"""Operand sizes (bytes) of the memory-bound kernel timed for the profile's ``memory`` curve: from
+what stays in a core's or an SM's cache to what streams from DRAM / HBM."""
+MEMORY_SIZES_CUDA = MEMORY_SIZES + (1 << 28,)
+
+
+def memory_sizes(cuda: bool) -> tuple:
+    return MEMORY_SIZES_CUDA if cuda else MEMORY_SIZES
+
+
+def time_memory(nbytes: int, dtype_name: str, device, repeats: int, min_sample_s: float = 0.01) -> float:
+    """Median seconds of one element-wise kernel over operands of ``nbytes`` each: ``torch.add``
+    into a third tensor (reads two operands, writes one: 3 x ``nbytes`` moved), the pattern of the
+    casts, residual adds and scalings the model prices by bytes moved."""
+    dtype = acnn.TORCH_DTYPES[dtype_name]
+    n = max(1, nbytes // torch.tensor([], dtype=dtype).element_size())
+    x, y = torch.randn(n, device=device).to(dtype), torch.randn(n, device=device).to(dtype)
+    z = torch.empty_like(x)
+    return _time_call(lambda: torch.add(x, y, out=z), device, repeats, min_sample_s)
+
+
 FP8_RECIPES = ("tensorwise", "rowwise")
 """The FP8 scalings whose GEMMs are measured (profile rows of dtype ``fp8_<recipe>``)."""
 FP8_ALIGN = 16

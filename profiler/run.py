@@ -197,6 +197,10 @@ def run(args) -> int:
             bars.advance(t_compute)
         gemm_rows += _time_fp8_gemms(my_fp8, model.dtype, device, repeats, fp8_notes, rank,
                                      lambda what: bars.describe(t_compute, what), lambda: bars.advance(t_compute))
+        # one rank of each device kind times the memory-bound kernel over operand sizes
+        mem_rows = [] if args.skip_compute or not mine or mine[0] != 0 else [
+            {"bytes": 3 * size, "time_s": compute.time_memory(size, model.dtype, device, repeats),
+             "dtype": model.dtype} for size in compute.memory_sizes(cuda)]
         opt_rows = [compute.time_optimizer(model, t, device, warmup, repeats) for t in tps] \
             if my_items and mine[0] == 0 else []
         compute.release()
@@ -243,7 +247,7 @@ def run(args) -> int:
             pipe_rows = pipeline_runtime.measure(device, repeats, advance=lambda n: bars.advance(t_pipe, n))
 
     phases["pipeline runtime"] = time.perf_counter() - t_start
-    mine_all = {"pipeline": pipe_rows, "phases": phases, "timings": timings, "tp_blocks": tp_rows, "optimizer": opt_rows, "acts": acts, "gemm": gemm_rows, "links": my_links, "coll": my_coll,
+    mine_all = {"pipeline": pipe_rows, "phases": phases, "timings": timings, "tp_blocks": tp_rows, "optimizer": opt_rows, "acts": acts, "gemm": gemm_rows, "memory": mem_rows, "links": my_links, "coll": my_coll,
                 "kind": me["device_kind"], "notes": fp8_notes}
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(mine_all, gathered, dst=0)

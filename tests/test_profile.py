@@ -456,3 +456,31 @@ def test_pipeline_runtime_per_action_reaches_the_estimate(tmp_path):
     assert b.step_time_s - a.step_time_s >= 8e-3 - 1e-9
     single = ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4)
     assert estimate(single, TINY, profile=prof).step_time_s == estimate(single, TINY, profile=base).step_time_s
+
+
+def test_the_memory_curve_interpolates_in_log_log_and_prices_elementwise_kernels():
+    """``measured.memory_time``: a measured size returns its time; between two it is linear in
+    log(bytes) and log(seconds); above the largest it grows with the bytes (the stream's rate),
+    below the smallest it stays at the smallest's. ``Roofline.elementwise`` with it: each of the
+    kernels moves an equal share at the measured time of that share."""
+    import dataclasses
+    import math
+
+    from autoconf.catalog import device_type
+    from autoconf.cost.compute import Roofline
+    from autoconf.cost.measured import memory_time
+    from autoconf.profile import MemoryEntry
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "profiles", "bench-h256-cpu2.json")
+    prof = dataclasses.replace(load_profile(example), memory=(
+        MemoryEntry(bytes=1e5, time_s=2e-6, dtype="fp32", device_kind="cpu"),
+        MemoryEntry(bytes=1e7, time_s=8e-5, dtype="fp32", device_kind="cpu")))
+    mt = memory_time(prof, "cpu", "fp32")
+    assert mt(1e5) == pytest.approx(2e-6) and mt(1e7) == pytest.approx(8e-5)
+    assert mt(1e6) == pytest.approx(math.sqrt(2e-6 * 8e-5))  # the log-log midpoint
+    assert mt(1e3) == pytest.approx(2e-6) and mt(4e7) == pytest.approx(4 * 8e-5)
+    assert memory_time(prof, "cpu", "bf16") is None and memory_time(prof, "h100-sxm", "fp32") is None
+    rf = Roofline.of(device_type("cpu"), "fp32", memory_time=mt)
+    assert rf.elementwise(4e6, kernels=4) == pytest.approx(4 * mt(1e6))
+    plain = Roofline.of(device_type("cpu"), "fp32")
+    assert plain.elementwise(4e6, kernels=4) == pytest.approx(
+        4e6 / (plain.memory_bandwidth_bytes_per_s * plain.memory_efficiency) + 4 * plain.kernel_launch_s)

@@ -89,6 +89,13 @@ def test_autoconf_profile_tiny_two_processes(tmp_path):
     assert all(x.bandwidth_bytes_per_s > 0 and x.latency_s >= 0 for x in p.links)
     assert {c.op for c in p.collectives} == {"all_reduce", "all_gather", "reduce_scatter"}
     assert p.gemm and all(g.fraction_of_peak > 0 for g in p.gemm)
+    # the memory-bound kernel over operand sizes, once per device kind: three operands moved
+    from profiler.compute import memory_sizes
+    assert sorted(x.bytes for x in p.memory) == [3 * s for s in memory_sizes(False)]
+    assert {x.device_kind for x in p.memory} == {"cpu"} and all(x.time_s > 0 for x in p.memory)
+    assert p.memory[-1].time_s > p.memory[0].time_s  # 1,024 times the bytes take longer
+    mt = measured.memory_time(p, "cpu")
+    assert mt(p.memory[2].bytes) == pytest.approx(p.memory[2].time_s)
 
     # the cost model's lookups work on it
     assert measured.block_times(p, m, 2, 1, "none") is not None

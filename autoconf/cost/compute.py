@@ -58,15 +58,20 @@ class Roofline:
     one (``aligned_gemm``); 1.0: no penalty (CPU)."""
     special_function_per_s: float = 0.0
     """Exponentials per second (``DeviceType.special_function_per_s``); 0: not modelled."""
+    memory_time: Callable | None = None
+    """Measured seconds of one memory-bound kernel moving x bytes, launch included (a profile's
+    ``memory`` curve, ``measured.memory_time``): caches make small kernels faster per byte than
+    DRAM / HBM streams, launches make the smallest slower. None: the catalog's bandwidth at its
+    efficiency plus a launch per kernel."""
 
     @classmethod
-    def of(cls, dev: DeviceType, dtype: str, gemm_eff=None) -> "Roofline":
+    def of(cls, dev: DeviceType, dtype: str, gemm_eff=None, memory_time=None) -> "Roofline":
         att = dev.attention_efficiency or {}
         return cls(dev.peak(dtype), dev.memory_bandwidth_bytes_per_s, dev.gemm_efficiency,
                    dev.memory_efficiency, dev.kernel_launch_s, gemm_eff, dev.sm_count,
                    dev.peak_flop_per_s.get("fp32", 0.0) if dev.sm_count else 0.0,
                    (att["forward"], att["backward"]) if att else (),
-                   dev.unaligned_gemm_factor if dev.sm_count else 1.0, dev.special_function_per_s)
+                   dev.unaligned_gemm_factor if dev.sm_count else 1.0, dev.special_function_per_s, memory_time)
 
     def gemm(self, m: float, n: float, k: float, elem_bytes: int, batch: float = 1) -> float:
         flops = 2.0 * m * n * k * batch
@@ -82,7 +87,13 @@ class Roofline:
                    nbytes / (self.memory_bandwidth_bytes_per_s * self.memory_efficiency)) + self.kernel_launch_s
 
     def elementwise(self, nbytes: float, kernels: int = 1, flops: float = 0.0) -> float:
-        """Memory-bound kernels moving ``nbytes``, or bound by ``flops`` of vector math."""
+        """Memory-bound kernels moving ``nbytes``, or bound by ``flops`` of vector math. With a
+        measured ``memory_time`` each of the ``kernels`` moves an equal share at the measured time
+        for its size (launch included)."""
+        if self.memory_time is not None and nbytes > 0:
+            k = max(kernels, 1)
+            t = k * self.memory_time(nbytes / k)
+            return max(t, flops / self.vector_flop_per_s) if flops and self.vector_flop_per_s else t
         t = nbytes / (self.memory_bandwidth_bytes_per_s * self.memory_efficiency)
         if flops and self.vector_flop_per_s:
             t = max(t, flops / self.vector_flop_per_s)

@@ -201,6 +201,33 @@ def _tp_scale(profile, model, layer, mbs, tp0, tp) -> float:
 _ELEM_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 
+def memory_time(profile: Profile, device_kind: str | None = None, dtype: str | None = None):
+    """The profile's memory-bound kernel time as a function of bytes moved (its ``memory`` curve
+    for the device kind and dtype), or None where it has none. Between measured sizes it is
+    interpolated linearly in log(bytes) and log(seconds); above the largest it grows in
+    proportion to the bytes (the DRAM / HBM stream's rate); below the smallest it stays at the
+    smallest's time (a launch does not get cheaper)."""
+    import math
+
+    dtype = dtype or profile.compute_dtype
+    kind = device_kind if device_kind is not None else _default_kind(profile)
+    pts = sorted((e.bytes, e.time_s) for e in profile.memory
+                 if e.dtype == dtype and e.device_kind == kind and e.bytes > 0 and e.time_s > 0)
+    if not pts:
+        return None
+
+    def at(nbytes: float) -> float:
+        if nbytes <= pts[0][0]:
+            return pts[0][1]
+        if nbytes >= pts[-1][0]:
+            return pts[-1][1] * nbytes / pts[-1][0]
+        i = next(j for j in range(1, len(pts)) if pts[j][0] >= nbytes)
+        (b0, t0), (b1, t1) = pts[i - 1], pts[i]
+        w = (math.log(nbytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
+        return math.exp(math.log(t0) + w * (math.log(t1) - math.log(t0)))
+    return at
+
+
 def gemm_efficiency(profile: Profile, m: int, n: int, k: int, dtype: str | None = None,
                     device_kind: str | None = None) -> float | None:
     """Fraction of catalog peak an (m x k) @ (k x n) GEMM reaches, from the profile's table.

@@ -114,8 +114,16 @@ class System:
         key = ("rf", kind)
         if key not in self._cache:
             eff = self._gemm_eff if self.measured_for(kind) else None
-            self._cache[key] = Roofline.of(device_type(kind), self.model.dtype, eff)
+            self._cache[key] = Roofline.of(device_type(kind), self.model.dtype, eff, self._memory_time(kind))
         return self._cache[key]
+
+    def _memory_time(self, kind: str):
+        """The profile's measured memory-bound kernel time on ``kind`` (``measured.memory_time``),
+        None where it measured none."""
+        if not self.measured_for(kind):
+            return None
+        from .measured import memory_time
+        return memory_time(self.profile, kind, self.model.dtype)
 
     def cpu_share(self, kind: str) -> float:
         """How much slower a CPU rank computes because its host's cores are shared: with more
@@ -291,7 +299,7 @@ class System:
                 from .measured import fp8_gemm_efficiency
                 if fp8_gemm_efficiency(self.profile, recipe, 8192, 8192, 8192) is not None:
                     eff = lambda m, n, k: fp8_gemm_efficiency(self.profile, recipe, m, n, k)  # noqa: E731
-            rf = Roofline.of(dev, dtype, eff)
+            rf = Roofline.of(dev, dtype, eff, self._memory_time(kind))
             return dataclasses.replace(rf, gemm_efficiency=dev.gemm_efficiency_of(dtype))
         return self.cached(("rf8", kind, recipe), make)
 

@@ -198,32 +198,28 @@ class _Evaluator:
             # the cheapest precision and expert-parallel degree are not known in advance
             for prec, ep in ((p_, e) for p_ in self.precisions for e in self._eps_of(point)):
                 cc = dataclasses.replace(c, precision=prec[0], fp8_recipe=prec[1], ep=ep)
-                if check(cc, self.ctx.model) is None and fw.check(cc) is None and _estimate(
-                        self._placed(cc), self.ctx, bound=self.incumbent) is not None:
+                # (not filtered by the framework's own check: a stage it refuses here only
+                # loosens the bound, while refusing them all would prune the point unseen)
+                if check(cc, self.ctx.model) is None and _estimate(self._placed(cc), self.ctx,
+                                                                   bound=self.incumbent) is not None:
                     return False
         return True
 
     def _least_work_zero_stages(self, point) -> list:
         """The ZeRO stages of which one has the least pipeline floor plus optimizer step at
-        ``point`` (the bound ``_dominated`` takes), of those the framework runs there: ZeRO-1 (its
-        step sharded, no traffic during the pipeline); ZeRO-2 too where autograd's own
-        accumulation pass is charged and ZeRO-2 escapes it (``System.accumulates``: data
-        parallelism outside layered accumulation); where the framework has no ZeRO-1
-        (torchtitan), ZeRO-0 (no per-micro-batch reduce-scatter) and ZeRO-2 (the sharded step).
-        ZeRO-0 has ZeRO-1's floor and an unsharded step; ZeRO-3 has ZeRO-2's floor and its
-        gathers besides, so it only stands in for a missing ZeRO-2. (Over the whole step the order
-        can differ, e.g. DeepSpeed's ZeRO-1 gathers after the step in the open; the floor leaves
-        the step's tail out.)"""
+        ``point`` (the bound ``_dominated`` takes): ZeRO-1, which stands for ZeRO-0 too (the same
+        floor, its step sharded) whether or not the framework runs it; and ZeRO-2 where the
+        framework runs it and charges autograd's own accumulation pass, which ZeRO-2 escapes
+        (``System.accumulates``: data parallelism outside layered accumulation). ZeRO-3 has
+        ZeRO-2's floor and its gathers besides. (Over the whole step the order can differ, e.g.
+        DeepSpeed's ZeRO-1 gathers after the step in the open; the floor leaves the tail out.)"""
         dp, pp, tp, mbs, sched, v, layered, cp = point
         fw = self.ctx.framework
-        stages = fw.zero_stages_with_pp if pp > 1 else fw.zero_stages
         if dp * cp == 1:
-            return [0] if 0 in stages else [min(stages)]
-        has1 = 1 in stages
-        out = [1] if has1 else [0] if 0 in stages else []
-        if not has1 or ((fw.grad_accumulation_kernel or fw.bf16_optimizer_with_pp) and not layered):
-            out += [2] if 2 in stages else [3] if 3 in stages else []
-        return out or [min(stages)]
+            return [0]
+        stages = fw.zero_stages_with_pp if pp > 1 else fw.zero_stages
+        escapes = (fw.grad_accumulation_kernel or fw.bf16_optimizer_with_pp) and not layered
+        return [1] + ([2] if escapes and 2 in stages else [])
 
     def _eps_of(self, point) -> tuple:
         """The expert-parallel degrees tried at an outer point (1 for dense models): of those

@@ -258,10 +258,10 @@ def test_no_point_is_pruned_while_one_of_its_configurations_beats_the_incumbent(
 def test_no_point_is_pruned_whatever_zero_stage_is_fastest(fw):
     """No one ZeRO stage is an outer point's least work: where autograd adds every micro-batch's
     gradients into ``.grad`` (DeepSpeed, the reference trainer) ZeRO-0/1 pay that pass and ZeRO-2,
-    which reduce-scatters each micro-batch's gradients, does not; torchtitan has no ZeRO-1 (ZeRO-0
-    has no per-micro-batch traffic, ZeRO-2 a sharded step). So the bound takes the stages that can
-    be the least work, and no point is pruned while one of its configurations beats the
-    incumbent; and somewhere here ZeRO-1 is not the fastest stage of its point."""
+    which reduce-scatters each micro-batch's gradients, does not; torchtitan runs no ZeRO-1, whose
+    bound still stands for its ZeRO-0 and ZeRO-2. So the bound takes the stages that can be the
+    least work, and no point is pruned while one of its configurations beats the incumbent; and
+    somewhere here ZeRO-1 is not the fastest stage of its point."""
     from autoconf.search import _Evaluator, framework_inner
     from autoconf.timetotrain import synthetic_cluster
     s = System(preset("gpt2"), synthetic_cluster("a100-80gb", 16, "ib"), framework=fw)

@@ -287,6 +287,8 @@ class Profile:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["model"] = self.model.to_dict()
+        if not d["memory"]:  # profiles from before the memory curve keep their digest (study names)
+            del d["memory"]
         return _jsonable(d)
 
     @classmethod

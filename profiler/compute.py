@@ -263,9 +263,12 @@ def time_gemm(m: int, n: int, k: int, dtype_name: str, device, repeats: int, min
     return _time_call(lambda: torch.matmul(a, b), device, repeats, min_sample_s)
 
 
-MEMORY_SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
+MEMORY_SIZES = (1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24, 1 << 26)
 """Operand sizes (bytes) of the memory-bound kernel timed for the profile's ``memory`` curve: from
-what stays in a core's or an SM's cache to what streams from DRAM / HBM."""
+a launch's worth through what stays in a core's or an SM's cache to what streams from DRAM / HBM.
+The operands are reused call after call, so those that fit stay in cache: the curve is the rate of
+a chain of element-wise kernels over the same activations, an optimistic one for operands a
+kernel meets for the first time (a weight)."""
 MEMORY_SIZES_CUDA = MEMORY_SIZES + (1 << 28,)
 
 

@@ -197,10 +197,11 @@ def run(args) -> int:
             bars.advance(t_compute)
         gemm_rows += _time_fp8_gemms(my_fp8, model.dtype, device, repeats, fp8_notes, rank,
                                      lambda what: bars.describe(t_compute, what), lambda: bars.advance(t_compute))
-        # one rank of each device kind times the memory-bound kernel over operand sizes
+        # one rank of each device kind times the memory-bound kernel over operand sizes, in the
+        # model's dtype and in fp32 (FP8 scaling, fp32 logits and optimizer states run in fp32)
         mem_rows = [] if args.skip_compute or not mine or mine[0] != 0 else [
-            {"bytes": 3 * size, "time_s": compute.time_memory(size, model.dtype, device, repeats),
-             "dtype": model.dtype} for size in compute.memory_sizes(cuda)]
+            {"bytes": 3 * size, "time_s": compute.time_memory(size, dt, device, repeats), "dtype": dt}
+            for dt in dict.fromkeys((model.dtype, "fp32")) for size in compute.memory_sizes(cuda)]
         opt_rows = [compute.time_optimizer(model, t, device, warmup, repeats) for t in tps] \
             if my_items and mine[0] == 0 else []
         compute.release()

@@ -479,6 +479,8 @@ def test_the_memory_curve_interpolates_in_log_log_and_prices_elementwise_kernels
     assert mt(1e6) == pytest.approx(math.sqrt(2e-6 * 8e-5))  # the log-log midpoint
     assert mt(1e3) == pytest.approx(2e-6) and mt(4e7) == pytest.approx(4 * 8e-5)
     assert memory_time(prof, "cpu", "bf16") is None and memory_time(prof, "h100-sxm", "fp32") is None
+    # a profile from before the curve keeps its dictionary (and so its digest: study names)
+    assert "memory" not in load_profile(example).to_dict() and "memory" in prof.to_dict()
     rf = Roofline.of(device_type("cpu"), "fp32", memory_time=mt)
     assert rf.elementwise(4e6, kernels=4) == pytest.approx(4 * mt(1e6))
     plain = Roofline.of(device_type("cpu"), "fp32")

@@ -91,11 +91,13 @@ def test_autoconf_profile_tiny_two_processes(tmp_path):
     assert p.gemm and all(g.fraction_of_peak > 0 for g in p.gemm)
     # the memory-bound kernel over operand sizes, once per device kind: three operands moved
     from profiler.compute import memory_sizes
-    assert sorted(x.bytes for x in p.memory) == [3 * s for s in memory_sizes(False)]
-    assert {x.device_kind for x in p.memory} == {"cpu"} and all(x.time_s > 0 for x in p.memory)
-    assert p.memory[-1].time_s > p.memory[0].time_s  # 1,024 times the bytes take longer
-    mt = measured.memory_time(p, "cpu")
-    assert mt(p.memory[2].bytes) == pytest.approx(p.memory[2].time_s)
+    for dt in {p.compute_dtype, "fp32"}:  # the model's dtype and fp32
+        curve = [x for x in p.memory if x.dtype == dt]
+        assert [x.bytes for x in curve] == [3 * s for s in memory_sizes(False)]
+        assert {x.device_kind for x in curve} == {"cpu"} and all(x.time_s > 0 for x in curve)
+        assert curve[-1].time_s > curve[1].time_s  # 1,024 times the bytes take longer
+        assert measured.memory_time(p, "cpu", dt)(curve[2].bytes) == pytest.approx(curve[2].time_s)
+    assert len(p.memory) == len(memory_sizes(False)) * len({p.compute_dtype, "fp32"})
 
     # the cost model's lookups work on it
     assert measured.block_times(p, m, 2, 1, "none") is not None

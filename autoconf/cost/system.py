@@ -117,13 +117,15 @@ class System:
             self._cache[key] = Roofline.of(device_type(kind), self.model.dtype, eff, self._memory_time(kind))
         return self._cache[key]
 
-    def _memory_time(self, kind: str):
-        """The profile's measured memory-bound kernel time on ``kind`` (``measured.memory_time``),
-        None where it measured none."""
+    def _memory_time(self, kind: str, dtype: str | None = None):
+        """The profile's measured memory-bound kernel time on ``kind`` in ``dtype`` (default the
+        model's; ``measured.memory_time``), None where it measured none. (A profile of devices
+        outside the catalog records no kind: its entries are the profiled kind's.)"""
         if not self.measured_for(kind):
             return None
         from .measured import memory_time
-        return memory_time(self.profile, kind, self.model.dtype)
+        return memory_time(self.profile, kind if _profile_device_kind(self.profile) else None,
+                           dtype or self.model.dtype)
 
     def cpu_share(self, kind: str) -> float:
         """How much slower a CPU rank computes because its host's cores are shared: with more
@@ -299,7 +301,10 @@ class System:
                 from .measured import fp8_gemm_efficiency
                 if fp8_gemm_efficiency(self.profile, recipe, 8192, 8192, 8192) is not None:
                     eff = lambda m, n, k: fp8_gemm_efficiency(self.profile, recipe, m, n, k)  # noqa: E731
-            rf = Roofline.of(dev, dtype, eff, self._memory_time(kind))
+            # the scaling and casts around FP8 GEMMs run in fp32 (the model's dtype where the
+            # profile has no fp32 curve)
+            mt = self._memory_time(kind, "fp32") or self._memory_time(kind)
+            rf = Roofline.of(dev, dtype, eff, mt)
             return dataclasses.replace(rf, gemm_efficiency=dev.gemm_efficiency_of(dtype))
         return self.cached(("rf8", kind, recipe), make)
 

@@ -61,20 +61,11 @@ def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tu
             mt = system.block_for(kind, c, moe=True)
             f, bw_, rc = f + n_moe * mt.forward_s, bw_ + n_moe * mt.backward_s, rc + n_moe * mt.recompute_s
             hf, hb = hf + n_moe * mt.host_forward_s, hb + n_moe * mt.host_backward_s
-        m = system.model_at(tp)
         for which, here in (("embedding", ci == 0), ("head", ci == lay.num_chunks - 1)):
             if here:
                 e = system.edge(kind, b, tp, which, c.cp)
                 f, bw_, hf, hb = f + e.forward_s, bw_ + e.backward_s, hf + e.host_forward_s, hb + e.host_backward_s
-                # its weights' gradient passes, as a block's, on this rank's shard: the vocabulary
-                # is split over tp, the position table and the final norm are not (a tied output
-                # layer on another stage has its own copy; at pp 1 it shares the embedding's)
-                vocab = m.vocab_size * m.hidden_size / tp
-                if which == "embedding":
-                    params = vocab + m.embedding_params() - m.vocab_size * m.hidden_size
-                else:
-                    params = m.norm_params() + (vocab if not m.tied_embeddings or c.pp > 1 else 0.0)
-                bw_ += system.edge_gradient_s(kind, c, params)
+                bw_ += system.edge_gradient_s(kind, c, which)  # its weights' gradient passes
         if best is None or max(f + bw_, hf + hb) > max(best[0] + best[1], best[3] + best[4]):
             best = (f, bw_, rc, hf, hb)
     return best

@@ -568,6 +568,15 @@ bytes per parameter, one kernel per parameter tensor, on top of autograd's own `
 accumulation (the zeroed gradients are added into, not replaced)."""
 
 
+def gradient_passes(params: float, elem_bytes: int, accumulation: bool, update: tuple = (0.0, 0)) -> tuple:
+    """(bytes, kernels per parameter tensor) of the passes over ``params`` weights' gradients
+    after every backward: autograd's ``.grad`` accumulation (read both, write one, in the
+    parameters' dtype: one kernel per tensor) and a framework's own ``update`` (bytes per
+    parameter, kernels per tensor: ``BF16_OPTIMIZER_UPDATE``)."""
+    return (params * ((3 * elem_bytes if accumulation else 0) + update[0]),
+            (1 if accumulation else 0) + update[1])
+
+
 def linear_gemms(model: ModelSpec, b: int, tp: int, cp: int = 1) -> dict:
     """The dense block's linear layers as GEMM shapes (m, n, k) = (tokens, outputs, inputs) of one
     tp shard, by where they sit around Megatron's tensor-parallel split: ``attention_in`` (the
@@ -687,13 +696,10 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     kf = kb = 0
     if eager_elementwise and not compiled:
         xf, xb, kf, kb = eager_elementwise_bytes(model, T_rep, T, tp, mlp_tokens_f)
-    tensors = 4 * (2 if model.bias else 1) + model.norms_per_block * (2 if model.norm == "layernorm" else 1)
-    if grad_accumulation and moe is None:
-        xb += 3 * model.layer_params() / tp * B
-        kb += tensors
-    if grad_update[0] and moe is None:
-        xb += grad_update[0] * model.layer_params() / tp
-        kb += grad_update[1] * tensors
+    if moe is None:
+        tensors = 4 * (2 if model.bias else 1) + model.norms_per_block * (2 if model.norm == "layernorm" else 1)
+        gb, gk = gradient_passes(model.layer_params() / tp, B, grad_accumulation, grad_update)
+        xb, kb = xb + gb, kb + gk * tensors
     ew_f = rf.elementwise(ew_bytes + xf, ew_kernels + kf, flops=ew_flops)
     ew_b = rf.elementwise(2 * ew_bytes + xb, 2 * ew_kernels + kb, flops=2 * ew_flops)
     fwd = g_fwd + att_f + ew_f + qf + moe_f

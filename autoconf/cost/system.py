@@ -23,7 +23,8 @@ from ..topology import Topology
 from . import comm
 from .activations import layer_activation_bytes
 from .compute import (BF16_OPTIMIZER_UPDATE, Fp8, LayerTimes, Roofline, adamw_bytes_per_param, block_times,
-                      embedding_times, fused_softmax_available, head_times, optimizer_s, with_host)
+                      embedding_times, fused_softmax_available, gradient_passes, head_times, optimizer_s,
+                      with_host)
 
 _OPS = {comm.all_reduce_s: "all_reduce", comm.all_gather_s: "all_gather", comm.reduce_scatter_s: "reduce_scatter"}
 """Profile name of each collective. ``comm.reduce_scatter_s`` *is* ``comm.all_gather_s`` (the same
@@ -253,20 +254,25 @@ class System:
         return ((c.num_micro_batches > 1 or self.bf16_optimizer(c))
                 and (c.zero_stage <= 1 or c.dp * c.cp == 1 or c.layered_grad_accum))
 
-    def edge_gradient_s(self, kind: str, c, params: float) -> float:
-        """Seconds per micro-batch of the gradient passes :meth:`block` charges a block, for the
-        embedding's or output layer's ``params`` on a rank: autograd's accumulation into ``.grad``
-        (``Framework.grad_accumulation_kernel``) and DeepSpeed's BF16 optimizer's copy
-        (``compute.BF16_OPTIMIZER_UPDATE``); one tensor each. Not where :meth:`edge` takes a
+    def edge_gradient_s(self, kind: str, c, which: str) -> float:
+        """Seconds per micro-batch of the gradient passes :meth:`block` charges a block
+        (``compute.gradient_passes``), for the embedding's (``which="embedding"``) or output
+        layer's (``"head"``) weights on a rank: the vocabulary is split over tp, the position
+        table and the final norm are not; a tied output layer on another stage has its own copy,
+        at pp 1 it shares the embedding's. One tensor each. Not where :meth:`edge` takes a
         measured profile's times (its layers are timed as they run)."""
-        if (self.measured_for(kind) and c.cp == 1) or params <= 0:
-            return 0.0
         acc = self.framework.grad_accumulation_kernel and self.accumulates(c)
         upd = self.bf16_optimizer(c)
-        if not (acc or upd):
+        if (self.measured_for(kind) and c.cp == 1) or not (acc or upd):
             return 0.0
-        nbytes = params * ((3 * self.model.dtype_bytes if acc else 0) + (BF16_OPTIMIZER_UPDATE[0] if upd else 0))
-        kernels = int(acc) + (BF16_OPTIMIZER_UPDATE[1] if upd else 0)
+        m = self.model_at(c.tp)
+        vocab = m.vocab_size * m.hidden_size
+        if which == "embedding":
+            params = vocab / c.tp + m.embedding_params() - vocab
+        else:
+            params = m.norm_params() + (vocab / c.tp if not m.tied_embeddings or c.pp > 1 else 0.0)
+        nbytes, kernels = gradient_passes(params, self.model.dtype_bytes, acc,
+                                          BF16_OPTIMIZER_UPDATE if upd else (0.0, 0))
         return self.roofline(kind).elementwise(nbytes, kernels) * self.cpu_share(kind)
 
     def bf16_optimizer(self, c) -> bool:

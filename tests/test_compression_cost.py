@@ -166,9 +166,19 @@ def test_fused_embedding_sync_is_one_all_reduce_after_the_pipeline():
         assert plain.breakdown_s["dp_comm"] >= beside + after  # the copies' own reduction follows the rest
         if fused_wins:
             assert fused.step_time_s < plain.step_time_s
-    # a framework that reduces the copies in its buckets prices no separate sync
-    meg = System(m, slow, framework="megatron")
-    assert embedding_sync_s(meg, ParallelConfig(dp=2, pp=4, tp=1, micro_batch_size=1, num_micro_batches=8)) == (0, 0)
+    # a framework that reduces the copies in its buckets all-reduces them once more between each
+    # replica's first and last stage, after the pipeline: Megatron on its fp32 main gradients of the
+    # padded vocabulary, DeepSpeed on its bf16 copy
+    from autoconf.cost import comm
+    from autoconf.cost.tensor_parallel import collective_s
+    c = ParallelConfig(dp=2, pp=4, tp=1, micro_batch_size=1, num_micro_batches=8, rank_order="tp-pp-dp")
+    pair = ctx.topology.group_links((0, 3))  # replica 0's first and last stage, on one node
+    for fw, grad_bytes, vocab in (("megatron", 4, 50304), ("deepspeed", 2, m.vocab_size)):
+        sys_ = System(m, slow, framework=fw)
+        assert sys_.grad_bytes == grad_bytes
+        nbytes = vocab * m.hidden_size * grad_bytes
+        assert embedding_sync_s(sys_, c) == (0.0, pytest.approx(collective_s(sys_, [pair], comm.all_reduce_s, 2, nbytes)))
+    assert embedding_sync_s(System(m, slow, framework="megatron"), dataclasses.replace(c, pp=1, dp=8)) == (0, 0)
 
 
 def test_distinct_costs_land_on_the_right_sends():

@@ -308,21 +308,32 @@ def tied_bytes(system, c) -> float:
 
 
 def embedding_sync_s(system, c) -> tuple[float, float]:
-    """The tied embedding's sync after the pipeline (pp > 1, tied embeddings, a framework that
-    syncs them on their own: ``Framework.tied_sync_after_pipeline``), as (seconds beside the
-    chunks' reductions still in flight, seconds after them): the all-reduce between the first
-    and last stage runs beside them, the copies' data-parallel reduction waits for them (the
-    trainer lands the reductions in flight first); fused, one all-reduce over the first- and
-    last-stage ranks of every replica, beside them. (0, 0) otherwise."""
+    """The tied embedding's sync after the pipeline (pp > 1, tied embeddings), as (seconds beside
+    the chunks' reductions still in flight, seconds after them); (0, 0) without one.
+
+    Where the framework syncs the copies on their own (``Framework.tied_sync_after_pipeline``:
+    the reference trainer) the all-reduce between the first and last stage runs beside the
+    reductions, the copies' data-parallel reduction waits for them (the trainer lands the
+    reductions in flight first); fused, one all-reduce over the first- and last-stage ranks of
+    every replica, beside them. Elsewhere the copies go in the data-parallel buckets and the
+    first- and last-stage ranks of each replica all-reduce them once more, on the step's critical
+    path: Megatron-LM after its data-parallel reduction (``finalize_model_grads`` ->
+    ``_allreduce_word_embedding_grads`` on the main gradients), DeepSpeed's pipeline engine
+    before it (``ReduceTiedGrads``, one unbucketed ``all_reduce`` per tied weight): after."""
     nbytes = tied_bytes(system, c)
+    pair_only = False
     if not nbytes:
-        return 0.0, 0.0
+        m = system.model
+        if not m.tied_embeddings or c.pp == 1:
+            return 0.0, 0.0
+        # the rank's vocabulary shard as the framework pads it
+        nbytes, pair_only = -(-system.model_at(c.tp).vocab_size // c.tp) * m.hidden_size * system.grad_bytes, True
     from . import comm
     from ..placement import Placement
     from .data_parallel import all_reduce_algorithms, grad_group, reduction_collective
     from .tensor_parallel import axis_links, collective_s
     n_grad, axis = grad_group(c)
-    fused = c.fused_embedding_sync
+    fused = c.fused_embedding_sync and not pair_only
 
     def make():  # the first- and last-stage ranks of each tp rank (fused), or of each replica
         place, topo = Placement.of(c, 0), system.topology
@@ -336,6 +347,8 @@ def embedding_sync_s(system, c) -> tuple[float, float]:
     links, size = system.cached(("emb-sync", c.dp, c.pp, c.tp, c.cp, c.rank_order, c.device_order, fused), make)
     beside = collective_s(system, links, comm.all_reduce_s, size, nbytes,
                           all_reduce_algorithms(system, c, comm.all_reduce_s))
+    if pair_only:
+        return 0.0, beside
     after = 0.0
     if not fused and n_grad > 1:
         red = reduction_collective(c.zero_stage)

@@ -166,6 +166,12 @@ class Framework:
     fp8_all_gather: bool = False
     """ZeRO-3 / FSDP gathers linear weights in FP8 (torchao's float8 all-gather with tensorwise
     scaling, which the emitted torchtitan files switch on): half the bytes."""
+    grad_reduce_overlap_needs_zero_without_pp: bool = False
+    """``overlap_grad_reduce`` takes effect only with ZeRO and without pipeline parallelism
+    (DeepSpeed, read in 0.19.8: its pipeline engine turns the backward's reduction off and reduces
+    after the flush, ``ReduceGrads``; ZeRO-0 reduces after the backward,
+    ``buffered_allreduce_fallback``; ``overlap_comm`` only moves ZeRO-1/2/3's bucket reductions
+    into the backward). Elsewhere the knob is read as it is (:meth:`overlaps_grad_reduce`)."""
     tied_sync_after_pipeline: bool = False
     """Tied embeddings under pp: its first and last stage sum their copies' gradients after the
     pipeline, then reduce that sum over the replicas on its own, after the chunks' reductions
@@ -238,6 +244,14 @@ class Framework:
         """The knob's value for a configuration: its own if set, else this framework's default."""
         v = getattr(config, name, None)
         return self.defaults[name] if v is None else bool(v)
+
+    def overlaps_grad_reduce(self, config) -> bool:
+        """Whether the data-parallel reduction runs under the backward for this configuration:
+        the ``overlap_grad_reduce`` knob where it takes effect
+        (``grad_reduce_overlap_needs_zero_without_pp``)."""
+        if self.grad_reduce_overlap_needs_zero_without_pp and (config.pp > 1 or config.zero_stage == 0):
+            return False
+        return self.knob(config, "overlap_grad_reduce")
 
     def padded_vocab(self, vocab: int, tp: int) -> int:
         mult = self.vocab_multiple * tp
@@ -363,7 +377,7 @@ FRAMEWORKS = {
                   "torch_compile": False},
         knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE,
         loss_backward_fp32_tensors=0, grad_accumulation_kernel=True, bf16_optimizer_with_pp=True,
-        step_gather_overlaps=False),
+        step_gather_overlaps=False, grad_reduce_overlap_needs_zero_without_pp=True),
 }
 
 

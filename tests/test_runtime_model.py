@@ -435,6 +435,32 @@ def test_deepspeed_gradient_handling():
         meg.block_for("a100-80gb", dataclasses.replace(c, num_micro_batches=1)).backward_s)
 
 
+def test_deepspeed_overlaps_the_gradient_reduction_only_with_zero_and_no_pipeline():
+    """DeepSpeed 0.19.8: its pipeline engine reduces after the flush (``ReduceGrads``) and ZeRO-0
+    after the backward (``buffered_allreduce_fallback``), whatever ``overlap_comm`` says; only
+    ZeRO-1/2/3's bucket hooks reduce under the backward. The search does not try the knob where it
+    does nothing; Megatron's ``overlap_grad_reduce`` applies with pipelining too."""
+    from autoconf.cost.estimate import estimate
+    from autoconf.search import framework_inner
+    m = preset("llama-3-8b")
+    cl = _a100_node(1)
+    ds = framework("deepspeed")
+    for kw, applies in ((dict(pp=2, zero_stage=0), False), (dict(pp=2, zero_stage=1), False),
+                        (dict(pp=1, zero_stage=0), False), (dict(pp=1, zero_stage=1), True),
+                        (dict(pp=1, zero_stage=2), True)):
+        c = ParallelConfig(dp=8 // kw["pp"], tp=1, micro_batch_size=1, num_micro_batches=4, recompute="full", **kw)
+        on, off = (dataclasses.replace(c, overlap_grad_reduce=v) for v in (True, False))
+        assert ds.overlaps_grad_reduce(on) == applies and not ds.overlaps_grad_reduce(off)
+        t_on, t_off = (estimate(x, m, cl, framework="deepspeed").step_time_s for x in (on, off))
+        assert (t_on < t_off) if applies else t_on == t_off
+        inner = list(framework_inner(ds, c.dp, c.pp, 1, 1, "1f1b", 1, False, c.dp * 4))
+        tried = {x.overlap_grad_reduce for x in inner if x.zero_stage == c.zero_stage}
+        assert tried == ({False, True} if applies else {None})
+    meg = framework("megatron")
+    assert meg.overlaps_grad_reduce(ParallelConfig(dp=4, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4,
+                                                   overlap_grad_reduce=True))
+
+
 def test_deepspeed_gradient_passes_cover_the_embedding_and_output_layer():
     """The embedding's and the output layer's weights take the same gradient passes as a block's
     (``System.edge_gradient_s``): per micro-batch, autograd's read-read-write over their 16-bit

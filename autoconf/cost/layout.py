@@ -74,7 +74,7 @@ def layout(system: System, c: ParallelConfig) -> Layout:
                   chunk_layers=tuple(chunk_layers), chunk_params=tuple(chunk_params(system, c, chunk_layers)),
                   chunk_moe_layers=moe_layers, chunk_expert_params=expert_params,
                   layered=c.layered_grad_accum or c.schedule == "breadth_first", overlaps=overlaps,
-                  overlap_grad_reduce=overlaps and system.framework.knob(c, "overlap_grad_reduce"),
+                  overlap_grad_reduce=overlaps and system.framework.overlaps_grad_reduce(c),
                   overlap_param_gather=overlaps and system.framework.knob(c, "overlap_param_gather"))
 
 

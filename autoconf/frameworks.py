@@ -175,8 +175,9 @@ class Framework:
     tied_sync_after_pipeline: bool = False
     """Tied embeddings under pp: its first and last stage sum their copies' gradients after the
     pipeline, then reduce that sum over the replicas on its own, after the chunks' reductions
-    (the reference trainer). Elsewhere the copies go in the chunks' data-parallel buckets (their
-    first/last-stage sum is not priced)."""
+    (the reference trainer). Elsewhere the copies go in the chunks' data-parallel buckets and the
+    first and last stage all-reduce them once more after the pipeline
+    (``compression.embedding_sync_s``)."""
     fp8_eager_quantize: bool = False
     """Its FP8 linears quantise every operand with eager torch operations before each GEMM
     (``autoconf.fp8``; ``compute.EAGER_QUANT_BYTES``), not with fused cast kernels (Transformer

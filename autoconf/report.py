@@ -550,8 +550,12 @@ def plan_report(r, console) -> None:
     if sat is not None and sat.gpus < sh.gpus:
         say(f"adding GPUs stops paying at {sat.gpus:,}: {_days(sat.days)} days, within 10% of the shortest "
             f"with {sh.gpus / sat.gpus:.2g}x fewer GPUs")
-    elif len(r.per_gpus()) > 1:
+    elif len(r.per_gpus()) > 1 and sh.gpus == max(x.gpus for x in r.per_gpus()):
         say(f"adding GPUs still pays at {sh.gpus:,}: every smaller count is more than 10% slower")
+    top = max((x.gpus for x in r.per_gpus()), default=sh.gpus)
+    if top > sh.gpus:
+        say(f"more GPUs than {sh.gpus:,} are no faster: the batch bounds data parallelism, and more tensor or "
+            "pipeline parallelism costs more than it saves")
     unit = "$" if r.price else ""
     say("Pareto front (GPUs: days, " + ("cost" if r.price else "GPU-hours") + "): "
         + "; ".join(f"{x.gpus:,}: {_days(x.days)} d, {unit}{_num(r._cost(x))}" for x in r.pareto()))

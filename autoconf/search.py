@@ -393,7 +393,7 @@ def precision_choices(system: System, precision: str = "auto", fp8_recipe: str |
                    f"framework {fw.name} runs {', '.join(fw.fp8_recipes)}" if fp8_recipe and fp8_recipe not in fw.fp8_recipes
                    else f"device {', '.join(kinds)} has no {'MXFP8' if fp8_recipe == 'mxfp8' else 'FP8'} tensor cores")
             raise UserError(f"--precision fp8{f' --fp8-recipe {fp8_recipe}' if fp8_recipe else ''}: {why}; "
-                            "use --precision bf16 or auto")
+                            "use --precision bf16")
         return (bf16,)
     fp8 = ("fp8", ok[0])
     return (fp8,) if precision == "fp8" else (bf16, fp8)

@@ -815,6 +815,8 @@ class Budget:
 
 
 DEFAULT_FACTORS = (0.25, 0.5, 1.0, 2.0)
+BATCH_FACTORS_DEFAULT = "0.25,0.5,1,2"
+"""``--batch-factors`` as the command line gives it by default (``DEFAULT_FACTORS``)."""
 
 
 def make_budget(model, tokens: float | None = None, law: str = "kaplan", loss_law: str = "kaplan",
@@ -837,11 +839,14 @@ def make_budget(model, tokens: float | None = None, law: str = "kaplan", loss_la
                 f"parameter (Chinchilla, Hoffmann et al. 2022, Table 3)")
     else:
         rule = "given (--tokens)"
+    if tokens < model.seq_length:
+        raise UserError(f"--tokens {tokens:g}: fewer than one sequence of {model.seq_length:,} tokens")
     loss = scaling.predicted_loss(model, tokens, loss_law)
     b_crit = scaling.critical_batch_tokens(loss)
     s = model.seq_length
-    notes = [f"the scaling laws were fitted on particular data and tokenizers "
-             f"({scaling.KAPLAN_BCRIT.fitted_on if law == 'kaplan' else scaling.DEEPSEEK_BATCH.fitted_on}); "
+    used = {"kaplan": scaling.KAPLAN_BCRIT, "deepseek": scaling.DEEPSEEK_BATCH,
+            "fixed": scaling.KAPLAN_LOSS if loss_law == "kaplan" else scaling.CHINCHILLA_LOSS}[law]
+    notes = [f"the scaling laws were fitted on particular data and tokenizers ({used.fitted_on}); "
              "for other data they give the order of magnitude, not the value"]
     if law == "kaplan" and loss_law == "chinchilla":
         notes.append("B_crit(L) was fitted to Kaplan's loss (nats on WebText2); a Chinchilla loss puts it on "
@@ -851,6 +856,14 @@ def make_budget(model, tokens: float | None = None, law: str = "kaplan", loss_la
         if any(f <= 0 for f in factors):
             raise UserError(f"--batch-factors {factors}: must be positive")
         batches = tuple(sorted({round_batch(f * b_crit / s) for f in factors}))
+        if batches[0] * s > tokens:
+            raise UserError(f"--batch-factors {','.join(f'{f:g}' for f in factors)}: even the smallest batch, "
+                            f"{batches[0] * s:,.0f} tokens ({min(factors):g} x B_crit), is more than the whole run "
+                            f"({tokens:,.0f} tokens, --tokens): use smaller factors or more tokens")
+        if batches[-1] * s > tokens:
+            notes.append(f"batches over the whole run's {tokens:,.0f} tokens left out: "
+                         + ", ".join(f"{b:,}" for b in batches if b * s > tokens))
+            batches = tuple(b for b in batches if b * s <= tokens)
         notes.append("--tokens is what a run processes at B = B_crit; at batch B the same loss takes "
                      "S = S_min (1 + B_crit/B) steps and E = E_min (1 + B/B_crit) tokens, E_min = D/2, "
                      "S_min = D/(2 B_crit) (McCandlish et al. 2018)")
@@ -955,6 +968,11 @@ class PlanResult:
     """--max-cp as given (None: the default by sequence length)."""
     placed: dict | None = None
     """With ``place``: what the placement pass did (``_place_rows``); None: not searched."""
+    never_finish: tuple = ()
+    """GPU counts left out because, with ``mtbf_per_gpu_h``, the job would fail faster than it
+    progresses (``scaling.expected_wall_time``)."""
+    max_micro_batch: int = 64
+    """The largest micro-batch tried (``--max-micro-batch``), for the printed search command."""
 
     # -- selections ----------------------------------------------------------------------------
     def select(self, network=None, method="all") -> list:
@@ -1015,6 +1033,8 @@ class PlanResult:
         prec = f" --precision {self.precision[0]}" + (f" --fp8-recipe {self.precision[1]}"
                                                      if self.precision[0] == "fp8" else "")
         extra = "" if self.max_cp is None else f" --max-cp {self.max_cp}"
+        if self.max_micro_batch != 64:
+            extra += f" --max-micro-batch {self.max_micro_batch}"
         if self.profile_kind is not None:
             extra += f" --profile {shlex.quote(self.profile_path or 'PROFILE.json')}"
         return (f"autoconf search --model {shlex.quote(model_ref)} --cluster {shlex.quote(path)}{extra} "
@@ -1029,6 +1049,7 @@ class PlanResult:
                "precision": self.precision[0], "fp8_recipe": self.precision[1] if self.precision[0] == "fp8" else None,
                "profile_device_kind": self.profile_kind, "max_cp": self.max_cp, "placement": self.placed,
                "budget": self.budget.to_dict(), "grid": list(self.grid), "skipped_gpus": list(self.skipped),
+               "never_finish": list(self.never_finish), "max_micro_batch": self.max_micro_batch,
                "max_days": self.max_days,
                "price_per_gpu_hour": self.price, "deadline_days": self.deadline_days, "budget_cost": self.budget_cost,
                "mtbf_per_gpu_hours": self.mtbf_per_gpu_h, "checkpoint_s": self.checkpoint_s,
@@ -1165,7 +1186,7 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     from .catalog import device_type
     flops = model.model_flops_per_token() * min(bud.plan(b).tokens for b in bud.batches)
     dtype = model.dtype if prec[0] == "bf16" else ("mxfp8" if prec[1] == "mxfp8" else "fp8")
-    peak = min(device_type(k).peak(dtype) for k in first.device_kinds())
+    peak = max(device_type(k).peak(dtype) for k in first.device_kinds())  # a bound: the fastest kind
     start = flops / (max_days * 86400 * peak)
     grid = gpu_grid(top, per_node)
     skipped = tuple(g for g in grid if g < start)
@@ -1178,13 +1199,19 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     shared_oom: set = set()
     done, total = 0, len(net_names) * len(bud.batches) * len(grid)
     other_net: dict = {}  # (GPUs, batch) -> the best configurations on the networks done before
-    def make_row(net: str, mname: str, g: int, b: int, e) -> Row:
+    never_finish: set = set()  # GPU counts whose job fails faster than it can progress
+
+    def make_row(net: str, mname: str, g: int, b: int, e) -> Row | None:
         bp = bud.plan(b)
         work = bp.steps * e.step_time_s
         gp = None
         wall = work
         if mtbf_per_gpu_h:
-            gp = scaling.expected_wall_time(work, mtbf_per_gpu_h * 3600 / g, checkpoint_s, restart_s)
+            try:
+                gp = scaling.expected_wall_time(work, mtbf_per_gpu_h * 3600 / g, checkpoint_s, restart_s)
+            except UserError:
+                never_finish.add(g)
+                return None
             wall = gp.wall_s
         gh = wall / 3600 * g
         return Row(network=net, method=mname, gpus=g, batch=b, steps=bp.steps, tokens=bp.tokens, estimate=e,
@@ -1211,8 +1238,9 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                 prev_by_batch[b] = found
                 prev_g = found
                 for mname, e in best.items():
-                    if e is not None:
-                        rows.append(make_row(net, mname, g, b, e))
+                    row = make_row(net, mname, g, b, e) if e is not None else None
+                    if row is not None:
+                        rows.append(row)
                 done += 1
                 if progress:
                     progress(done, total)
@@ -1226,6 +1254,18 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
         notes.append(f"placement searched on the fastest plan of each GPU count, method and network: "
                      f"{placed['improved']} of {placed['tried']} configurations improved, by up to "
                      f"{100 * placed['best_gain']:.1f}% ({placed['seconds']:.1f} s)")
+    gone = sorted(never_finish)
+    if not any(r.network == net_names[0] and r.method == "all" for r in rows):
+        if gone:
+            raise UserError(f"--mtbf-per-gpu {mtbf_per_gpu_h:g} h: even on {gone[0]:,} GPUs the job fails every "
+                            f"{mtbf_per_gpu_h / gone[0]:.2g} h on average, faster than a restart and half a checkpoint "
+                            "interval: it would never finish; raise --mtbf-per-gpu or lower --restart-time / "
+                            "--checkpoint-time")
+        raise UserError(f"no configuration of {model.name} fits in memory on {device_name} at any GPU count up to "
+                        f"{top:,}: raise --max-gpus, or plan on a device with more memory")
+    if gone:
+        notes.append(f"{', '.join(f'{g:,}' for g in gone)} GPUs left out: with --mtbf-per-gpu {mtbf_per_gpu_h:g} h "
+                     "the job fails faster than a restart and half a checkpoint interval, so it would never finish")
     if skipped:
         notes.append(f"GPU counts below {grid[0]:,} left out: even at the datasheet peak the run would take more than "
                      f"{max_days:g} days (--max-days)")
@@ -1244,7 +1284,8 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                       budget_cost=budget, mtbf_per_gpu_h=mtbf_per_gpu_h, checkpoint_s=checkpoint_s,
                       restart_s=restart_s, max_days=max_days, stats=stats, elapsed_s=time.perf_counter() - t0,
                       methods=tuple(methods), notes=notes, precision=prec, profile_kind=prof_kind,
-                      max_cp=max_cp, placed=placed)
+                      max_cp=max_cp, placed=placed, never_finish=tuple(sorted(never_finish)),
+                      max_micro_batch=max_micro_batch)
 
 
 def _place_rows(rows: list, systems: dict, methods, make_row, budget_s: float) -> dict:
@@ -1299,17 +1340,17 @@ def parse_count(text: str, what: str) -> float:
     return v
 
 
-def parse_duration(text: str, what: str, default_unit: str = "d") -> float:
+def parse_duration(text: str, what: str, default_unit: str = "d", allow_zero: bool = False) -> float:
     """``60d``, ``8w``, ``1440h``, ``2min``, ``90s``, ``1.5y``; a bare number is in ``default_unit``.
-    Seconds."""
+    Seconds; positive, or zero too with ``allow_zero``."""
     import re
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*", str(text))
     if not m or (m.group(2) or default_unit) not in _DURATION:
         raise UserError(f"{what} {text!r}: expected a duration like 60d, 8w, 1440h, 10min or 90s "
                         f"(units: {', '.join(_DURATION)})")
     v = float(m.group(1)) * _DURATION[m.group(2) or default_unit]
-    if not (math.isfinite(v) and v > 0):
-        raise UserError(f"{what} {text!r}: must be a positive finite duration")
+    if not (math.isfinite(v) and (v > 0 or (allow_zero and v == 0))):
+        raise UserError(f"{what} {text!r}: must be a {'finite duration of 0 or more' if allow_zero else 'positive finite duration'}")
     return v
 
 
@@ -1358,6 +1399,10 @@ def _num(x: float) -> str:
 
 
 def _days(d: float) -> str:
+    """Days for the tables: one decimal, two significant figures below one day (a run of hours
+    would read 0.0 otherwise), none from 1,000."""
+    if d < 1:
+        return f"{d:.2g}"
     return f"{d:,.1f}" if d < 1000 else f"{d:,.0f}"
 
 
@@ -1458,7 +1503,7 @@ def add_plan_parser(sub):
     p.add_argument("--loss-law", default="kaplan", help="kaplan or chinchilla: the loss B_crit is read at "
                    "(default kaplan, the loss B_crit was fitted to)")
     p.add_argument("--global-batch", type=int, help="sequences per step (--batch-law fixed)")
-    p.add_argument("--batch-factors", default="0.25,0.5,1,2",
+    p.add_argument("--batch-factors", default=BATCH_FACTORS_DEFAULT,
                    help="batches swept, as multiples of B_crit (kaplan; default 0.25,0.5,1,2)")
     p.add_argument("--price-per-gpu-hour", type=float, help="price of one GPU-hour (costs in that currency)")
     p.add_argument("--deadline", help="the cheapest plan finishing within it, e.g. 60d, 8w")
@@ -1482,7 +1527,7 @@ def cmd_plan(args) -> int:
     import sys
 
     from .model import load_model
-    from .outputs import check_dir, check_file, write_text
+    from .outputs import check_file, write_text
     if args.seq_length is not None and args.seq_length <= 0:
         raise UserError(f"--seq-length {args.seq_length}: must be a positive integer")
     model = load_model(args.model, seq_length=args.seq_length)
@@ -1517,11 +1562,15 @@ def cmd_plan(args) -> int:
     deadline = parse_duration(args.deadline, "--deadline") / 86400 if args.deadline else None
     mtbf = parse_duration(args.mtbf_per_gpu, "--mtbf-per-gpu", "h") / 3600 if args.mtbf_per_gpu else None
     ckpt = parse_duration(args.checkpoint_time, "--checkpoint-time", "s")
-    restart = parse_duration(args.restart_time, "--restart-time", "s")
+    restart = parse_duration(args.restart_time, "--restart-time", "s", allow_zero=True)
     max_days = parse_duration(args.max_days, "--max-days") / 86400
     factors = _float_list(args.batch_factors, "--batch-factors")
+    if args.batch_factors != BATCH_FACTORS_DEFAULT and args.batch_law != "kaplan":
+        raise UserError(f"--batch-factors {args.batch_factors}: they scale the critical batch of --batch-law kaplan; "
+                        f"--batch-law {args.batch_law} sets the batch itself")
     if args.plot:
-        check_dir(args.plot, "--plot")
+        from .plots import check_plotting
+        check_plotting(args.plot)
     if args.cluster_out:
         check_file(args.cluster_out, "--cluster-out")
     bar = None

@@ -293,6 +293,14 @@ def _run(*argv, env_extra=None):
     (["--device", "h100-sxm", "--max-gpus", "64", "--fp8-recipe", "rowwise"], "--fp8-recipe rowwise: needs --precision fp8"),
     (["--device", "h100-sxm", "--max-gpus", "64", "--precision", "fp8", "--fp8-recipe", "delayed"],
      "framework reference runs tensorwise, rowwise"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--tokens", "1e-300"], "--tokens 1e-300: fewer than one sequence"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--batch-factors", "1e7"], "even the smallest batch"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--batch-law", "deepseek", "--batch-factors", "1,2"],
+     "--batch-law deepseek sets the batch itself"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--restart-time", "-1"], "--restart-time"),
+    (["--device", "a100-80gb", "--max-gpus", "16", "--mtbf-per-gpu", "1h"], "--mtbf-per-gpu 1 h: even on 8 GPUs"),
+    (["--device", "a100-40gb", "--max-gpus", "8", "--model", "llama-2-70b", "--batch-law", "fixed",
+      "--global-batch", "1", "--max-days", "1e9"], "no configuration of llama-2-70b fits in memory"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, needle):
     p = _run("--model", "gpt3-1.3b", *argv)
@@ -330,6 +338,38 @@ def test_the_command_prints_80_columns_json_and_plots(tmp_path):
     assert f"median |error| {100 * stated['median_abs_error']:.1f}%" in text and "reads as" in text
 
 
+def test_gpu_counts_that_would_never_finish_are_left_out_and_said():
+    """With failures, the job on g GPUs fails every MTBF/g on average; where that is shorter than a
+    restart and half a checkpoint interval (Young's interval, scaling.expected_wall_time) the run
+    never finishes: those counts are left out, the others planned, and the note names them."""
+    from autoconf import scaling
+    mtbf_h, ckpt, restart = 10.0, 120.0, 600.0
+    r = T.plan(GPT, device="a100-80gb", max_gpus=64, tokens=2.6e10, compare_networks=(), mtbf_per_gpu_h=mtbf_h,
+               checkpoint_s=ckpt, restart_s=restart)
+
+    def finishes(g):
+        m = mtbf_h * 3600 / g
+        return restart + (scaling.young_daly_interval(ckpt, m) + ckpt) / 2 < m
+    assert r.never_finish == tuple(g for g in r.grid if not finishes(g)) and r.never_finish == (64,)
+    assert {x.gpus for x in r.select()} == {g for g in r.grid if finishes(g)}
+    assert any("64 GPUs left out" in n for n in r.notes)
+    assert r.to_dict()["never_finish"] == [64]
+
+
+def test_the_report_says_when_more_gpus_are_slower():
+    """A fixed batch of 8 sequences bounds dp at 8: more GPUs only add tp or pp, and the output says
+    so instead of claiming that adding GPUs still pays."""
+    p = _run("--model", "gpt2", "--device", "a100-80gb", "--max-gpus", "64", "--compare-networks", "none",
+             "--batch-law", "fixed", "--global-batch", "8")
+    assert p.returncode == 0, p.stderr
+    text = " ".join(p.stdout.split())
+    assert "more GPUs than 8 are no faster" in text and "still pays" not in text
+
+
+def test_days_under_one_keep_two_significant_figures():
+    assert T._days(0.0844) == "0.084" and T._days(3.14159) == "3.1" and T._days(12345.6) == "12,346"
+
+
 def test_reproduce_command_finds_the_same_step_time(tmp_path):
     """The printed `autoconf search` command, run on the written cluster file, finds the plan's
     step time (the same space, exhaustively)."""
@@ -338,6 +378,10 @@ def test_reproduce_command_finds_the_same_step_time(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text(T.cluster_yaml(r.cluster))
     cmd = r.search_command(sh, str(path)).split()[1:] + ["--json"]
+    assert "--max-micro-batch" not in cmd
+    small = T.plan(GPT, device="a100-80gb", max_gpus=8, tokens=2.6e10, compare_networks=(), max_micro_batch=2)
+    assert "--max-micro-batch 2 " in small.search_command(small.shortest(), str(path))
+    assert small.shortest().estimate.config.micro_batch_size <= 2
     p = subprocess.run([sys.executable, "-m", "autoconf", *cmd], capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=os.getcwd()), timeout=300)
     assert p.returncode == 0, p.stderr

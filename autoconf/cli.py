@@ -257,17 +257,20 @@ def cmd_estimate(args) -> int:
                             fused_embedding_sync=args.fused_embedding_sync)
     e = estimate(config, model, cluster, profile, calibration, framework=args.framework,
                  moe_imbalance=args.moe_imbalance)
-    plots = []
+    from .outputs import fail_after, side_output
+    plots, failed = [], None
     if args.plot:
         from .plots import plot_estimate
-        plots = plot_estimate(args.plot, e, model, cluster, profile, calibration, args.framework)
+        plots, failed = side_output("--plot", args.plot, lambda: plot_estimate(
+            args.plot, e, model, cluster, profile, calibration, args.framework), [])
     if args.json:
         _print_json({**e.to_dict(), "plots": plots} if plots else e.to_dict())
-        return 0
-    from .report import estimate_report, show
-    show(estimate_report(e, wide=args.wide))
-    if plots:
-        print(f"plots: {', '.join(plots)}")
+    else:
+        from .report import estimate_report, show
+        show(estimate_report(e, wide=args.wide))
+        if plots:
+            print(f"plots: {', '.join(plots)}")
+    fail_after([failed])
     return 0
 
 
@@ -362,6 +365,10 @@ def cmd_search(args) -> int:
     if not verified:
         from .report import near_ties
         doc["near_ties"] = near_ties(result.top[:args.top])
+    # the launch files and plots are written beside the result: where one cannot be, the result is
+    # still printed, then the reason (exit 2)
+    from .outputs import fail_after, side_output
+    failed = []
     if args.emit:
         from .emit import DEFAULT_PORT, emit
         if cluster is None:  # the hosts and devices the profile measured
@@ -369,21 +376,27 @@ def cmd_search(args) -> int:
             launch_cluster = cluster_from_profile(profile)
         else:
             launch_cluster = cluster
-        doc["emitted"] = emit(best, model, launch_cluster, args.emit, args.profile,
-                              master_port=args.master_port or DEFAULT_PORT, script=args.script,
-                              script_args=args.script_args, runners_up=[e for e in result.top[:args.top] if e is not best])
+        emitted, why = side_output("--emit", args.emit, lambda: emit(
+            best, model, launch_cluster, args.emit, args.profile, master_port=args.master_port or DEFAULT_PORT,
+            script=args.script, script_args=args.script_args,
+            runners_up=[e for e in result.top[:args.top] if e is not best]))
+        failed.append(why)
+        if emitted is not None:
+            doc["emitted"] = emitted
     if args.plot:
         from .plots import plot_search
-        doc["plots"] = plot_search(args.plot, result, best, model, cluster, profile, calibration, args.framework,
-                                   args.global_batch)
+        doc["plots"], why = side_output("--plot", args.plot, lambda: plot_search(
+            args.plot, result, best, model, cluster, profile, calibration, args.framework, args.global_batch), [])
+        failed.append(why)
     if args.json:
         _print_json(doc)
-        return 0
-    from .report import search_report, show
-    show(search_report(result, best, wide=args.wide, rows=args.top, verified=verified, calibration=cal_report,
-                       calibrate_path=args.calibrate, emitted=doc.get("emitted")))
-    if args.plot:
-        print(f"plots: {', '.join(doc['plots'])}")
+    else:
+        from .report import search_report, show
+        show(search_report(result, best, wide=args.wide, rows=args.top, verified=verified, calibration=cal_report,
+                           calibrate_path=args.calibrate, emitted=doc.get("emitted")))
+        if doc.get("plots"):
+            print(f"plots: {', '.join(doc['plots'])}")
+    fail_after(failed)
     return 0
 
 

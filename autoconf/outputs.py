@@ -74,3 +74,24 @@ def write_atomic(path: str, write, binary: bool = False, mode: int | None = None
         except OSError:
             pass
         raise
+
+
+def side_output(flag: str, target: str, write, default=None):
+    """Run ``write()`` for a file a command writes beside its result (plots, launch files, a
+    cluster file): (its value, None), or (``default``, the one-line reason) where it could not be
+    written (a full disk, a read-only file). The command prints its result first and fails with
+    the reasons after it (:func:`fail_after`), so a finished search or plan is not lost to a file
+    it could not write."""
+    try:
+        return write(), None
+    except OSError as e:
+        return default, f"{flag} {target!r}: cannot write ({e.strerror or e})"
+    except UserError as e:
+        return default, str(e)
+
+
+def fail_after(errors) -> None:
+    """Raise the reasons :func:`side_output` collected, as one line."""
+    errors = [e for e in errors if e]
+    if errors:
+        raise UserError("; ".join(errors))

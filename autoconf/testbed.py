@@ -732,7 +732,10 @@ def cmd_testbed(args) -> int:
         return 0
     if args.cluster_out:
         check_file(args.cluster_out, "--cluster-out")
-        write_text(args.cluster_out, cluster_yaml(nodes, nproc or 2))
+        try:
+            write_text(args.cluster_out, cluster_yaml(nodes, nproc or 2))
+        except OSError as e:
+            raise UserError(f"--cluster-out {args.cluster_out!r}: cannot write ({e.strerror or e})") from None
         print(f"cluster file: {args.cluster_out}")
     if not command:
         if args.cluster_out:

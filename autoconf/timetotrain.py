@@ -1527,7 +1527,7 @@ def cmd_plan(args) -> int:
     import sys
 
     from .model import load_model
-    from .outputs import check_file, write_text
+    from .outputs import check_file, fail_after, side_output, write_text
     if args.seq_length is not None and args.seq_length <= 0:
         raise UserError(f"--seq-length {args.seq_length}: must be a positive integer")
     model = load_model(args.model, seq_length=args.seq_length)
@@ -1597,20 +1597,27 @@ def cmd_plan(args) -> int:
     r.model_ref = args.model
     r.cluster_path = args.cluster or args.cluster_out
     r.profile_path = args.profile
-    written = write_plots(r, args.plot) if args.plot else []
+    # the plots and the cluster file are written beside the plan: where one cannot be, the plan is
+    # still printed, then the reason (exit 2)
+    written, failed = [], []
+    if args.plot:
+        written, why = side_output("--plot", args.plot, lambda: write_plots(r, args.plot), [])
+        failed.append(why)
     if args.cluster_out:
-        write_text(args.cluster_out, cluster_yaml(r.cluster))
+        failed.append(side_output("--cluster-out", args.cluster_out,
+                                  lambda: write_text(args.cluster_out, cluster_yaml(r.cluster)))[1])
     if args.json:
         doc = r.to_dict()
         doc["plots"] = written
         sys.stdout.write(json.dumps(doc, indent=2, default=float) + "\n")
-        return 0
-    from rich.console import Console
-    con = Console(width=min(Console().width, 80))  # the report is laid out for 80 columns
-    from .report import plan_report
-    plan_report(r, con)
-    if written:
-        con.print(f"plots: {', '.join(written)}")
-    if args.cluster_out:
-        con.print(f"cluster file: {args.cluster_out} (pass it to `autoconf search --cluster`)")
+    else:
+        from rich.console import Console
+        con = Console(width=min(Console().width, 80))  # the report is laid out for 80 columns
+        from .report import plan_report
+        plan_report(r, con)
+        if written:
+            con.print(f"plots: {', '.join(written)}")
+        if args.cluster_out and not failed[-1]:
+            con.print(f"cluster file: {args.cluster_out} (pass it to `autoconf search --cluster`)")
+    fail_after(failed)
     return 0

@@ -397,3 +397,36 @@ def test_search_result_json_says_whether_the_study_resumed(tmp_path):
     first, second = json.loads(run_cli(*args).stdout), json.loads(run_cli(*args).stdout)
     assert (first["resumed"], second["resumed"]) == (False, True)
     assert second["earlier_trials"] == first["trials_total"] and second["trials_run"] == 0
+
+
+def _full_disk(*_a, **_k):
+    raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("argv,patch,needle", [
+    (["estimate", "--model", "tiny", "--cluster", "examples/clusters/localhost-cpu.yaml", "--global-batch", "16",
+      "--dp", "2", "--plot", "PLOTS"], "autoconf.plots.write_atomic", "--plot 'PLOTS': cannot write"),
+    (["search", "--model", "tiny", "--cluster", "examples/clusters/localhost-cpu.yaml", "--global-batch", "16",
+      "--trials", "5", "--storage", "none", "--emit", "EMIT", "--plot", "PLOTS"],
+     "autoconf.outputs.write_atomic autoconf.plots.write_atomic",
+     "--emit 'EMIT': cannot write the launch files (No space left on device); --plot 'PLOTS': cannot write"),
+    (["plan", "--model", "gpt3-1.3b", "--device", "a100-80gb", "--max-gpus", "8", "--compare-networks", "none",
+      "--quiet", "--cluster-out", "EMIT/c.yaml"], "autoconf.outputs.write_atomic",
+     "--cluster-out 'EMIT/c.yaml': cannot write (No space left on device)"),
+])
+def test_an_output_that_cannot_be_written_fails_after_the_result_is_printed(argv, patch, needle, tmp_path,
+                                                                              monkeypatch, capsys):
+    """A full disk under --plot / --emit / --cluster-out: the result is printed first, then one line
+    naming the path and why, exit 2; no traceback."""
+    pytest.importorskip("matplotlib")
+    from autoconf import cli
+    (tmp_path / "e").mkdir()
+    argv = [a.replace("PLOTS", str(tmp_path / "p")).replace("EMIT", str(tmp_path / "e")) for a in argv]
+    needle = needle.replace("PLOTS", str(tmp_path / "p")).replace("EMIT", str(tmp_path / "e"))
+    for target in patch.split():
+        monkeypatch.setattr(target, _full_disk)
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == f"autoconf: error: {needle}" or (needle in err and len(err.strip().splitlines()) == 1), err
+    assert "Traceback" not in err
+    assert ("shortest time:" if argv[0] == "plan" else "step") in out

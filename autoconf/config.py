@@ -378,7 +378,16 @@ def validate(config: ParallelConfig, model: ModelSpec) -> None:
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of ``n`` in increasing order (pairs up to sqrt(n): a batch of 1e11 too)."""
+    low, high = [], []
+    d = 1
+    while d * d <= n:
+        if n % d == 0:
+            low.append(d)
+            if d * d != n:
+                high.append(n // d)
+        d += 1
+    return low + high[::-1]
 
 
 def factorizations(world: int, cps=None) -> list[tuple]:
@@ -412,7 +421,7 @@ def pipeline_choices(pp: int, model: ModelSpec, max_virtual: int = 8) -> list[tu
 
 
 def micro_batch_choices(per_replica_batch: int, max_micro_batch: int = 64) -> list[int]:
-    return [b for b in divisors(per_replica_batch) if b <= max_micro_batch]
+    return [b for b in range(1, min(per_replica_batch, max_micro_batch) + 1) if per_replica_batch % b == 0]
 
 
 def outer_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch: int = 64,

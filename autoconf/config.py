@@ -267,8 +267,8 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
     if c.ep > 1 and model.num_experts % c.ep:
         return f"ep({c.ep}) does not divide num_experts({model.num_experts})"
     cf = c.moe_capacity_factor
-    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or cf <= 0):
-        return f"moe_capacity_factor={cf!r} must be a positive number or absent (dropless)"
+    if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf <= 64):
+        return f"moe_capacity_factor={cf!r} must be a number above 0 and at most 64, or absent (dropless)"
     if c.cp > 1 and model.seq_length % (2 * c.cp):
         return (f"cp({c.cp}): seq_length({model.seq_length}) must be divisible by 2 x cp = {2 * c.cp} "
                 "(the load-balanced causal split gives each rank two of 2 x cp chunks)")

@@ -91,3 +91,19 @@ def test_enumeration_every_invalid_has_reason_and_batches_split():
         assert reason is None or isinstance(reason, str)
         seen += reason is None
     assert seen > 50
+
+
+def test_divisors_and_micro_batch_choices_of_a_huge_batch():
+    from autoconf.config import divisors, micro_batch_choices
+    n = 10**11  # 2^11 x 5^11: 144 divisors, found by pairs up to sqrt(n)
+    d = divisors(n)
+    assert len(d) == 144 and d == sorted(d) and d[0] == 1 and d[-1] == n and all(n % x == 0 for x in d)
+    assert divisors(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36] and divisors(1) == [1]
+    assert micro_batch_choices(n, 64) == [1, 2, 4, 5, 8, 10, 16, 20, 25, 32, 40, 50, 64]
+
+
+@pytest.mark.parametrize("cf", [float("nan"), float("inf"), 0.0, -1.0, 65.0, True])
+def test_capacity_factor_outside_the_schema_range_is_refused(cf):
+    from autoconf.model import preset
+    c = ParallelConfig(dp=8, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1, ep=8, moe_capacity_factor=cf)
+    assert "moe_capacity_factor" in check(c, preset("mixtral-8x7b"))

@@ -740,7 +740,20 @@ class _Study:
         except Exception as e:  # a bad URL or an unwritable file: say so in one line
             raise UserError(f"--storage {storage!r}: cannot open the study "
                             f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+        try:
+            return self._load(study, storage, name, signature)
+        except UserError:
+            raise
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:  # JSON errors are ValueErrors
+            raise UserError(f"study {name!r} in {storage} is unreadable ({type(e).__name__}: "
+                            f"{(str(e).splitlines() or [''])[0][:120]}); pass another --study-name or --storage") from None
+
+    def _load(self, study, storage, name, signature: dict):
+        """What the study's stored trials and attributes tell this search (``_open``)."""
+        optuna = self.optuna
         stored = study.user_attrs.get("signature")
+        if stored is not None and not isinstance(stored, dict):
+            raise TypeError(f"its signature is a {type(stored).__name__}, not a mapping")
         if stored is not None and stored != signature:
             raise UserError(f"study {name!r} in {storage} was made for another search (different "
                             f"{_difference(stored, signature)}); pass another --study-name, or none to "

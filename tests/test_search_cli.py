@@ -278,3 +278,21 @@ def test_no_point_is_pruned_whatever_zero_stage_is_fastest(fw):
             checked += 1
         beaten |= 1 in times and min(times[1]) > min(min(v) for v in times.values())
     assert checked > 30 and (beaten or 1 not in s.framework.zero_stages)
+
+
+@pytest.mark.parametrize("key,value", [("signature", '"hello"'), ("signature", "[1, 2]"), ("top_times", "{bad")])
+def test_a_corrupt_study_is_one_line(tmp_path, key, value):
+    """A study whose stored attributes are not what autoconf wrote (edited, truncated): one line
+    naming the study and what to do, exit 2, no traceback."""
+    import sqlite3
+    db = tmp_path / "s.db"
+    argv = [sys.executable, "-m", "autoconf", "search", "--model", "tiny", "--cluster",
+            "examples/clusters/localhost-cpu.yaml", "--global-batch", "16", "--trials", "5",
+            "--storage", f"sqlite:///{db}"]
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    assert subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300).returncode == 0
+    with sqlite3.connect(db) as con:
+        assert con.execute("update study_user_attributes set value_json=? where key=?", (value, key)).rowcount == 1
+    p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "is unreadable" in p.stderr and "pass another --study-name or --storage" in p.stderr

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 from .cluster import _HOST_RE
 from .errors import UserError
@@ -218,4 +219,27 @@ def _write_all(plan, estimate, out_dir, master_port, hosts, visible, script, scr
     path = os.path.join(out_dir, "PLAN.md")
     write_text(path, plan_markdown(plan, estimate, hosts, visible, script, runners_up))
     written.append(path)
+    _remove_stale(out_dir, written)
     return written
+
+
+_EMITTED = re.compile(r"node-\d+\.sh|megatron_args\.sh|torchtitan_args\.sh|torchtitan\.toml|ds_config\.json")
+
+
+def _remove_stale(out_dir: str, written: list[str]) -> None:
+    """Launch files an earlier emit wrote into ``out_dir`` that this plan has none of (a node
+    script for a host it does not use, another framework's files): removed, so that no script is
+    left that would run the new config.json with the old layout. Only files that carry autoconf's
+    header are touched."""
+    keep = {os.path.abspath(p) for p in written}
+    for name in os.listdir(out_dir):
+        path = os.path.abspath(os.path.join(out_dir, name))
+        if not _EMITTED.fullmatch(name) or path in keep or not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                head = f.read(4096)
+        except OSError:
+            continue
+        if "(autoconf plan, config.json)" in head:
+            os.unlink(path)

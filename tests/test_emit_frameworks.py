@@ -810,3 +810,21 @@ def test_compressed_plans_keep_their_fields_and_other_frameworks_say_they_cannot
         assert [g for g in missing if g.startswith("PowerSGD on the data-parallel gradients of pipeline ranks 0..0")]
     assert "compressed pipeline gradients" in megatron_file(plan, "header\n")
     assert any("PowerSGD" in n for n in ds_config(plan, "header\n")["_autoconf"]["notes"])
+
+
+def test_a_second_emit_into_the_same_directory_leaves_no_stale_launch_file(tmp_path):
+    """An emit for 4 hosts with DeepSpeed, then one for 1 host with Megatron-LM into the same
+    directory: the old node scripts for hosts 1-3 and ds_config.json (which would run the new
+    config.json with the old layout) are gone; a file of the user's of the same name is kept."""
+    out = tmp_path / "plan"
+    first = emitted(out, cfg(dp=32), "deepspeed")
+    assert {"node-3.sh", "ds_config.json"} <= set(first)
+    one = cluster_from_mapping({"name": "one", "node_groups": [
+        {"count": 1, "device": "a100-80gb", "gpus_per_node": 8, "intra_node_bandwidth": "300 GB/s",
+         "nics": {"count": 1, "bandwidth": "100 Gbit/s"}}]})
+    (out / "node-7.sh").write_text("#!/bin/sh\necho mine\n")  # the user's own, not autoconf's
+    second = emitted(out, cfg(dp=8), "megatron", cluster=one)
+    assert "node-0.sh" in second and "megatron_args.sh" in second
+    left = set(os.listdir(out))
+    assert not {"node-1.sh", "node-2.sh", "node-3.sh", "ds_config.json"} & left
+    assert "node-7.sh" in left and set(second) <= left

@@ -296,10 +296,11 @@ def verified_report(verified: list, wide: bool = False, ranks: dict | None = Non
 
 def study_line(r) -> str:
     """Where the search's trials are kept, whether it resumed, and how to resume it."""
-    if not r.storage:
+    from .search import sqlite_path
+    if not r.storage or (r.storage.startswith("sqlite:///") and sqlite_path(r.storage) is None):
         return (f"study {r.study_name!r} in memory only ({r.trials_total} trials, nothing written; "
                 "--storage sqlite:///FILE.db keeps them)")
-    where = r.storage.removeprefix("sqlite:///") if r.storage.startswith("sqlite:///") else r.storage
+    where = sqlite_path(r.storage) or r.storage
     if r.resumed:
         head = f"resumed study {r.study_name!r} ({r.earlier_trials} trials): {r.trials_run} new"
     else:

@@ -1172,9 +1172,11 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
         check_profile_matches(profile, model)
         prof_kind = _profile_device_kind(profile)
         if prof_kind not in first.device_kinds():
+            how = (f"--device {prof_kind} or a cluster file of it" if prof_kind in NODES
+                   else "a cluster file of it")
             raise UserError(f"--profile was measured on {prof_kind or 'several device kinds'}; the cluster's devices "
                             f"are {', '.join(first.device_kinds())}: profile that device kind, or plan on it "
-                            f"(--device {prof_kind} or a cluster file of it)")
+                            f"({how})")
     if precision not in ("bf16", "fp8"):
         raise UserError(f"--precision {precision!r}; valid: bf16, fp8")
     if fp8_recipe is not None and precision != "fp8":

@@ -450,6 +450,7 @@ def test_a_profile_of_another_device_kind_is_refused():
     p = _run("--model", CPU_MODEL, "--device", "a100-80gb", "--max-gpus", "8", "--profile", PROFILE)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "--profile was measured on cpu; the cluster's devices are a100-80gb" in p.stderr
+    assert "--device cpu" not in p.stderr and "(a cluster file of it)" in p.stderr  # plan has no --device cpu
 
 
 def test_placement_improves_the_fastest_plans_and_they_are_the_cost_models():

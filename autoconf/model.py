@@ -818,7 +818,8 @@ def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -
         seq = seq_length
     elif window is not None:
         seq = min(seq, window)
-    return ModelSpec(seq_length=seq, **spec)
+    # through the model schema: the same ranges as a model file (an expert count of 1e7 is refused)
+    return ModelSpec.from_dict({**spec, "seq_length": seq})
 
 
 def _fit_moe_layers(moe: list[bool], key: str, refuse) -> dict:

@@ -297,7 +297,9 @@ def parse_json(text: str, path: str, what: str, expected: tuple = ()):
     With ``expected`` (kind names), a file that is not JSON but YAML of another kind says so.
     """
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_json_object)
+    except UserError as e:
+        raise UserError(f"{what} {path!r}: {e}") from None
     except json.JSONDecodeError as e:
         if expected:
             try:
@@ -367,6 +369,30 @@ def _bounded_loader():
     return _LOADER
 
 
+def _no_duplicate_keys(items) -> None:
+    """A YAML mapping's (key node, value node) pairs name each plain key once: a key written twice
+    would silently keep its last value."""
+    seen: dict = {}
+    for item in items:
+        if not isinstance(item, tuple) or not isinstance(item[0].value, str) or item[0].value == "<<":
+            continue
+        k = item[0].value
+        if k in seen:
+            raise UserError(f"key {k!r} appears twice (lines {seen[k]} and {item[0].start_mark.line + 1}); "
+                            "give it once")
+        seen[k] = item[0].start_mark.line + 1
+
+
+def _json_object(pairs):
+    """``json.loads``'s object hook: a key written twice is refused, not silently the last one."""
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise UserError(f"key {k!r} appears twice in one object; give it once")
+        out[k] = v
+    return out
+
+
 def _expanded_size(node, memo: dict, active: set) -> int:
     """Nodes of the document with every alias expanded, counted on the shared graph (linear time)."""
     key = id(node)
@@ -376,6 +402,7 @@ def _expanded_size(node, memo: dict, active: set) -> int:
         raise UserError("a YAML alias refers to a node that contains it (a recursive document)")
     value = node.value
     if isinstance(value, list):
+        _no_duplicate_keys(value)
         active.add(key)
         n = 1
         for item in value:

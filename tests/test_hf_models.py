@@ -473,3 +473,14 @@ def test_long_context_config_searches_with_context_parallelism():
     assert check(c, m) is None
     e = estimate(c, m, h100, framework="megatron")
     assert e.fits and e.breakdown_s["cp_comm"] >= 0.0
+
+
+def test_a_hugging_face_config_gets_the_model_files_ranges(tmp_path):
+    """A config.json is held to the same ranges as a model file: ten million experts are refused
+    with the key's name, not priced."""
+    doc = json.loads(open(os.path.join(HF_DIR, "Mixtral-8x7B-v0.1.json")).read())
+    doc["num_local_experts"] = 10_000_000
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(doc))
+    with pytest.raises(UserError, match="num_experts"):
+        load_model(str(p))

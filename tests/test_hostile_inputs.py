@@ -413,3 +413,22 @@ def test_zz_count_distinct_inputs():
     """Run last (file order): the number of distinct inputs tried, for bench/RESULTS.md."""
     print(f"\nhostile inputs tried: {len(SEEN)} distinct")
     assert len(SEEN) > 500
+
+
+@pytest.mark.parametrize("name,text,needle", [
+    ("m.yaml", "name: x\nnum_layers: 4\nhidden_size: 64\nnum_layers: 8\nnum_attention_heads: 4\nvocab_size: 100\n"
+     "seq_length: 32\n", "key 'num_layers' appears twice (lines 2 and 4)"),
+    ("config.json", '{"model_type": "llama", "num_hidden_layers": 4, "num_hidden_layers": 8}',
+     "key 'num_hidden_layers' appears twice"),
+])
+def test_a_key_given_twice_is_refused_not_last_wins(tmp_path, name, text, needle):
+    p = tmp_path / name
+    p.write_text(text)
+    with pytest.raises(UserError) as e:
+        load_model(str(p))
+    assert needle in str(e.value) and str(p) in str(e.value)
+    # a YAML merge key is not a duplicate
+    q = tmp_path / "merge.yaml"
+    q.write_text("base: &b {a: 1}\nother:\n  <<: *b\n  b: 2\n")
+    from autoconf.schema import parse_yaml
+    assert parse_yaml(q.read_text(), str(q)) == {"base": {"a": 1}, "other": {"a": 1, "b": 2}}

@@ -400,6 +400,17 @@ def cmd_search(args) -> int:
     return 0
 
 
+_PATH_FLAGS = ("emit", "plot", "cluster_out", "out", "calibrate", "model", "cluster", "profile",
+               "calibration", "config", "script")
+
+
+def _no_empty_paths(args) -> None:
+    """A path flag given as '' (an unset shell variable) is refused, not read as absent."""
+    for name in _PATH_FLAGS:
+        if getattr(args, name, None) == "":
+            raise UserError(f"--{name.replace('_', '-')} '': expected a path")
+
+
 def main(argv=None) -> int:
     from . import procs
 
@@ -408,6 +419,7 @@ def main(argv=None) -> int:
     if threading.current_thread() is threading.main_thread():
         procs.install_terminate_handler()  # SIGTERM / SIGHUP clean up like Ctrl-C
     try:
+        _no_empty_paths(args)
         return args.func(args) or 0
     except UserError as e:
         sys.stderr.write(f"autoconf: error: {' '.join(str(e).split())}\n")  # always one line

@@ -229,7 +229,8 @@ def save_calibration(calibration: Calibration, path: str) -> None:
 
 
 MAX_FACTOR = 1000.0
-"""A factor beyond this (or below 1/this, other than 0) means the model or the trials are broken."""
+"""A factor beyond this means the model or the trials are broken. Small factors, 0 included, are
+what the non-negative fit gives a term the trials show no sign of, and are read as they are."""
 
 
 def calibration_schema():

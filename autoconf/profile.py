@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from .errors import UserError
 from .model import DTYPES, MODEL_SCHEMA, ModelSpec
+from .catalog import device_names as _catalog_names
 from .schema import Bool, Dict, Int, List, Map, Null, Num, Str, _show, check_kind, parse_json, read_text
 
 PROFILE_VERSION = 1
@@ -351,7 +352,8 @@ _RANK = Int(0, _RANKS - 1)
 _TP = Int(1, 1 << 14)
 _MBS = Int(1, 1 << 20)
 _REPEATS = Int(1, 1 << 30)
-_KIND = Null(Str(max_len=64))
+_KIND = Null(Str(tuple(_catalog_names())))
+"""A catalog device kind (``catalog_kind``), or null for a device outside the catalog."""
 _NAME = Str(max_len=256)
 
 
@@ -440,7 +442,10 @@ def load_profile(path: str) -> Profile:
     check_kind(data, path, ("profile",))
     if not isinstance(data, dict) or "version" not in data:
         raise UserError(f"profile {path!r} is not an autoconf profile (no 'version' field)")
-    if data["version"] != PROFILE_VERSION:
+    if data["version"] != PROFILE_VERSION or isinstance(data["version"], bool):
+        if isinstance(data["version"], str) and data["version"].strip() == str(PROFILE_VERSION):
+            raise UserError(f"profile {path!r} is malformed: version is the string {_show(data['version'])}; "
+                            f"expected the number {PROFILE_VERSION}")
         raise UserError(f"profile {path!r} has version {_show(data['version'])}, this autoconf reads version "
                         f"{PROFILE_VERSION}; measure again with `autoconf profile`")
     try:

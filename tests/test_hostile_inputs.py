@@ -447,3 +447,16 @@ def test_a_pipe_or_an_empty_path_is_refused_at_once(tmp_path):
         p = subprocess.run([sys.executable, "-m", "autoconf", *argv], capture_output=True, text=True, env=env,
                            timeout=60)
         assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr, p.stderr
+
+
+def test_profile_version_as_a_string_and_an_unknown_device_kind_name_the_file(tmp_path):
+    src = json.loads(_read("examples/profiles/bench-h256-cpu2.json"))
+    for change, needle in ((lambda d: d.update(version=str(d["version"])), "version is the string '1'; expected the number 1"),
+                           (lambda d: d["ranks"][0].update(device_kind="tpu"), "ranks[0].device_kind='tpu' is not valid")):
+        d = copy.deepcopy(src)
+        change(d)
+        p = tmp_path / "p.json"
+        p.write_text(json.dumps(d))
+        with pytest.raises(UserError) as e:
+            load_profile(str(p))
+        assert needle in str(e.value) and str(p) in str(e.value)

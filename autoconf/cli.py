@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import threading
 
@@ -30,6 +31,13 @@ EPILOG = "This is autoconf-parallel (training-parallelism planner), not GNU Auto
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        # a value that starts like a negative number (-1T, -5d, -1gbit, -1,25) is a value to check,
+        # not an option: argparse's own matcher takes plain numbers only, and said "expected one
+        # argument" without naming the value
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
     def error(self, message):  # one line, exit 2 (argparse's default prints the usage too)
         sys.stderr.write(f"autoconf: error: {message} (see `autoconf {self.prog.split()[-1]} --help`)\n"
                          if " " in self.prog else f"autoconf: error: {message}\n")

@@ -298,6 +298,8 @@ def _run(*argv, env_extra=None):
     (["--device", "a100-80gb", "--max-gpus", "64", "--batch-law", "deepseek", "--batch-factors", "1,2"],
      "--batch-law deepseek sets the batch itself"),
     (["--device", "a100-80gb", "--max-gpus", "64", "--restart-time", "-1"], "--restart-time"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--tokens", "-1T"], "--tokens '-1T': expected a number"),
+    (["--device", "a100-80gb", "--max-gpus", "64", "--deadline", "-5d"], "--deadline '-5d': expected a duration"),
     (["--device", "a100-80gb", "--max-gpus", "16", "--mtbf-per-gpu", "1h"], "--mtbf-per-gpu 1 h: even on 8 GPUs"),
     (["--device", "a100-40gb", "--max-gpus", "8", "--model", "llama-2-70b", "--batch-law", "fixed",
       "--global-batch", "1", "--max-days", "1e9"], "no configuration of llama-2-70b fits in memory"),

@@ -137,6 +137,9 @@ def cluster_yaml(cluster) -> str:
             lines.append(f"    memory: {g.memory_bytes / 2**30:g} GiB")
         if g.nvlink_domain > 1:
             lines.append(f"    nvlink_domain: {g.nvlink_domain}")
+        if g.hosts:  # names as JSON strings, which YAML reads as they are
+            import json
+            lines.append(f"    hosts: [{', '.join(json.dumps(h) for h in g.hosts)}]")
     lines.append(f"latency: {{intra_node: {cluster.intra_node_latency_s * 1e6:g} us, "
                  f"inter_node: {cluster.inter_node_latency_s * 1e6:g} us}}")
     if cluster.inter_group_bandwidth_bytes_per_s:

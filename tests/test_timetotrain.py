@@ -497,3 +497,13 @@ def test_deepspeed_bf16_optimizer_memory_floor_shards_the_optimizer():
     e = _estimate(c, system)
     assert floors[0][0] <= e.peak_memory_bytes
     assert system.bf16_optimizer(c) and not system.bf16_optimizer(dataclasses.replace(c, pp=1, dp=32))
+
+
+def test_cluster_yaml_keeps_the_host_names(tmp_path):
+    from autoconf.cluster import cluster_from_mapping, load_cluster
+    c = cluster_from_mapping({"name": "two", "node_groups": [
+        {"count": 2, "device": "a100-80gb", "gpus_per_node": 4, "intra_node_bandwidth": "300 GB/s",
+         "nics": {"count": 1, "bandwidth": "100 Gbit/s"}, "hosts": ["gpu-a", "fe80::1"]}]})
+    p = tmp_path / "c.yaml"
+    p.write_text(T.cluster_yaml(c))
+    assert load_cluster(str(p)).node_groups[0].hosts == ("gpu-a", "fe80::1")

@@ -208,6 +208,12 @@ class Framework:
     layer under the next forward (Megatron-LM's distributed optimizer). False: the step gathers
     them before it returns (DeepSpeed: ``all_gather_dp_groups`` inside ``step``; its
     ``overlap_param_gather`` default stands for ZeRO-3's prefetching only)."""
+    param_gather_in_place: bool = False
+    """ZeRO-1/2's parameter gather after the step lands in the flat buffer the parameters are views
+    of (``all_gather_into_tensor``): no flatten and copy back around it, the optimizer's 16-bit
+    write being the only copy (Megatron-LM's distributed optimizer, DeepSpeed's
+    ``all_gather_dp_groups``). False: the reference trainer flattens each owner's shard, sends it
+    and copies it back into the parameters (``data_parallel.post_all_gather_s``)."""
     bf16_optimizer_with_pp: bool = False
     """bf16 without ZeRO under pipeline parallelism runs DeepSpeed's ``BF16_Optimizer``, which
     keeps a second copy of every gradient (in bf16 unless ``grad_accum_dtype`` says otherwise),
@@ -360,7 +366,7 @@ FRAMEWORKS = {
         loss_backward_fp32_tensors=0, megatron_softmax=True,
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
-        capacity_factor=True, fused_glu=True, tp_backward_overlap=True),
+        capacity_factor=True, fused_glu=True, tp_backward_overlap=True, param_gather_in_place=True),
     "torchtitan": Framework(
         name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 2, 3), zero_stages_with_pp=(0, 2, 3), layered_grad_accum=False,
@@ -378,7 +384,7 @@ FRAMEWORKS = {
                   "torch_compile": False},
         knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE,
         loss_backward_fp32_tensors=0, grad_accumulation_kernel=True, bf16_optimizer_with_pp=True,
-        step_gather_overlaps=False, grad_reduce_overlap_needs_zero_without_pp=True),
+        step_gather_overlaps=False, grad_reduce_overlap_needs_zero_without_pp=True, param_gather_in_place=True),
 }
 
 

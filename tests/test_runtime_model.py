@@ -506,3 +506,25 @@ def test_deepspeed_gradient_passes_cover_the_embedding_and_output_layer():
     assert chunk_compute(meg, c, lay_m, 0)[1] == pytest.approx(
         lay_m.chunk_layers[0] * meg.block_for("a100-80gb", c).backward_s
         + meg.edge("a100-80gb", 1, 1, "embedding").backward_s, rel=1e-9)
+
+
+def test_param_gather_after_the_step_copies_only_where_the_trainer_flattens():
+    """After a ZeRO-1 step: Megatron-LM and DeepSpeed all-gather into the flat buffer the parameters
+    view (the collective alone); the reference trainer flattens each shard and copies it back:
+    (4 - 2/n) x the stage's parameter bytes of memory traffic on top."""
+    from autoconf.cost.data_parallel import post_all_gather_s
+    from autoconf.cost.layout import layout
+    from autoconf.cost.system import System
+    from autoconf.cost.tensor_parallel import axis_links, collective_s
+    m = preset("llama-3-8b")
+    cl = _a100_node(1)
+    c = ParallelConfig(dp=8, pp=1, tp=1, micro_batch_size=1, num_micro_batches=4, zero_stage=1,
+                       overlap_param_gather=False)
+    for fw, copies in (("megatron", 0.0), ("deepspeed", 0.0), ("reference", 4 - 2 / 8)):
+        s = System(m, cl, framework=fw)
+        lay = layout(s, c)
+        nbytes = sum(lay.chunk_params) * m.dtype_bytes
+        rf = s.roofline("a100-80gb")
+        expect = (collective_s(s, axis_links(s, c, "dp"), comm.all_gather_s, 8, nbytes)
+                  + (copies * nbytes / (rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency) if copies else 0.0))
+        assert post_all_gather_s(s, c, lay) == pytest.approx(expect, rel=1e-3), fw

@@ -213,7 +213,8 @@ def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     """ZeRO-1/2, and DeepSpeed's BF16 optimizer (which shards its fp32 master weights and moments
     as ZeRO-1 does, ``System.bf16_optimizer``): the updated parameter shards gathered back after
     the optimizer step (each owner's shard is flattened, sent and copied back into the
-    parameters); 0 otherwise. With ``overlap_param_gather`` (Megatron's distributed optimizer)
+    parameters, unless the framework gathers in place: ``Framework.param_gather_in_place``); 0
+    otherwise. With ``overlap_param_gather`` (Megatron's distributed optimizer)
     each layer's gather runs under the next step's forward, layer by layer: only the first
     layer's share waits; not where the framework gathers inside the step
     (``Framework.step_gather_overlaps``: DeepSpeed)."""
@@ -222,10 +223,11 @@ def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
         return 0.0
     links = axis_links(system, c, axis)
     post_ag = 0.0
+    copies = 0.0 if system.framework.param_gather_in_place else 4 - 2 / n  # Framework.param_gather_in_place
     for dev in range(c.pp):
         nbytes = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev)) * system.model.dtype_bytes
         post_ag = max(post_ag, collective_s(system, links, comm.all_gather_s, n, nbytes)
-                      + system.copy_time(lay.stage_kinds[dev], (4 - 2 / n) * nbytes))
+                      + system.copy_time(lay.stage_kinds[dev], copies * nbytes))
     if lay.overlap_param_gather and system.framework.step_gather_overlaps:
         return post_ag / max(1, system.model.num_layers // c.pp)
     return post_ag

@@ -208,6 +208,11 @@ class Framework:
     layer under the next forward (Megatron-LM's distributed optimizer). False: the step gathers
     them before it returns (DeepSpeed: ``all_gather_dp_groups`` inside ``step``; its
     ``overlap_param_gather`` default stands for ZeRO-3's prefetching only)."""
+    early_receive_schedules: tuple = ()
+    """Schedules under which the framework posts its pipeline receives ahead of the op before them,
+    so a transfer overlaps the receiver's compute (Megatron-LM's interleaved schedule:
+    ``overlap_p2p_comm``, on by default with virtual stages, posts ``irecv``s one step early).
+    Elsewhere a receive waits for the op before it (``schedule_time.posted_receives``)."""
     param_gather_in_place: bool = False
     """ZeRO-1/2's parameter gather after the step lands in the flat buffer the parameters are views
     of (``all_gather_into_tensor``): no flatten and copy back around it, the optimizer's 16-bit
@@ -366,7 +371,8 @@ FRAMEWORKS = {
         loss_backward_fp32_tensors=0, megatron_softmax=True,
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
-        capacity_factor=True, fused_glu=True, tp_backward_overlap=True, param_gather_in_place=True),
+        capacity_factor=True, fused_glu=True, tp_backward_overlap=True, param_gather_in_place=True,
+        early_receive_schedules=("interleaved",)),
     "torchtitan": Framework(
         name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 2, 3), zero_stages_with_pp=(0, 2, 3), layered_grad_accum=False,

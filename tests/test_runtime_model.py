@@ -528,3 +528,30 @@ def test_param_gather_after_the_step_copies_only_where_the_trainer_flattens():
         expect = (collective_s(s, axis_links(s, c, "dp"), comm.all_gather_s, 8, nbytes)
                   + (copies * nbytes / (rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency) if copies else 0.0))
         assert post_all_gather_s(s, c, lay) == pytest.approx(expect, rel=1e-3), fw
+
+
+def test_gpu_pipeline_receives_wait_for_the_op_before_them():
+    """NCCL's point-to-point kernels wait for the compute already issued on the stream: a receive
+    issued after the op before it starts when that op ends (every framework's 1F1B on GPUs, and
+    gloo on CPUs); Megatron-LM's interleaved schedule posts its receives one step early
+    (overlap_p2p_comm) and overlaps them. Posted transfers cost more step time, never less."""
+    from autoconf.cost.estimate import estimate
+    from autoconf.cost.schedule_time import posted_receives
+    from autoconf.cost.system import System
+    m = preset("llama-3-8b")
+    cl = _a100_node(4)
+    c1 = ParallelConfig(dp=1, pp=4, tp=8, micro_batch_size=1, num_micro_batches=16, recompute="full")
+    ci = dataclasses.replace(c1, schedule="interleaved", virtual_stages=2)
+    for fw in ("megatron", "deepspeed", "torchtitan", "reference"):
+        assert posted_receives(System(m, cl, framework=fw), c1)
+    meg = System(m, cl, framework="megatron")
+    assert not posted_receives(meg, ci) and posted_receives(System(m, cl, framework="torchtitan"), ci)
+    import autoconf.cost.estimate as est
+    posted = estimate(c1, m, cl, framework="megatron").step_time_s
+    saved = est.posted_receives
+    try:
+        est.posted_receives = lambda system, c: False
+        early = estimate(c1, m, cl, framework="megatron").step_time_s
+    finally:
+        est.posted_receives = saved
+    assert posted > early

@@ -112,7 +112,7 @@ def _estimate(c: ParallelConfig, ctx: System, bound: float | None = None,
 
     p2p = chunk_p2p_times(ctx, c, lay.num_chunks)
     sim, sim0 = simulate_step(lay.schedule, c, lay.virtual_stages, ct.forward_s, ct.backward_s, p2p,
-                              posted_receives(ctx), pipeline_compression(ctx, c, lay, p2p), shared)
+                              posted_receives(ctx, c), pipeline_compression(ctx, c, lay, p2p), shared)
     # the extrapolated steady state can fall a hair below the floor no schedule can beat
     # (breadth-first with unequal chunks): the floor is exact there
     makespan = max(sim.makespan_s, floor)

@@ -181,12 +181,19 @@ def chunk_p2p_times(system: System, c: ParallelConfig, n_chunks: int) -> tuple:
     return tuple(per_stage[ci % c.pp] for ci in range(n_chunks - 1))
 
 
-def posted_receives(system: System) -> bool:
-    """Whether a pipeline transfer waits for its receiver to post the receive: CPU processes (gloo)
-    compute synchronously, so a stage posts the receive for its next op only when its previous op
-    has ended, and gloo's TCP pairs move the data only to a posted receive; a GPU process enqueues
-    its receive ahead of the kernels still running."""
-    return system.gloo
+def posted_receives(system: System, c: ParallelConfig) -> bool:
+    """Whether a pipeline transfer waits for its receiver to post the receive, that is for the
+    receiver's previous op to end. CPU processes (gloo) compute synchronously, so a stage posts the
+    receive for its next op only when its previous op has ended, and gloo's TCP pairs move the
+    data only to a posted receive. On GPUs the host runs ahead, but NCCL's point-to-point kernels
+    run on the process group's own stream, which ``ProcessGroupNCCL`` makes wait for the work
+    already on the compute stream when the call is issued; the frameworks issue a receive after
+    the op before it (Megatron-LM's ``send_forward_recv_backward`` and friends, DeepSpeed's
+    blocking ``p2p.recv`` at its schedule slot, torch.distributed.pipelining's receives before the
+    op that needs them), so the transfer starts when both ops before it have ended. Not where
+    the framework posts its receives ahead (``Framework.early_receive_schedules``: Megatron-LM's
+    interleaved schedule with its default ``overlap_p2p_comm``)."""
+    return system.gloo or c.schedule not in system.framework.early_receive_schedules
 
 
 def simulate_step(schedule: str, c: ParallelConfig, v: int, fwd: tuple, bwd: tuple, p2p: tuple,

@@ -76,7 +76,7 @@ def step_timeline(config: ParallelConfig, system: System) -> StepTimeline:
     ct = chunk_times(ctx, c, lay, tp_times(ctx, c, lay.stage_kinds), runtime, cp_times(ctx, c, lay.stage_kinds))
     p2p = chunk_p2p_times(ctx, c, lay.num_chunks)
     m, v = c.num_micro_batches, lay.virtual_stages
-    posted = posted_receives(ctx)
+    posted = posted_receives(ctx, c)
     z = pipeline_compression(ctx, c, lay, p2p)  # compressed backward sends: shorter transfers, kernels
     sh = sharing(ctx, lay, ct)  # CPU ranks sharing cores: processor sharing
     tl = timeline(lay.schedule, c.pp, m, v, ct.forward_s, ct.backward_s, p2p, posted, z, sh)

@@ -13,6 +13,11 @@ A :class:`ProcessTree` starts one command (torchrun) and owns everything it star
   until continued) to every member, waits ``grace_s``, then SIGKILLs what is left (SIGKILL also
   ends a stopped process) and waits until no member is alive.
 
+With ``private_tmp=True`` the tree gets a temporary directory of its own as ``TMPDIR`` (torchrun
+creates its ``torchelastic_*`` log directory there), removed once every member is gone; the ranks
+get the caller's ``TMPDIR`` back at start-up (:func:`die_with_parent_if_launched`), so what they
+write with ``tempfile`` is where it would have been.
+
 Cleanup runs with SIGINT / SIGTERM / SIGHUP held back (:func:`deferred_signals`): a second Ctrl-C
 during it is acted on afterwards, so it cannot cut the cleanup short and leave orphans.
 :func:`install_terminate_handler` turns SIGTERM and SIGHUP into :class:`Terminated` (a
@@ -25,14 +30,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 
 MARK_ENV = "AUTOCONF_PROC_TREE"
+OUTER_TMPDIR_ENV = "AUTOCONF_OUTER_TMPDIR"
+"""Set with ``private_tmp``: the caller's TMPDIR ('' where unset), restored in the ranks."""
 PR_SET_PDEATHSIG = 1
 _HELD = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 _live: set = set()
@@ -108,8 +117,26 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
 
 
 def die_with_parent_if_launched() -> None:
+    """At a rank's start-up: die with torchrun, and get the caller's TMPDIR back (see
+    ``ProcessTree(private_tmp=True)``)."""
     if os.environ.get(MARK_ENV):
         die_with_parent()
+    restore_tmpdir()
+
+
+def restore_tmpdir(environ=None) -> None:
+    """Undo a private TMPDIR that a :class:`ProcessTree` set for torchrun (no-op without one), so
+    that this process and what it starts write temporary files where the caller would."""
+    environ = os.environ if environ is None else environ
+    if OUTER_TMPDIR_ENV not in environ:
+        return
+    outer = environ.pop(OUTER_TMPDIR_ENV)
+    if outer:
+        environ["TMPDIR"] = outer
+    else:
+        environ.pop("TMPDIR", None)
+    if environ is os.environ:
+        tempfile.tempdir = None  # gettempdir() looks again
 
 
 def _alive(pid: int) -> bool:
@@ -125,10 +152,23 @@ def _alive(pid: int) -> bool:
 class ProcessTree:
     """One started command and all its descendants; a context manager that kills them on exit."""
 
-    def __init__(self, cmd: list, *, env: dict | None = None, stdout=None, stderr=None, cwd=None):
+    def __init__(self, cmd: list, *, env: dict | None = None, stdout=None, stderr=None, cwd=None,
+                 private_tmp: bool = False):
+        """``private_tmp``: the tree's TMPDIR is a new directory, removed with the tree (by
+        :meth:`kill`, which the context manager calls): torchrun's ``torchelastic_*`` log
+        directory goes with it."""
         self.token = f"{os.getpid()}-{uuid.uuid4().hex}"
         env = dict(os.environ if env is None else env)
         env[MARK_ENV] = self.token
+        self.tmp_dir = None
+        if private_tmp:
+            try:
+                self.tmp_dir = tempfile.mkdtemp(prefix="autoconf-run-")
+            except OSError:
+                pass  # no temporary directory at all: the command meets the same problem and says so
+            else:
+                env[OUTER_TMPDIR_ENV] = env.get("TMPDIR", "")
+                env["TMPDIR"] = self.tmp_dir
         self._mark = f"{MARK_ENV}={self.token}".encode()
         prctl, parent = _load_prctl(), os.getpid()
 
@@ -139,9 +179,18 @@ class ProcessTree:
                     os._exit(137)
 
         with deferred_signals():  # registered as soon as started
-            self.proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, cwd=cwd,
-                                         start_new_session=True, preexec_fn=child_setup)
+            try:
+                self.proc = subprocess.Popen(cmd, env=env, stdout=stdout, stderr=stderr, cwd=cwd,
+                                             start_new_session=True, preexec_fn=child_setup)
+            except BaseException:
+                self._remove_tmp()
+                raise
             _live.add(self)
+
+    def _remove_tmp(self) -> None:
+        if self.tmp_dir is not None:
+            shutil.rmtree(self.tmp_dir, ignore_errors=True)
+            self.tmp_dir = None
 
     @property
     def pid(self) -> int:
@@ -197,6 +246,8 @@ class ProcessTree:
                 pids = self.members()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5)
+            if not pids:  # no member can still be writing there
+                self._remove_tmp()
             _live.discard(self)
 
     def __enter__(self):

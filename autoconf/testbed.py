@@ -546,6 +546,7 @@ class Testbed:
         testbed at the latest)."""
         from .procs import ProcessTree
 
+        kw.setdefault("private_tmp", True)  # torchrun's torchelastic_* directory goes with the tree
         tree = ProcessTree(self.argv(k, argv), env=self.env(k, env), **kw)
         self._trees.append(tree)
         return tree

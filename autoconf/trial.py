@@ -147,7 +147,7 @@ def _launch(plan, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, s
             returncode, timed_out = _launch_nodes(node_commands(tb, _host_counts(plan, nproc, tb), script, env),
                                                   log, timeout_s)
         else:
-            with procs.ProcessTree(cmd, env=env, stdout=log, stderr=subprocess.STDOUT) as tree:
+            with procs.ProcessTree(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, private_tmp=True) as tree:
                 returncode = tree.wait(timeout=timeout_s)
                 timed_out = returncode is None
                 # on a timeout, an interrupt or an error: the whole tree, stopped ranks included (__exit__)
@@ -175,7 +175,8 @@ def _launch_nodes(commands, log, timeout_s: float) -> tuple[int | None, bool]:
     import contextlib
     deadline = time.monotonic() + timeout_s
     with contextlib.ExitStack() as stack:
-        trees = [stack.enter_context(procs.ProcessTree(argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+        trees = [stack.enter_context(procs.ProcessTree(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                       private_tmp=True))
                  for argv, env in commands]
         while True:
             codes = [t.proc.poll() for t in trees]
@@ -329,13 +330,18 @@ def verify(candidates, model: ModelSpec, cluster=None, steps: int = 6, warmup: i
 def local_device_kind() -> str:
     """'cuda' when this machine has a GPU the trainer would use, else 'cpu' (no torch import:
     CUDA_VISIBLE_DEVICES, then the NVIDIA driver's list)."""
+    return "cuda" if local_gpu_count() else "cpu"
+
+
+def local_gpu_count() -> int:
+    """GPUs the trainer would use here (CUDA_VISIBLE_DEVICES, else the NVIDIA driver's list)."""
     vis = os.environ.get("CUDA_VISIBLE_DEVICES")
     if vis is not None:
-        return "cuda" if [d for d in vis.split(",") if d.strip() and d.strip() != "-1"] else "cpu"
+        return len([d for d in vis.split(",") if d.strip() and d.strip() != "-1"])
     try:
-        return "cuda" if os.listdir("/proc/driver/nvidia/gpus") else "cpu"
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
-        return "cpu"
+        return 0
 
 
 # -- CLI ---------------------------------------------------------------------------------------------
@@ -350,29 +356,65 @@ def add_trial_parser(subparsers):
     p.add_argument("--profile", help="profile JSON for the prediction (`autoconf profile`); the trial then also times "
                    "the profile's reference block after every step and reports how fast the machine ran compared "
                    "with when it was profiled")
+    p.add_argument("--run-on-local", action="store_true",
+                   help="run the plan on this machine's devices when its cluster (or --cluster, or the --profile) "
+                   "describes other ones (CPU processes for a GPU cluster): the measurement then describes this "
+                   "machine, not the devices the prediction is for")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--quiet", action="store_true", help="no progress bar (drawn on stderr, when it is a terminal)")
     p.set_defaults(func=cmd_trial)
     return p
 
 
-def _predict(plan: LaunchPlan, cluster_path: str | None, profile=None):
-    """(Estimate or None, note) — the cost model's view of the same configuration."""
-    from .cluster import load_cluster
-
+def _prediction_cluster(plan: LaunchPlan, cluster_path: str | None):
+    """The cluster the prediction is for: --cluster (loaded now: a bad file is one line before the
+    trial runs), else the plan's; None without either."""
     if cluster_path:
-        cluster = load_cluster(cluster_path)
-    elif plan.cluster is not None:
-        cluster = plan.cluster
-    elif profile is not None:
-        cluster = None  # the profile's topology
-    else:
+        from .cluster import load_cluster
+
+        return load_cluster(cluster_path)
+    return plan.cluster
+
+
+def _predict(plan: LaunchPlan, cluster, profile=None):
+    """(Estimate or None, note) — the cost model's view of the same configuration on ``cluster``
+    (a ClusterSpec, or None: the profile's topology). Raises UserError where the inputs do not
+    fit it (a cluster with too few devices, a configuration the cost model refuses)."""
+    if cluster is None and profile is None:
         return None, "no cluster in the config file, no --cluster and no --profile: no prediction"
     try:
         from .cost.estimate import estimate
     except ImportError as e:
         return None, f"cost model not available ({e}): no prediction"
     return estimate(plan.config, plan.model, cluster, profile, framework=plan.framework), ""
+
+
+def check_local_devices(plan: LaunchPlan, cluster, profile, run_on_local: bool, what: str = "cluster") -> None:
+    """Refuse, in one line, a plan for devices this machine does not have: a cluster (else a
+    profile) of GPUs while the trial would start CPU processes here, or the reverse, unless
+    ``run_on_local`` (``--run-on-local``, as ``search --verify-on-local``); and more ranks than
+    this machine's GPUs. Under ``autoconf testbed --driver`` the ranks go to the testbed's nodes:
+    no count check."""
+    local = local_device_kind()
+    world = plan.config.world_size
+    if cluster is not None:
+        wanted, name = sorted({g.device for g in cluster.node_groups}), f"{what} {cluster.name!r}"
+    elif profile is not None:
+        wanted, name = sorted({r.device_kind or r.device_name for r in profile.ranks}), "the --profile"
+    else:
+        wanted, name = [], ""
+    if wanted and ("cpu" if wanted == ["cpu"] else "cuda") != local and not run_on_local:
+        here = "CPU processes" if local == "cpu" else "GPUs"
+        raise UserError(f"trial runs the plan on this machine ({world} {here}), but {name} has "
+                        f"{', '.join(wanted)}: the measurement would not describe it; pass --run-on-local to run "
+                        "it here anyway")
+    if local == "cuda":
+        from .testbed import attached
+
+        gpus = local_gpu_count()
+        if attached() is None and 0 < gpus < world:
+            raise UserError(f"the plan has {world} ranks ({plan.config.short()}) but this machine has {gpus} GPU(s): "
+                            "run it where it has a GPU per rank (a trial runs on one machine)")
 
 
 def cmd_trial(args) -> int:
@@ -385,19 +427,35 @@ def cmd_trial(args) -> int:
 
         profile = load_profile(args.profile)
         check_profile_matches(profile, plan.model)  # one-line error if it does not apply
+    # everything the prediction needs, checked before the trial runs (a bad --cluster must not
+    # throw a finished measurement away)
+    cluster_path = getattr(args, "cluster", None)
+    cluster = _prediction_cluster(plan, cluster_path)
+    check_local_devices(plan, cluster, profile, getattr(args, "run_on_local", False),
+                        "--cluster" if cluster_path else "the plan's cluster")
+    est, note = _predict(plan, cluster, profile)
     from .progress import Bars, wanted
 
     with Bars(wanted(getattr(args, "quiet", False)), transient=True) as bars:
         bars.task(f"trial {plan.config.short()}: {args.steps} steps")
         result = run_trial(plan, steps=args.steps, warmup=args.warmup, timeout_s=args.timeout,
                            speed_probe=profile is not None)
-    est, note = _predict(plan, getattr(args, "cluster", None), profile)
-    speed = speed_vs_profile(result, profile, plan.model) if profile is not None else None
+    try:
+        speed = speed_vs_profile(result, profile, plan.model) if profile is not None else None
+    except UserError as e:  # the measurement is shown all the same, then the error
+        _show_trial(args, plan, result, est, note, None)
+        raise UserError(f"the trial ran (shown above) but comparing its speed with --profile failed: {e}") from None
     if speed is not None:
         note = (note + "; " if note else "") + (
             f"machine speed: the reference block took {result.speed_probe_s * 1e3:.2f} ms now, {speed:.2f}x its time "
             "in the profile" + (" (the machine ran slower than when profiled: expect the step time to be off by "
                                 "about as much)" if abs(speed - 1) > 0.1 else ""))
+    _show_trial(args, plan, result, est, note, speed)
+    return 0 if result.ok else 1
+
+
+def _show_trial(args, plan, result, est, note, speed) -> None:
+    """Print the trial (``--json``: one document), with the prediction where there is one."""
     if args.json:
         pred = None
         if est is not None:
@@ -406,8 +464,7 @@ def cmd_trial(args) -> int:
                 "breakdown_s": dict(est.breakdown_s)}
         print(json.dumps({"measured": result.to_dict(), "predicted": pred, "speed_vs_profile": speed, "note": note},
                          indent=1, default=str))
-        return 0 if result.ok else 1
+        return
     from .report import show, trial_report
 
     show(trial_report(result, est, note, plan.config))
-    return 0 if result.ok else 1

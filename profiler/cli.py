@@ -13,9 +13,11 @@ OMP_NUM_THREADS=1 (CPU ranks share the cores; one thread per process keeps timin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import sys
+import tempfile
 
 from autoconf import procs
 from autoconf.errors import UserError
@@ -89,9 +91,11 @@ def launch_command(args) -> list[str]:
     """The torchrun command line that runs the profiler with these arguments (several nodes: the
     static rendezvous, so this host's ranks follow those of the hosts with a lower --node-rank)."""
     node_defaults(args)
-    nproc = args.nproc_per_node or _local_gpus() or 2
-    if nproc < 1 or args.nnodes < 1:
-        raise UserError(f"--nproc-per-node={nproc} and --nnodes={args.nnodes} must be positive")
+    nproc = args.nproc_per_node if args.nproc_per_node is not None else (_local_gpus() or 2)
+    if nproc < 1:
+        raise UserError(f"--nproc-per-node {nproc}: expected an integer >= 1 (ranks on this host)")
+    if args.nnodes < 1:
+        raise UserError(f"--nnodes {args.nnodes}: expected an integer >= 1 (hosts taking part)")
     if not 0 <= args.node_rank < args.nnodes:
         raise UserError(f"--node-rank={args.node_rank} must be in 0..{args.nnodes - 1}")
     target = ["-m", "profiler", "--out", os.path.abspath(args.out)]
@@ -108,15 +112,12 @@ def launch_command(args) -> list[str]:
 def cmd_profile(args) -> int:
     """Validate the inputs here (fast, one-line errors), then run torchrun; its exit code is ours."""
     from autoconf.model import load_model
-
-    load_model(args.model, seq_length=args.seq_length)
-    repeats = args.repeats or (3 if args.quick else 10)
-    if args.rounds is not None and not 1 <= args.rounds <= repeats:
-        raise UserError(f"--rounds {args.rounds}: expected 1 to the number of repeats ({repeats})")
     from autoconf.outputs import check_file
 
-    if getattr(args, "links_only", False) and args.skip_links:
-        raise UserError("--links-only and --skip-links leave nothing to measure")
+    from .run import STATUS_ENV, check_measure_args
+
+    model = load_model(args.model, seq_length=args.seq_length)
+    check_measure_args(args, model)  # every flag the ranks read, here: one line, not a torchrun traceback
     check_file(args.out, "--out")  # before the profile runs, not after
     cmd = launch_command(args)
     env = dict(os.environ, OMP_NUM_THREADS="1",
@@ -124,12 +125,28 @@ def cmd_profile(args) -> int:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # so `-m profiler` resolves from a checkout
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     before = os.stat(args.out).st_mtime_ns if os.path.exists(args.out) else None
-    with procs.ProcessTree(cmd, env=env) as tree:  # interrupted or crashed: every rank ends with us
-        rc = tree.wait()
+    status, failure = None, ""
+    with contextlib.suppress(OSError):  # none: rank 0 says it itself, under torchrun's report
+        fd, status = tempfile.mkstemp(prefix="autoconf-profile-status-", suffix=".txt")
+        os.close(fd)
+        env[STATUS_ENV] = status  # rank 0 writes there why the profile is not at --out (run.save_or_fallback)
+    try:
+        # interrupted or crashed: every rank ends with us; torchrun's temporary files go with it
+        with procs.ProcessTree(cmd, env=env, private_tmp=True) as tree:
+            rc = tree.wait()
+        if status is not None:
+            with contextlib.suppress(OSError), open(status) as f:
+                failure = " ".join(f.read().split())
+    finally:
+        if status is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(status)
     if rc != 0:
-        print(f"error: profiler exited with code {rc} (command: {' '.join(shlex.quote(c) for c in cmd)})",
-              file=sys.stderr)
+        print(f"error: profiler exited with code {rc} (command: {' '.join(shlex.quote(c) for c in cmd)})"
+              + (f"; {failure}" if failure else ""), file=sys.stderr)
         return rc if rc > 0 else 1
+    if failure:
+        raise UserError(failure)
     if args.node_rank == 0 and (not os.path.exists(args.out) or os.stat(args.out).st_mtime_ns == before):
         print(f"error: the profiler finished but did not write {args.out}", file=sys.stderr)
         return 1

@@ -17,10 +17,13 @@ Who measures compute (``--compute-split``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import math
 import os
 import shlex
 import sys
+import tempfile
 import time
 import warnings
 
@@ -79,6 +82,46 @@ def _ints(text: str, what: str) -> list[int]:
     return sorted(set(vals))
 
 
+def check_measure_args(args, model) -> dict:
+    """Check the measurement flags (one-line UserErrors naming the value and what is valid) and
+    return them resolved: micro_batch_sizes, repeats, warmup, rounds, recompute (modes) and tps
+    (None: the default, which depends on the ranks per node). `autoconf profile` calls this before
+    it launches torchrun, the ranks again (``python -m profiler`` runs without it)."""
+    quick = args.quick
+    mbs_list = _ints(args.micro_batch_sizes if args.micro_batch_sizes is not None else ("1,2" if quick else "1,2,4"),
+                     "micro-batch-sizes")
+    if args.repeats is not None and args.repeats < 1:
+        raise UserError(f"--repeats {args.repeats}: expected an integer >= 1")
+    repeats = args.repeats if args.repeats is not None else (3 if quick else 10)
+    if args.warmup is not None and args.warmup < 0:
+        raise UserError(f"--warmup {args.warmup}: expected an integer >= 0")
+    warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
+    rounds = args.rounds if args.rounds is not None else (1 if quick else 3)
+    if args.rounds is None:
+        rounds = min(rounds, repeats)  # the default follows a small --repeats
+    if rounds < 1 or rounds > repeats:
+        raise UserError(f"--rounds {rounds}: expected 1 to the number of repeats ({repeats})")
+    rc_modes = [m.strip() for m in (args.recompute or "").split(",") if m.strip()]
+    bad = [m for m in rc_modes if m not in RECOMPUTE_MODES]
+    if bad or not rc_modes:
+        raise UserError(f"--recompute {args.recompute!r}: expected comma-separated modes from "
+                        f"{', '.join(RECOMPUTE_MODES)}")
+    tps = _ints(args.tp, "tp") if args.tp is not None else None
+    for t in tps or ():
+        if model.num_attention_heads % t or model.num_kv_heads % t or model.ffn_hidden_size % t:
+            raise UserError(f"--tp {t} does not divide num_attention_heads({model.num_attention_heads}), "
+                            f"num_kv_heads({model.num_kv_heads}) and ffn_hidden_size({model.ffn_hidden_size}) "
+                            f"of model {model.name}: expected a common divisor, e.g. "
+                            f"{','.join(map(str, default_tps(model, 8)))}")
+    timeout = args.timeout_min
+    if timeout is None or not math.isfinite(timeout) or timeout <= 0:
+        raise UserError(f"--timeout-min {timeout}: expected a finite number of minutes above 0")
+    if getattr(args, "links_only", False) and args.skip_links:
+        raise UserError("--links-only and --skip-links leave nothing to measure")
+    return {"micro_batch_sizes": mbs_list, "repeats": repeats, "warmup": warmup, "rounds": rounds,
+            "recompute": rc_modes, "tps": tps}
+
+
 def default_tps(model, local_world: int) -> list[int]:
     out, t = [], 1
     while t <= max(1, local_world):
@@ -106,17 +149,10 @@ def run(args) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
     model = load_model(args.model, seq_length=args.seq_length)
     quick = args.quick
-    mbs_list = _ints(args.micro_batch_sizes or ("1,2" if quick else "1,2,4"), "micro-batch-sizes")
-    repeats = args.repeats or (3 if quick else 10)
-    warmup = args.warmup if args.warmup is not None else (1 if quick else 2)
-    rounds = args.rounds if args.rounds is not None else (1 if quick else 3)
-    if rounds < 1 or rounds > repeats:
-        raise UserError(f"--rounds {rounds}: expected 1 to the number of repeats ({repeats})")
+    checked = check_measure_args(args, model)
+    mbs_list, repeats, warmup = checked["micro_batch_sizes"], checked["repeats"], checked["warmup"]
+    rounds, rc_modes = checked["rounds"], checked["recompute"]
     args.rounds = rounds
-    rc_modes = [m for m in args.recompute.split(",") if m]
-    bad = [m for m in rc_modes if m not in RECOMPUTE_MODES]
-    if bad:
-        raise UserError(f"--recompute: {', '.join(bad)}; valid: {', '.join(RECOMPUTE_MODES)}")
 
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -142,17 +178,11 @@ def run(args) -> int:
     dist.all_gather_object(everyone, {"rank": me, "host": env.host_info(), "overhead": overhead})
     ranks = sorted((e["rank"] for e in everyone), key=lambda r: r["rank"])
     max_local = max(sum(1 for r in ranks if r["host"] == h) for h in {r["host"] for r in ranks})
-    tps = _ints(args.tp, "tp") if args.tp else default_tps(model, max_local)
-    for t in tps:
-        if model.num_attention_heads % t or model.num_kv_heads % t or model.ffn_hidden_size % t:
-            raise UserError(f"--tp {t} does not divide num_attention_heads({model.num_attention_heads}), "
-                            f"num_kv_heads({model.num_kv_heads}) and ffn_hidden_size({model.ffn_hidden_size})")
+    tps = checked["tps"] if checked["tps"] is not None else default_tps(model, max_local)
     split = args.compute_split if args.compute_split != "auto" else ("split" if cuda else "serial")
 
     links_only = getattr(args, "links_only", False)
     if links_only:
-        if args.skip_links:
-            raise UserError("--links-only and --skip-links leave nothing to measure")
         args.skip_compute = True
     items = [] if args.skip_compute else compute.layer_items(mbs_list, tps, rc_modes)
     act_items = [] if args.skip_compute else compute.activation_items(mbs_list, tps, rc_modes)
@@ -251,18 +281,59 @@ def run(args) -> int:
     mine_all = {"pipeline": pipe_rows, "phases": phases, "timings": timings, "tp_blocks": tp_rows, "optimizer": opt_rows, "acts": acts, "gemm": gemm_rows, "memory": mem_rows, "links": my_links, "coll": my_coll,
                 "kind": me["device_kind"], "notes": fp8_notes}
     gathered = [None] * world if rank == 0 else None
+    failure = None  # rank 0: why the profile is not at --out
     dist.gather_object(mine_all, gathered, dst=0)
     if rank == 0:
         from .assemble import assemble
 
         profile = assemble(args, model, everyone, gathered, backend, split, repeats, time.perf_counter() - t_start)
-        from autoconf.profile import save_profile
-
-        save_profile(profile, args.out)
-        report.summary(profile, args.out)
+        written, failure = save_or_fallback(profile, args.out)
+        if written is not None:
+            report.summary(profile, written)
     dist.barrier()
     dist.destroy_process_group()
+    if rank == 0 and failure:
+        status = os.environ.get(STATUS_ENV)
+        if status:  # under `autoconf profile`: it prints the one line and exits 2 (no torchrun traceback)
+            try:
+                with open(status, "w") as f:
+                    f.write(failure)
+                return 0
+            except OSError:
+                pass
+        print(f"error: {failure}", file=sys.stderr)
+        return 2
     return 0
+
+
+STATUS_ENV = "AUTOCONF_PROFILE_STATUS"
+"""Set by `autoconf profile`: a file where rank 0 writes why the profile is not at --out (one line);
+the launcher reports it once torchrun is done."""
+
+
+def save_or_fallback(profile, out: str) -> tuple[str | None, str | None]:
+    """Write the profile to ``out``; where that fails (a full disk, a directory gone or read-only),
+    to a new file in the temporary directory instead, so the measurements are not lost. Returns
+    (the path written or None, the one-line failure or None)."""
+    from autoconf.profile import save_profile
+
+    try:
+        save_profile(profile, out)
+        return out, None
+    except OSError as e:
+        why = f"cannot write the profile to {out!r} ({e.strerror or e})"
+    fallback = None
+    try:
+        fd, fallback = tempfile.mkstemp(prefix="autoconf-profile-", suffix=".json")
+        os.close(fd)
+        save_profile(profile, fallback)
+    except OSError as e:
+        if fallback is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(fallback)
+        return None, (f"{why}; saving the measurements to {fallback or tempfile.gettempdir()!r} failed too "
+                      f"({e.strerror or e}): they are lost")
+    return fallback, f"{why}; the measurements were saved to {fallback} (move it there once it can be written)"
 
 
 def _fp8_items(kind: str | None, gemms: list, notes: list) -> list[tuple]:

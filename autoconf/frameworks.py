@@ -166,6 +166,11 @@ class Framework:
     fp8_all_gather: bool = False
     """ZeRO-3 / FSDP gathers linear weights in FP8 (torchao's float8 all-gather with tensorwise
     scaling, which the emitted torchtitan files switch on): half the bytes."""
+    tied_pair_all_reduce: bool = False
+    """Tied embeddings under pp: the first and last stage all-reduce their copies' gradients after
+    the pipeline (Megatron-LM's ``_allreduce_word_embedding_grads``, DeepSpeed's
+    ``ReduceTiedGrads``; ``compression.embedding_sync_s``). torch.distributed.pipelining
+    (torchtitan) has no such step."""
     grad_reduce_overlap_needs_zero_without_pp: bool = False
     """``overlap_grad_reduce`` takes effect only with ZeRO and without pipeline parallelism
     (DeepSpeed, read in 0.19.8: its pipeline engine turns the backward's reduction off and reduces
@@ -175,9 +180,9 @@ class Framework:
     tied_sync_after_pipeline: bool = False
     """Tied embeddings under pp: its first and last stage sum their copies' gradients after the
     pipeline, then reduce that sum over the replicas on its own, after the chunks' reductions
-    (the reference trainer). Elsewhere the copies go in the chunks' data-parallel buckets and the
-    first and last stage all-reduce them once more after the pipeline
-    (``compression.embedding_sync_s``)."""
+    (the reference trainer). Elsewhere the copies go in the chunks' data-parallel buckets, and the
+    first and last stage all-reduce them once more after the pipeline where the framework does
+    (``tied_pair_all_reduce``)."""
     fp8_eager_quantize: bool = False
     """Its FP8 linears quantise every operand with eager torch operations before each GEMM
     (``autoconf.fp8``; ``compute.EAGER_QUANT_BYTES``), not with fused cast kernels (Transformer
@@ -372,7 +377,7 @@ FRAMEWORKS = {
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
         capacity_factor=True, fused_glu=True, tp_backward_overlap=True, param_gather_in_place=True,
-        early_receive_schedules=("interleaved",)),
+        early_receive_schedules=("interleaved",), tied_pair_all_reduce=True),
     "torchtitan": Framework(
         name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 2, 3), zero_stages_with_pp=(0, 2, 3), layered_grad_accum=False,
@@ -390,7 +395,8 @@ FRAMEWORKS = {
                   "torch_compile": False},
         knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE,
         loss_backward_fp32_tensors=0, grad_accumulation_kernel=True, bf16_optimizer_with_pp=True,
-        step_gather_overlaps=False, grad_reduce_overlap_needs_zero_without_pp=True, param_gather_in_place=True),
+        step_gather_overlaps=False, grad_reduce_overlap_needs_zero_without_pp=True, param_gather_in_place=True,
+        tied_pair_all_reduce=True),
 }
 
 

@@ -179,6 +179,7 @@ def test_fused_embedding_sync_is_one_all_reduce_after_the_pipeline():
         nbytes = vocab * m.hidden_size * grad_bytes
         assert embedding_sync_s(sys_, c) == (0.0, pytest.approx(collective_s(sys_, [pair], comm.all_reduce_s, 2, nbytes)))
     assert embedding_sync_s(System(m, slow, framework="megatron"), dataclasses.replace(c, pp=1, dp=8)) == (0, 0)
+    assert embedding_sync_s(System(m, slow, framework="torchtitan"), c) == (0, 0)  # pipelining has no such step
 
 
 def test_distinct_costs_land_on_the_right_sends():

@@ -319,12 +319,13 @@ def embedding_sync_s(system, c) -> tuple[float, float]:
     first- and last-stage ranks of each replica all-reduce them once more, on the step's critical
     path: Megatron-LM after its data-parallel reduction (``finalize_model_grads`` ->
     ``_allreduce_word_embedding_grads`` on the main gradients), DeepSpeed's pipeline engine
-    before it (``ReduceTiedGrads``, one unbucketed ``all_reduce`` per tied weight): after."""
+    before it (``ReduceTiedGrads``, one unbucketed ``all_reduce`` per tied weight): after
+    (``Framework.tied_pair_all_reduce``; torch.distributed.pipelining has no such step)."""
     nbytes = tied_bytes(system, c)
     pair_only = False
     if not nbytes:
         m = system.model
-        if not m.tied_embeddings or c.pp == 1:
+        if not m.tied_embeddings or c.pp == 1 or not system.framework.tied_pair_all_reduce:
             return 0.0, 0.0
         # the rank's vocabulary shard as the framework pads it
         nbytes, pair_only = -(-system.model_at(c.tp).vocab_size // c.tp) * m.hidden_size * system.grad_bytes, True

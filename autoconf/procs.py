@@ -167,7 +167,7 @@ class ProcessTree:
             except OSError:
                 pass  # no temporary directory at all: the command meets the same problem and says so
             else:
-                env[OUTER_TMPDIR_ENV] = env.get("TMPDIR", "")
+                env.setdefault(OUTER_TMPDIR_ENV, env.get("TMPDIR", ""))  # the outermost caller's, when nested
                 env["TMPDIR"] = self.tmp_dir
         self._mark = f"{MARK_ENV}={self.token}".encode()
         prctl, parent = _load_prctl(), os.getpid()

@@ -546,13 +546,12 @@ class Testbed:
         testbed at the latest)."""
         from .procs import ProcessTree
 
-        kw.setdefault("private_tmp", True)  # torchrun's torchelastic_* directory goes with the tree
         tree = ProcessTree(self.argv(k, argv), env=self.env(k, env), **kw)
         self._trees.append(tree)
         return tree
 
     def launch(self, argv, env: dict | None = None, timeout: float | None = None, cwd=None,
-               output=None) -> list[int]:
+               output=None, private_tmp: bool = False) -> list[int]:
         """Run one command per node, all at once, and wait for all; returns the exit codes.
 
         ``argv``: a list (the same command in every node, placeholders substituted per node) or a
@@ -560,14 +559,17 @@ class Testbed:
         it at their next collective until a timeout). ``timeout``: seconds for the whole; on expiry
         every node is killed and its code is 124. ``output``: a writable text stream receiving
         every line prefixed with ``[node-K]`` (default: inherit this process's stdout/stderr).
+        ``private_tmp``: each node's command gets a temporary directory of its own, removed with it
+        (``procs.ProcessTree``; :meth:`torchrun`: torchrun's ``torchelastic_*`` directory).
         """
         make = argv if callable(argv) else (lambda k: list(argv))
         trees, readers = [], []
         for k in range(len(self.nodes)):
             if output is None:
-                trees.append(self.popen(k, make(k), env=env, cwd=cwd))
+                trees.append(self.popen(k, make(k), env=env, cwd=cwd, private_tmp=private_tmp))
                 continue
-            tree = self.popen(k, make(k), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+            tree = self.popen(k, make(k), env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              private_tmp=private_tmp)
             trees.append(tree)
             t = threading.Thread(target=_pump, args=(tree.proc.stdout, f"[{self.nodes[k].host}] ", output),
                                  daemon=True)
@@ -603,6 +605,7 @@ class Testbed:
         n = nproc_per_node or self.nproc_per_node
         if not n:
             raise UserError("nproc_per_node: give it to Testbed() or torchrun()")
+        kw.setdefault("private_tmp", True)
         return self.launch(lambda k: torchrun_argv(self.nodes, k, n, self.master_port, script), **kw)
 
 

@@ -408,7 +408,7 @@ def check_local_devices(plan: LaunchPlan, cluster, profile, run_on_local: bool, 
         raise UserError(f"trial runs the plan on this machine ({world} {here}), but {name} has "
                         f"{', '.join(wanted)}: the measurement would not describe it; pass --run-on-local to run "
                         "it here anyway")
-    if local == "cuda":
+    if local == "cuda" and not run_on_local:  # --run-on-local: as the user says (a CPU-only torch beside a driver)
         from .testbed import attached
 
         gpus = local_gpu_count()

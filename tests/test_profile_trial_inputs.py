@@ -338,6 +338,12 @@ def test_trial_refuses_more_ranks_than_gpus_here(tmp_path, monkeypatch):
         trial.cmd_trial(_trial_args(cfg))
     with pytest.raises(UserError, match=r"\(2 GPUs\), but the plan's cluster 'localhost-cpu' has cpu"):
         trial.cmd_trial(_trial_args(_plan_file(tmp_path, cluster="localhost-cpu.yaml", name="d.json")))
+    # --run-on-local: as the user says (a CPU-only torch beside an NVIDIA driver runs CPU processes)
+    ran = []
+    monkeypatch.setattr(trial, "run_trial", lambda plan, **k: ran.append(plan.config.world_size) or _fake_result())
+    assert trial.cmd_trial(_trial_args(_plan_file(tmp_path, cluster="localhost-cpu.yaml", name="e.json"),
+                                       "--run-on-local", "--json")) == 0
+    assert ran == [2]
 
 
 def test_trial_cli_other_devices_is_one_line(tmp_path):
@@ -394,3 +400,14 @@ def test_trial_e2e_leaves_no_torchelastic_dirs(tmp_path, monkeypatch, cpu_here):
     res = run_trial(LaunchPlan(DP2, TINY), steps=3, warmup=1, timeout_s=120)
     assert res.ok, res.reason
     assert _left(outer) == []
+
+
+def test_a_nested_private_tmp_keeps_the_outermost_callers_tmpdir(tmp_path):
+    """A launch inside a launch (autoconf profile under the testbed): the ranks get the outermost
+    caller's TMPDIR back, not the enclosing tree's, which goes when that tree does."""
+    from autoconf import procs
+    env = dict(os.environ, TMPDIR=str(tmp_path / "enclosing"), **{procs.OUTER_TMPDIR_ENV: str(tmp_path)})
+    code = "import os; print(os.environ['" + procs.OUTER_TMPDIR_ENV + "'])"
+    with procs.ProcessTree([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, private_tmp=True) as tree:
+        out, _ = tree.proc.communicate(timeout=60)
+    assert out.decode().strip() == str(tmp_path)

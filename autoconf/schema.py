@@ -270,8 +270,6 @@ def read_text(path: str, what: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
         raise UserError(f"cannot read {what} {path!r}: {e.strerror}") from None
     if os.path.isdir(path):
         raise UserError(f"{what} {path!r} is a directory, not a file")
-    if not os.path.isfile(path):  # a FIFO or a device: reading could block or never end
-        raise UserError(f"{what} {path!r} is not a regular file (a pipe or a device?)")
     if size > max_bytes:
         raise UserError(f"{what} {path!r} is {size:,} bytes; at most {max_bytes:,} are read "
                         "(is this the right file?)")

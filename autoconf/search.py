@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -617,7 +618,29 @@ def default_study_name(model, world: int, global_batch: int, cluster_name: str, 
     return f"{name}-{_digest(signature)[:8]}" if signature is not None else name
 
 
-_SIGNATURE_WHAT = {"model": "model", "global_batch": "global batch", "devices": "devices", "framework": "framework",
+_COST_MODEL_SOURCES = ("cost", "frameworks.py", "catalog.py", "model.py", "config.py", "placement.py", "moe.py",
+                       "fp8.py", "data/devices.json", "data/models.json")
+
+
+@functools.lru_cache(maxsize=1)
+def cost_model_digest() -> str:
+    """A digest of the code and data that price a configuration (``_COST_MODEL_SOURCES``): a study
+    stored by another version of the cost model is not resumed as if its times still held (the
+    default study name changes with it)."""
+    import hashlib
+    from importlib import resources
+    h = hashlib.sha256()
+    root = resources.files("autoconf")
+    for name in _COST_MODEL_SOURCES:
+        node = root.joinpath(name)
+        files = sorted((f for f in node.iterdir() if f.name.endswith(".py")), key=lambda f: f.name) \
+            if node.is_dir() else [node]
+        for f in files:
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+_SIGNATURE_WHAT = {"model": "model", "cost_model": "cost model (autoconf was updated since)", "global_batch": "global batch", "devices": "devices", "framework": "framework",
                    "max_micro_batch": "max micro-batch", "cluster": "cluster file", "profile": "profile",
                    "calibration": "calibration", "placement": "placement search",
                    "cp": "context-parallel degrees", "precisions": "precisions"}
@@ -633,7 +656,7 @@ def _difference(stored: dict, now: dict) -> str:
         what = _SIGNATURE_WHAT.get(k, k)
         if k == "model" and isinstance(a, dict) and isinstance(b, dict) and a.get("name") != b.get("name"):
             out.append(f"model ({a.get('name')} in the study, {b.get('name')} now)")
-        elif k in ("cluster", "profile", "calibration", "model"):
+        elif k in ("cluster", "profile", "calibration", "model", "cost_model"):
             out.append(f"{what} ({'none' if a is None else 'other content' if b is not None else 'one'} in the study, "
                        f"{'none' if b is None else 'this one'} now)")
         else:
@@ -1019,7 +1042,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                           compression=compression)
     budget = trials if trials is not None else 400
     signature = {"model": model.to_dict(), "global_batch": global_batch, "devices": world,
-                 "framework": ctx.framework.name,
+                 "framework": ctx.framework.name, "cost_model": cost_model_digest(),
                  "max_micro_batch": max_micro_batch,
                  "cluster": _digest(cluster.to_dict()) if cluster is not None else None,
                  "profile": _digest(profile.to_dict()) if profile is not None else None,

@@ -296,3 +296,19 @@ def test_a_corrupt_study_is_one_line(tmp_path, key, value):
     p = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "is unreadable" in p.stderr and "pass another --study-name or --storage" in p.stderr
+
+
+def test_a_study_of_another_cost_model_is_not_resumed(tmp_path, monkeypatch):
+    """The stored times are the cost model's: after an update that changes its code or data, the
+    default study is a new one (its name carries the digest), not a resumed one."""
+    from autoconf import search as search_mod
+    m, cl = preset("tiny"), load_cluster("examples/clusters/localhost-cpu.yaml")
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    digest = search_mod.cost_model_digest()
+    assert len(digest) == 16 and int(digest, 16) >= 0
+    first = search(m, cl, 16, storage=storage, trials=5)
+    again = search(m, cl, 16, storage=storage, trials=5)
+    assert again.resumed and again.study_name == first.study_name
+    monkeypatch.setattr(search_mod, "cost_model_digest", lambda: "another-version")
+    other = search(m, cl, 16, storage=storage, trials=5)
+    assert not other.resumed and other.study_name != first.study_name

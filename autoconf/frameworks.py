@@ -262,13 +262,15 @@ class Framework:
         v = getattr(config, name, None)
         return self.defaults[name] if v is None else bool(v)
 
+    def can_overlap_grad_reduce(self, config) -> bool:
+        """Whether ``overlap_grad_reduce`` takes effect in this configuration
+        (``grad_reduce_overlap_needs_zero_without_pp``)."""
+        return not (self.grad_reduce_overlap_needs_zero_without_pp and (config.pp > 1 or config.zero_stage == 0))
+
     def overlaps_grad_reduce(self, config) -> bool:
         """Whether the data-parallel reduction runs under the backward for this configuration:
-        the ``overlap_grad_reduce`` knob where it takes effect
-        (``grad_reduce_overlap_needs_zero_without_pp``)."""
-        if self.grad_reduce_overlap_needs_zero_without_pp and (config.pp > 1 or config.zero_stage == 0):
-            return False
-        return self.knob(config, "overlap_grad_reduce")
+        the ``overlap_grad_reduce`` knob where it takes effect (:meth:`can_overlap_grad_reduce`)."""
+        return self.can_overlap_grad_reduce(config) and self.knob(config, "overlap_grad_reduce")
 
     def padded_vocab(self, vocab: int, tp: int) -> int:
         mult = self.vocab_multiple * tp

@@ -454,7 +454,7 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
     """The inner configurations of an outer point that framework ``fw`` can run: ZeRO stages it
     has, every recompute mode, sequence parallelism, and both values of each knob it lets a user
     switch where the knob matters (overlap_grad_reduce with dp > 1 where the framework applies it,
-    ``Framework.overlaps_grad_reduce``; overlap_param_gather with
+    ``Framework.can_overlap_grad_reduce``; overlap_param_gather with
     ZeRO, tp_comm_overlap with sequence parallelism); other knobs stay at the framework's default.
     ``dp_hier`` (:func:`dp_hierarchical`): the data-parallel all-reduce is tried flat and
     hierarchical too, for the ZeRO stages whose modelled reduction is an all-reduce
@@ -472,8 +472,8 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
             c = dataclasses.replace(c, ep=ep)
         if fw.check(c):
             continue
-        matters = {"overlap_grad_reduce": dp * cp > 1 and (not fw.grad_reduce_overlap_needs_zero_without_pp
-                                                           or (pp == 1 and zero >= 1)), "overlap_param_gather": dp * cp > 1 and zero >= 1,
+        matters = {"overlap_grad_reduce": dp * cp > 1 and fw.can_overlap_grad_reduce(c),
+                   "overlap_param_gather": dp * cp > 1 and zero >= 1,
                    "tp_comm_overlap": sp, "torch_compile": True}
         variants = [{}] if tuple(precisions) == (("bf16", "tensorwise"),) else [
             {"precision": p, "fp8_recipe": r} for p, r in precisions]

@@ -166,6 +166,15 @@ class Framework:
     fp8_all_gather: bool = False
     """ZeRO-3 / FSDP gathers linear weights in FP8 (torchao's float8 all-gather with tensorwise
     scaling, which the emitted torchtitan files switch on): half the bytes."""
+    grad_norm_traffic: float = 0.0
+    """Memory traffic of the step's global gradient-norm pass, per local gradient element, in
+    multiples of the gradient's bytes: the norm reads every gradient once (Megatron-LM's
+    ``clip_grad_norm_fp32`` with its default ``--clip-grad 1.0``, over the main gradients, the
+    distributed optimizer's shard only; DeepSpeed's BF16 optimizer's global norm, over the whole
+    stage's gradients; its emitted configuration clips nothing), and torch's
+    ``clip_grad_norm_`` (torchtitan's default ``max_norm`` 1.0) then multiplies every gradient by
+    the clamped coefficient (read and write): 3. Megatron scales only when the norm exceeds the
+    limit, which is not priced. 0: no such pass (the reference trainer does not clip)."""
     tied_pair_all_reduce: bool = False
     """Tied embeddings under pp: the first and last stage all-reduce their copies' gradients after
     the pipeline (Megatron-LM's ``_allreduce_word_embedding_grads``, DeepSpeed's
@@ -379,7 +388,7 @@ FRAMEWORKS = {
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
         capacity_factor=True, fused_glu=True, tp_backward_overlap=True, param_gather_in_place=True,
-        early_receive_schedules=("interleaved",), tied_pair_all_reduce=True),
+        early_receive_schedules=("interleaved",), tied_pair_all_reduce=True, grad_norm_traffic=1.0),
     "torchtitan": Framework(
         name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 2, 3), zero_stages_with_pp=(0, 2, 3), layered_grad_accum=False,
@@ -388,7 +397,7 @@ FRAMEWORKS = {
                   "torch_compile": False},
         knobs=("tp_comm_overlap", "torch_compile"), all_reduce_algorithms=_NCCL_ALL_REDUCE, loss_backward_fp32_tensors=2,
         cp_comm="all_gather", fp8_recipes=("rowwise", "tensorwise", "mxfp8"), fp8_host_ops=(16, 16),
-        fp8_all_gather=True, expert_parallel=True, expert_tensor_parallel=False),
+        fp8_all_gather=True, expert_parallel=True, expert_tensor_parallel=False, grad_norm_traffic=3.0),
     "deepspeed": Framework(
         name="deepspeed", schedules=("1f1b",),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
@@ -398,7 +407,7 @@ FRAMEWORKS = {
         knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE,
         loss_backward_fp32_tensors=0, grad_accumulation_kernel=True, bf16_optimizer_with_pp=True,
         step_gather_overlaps=False, grad_reduce_overlap_needs_zero_without_pp=True, param_gather_in_place=True,
-        tied_pair_all_reduce=True),
+        tied_pair_all_reduce=True, grad_norm_traffic=1.0),
 }
 
 

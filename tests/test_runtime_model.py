@@ -555,3 +555,31 @@ def test_gpu_pipeline_receives_wait_for_the_op_before_them():
     finally:
         est.posted_receives = saved
     assert posted > early
+
+
+def test_the_global_gradient_norm_is_a_pass_over_the_gradients_each_framework_holds():
+    """The step's norm (and torchtitan's clip, which always multiplies): Megatron-LM reads its
+    fp32 main gradients, the distributed optimizer's shard only; torchtitan's clip_grad_norm_
+    reads and then scales its FSDP shard (3 passes); DeepSpeed's BF16 optimizer reads the whole
+    stage's bf16 gradients; the reference trainer does not clip."""
+    from autoconf.cost.chunk_time import optimizer_step_s
+    from autoconf.cost.layout import layout
+    from autoconf.cost.system import System
+    m = preset("llama-3-8b")
+    cl = _a100_node(1)
+    for fw, kw, traffic, full_stage in (
+            ("megatron", dict(dp=8, pp=1, zero_stage=1), 4.0, False),
+            ("megatron", dict(dp=8, pp=1, zero_stage=0), 4.0, True),
+            ("torchtitan", dict(dp=8, pp=1, zero_stage=3), 3 * 2.0, False),
+            ("deepspeed", dict(dp=4, pp=2, zero_stage=0), 2.0, True),
+            ("reference", dict(dp=8, pp=1, zero_stage=1), 0.0, False)):
+        s = System(m, cl, framework=fw)
+        c = ParallelConfig(tp=1, micro_batch_size=1, num_micro_batches=4, **kw)
+        lay = layout(s, c)
+        dev_params = [sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, d)) for d in range(c.pp)]
+        sharded = s.state_zero_stage(c) >= 1
+        expect = max(s.optimizer_time("a100-80gb", p / (c.dp if sharded else 1))
+                     + (s.copy_time(["a100-80gb"], traffic * (p if full_stage else p / (c.dp if sharded else 1)))
+                        if traffic else 0.0) for p in dev_params)
+        assert optimizer_step_s(s, c, lay) == pytest.approx(expect, rel=1e-9), (fw, kw)
+        assert s.framework.grad_norm_traffic * s.grad_bytes == traffic, fw

@@ -115,8 +115,12 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
 def optimizer_step_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     """The optimizer step on the slowest device: AdamW over its local parameters (sharded over dp
     from ZeRO-1 on, and under DeepSpeed's BF16 optimizer), at the System's measured or memory-bound
-    rate (``compute.optimizer_s``)."""
+    rate (``compute.optimizer_s``), after the framework's global gradient-norm pass
+    (``Framework.grad_norm_traffic``) over the gradients it holds: the shard where ZeRO shards them,
+    every gradient of the stage under DeepSpeed's BF16 optimizer and without ZeRO."""
     opt = 0.0
+    norm_traffic = system.framework.grad_norm_traffic * system.grad_bytes
+    bf16_opt = norm_traffic and system.bf16_optimizer(c)
     for dev in range(c.pp):
         params = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev))
         experts = sum(lay.chunk_expert_params[ci] for ci in lay.chunks_of(c, dev)) if lay.chunk_expert_params else 0.0
@@ -124,5 +128,8 @@ def optimizer_step_s(system: System, c: ParallelConfig, lay: Layout) -> float:
             local = (params - experts) / (c.dp * c.cp) + experts / max(1, c.dp * c.cp // c.ep)
         else:
             local = params
-        opt = max(opt, max(system.optimizer_time(k, local) for k in lay.stage_kinds[dev]))
+        t = max(system.optimizer_time(k, local) for k in lay.stage_kinds[dev])
+        if norm_traffic:
+            t += system.copy_time(lay.stage_kinds[dev], norm_traffic * (params if bf16_opt else local))
+        opt = max(opt, t)
     return opt

@@ -538,6 +538,8 @@ def plan_report(r, console) -> None:
     say(t)
     say(f"[dim]{LEGEND}; *: on the time-cost Pareto front; GiB: peak memory per GPU[/dim]")
     sh, sat = r.shortest(), r.saturation()
+    per_gpus = r.per_gpus()
+    top = max(x.gpus for x in per_gpus)
     say(f"[bold]shortest time: {_days(sh.days)} days[/bold] on {sh.gpus:,} GPUs, batch {sh.batch:,}: "
         f"{sh.steps:,.0f} steps x {sh.step_time_s:.3g} s ({compact(sh.estimate.config)}, "
         f"MFU {100 * sh.estimate.mfu:.0f}%)")
@@ -551,9 +553,8 @@ def plan_report(r, console) -> None:
     if sat is not None and sat.gpus < sh.gpus:
         say(f"adding GPUs stops paying at {sat.gpus:,}: {_days(sat.days)} days, within 10% of the shortest "
             f"with {sh.gpus / sat.gpus:.2g}x fewer GPUs")
-    elif len(r.per_gpus()) > 1 and sh.gpus == max(x.gpus for x in r.per_gpus()):
+    elif len(per_gpus) > 1 and sh.gpus == top:
         say(f"adding GPUs still pays at {sh.gpus:,}: every smaller count is more than 10% slower")
-    top = max((x.gpus for x in r.per_gpus()), default=sh.gpus)
     if top > sh.gpus:
         say(f"more GPUs than {sh.gpus:,} are no faster: the batch bounds data parallelism, and more tensor or "
             "pipeline parallelism costs more than it saves")

@@ -640,7 +640,8 @@ def cost_model_digest() -> str:
     return h.hexdigest()[:16]
 
 
-_SIGNATURE_WHAT = {"model": "model", "cost_model": "cost model (autoconf was updated since)", "global_batch": "global batch", "devices": "devices", "framework": "framework",
+_SIGNATURE_WHAT = {"model": "model", "cost_model": "cost model (autoconf was updated since)",
+                   "global_batch": "global batch", "devices": "devices", "framework": "framework",
                    "max_micro_batch": "max micro-batch", "cluster": "cluster file", "profile": "profile",
                    "calibration": "calibration", "placement": "placement search",
                    "cp": "context-parallel degrees", "precisions": "precisions"}
@@ -768,8 +769,9 @@ class _Study:
         except UserError:
             raise
         except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:  # JSON errors are ValueErrors
-            raise UserError(f"study {name!r} in {storage} is unreadable ({type(e).__name__}: "
-                            f"{(str(e).splitlines() or [''])[0][:120]}); pass another --study-name or --storage") from None
+            why = (str(e).splitlines() or [""])[0][:120]
+            raise UserError(f"study {name!r} in {storage} is unreadable ({type(e).__name__}: {why}); "
+                            "pass another --study-name or --storage") from None
 
     def _load(self, study, storage, name, signature: dict):
         """What the study's stored trials and attributes tell this search (``_open``)."""

@@ -818,8 +818,10 @@ class Budget:
 
 
 DEFAULT_FACTORS = (0.25, 0.5, 1.0, 2.0)
-BATCH_FACTORS_DEFAULT = "0.25,0.5,1,2"
-"""``--batch-factors`` as the command line gives it by default (``DEFAULT_FACTORS``)."""
+BATCH_FACTORS_DEFAULT = ",".join(f"{f:g}" for f in DEFAULT_FACTORS)
+"""``--batch-factors`` as the command line gives it by default."""
+MAX_MICRO_BATCH = 64
+"""The largest micro-batch tried by default (``--max-micro-batch``, as ``search``'s)."""
 
 
 def make_budget(model, tokens: float | None = None, law: str = "kaplan", loss_law: str = "kaplan",
@@ -974,7 +976,7 @@ class PlanResult:
     never_finish: tuple = ()
     """GPU counts left out because, with ``mtbf_per_gpu_h``, the job would fail faster than it
     progresses (``scaling.expected_wall_time``)."""
-    max_micro_batch: int = 64
+    max_micro_batch: int = MAX_MICRO_BATCH
     """The largest micro-batch tried (``--max-micro-batch``), for the printed search command."""
 
     # -- selections ----------------------------------------------------------------------------
@@ -1036,7 +1038,7 @@ class PlanResult:
         prec = f" --precision {self.precision[0]}" + (f" --fp8-recipe {self.precision[1]}"
                                                      if self.precision[0] == "fp8" else "")
         extra = "" if self.max_cp is None else f" --max-cp {self.max_cp}"
-        if self.max_micro_batch != 64:
+        if self.max_micro_batch != MAX_MICRO_BATCH:
             extra += f" --max-micro-batch {self.max_micro_batch}"
         if self.profile_kind is not None:
             extra += f" --profile {shlex.quote(self.profile_path or 'PROFILE.json')}"
@@ -1123,7 +1125,7 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
          price_per_gpu_hour: float | None = None, deadline_days: float | None = None,
          budget: float | None = None, compare_networks=("25gbe",), methods=METHODS,
          mtbf_per_gpu_h: float | None = None, checkpoint_s: float = 120.0, restart_s: float = 600.0,
-         max_days: float = 365.0, max_micro_batch: int = 64, progress=None, profile=None,
+         max_days: float = 365.0, max_micro_batch: int = MAX_MICRO_BATCH, progress=None, profile=None,
          precision: str = "bf16", fp8_recipe: str | None = None, max_cp: int | None = None,
          place: bool = False, place_budget_s: float = 30.0) -> PlanResult:
     """Sweep GPU counts x batches x methods x networks; see the module docstring. ``profile``: a
@@ -1289,7 +1291,7 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                       budget_cost=budget, mtbf_per_gpu_h=mtbf_per_gpu_h, checkpoint_s=checkpoint_s,
                       restart_s=restart_s, max_days=max_days, stats=stats, elapsed_s=time.perf_counter() - t0,
                       methods=tuple(methods), notes=notes, precision=prec, profile_kind=prof_kind,
-                      max_cp=max_cp, placed=placed, never_finish=tuple(sorted(never_finish)),
+                      max_cp=max_cp, placed=placed, never_finish=tuple(gone),
                       max_micro_batch=max_micro_batch)
 
 
@@ -1355,7 +1357,8 @@ def parse_duration(text: str, what: str, default_unit: str = "d", allow_zero: bo
                         f"(units: {', '.join(_DURATION)})")
     v = float(m.group(1)) * _DURATION[m.group(2) or default_unit]
     if not (math.isfinite(v) and (v > 0 or (allow_zero and v == 0))):
-        raise UserError(f"{what} {text!r}: must be a {'finite duration of 0 or more' if allow_zero else 'positive finite duration'}")
+        want = "finite duration of 0 or more" if allow_zero else "positive finite duration"
+        raise UserError(f"{what} {text!r}: must be a {want}")
     return v
 
 
@@ -1519,7 +1522,7 @@ def add_plan_parser(sub):
     p.add_argument("--restart-time", default="10min", help="time to restart after a failure (default 10min)")
     p.add_argument("--max-days", default="365", help="leave out GPU counts that would take longer even at the "
                    "datasheet peak (default 365 days)")
-    p.add_argument("--max-micro-batch", type=int, default=64)
+    p.add_argument("--max-micro-batch", type=int, default=MAX_MICRO_BATCH)
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--plot", metavar="DIR", help="write days_vs_gpus and cost_vs_days as PNG and SVG")
     p.add_argument("--cluster-out", metavar="FILE", help="write the synthetic cluster file of the main network")

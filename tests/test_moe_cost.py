@@ -79,6 +79,22 @@ def test_all_to_all_bytes_and_time_closed_forms():
     assert a2a_times(s, cfg(ep=1)) == (0.0, 0.0)
 
 
+def test_expert_groups_are_priced_per_expert_parallel_degree():
+    """The expert and expert-data-parallel groups of one layout differ with ep (ep 2 inside a host,
+    ep 16 over two): a System that priced one ep first prices another as a fresh one does."""
+    c2, c16 = cfg(dp=32, tp=2, ep=2), cfg(dp=32, tp=2, ep=16)
+    fresh, used = System(SMALL_MOE, H100, framework="megatron"), System(SMALL_MOE, H100, framework="megatron")
+    for axis in ("ep", "edp"):
+        axis_links(used, c2, axis)
+    assert {g.num_hosts for g in axis_links(used, c2, "ep")} == {1}
+    assert {g.num_hosts for g in axis_links(used, c16, "ep")} == {4}
+    for c in (c16, c2):
+        for axis in ("ep", "edp"):
+            assert axis_links(used, c, axis) == axis_links(fresh, c, axis)
+        assert a2a_times(used, c) == a2a_times(fresh, c)
+    assert estimate(c16, SMALL_MOE, ctx=used).step_time_s == estimate(c16, SMALL_MOE, ctx=fresh).step_time_s
+
+
 def test_expert_shape_imbalance_and_capacity():
     c = cfg(ep=4)
     s = System(MIXTRAL, H100, framework="megatron")

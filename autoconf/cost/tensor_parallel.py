@@ -37,7 +37,9 @@ def axis_links(system: System, c: ParallelConfig, axis: str):
             g = topo.group_links(grp, {h: active[h] for h in {topo.host_of[d] for d in grp} if h in active} or None)
             distinct[g] = g
         return list(distinct)
-    return system.cached(("axis", c.dp, c.pp, c.tp, c.cp, c.rank_order, c.device_order, axis), make)
+    # the expert axes' groups depend on the expert-parallel degree too
+    ep = (c.ep,) if axis in ("ep", "edp") else ()
+    return system.cached(("axis", c.dp, c.pp, c.tp, c.cp, c.rank_order, c.device_order, axis) + ep, make)
 
 
 def worst(links, fn, nbytes: float, efficiency=1.0, tune: comm.CollectiveTuning = comm.NEUTRAL,

@@ -130,7 +130,6 @@ class _Evaluator:
         (:func:`compression_variants`), else None."""
         self.precisions = tuple(precisions)
         """(precision, FP8 recipe) pairs tried per configuration (:func:`precision_choices`)."""
-        self._ep_cache: dict = {}
         self.placer = placer
         """``place.Placer``: every configuration is estimated with its heuristic placement."""
         self.valid_per_point = valid_per_point
@@ -223,31 +222,8 @@ class _Evaluator:
         return [1] + ([2] if escapes and 2 in stages else [])
 
     def _eps_of(self, point) -> tuple:
-        """The expert-parallel degrees tried at an outer point (1 for dense models): of those
-        dividing dp x cp and the experts, the one whose step is fastest with the plainest memory
-        savers (ZeRO-1 where the framework has it, no recomputation, the first precision) and the largest
-        (the least expert memory), so ep is weighed against tp and dp without multiplying every
-        inner choice by every degree."""
-        m, fw = self.ctx.model, self.ctx.framework
-        dp, pp, tp, mbs, sched, v, layered, cp = point
-        if not m.num_experts or not fw.expert_parallel:
-            return (1,)
-        hit = self._ep_cache.get(point)
-        if hit is not None:
-            return hit
-        eps = [k for k in range(1, dp * cp + 1) if (dp * cp) % k == 0 and m.num_experts % k == 0]
-        stages = fw.zero_stages_with_pp if pp > 1 else fw.zero_stages
-        zero = next((z for z in (1, 0, 2, 3) if z in stages and (z == 0 or dp * cp > 1)), 0)
-        base = make_config(dp, pp, tp, mbs, sched, v, layered, zero, "none", False, self.global_batch, cp)
-        base = dataclasses.replace(base, precision=self.precisions[0][0], fp8_recipe=self.precisions[0][1])
-        timed = []
-        for k in eps:
-            c = dataclasses.replace(base, ep=k)
-            if check(c, m) is None and fw.check(c) is None:
-                timed.append((_estimate(c, self.ctx).step_time_s, k))
-        out = tuple(sorted({min(timed)[1], eps[-1]})) if timed else (eps[-1],)
-        self._ep_cache[point] = out
-        return out
+        """The expert-parallel degrees tried at an outer point (:func:`expert_parallel_choices`)."""
+        return expert_parallel_choices(self.ctx, point, self.global_batch, self.precisions[0])
 
     def __call__(self, point) -> tuple[list, Estimate | None]:
         """(the fitting estimates of this point that can be among the ``top`` fastest, fastest
@@ -447,6 +423,33 @@ def dp_hierarchical(system: System, dp: int, pp: int, tp: int) -> bool:
         return False
     c = ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1)
     return any(hierarchical_runs(g) for g in axis_links(system, c, "dp"))
+
+
+def expert_parallel_choices(system: System, point, global_batch: int,
+                            precision: tuple = ("bf16", "tensorwise")) -> tuple:
+    """The expert-parallel degrees tried at an outer point (1 for dense models): of those dividing
+    dp x cp and the experts, the one whose step is fastest with the plainest memory savers (ZeRO-1
+    where the framework has it, no recomputation, ``precision``) and the largest (the least expert
+    memory), so ep is weighed against tp and dp without multiplying every inner choice by every
+    degree. ``search`` and ``plan`` try the same ones (cached on the System)."""
+    m, fw = system.model, system.framework
+    dp, pp, tp, mbs, sched, v, layered, cp = point
+    if not m.num_experts or not fw.expert_parallel:
+        return (1,)
+
+    def make():
+        eps = [k for k in range(1, dp * cp + 1) if (dp * cp) % k == 0 and m.num_experts % k == 0]
+        stages = fw.zero_stages_with_pp if pp > 1 else fw.zero_stages
+        zero = next((z for z in (1, 0, 2, 3) if z in stages and (z == 0 or dp * cp > 1)), 0)
+        base = make_config(dp, pp, tp, mbs, sched, v, layered, zero, "none", False, global_batch, cp)
+        base = dataclasses.replace(base, precision=precision[0], fp8_recipe=precision[1])
+        timed = []
+        for k in eps:
+            c = dataclasses.replace(base, ep=k)
+            if check(c, m) is None and fw.check(c) is None:
+                timed.append((_estimate(c, system).step_time_s, k))
+        return tuple(sorted({min(timed)[1], eps[-1]})) if timed else (eps[-1],)
+    return system.cached(("ep-choices", tuple(point), global_batch, tuple(precision)), make)
 
 
 def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hier: bool = False, cp: int = 1,

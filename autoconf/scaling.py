@@ -24,6 +24,12 @@ with GPT-2's BPE for Kaplan et al.; MassiveText with SentencePiece for Chinchill
 - **Checkpoint interval.** Young 1974 (CACM 17(9)): ``tau = sqrt(2 delta M)`` for checkpoint write
   time delta and mean time between failures M; Daly 2006 (FGCS 22(3)) adds the ``- delta`` and
   the restart terms; :func:`expected_wall_time` is the first-order expected time with them.
+- **Mixtures of experts.** Every law above was fitted on dense models. A mixture of experts enters
+  them by what one token goes through: its active parameters (N) and active FLOPs (M), the top-k
+  routed experts and the shared ones, not every expert. Routed models scale between their active
+  and their total size (Clark et al. 2022, arXiv 2202.01169), so for them the predicted loss is
+  an upper estimate, B_crit (which falls as the loss rises) a lower one, and the compute-optimal
+  token count the one of a dense model of the active size.
 """
 
 from __future__ import annotations
@@ -92,16 +98,20 @@ def chinchilla_loss(n_params: float, tokens: float) -> float:
 
 
 def predicted_loss(model, tokens: float, law: str = "kaplan") -> float:
-    """The loss the law predicts for ``model`` (a ModelSpec) trained on ``tokens``."""
+    """The loss the law predicts for ``model`` (a ModelSpec) trained on ``tokens`` (a mixture of
+    experts by its active parameters)."""
     if law == "kaplan":
         return kaplan_loss(non_embedding_params(model), tokens)
     if law == "chinchilla":
-        return chinchilla_loss(model.num_params(), tokens)
+        return chinchilla_loss(model.active_params(), tokens)
     raise UserError(f"--loss-law {law!r}; valid: {', '.join(LOSS_LAWS)}")
 
 
 def non_embedding_params(model) -> float:
-    """Kaplan's N: parameters of the transformer blocks (no embedding, position or output matrix)."""
+    """Kaplan's N: parameters of the transformer blocks (no embedding, position or output matrix);
+    a mixture of experts' active ones (the top-k routed experts and the shared ones per block)."""
+    if model.is_moe:
+        return float(sum(model.active_layer_params(i) for i in range(model.num_layers)))
     return float(model.num_layers * model.layer_params())
 
 
@@ -132,10 +142,16 @@ def minima_from_tokens_at(tokens: float, batch: float, b_crit: float) -> tuple[f
 
 def deepseek_flops_per_token(model) -> float:
     """DeepSeek's M: non-embedding FLOPs per token, forward + backward. Their ``72 n_layer d^2``
-    is 3x the block's matrix multiplies (any block: GQA, SwiGLU) and their ``6 n_layer d l_seq``
-    the causal attention."""
-    matmul = model.layer_forward_flops_per_token() - 4.0 * model.seq_length * model.hidden_size
-    return model.num_layers * (3.0 * matmul + 6.0 * model.hidden_size * model.seq_length)
+    is 3x the block's matrix multiplies (any block: GQA, SwiGLU, MLA) and their ``6 n_layer d l_seq``
+    the causal attention core (half the full-square 4 s q, forward and backward: 6 d s where the
+    query width q is d). A mixture of experts' MoE blocks count their active experts and router
+    (``ModelSpec.moe_layer_forward_flops_per_token``)."""
+    core = model.attention_core_flops()  # 4 s q (scores and weighted sum), MLA's own widths
+    dense = model.layer_forward_flops_per_token()
+    blocks = [model.moe_layer_forward_flops_per_token() if model.is_moe_layer(i) else dense
+              for i in range(model.num_layers)]
+    # the matrix part 3x; the causal attention core at half its full-square FLOPs, 3x (6 d s for MHA)
+    return sum(3.0 * (f - core) + 1.5 * core for f in blocks)
 
 
 def deepseek_batch_tokens(compute_flops: float) -> float:
@@ -151,8 +167,8 @@ def deepseek_learning_rate(compute_flops: float) -> float:
 
 
 def compute_optimal_tokens(model) -> float:
-    """Chinchilla's ~20 tokens per parameter."""
-    return CHINCHILLA_TOKENS.constants["tokens_per_param"] * model.num_params()
+    """Chinchilla's ~20 tokens per parameter (a mixture of experts: per active parameter)."""
+    return CHINCHILLA_TOKENS.constants["tokens_per_param"] * model.active_params()
 
 
 # -- failures and checkpoints --------------------------------------------------------------------

@@ -82,6 +82,26 @@ def test_compute_optimal_tokens_is_twenty_per_parameter():
     assert scaling.compute_optimal_tokens(m) == pytest.approx(20 * m.num_params())
 
 
+def test_a_mixture_of_experts_enters_the_laws_by_its_active_size():
+    """Mixtral 8x7B: 2 of 8 experts per token. Its N is the blocks' active parameters, its
+    compute-optimal tokens 20 per active parameter, and DeepSeek's M counts the top-2 experts'
+    three matrices and the router per block (GQA projections; causal core 6 d s)."""
+    m = preset("mixtral-8x7b")
+    h, f, L, s = 4096, 14336, 32, 4096
+    attn = h * h + 2 * h * 1024 + h * h  # q, k, v (8 of 32 heads), out
+    block = attn + 2 * 3 * h * f + 8 * h + 2 * h  # two experts, the router, two RMSNorms
+    assert scaling.non_embedding_params(m) == pytest.approx(L * block)
+    assert scaling.compute_optimal_tokens(m) == pytest.approx(20 * m.active_params())
+    assert m.active_params() < m.num_params() / 3
+    assert scaling.deepseek_flops_per_token(m) == pytest.approx(L * (3 * 2 * (attn + 2 * 3 * h * f + 8 * h)
+                                                                   + 6 * h * s))
+    # the loss at a given budget is a dense model's of the active size
+    dense = ModelSpec(name="d", num_layers=L, hidden_size=h, num_attention_heads=32, num_kv_heads=8,
+                      ffn_hidden_size=2 * f, vocab_size=32000, seq_length=s, activation="swiglu", norm="rmsnorm",
+                      position_embedding="rope")
+    assert scaling.predicted_loss(m, 1e12) == pytest.approx(scaling.predicted_loss(dense, 1e12), rel=1e-3)
+
+
 def test_young_daly_interval_and_expected_time():
     delta, mtbf = 120.0, 3 * 3600.0
     tau = scaling.young_daly_interval(delta, mtbf)

@@ -495,7 +495,8 @@ def plan_report(r, console) -> None:
     from .timetotrain import LEGEND, _days, _gib, _num, compact
     m, bud = r.model, r.budget
     say = console.print
-    say(f"[bold]autoconf plan[/bold] {m.name}: {m.num_params() / 1e9:,.4g}B parameters, sequence {m.seq_length}; "
+    active = f" ({m.active_params() / 1e9:,.3g}B active)" if m.is_moe else ""
+    say(f"[bold]autoconf plan[/bold] {m.name}: {m.num_params() / 1e9:,.4g}B parameters{active}, sequence {m.seq_length}; "
         f"{r.device} up to {r.grid[-1]:,} GPUs on {r.network}; framework {r.framework}"
         + (f"; FP8 ({r.precision[1]})" if r.precision[0] == "fp8" else "")
         + (f"; profile of {r.profile_kind}" if r.profile_kind else ""))

@@ -41,7 +41,7 @@ from .config import RECOMPUTE, ParallelConfig, check, cp_choices, outer_space, p
 from .cost.estimate import Estimate, _estimate
 from .cost.system import System
 from .errors import UserError
-from .search import dp_hierarchical, framework_inner
+from .search import dp_hierarchical, expert_parallel_choices, framework_inner
 from .topology import Topology
 
 # -- methods ------------------------------------------------------------------------------------
@@ -310,25 +310,35 @@ class PointOptimizer:
         sps = (False, True) if tp > 1 and (self.model.seq_length // cp) % tp == 0 else (False,)
         return [(sp, rc) for sp in sps for rc in RECOMPUTE]
 
-    def _per_layer(self, mbs: int, tp: int, sp: bool, rc: str, cp: int = 1) -> tuple:
+    def _per_layer(self, mbs: int, tp: int, sp: bool, rc: str, cp: int = 1, moe: bool = False) -> tuple:
         """(forward, backward, exposed tp forward, exposed tp backward, host forward, host backward,
         activation bytes) of one block per micro-batch on a rank's s/cp tokens: least over device
-        kinds and compile modes (the context-parallel exchange is left out: at least 0)."""
+        kinds and compile modes (the context-parallel exchange is left out: at least 0). ``moe``: a
+        mixture of experts' MoE block instead, least over every expert-parallel degree (each
+        column on its own; the all-to-alls are left out: at least 0)."""
+        from .cost.moe import moe_activation_bytes, moe_shape
         from .cost.tensor_parallel import tp_times
 
         def make():
-            sys_ = self.system
+            sys_, mod = self.system, self.model
             c = self._prec(ParallelConfig(dp=1, pp=1, tp=tp, micro_batch_size=mbs, num_micro_batches=1,
                                           recompute=rc, sequence_parallel=sp, cp=cp))
+            shapes = [None]
+            if moe:
+                eps = [k for k in range(1, mod.num_experts + 1) if mod.num_experts % k == 0] \
+                    if sys_.framework.expert_parallel else [1]
+                shapes = [moe_shape(sys_, dataclasses.replace(c, ep=k)) for k in eps]
             # accumulates=False: no .grad accumulation pass (the least any configuration pays)
-            lts = [sys_.block(k, mbs, tp, sp, rc, cp=cp, fp8=self.fp8, compiled=comp, accumulates=False)
-                   for k in self.kinds for comp in self.compiled]
+            lts = [sys_.block(k, mbs, tp, sp, rc, cp=cp, fp8=self.fp8, compiled=comp, moe=sh, accumulates=False)
+                   for k in self.kinds for comp in self.compiled for sh in shapes]
             tpt = tp_times(sys_, c, [self.kinds]) if tp > 1 else None
-            act = sys_.layer_activations(c, min(sys_.mask_bytes(k) for k in self.kinds))["total"]
+            mask = min(sys_.mask_bytes(k) for k in self.kinds)
+            act = (moe_activation_bytes if moe else sys_.layer_activations)(*((sys_, c, mask) if moe else (c, mask)))
+            act = act["total"]
             return (min(lt.forward_s for lt in lts), min(lt.backward_s for lt in lts),
                     tpt.forward_per_layer_s if tpt else 0.0, tpt.backward_per_layer_s if tpt else 0.0,
                     min(lt.host_forward_s for lt in lts), min(lt.host_backward_s for lt in lts), act)
-        return self.system.cached(("ttt-layer", mbs, tp, sp, rc, cp, self.fp8), make)
+        return self.system.cached(("ttt-layer", mbs, tp, sp, rc, cp, self.fp8, moe), make)
 
     def _edges(self, mbs: int, tp: int, cp: int = 1) -> tuple:
         def make():
@@ -341,11 +351,12 @@ class PointOptimizer:
         return self.system.cached(("ttt-edges", mbs, tp, cp), make)
 
     def _chunks(self, pp: int, tp: int, v: int, mbs: int, cp: int = 1):
-        """Per chunk (numpy arrays): its blocks, and the embedding / head passes' (forward,
-        backward, host forward, host backward) it carries."""
+        """Per chunk (numpy arrays): its blocks, the embedding / head passes' (forward, backward,
+        host forward, host backward) it carries, and its mixture-of-experts blocks (zeros for a
+        dense model)."""
         import numpy as np
 
-        from .placement import even_layers
+        from .placement import Placement, even_layers
 
         def make():
             n_chunks = pp * v
@@ -354,7 +365,12 @@ class PointOptimizer:
             edge = np.zeros((4, n_chunks))
             edge[:, 0] += (ef, eb, ehf, ehb)
             edge[:, -1] += (hf_, hb_, hhf, hhb)
-            return layers, edge
+            moe = np.zeros(n_chunks)
+            if self.model.is_moe:
+                c = ParallelConfig(dp=1, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1, virtual_stages=v)
+                moe = np.array([sum(self.model.is_moe_layer(i) for i in idx)
+                                for idx in Placement.of(c, self.model.num_layers).chunk_layers()], dtype=float)
+            return layers, edge, moe
         return self.system.cached(("ttt-chunks", pp, tp, v, mbs, cp), make)
 
     def _p2p(self, point, sp: bool):
@@ -374,24 +390,30 @@ class PointOptimizer:
             return np.array(p2p_times(self.system, c, boundary_bytes(self.system, c)))
         return self.system.cached(("ttt-p2p", dp, pp, tp, mbs, sp, cp), make)
 
-    def _floors(self, point, m: int, layer_rows, p2p=None, reductions=None):
+    def _floors(self, point, m: int, layer_rows, p2p=None, reductions=None, moe_rows=None):
         """``schedule_time.pipeline_floor`` over chunk lower bounds, for each row of per-block
         (forward, backward, tp forward, tp backward, host forward, host backward): a numpy vector.
+        ``moe_rows``: the same for a mixture of experts' MoE blocks (``_per_layer(moe=True)``).
         ``p2p`` (options x pp): the transfers micro-batch 0 makes on its way to device d and back
         join its prefix (forward and backward, one per boundary crossed). ``reductions`` (zeros x
         pp, one chunk per device): also a bound per (option, zero) with each device's gradient
         reduction after its last backward."""
         import numpy as np
         dp, pp, tp, mbs, sched, v, layered, cp = point
-        layers, edge = self._chunks(pp, tp, v, mbs, cp)
+        layers, edge, moe = self._chunks(pp, tp, v, mbs, cp)
         a = np.asarray(layer_rows, dtype=float) / self.speedup  # options x 6
+        am = a if moe_rows is None else np.asarray(moe_rows, dtype=float) / self.speedup
+        dense = layers - moe
         edge = edge / self.speedup
-        f = np.outer(a[:, 0], layers) + edge[0]
-        b = np.outer(a[:, 1], layers) + edge[1]
-        tf = np.outer(a[:, 2], layers)
-        tb = np.outer(a[:, 3], layers)
-        hf = np.outer(a[:, 4], layers) + edge[2]
-        hb = np.outer(a[:, 5], layers) + edge[3]
+
+        def col(i):  # options x chunks: the chunk's dense blocks and MoE blocks
+            return np.outer(a[:, i], dense) + np.outer(am[:, i], moe)
+        f = col(0) + edge[0]
+        b = col(1) + edge[1]
+        tf = col(2)
+        tb = col(3)
+        hf = col(4) + edge[2]
+        hb = col(5) + edge[3]
         if self.tp_overlap:  # the collectives can hide under the GEMMs (tensor_parallel.overlapped)
             fwd, bwd = np.maximum(np.maximum(f, tf), hf), np.maximum(np.maximum(b, tb), hb)
         else:
@@ -431,12 +453,25 @@ class PointOptimizer:
         top = slice((v - 1) * pp, v * pp)  # each device's highest chunk
         local_f = fwd.reshape(len(a), v, pp).sum(axis=1)
         b_top = bwd[:, top]
-        start = pre_f + m * local_f + (m - 1) * b_top + b_top / layers[top]
+        # (less all but one block of it: at least the least block's backward)
+        last = b_top / layers[top]
+        if moe_rows is not None:
+            last = np.minimum(last, np.minimum(a[:, 1], am[:, 1])[:, None])
+        start = pre_f + m * local_f + (m - 1) * b_top + last
         return floor, (start[:, None, :] + np.asarray(reductions)[None, :, :]).max(axis=2)
 
-    def _stage_params(self, pp: int, tp: int, v: int):
-        """Per stage (numpy arrays): parameters of its chunks' tp shards, and its smallest chunk's
-        blocks."""
+    def _max_ep(self, point) -> int:
+        """The largest expert-parallel degree any configuration of ``point`` runs (1 for a dense
+        model): the least routed-expert parameters per rank."""
+        dp, pp, tp, mbs, sched, v, layered, cp = point
+        m = self.model
+        if not m.is_moe or not self.system.framework.expert_parallel:
+            return 1
+        return max(k for k in range(1, dp * cp + 1) if (dp * cp) % k == 0 and m.num_experts % k == 0)
+
+    def _stage_params(self, pp: int, tp: int, v: int, ep: int = 1):
+        """Per stage (numpy arrays): parameters of its chunks' tp shards (a mixture of experts'
+        E/ep routed experts per MoE block), and its smallest chunk's blocks."""
         import numpy as np
 
         from .cost.layout import chunk_params
@@ -444,7 +479,8 @@ class PointOptimizer:
 
         def make():
             n_chunks = pp * v
-            c = ParallelConfig(dp=1, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1, virtual_stages=v)
+            c = ParallelConfig(dp=1, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1, virtual_stages=v,
+                               ep=ep)
             layers = even_layers(self.model.num_layers, n_chunks)
             cp = chunk_params(self.system, c, layers)
             params = np.array([sum(cp[ci] for ci in range(s, n_chunks, pp)) for s in range(pp)])
@@ -452,7 +488,7 @@ class PointOptimizer:
             buffers = np.array([sum((ci > 0) + (ci < n_chunks - 1) for ci in range(s, n_chunks, pp))
                                 for s in range(pp)], dtype=float)
             return params, least, buffers
-        return self.system.cached(("ttt-stage", pp, tp, v), make)
+        return self.system.cached(("ttt-stage", pp, tp, v, ep), make)
 
     def _live(self, sched: str, pp: int, m: int, v: int, layered: bool):
         """Per stage, the fewest activation sets (one micro-batch through one chunk) its schedule
@@ -483,7 +519,9 @@ class PointOptimizer:
         from .cost.memory import state_bytes_per_param, zero3_working_bytes
         dp, pp, tp, mbs, sched, v, layered, cp = point
         sys_, mod = self.system, self.model
-        params, least, buffers = self._stage_params(pp, tp, v)
+        # routed experts at the largest ep: per rank at most what any ep holds, and their ZeRO
+        # shards over dp x cp / ep come to the dense sharding over dp x cp of all E experts
+        params, least, buffers = self._stage_params(pp, tp, v, self._max_ep(point))
         live = self._live(sched, pp, m, v, layered)
         units = live * (mod.num_layers if (pp == 1 and layered) else least)  # blocks' activation sets
         rest = np.zeros(pp) + min(device_type(k).framework_overhead_bytes for k in self.kinds)
@@ -504,7 +542,7 @@ class PointOptimizer:
     def _optimizer_floor(self, point, zeros):
         import numpy as np
         dp, pp, tp, mbs, sched, v, layered, cp = point
-        top = float(self._stage_params(pp, tp, v)[0].max())
+        top = float(self._stage_params(pp, tp, v, self._max_ep(point))[0].max())
         return np.array([min(self.system.optimizer_time(k, top / (dp * cp if self._state_zero(point, z) >= 1 else 1))
                              for k in self.kinds) for z in zeros])
 
@@ -531,6 +569,9 @@ class PointOptimizer:
             layers = even_layers(self.model.num_layers, pp * v)
             params = chunk_params(self.system, ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1,
                                                               num_micro_batches=1, virtual_stages=v), layers)
+            # a mixture of experts: its dense parameters only (the routed experts' reductions over
+            # dp x cp / ep queue after them: at least 0)
+            params = [p - e for p, e in zip(params, self._expert_chunk_params(pp, tp, v))]
             distinct = sorted(set(params))
             lay = _ChunkParams(tuple(distinct))  # one chunk of each size: the reductions are per chunk
             where = [distinct.index(x) for x in params]
@@ -571,6 +612,18 @@ class PointOptimizer:
         red = self.system.cached(("ttt-red", dp, pp, tp, v, cp, self.fp8), make)
         return [red[z] for z in zeros]
 
+    def _expert_chunk_params(self, pp: int, tp: int, v: int) -> list:
+        """Per chunk, its routed experts' parameters per tp shard at ep = 1 (all E experts of each
+        MoE block, ``cost.layout``'s count); zeros for a dense model."""
+        m = self.model
+        if not m.is_moe:
+            return [0.0] * (pp * v)
+        from .placement import Placement
+        c = ParallelConfig(dp=1, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1, virtual_stages=v)
+        etp = tp if self.system.framework.expert_tensor_parallel else 1
+        return [sum(m.is_moe_layer(i) for i in idx) * m.num_experts * m.expert_params() / etp
+                for idx in Placement.of(c, m.num_layers).chunk_layers()]
+
     def _micro_batch_dp_floor(self, point, m: int, red) -> float:
         """The busiest device's ZeRO-2/3 traffic over the micro-batches (see _reduction_floor)."""
         dp, pp, tp, mbs, sched, v, layered, cp = point
@@ -594,7 +647,10 @@ class PointOptimizer:
         zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
         opts = self._options(tp, cp)
         rows = [self._per_layer(mbs, tp, sp, rc, cp) for sp, rc in opts]
-        fits = self._memory_floors(point, m, [r[6] for r in rows], zeros) <= self.capacity
+        mrows = [self._per_layer(mbs, tp, sp, rc, cp, moe=True) for sp, rc in opts] if self.model.is_moe else None
+        # a mixture of experts: every block's activations at least the lesser of a dense and an MoE block's
+        acts = [min(r[6], mr[6]) for r, mr in zip(rows, mrows)] if mrows else [r[6] for r in rows]
+        fits = self._memory_floors(point, m, acts, zeros) <= self.capacity
         if not fits.any():
             return {}
         keep = np.nonzero(fits.any(axis=1))[0]
@@ -606,7 +662,8 @@ class PointOptimizer:
         # interleave with the cool-down)
         standard = dp * cp > 1 and ((v == 1 and (pp > 1 or not layered)) or sched == "breadth_first")
         got = self._floors(point, m, [rows[i][:6] for i in keep], [self._p2p(point, opts[i][0]) for i in keep],
-                           [r[3] for r in red] if standard else None)
+                           [r[3] for r in red] if standard else None,
+                           [mrows[i][:6] for i in keep] if mrows else None)
         floors, tails = got if standard else (got, None)
         out = {}
         for j, i in enumerate(keep):
@@ -618,6 +675,10 @@ class PointOptimizer:
         return out
 
     # -- the search ------------------------------------------------------------------------------
+    def eps(self, point, global_batch: int) -> tuple:
+        """The expert-parallel degrees tried at ``point``: ``search``'s (1 for a dense model)."""
+        return expert_parallel_choices(self.system, point, global_batch, self.precision)
+
     def points(self, world: int, global_batch: int) -> list:
         fw = self.system.framework
         out = []
@@ -695,7 +756,8 @@ class PointOptimizer:
             hier = dp_hierarchical(self.system, dp, pp, tp) if dp > 1 else False
             inner = [(b[(c.sequence_parallel, c.recompute, c.zero_stage)], c)
                      for c in framework_inner(self.system.framework, dp, pp, tp, mbs, sched, v, layered,
-                                              global_batch, hier, cp)
+                                              global_batch, hier, cp, moe_experts=self.model.num_experts,
+                                              eps=self.eps(p, global_batch))
                      if (c.sequence_parallel, c.recompute, c.zero_stage) in b]
             for clb, c in sorted(inner, key=lambda x: x[0]):
                 consider(c, clb)
@@ -705,8 +767,8 @@ class PointOptimizer:
 
 @dataclass(frozen=True)
 class _ChunkParams:
-    """What ``data_parallel._reduction`` reads of a layout: each chunk's parameters (the planner
-    prices dense models' reductions: no routed experts)."""
+    """What ``data_parallel._reduction`` reads of a layout: each chunk's parameters (the planner's
+    reduction floor takes a mixture of experts' dense parameters only: no routed experts)."""
 
     chunk_params: tuple
     chunk_expert_params: tuple = ()
@@ -748,7 +810,7 @@ def _neighbours(seeds, world: int, global_batch: int):
             mbs = max((b for b in range(1, c.micro_batch_size + 1) if per_replica % b == 0), default=1)
             out.append(dataclasses.replace(c, dp=d["dp"], pp=d["pp"], tp=d["tp"], micro_batch_size=mbs,
                                            num_micro_batches=per_replica // mbs, stage_layers=None,
-                                           device_order=None))
+                                           device_order=None, ep=math.gcd(c.ep, d["dp"] * c.cp)))
     return out
 
 
@@ -1049,7 +1111,8 @@ class PlanResult:
     def to_dict(self) -> dict:
         sh = self.shortest()
         sat = self.saturation()
-        out = {"model": self.model.to_dict(), "num_params": self.model.num_params(), "device": self.device,
+        out = {"model": self.model.to_dict(), "num_params": self.model.num_params(),
+               "active_params": self.model.active_params(), "device": self.device,
                "network": self.network, "networks": list(self.networks), "framework": self.framework,
                "precision": self.precision[0], "fp8_recipe": self.precision[1] if self.precision[0] == "fp8" else None,
                "profile_device_kind": self.profile_kind, "max_cp": self.max_cp, "placement": self.placed,
@@ -1139,9 +1202,6 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     from . import scaling
     from .frameworks import framework as framework_model
     t0 = time.perf_counter()
-    if model.is_moe:
-        raise UserError(f"model {model.name} is a mixture of experts: the planner prices dense models only; "
-                        "use `autoconf search` (it searches expert parallelism) on a cluster file")
     fw = framework_model(framework)
     bud = make_budget(model, tokens, batch_law, loss_law, global_batch, batch_factors)
     for name, v in (("--price-per-gpu-hour", price_per_gpu_hour), ("--deadline", deadline_days),
@@ -1278,6 +1338,10 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                      f"{max_days:g} days (--max-days)")
     if not fw.layered_grad_accum and "breadth_first" not in fw.schedules:
         notes.append(f"framework {fw.name} has no layered accumulation: those rows equal the ones without it")
+    if model.is_moe:
+        notes.append("mixture of experts: routing perfectly balanced, the expert-parallel all-to-alls exposed (no "
+                     "overlap such as DualPipe's), the scaling laws read at its active parameters "
+                     f"({model.active_params() / 1e9:,.3g}B of {model.num_params() / 1e9:,.4g}B)")
     if prec[0] == "fp8":
         notes.append(f"FP8 matmuls ({prec[1]} scaling) in every plan: faster GEMMs and different numerics than "
                      f"{model.dtype}; the attention core and the output layer stay in {model.dtype}")
@@ -1378,12 +1442,13 @@ _SCHED = {"gpipe": "gp", "1f1b": "1f1b", "interleaved": "il", "breadth_first": "
 
 
 def compact(c: ParallelConfig) -> str:
-    """dp/pp/tp, cp<k> (context parallel), micro-batch, schedule (gp, 1f1b, il<v>, bf<v>; L:
-    layered), ZeRO, recompute, sp."""
+    """dp/pp/tp, cp<k> (context parallel), ep<k> (expert parallel), micro-batch, schedule (gp,
+    1f1b, il<v>, bf<v>; L: layered), ZeRO, recompute, sp."""
     s = _SCHED[c.schedule] + (str(c.virtual_stages) if c.virtual_stages > 1 else "")
     if c.layered_grad_accum and c.schedule != "breadth_first":
         s += "L"
-    parts = [f"{c.dp}/{c.pp}/{c.tp}"] + ([f"cp{c.cp}"] if c.cp > 1 else []) + [f"b{c.micro_batch_size}", s]
+    parts = ([f"{c.dp}/{c.pp}/{c.tp}"] + ([f"cp{c.cp}"] if c.cp > 1 else []) + ([f"ep{c.ep}"] if c.ep > 1 else [])
+             + [f"b{c.micro_batch_size}", s])
     if c.zero_stage:
         parts.append(f"z{c.zero_stage}")
     if c.recompute != "none":
@@ -1395,8 +1460,8 @@ def compact(c: ParallelConfig) -> str:
     return " ".join(parts)
 
 
-LEGEND = ("config: dp/pp/tp, cp context parallel, micro-batch b, schedule (gp gpipe, 1f1b, il<v> interleaved, bf<v> "
-          "breadth-first; L layered), z ZeRO stage, sel/full recompute, sp sequence parallel")
+LEGEND = ("config: dp/pp/tp, cp context parallel, ep expert parallel, micro-batch b, schedule (gp gpipe, 1f1b, "
+          "il<v> interleaved, bf<v> breadth-first; L layered), z ZeRO stage, sel/full recompute, sp sequence parallel")
 
 
 def _num(x: float) -> str:

@@ -177,16 +177,18 @@ class _UniformTopology(Topology):
         """Devices per host for bandwidth (per NVLink domain where domains span hosts)."""
 
 
-def planning_system(model, cluster, framework=None, profile=None) -> System:
+def planning_system(model, cluster, framework=None, profile=None, moe_imbalance: float = 1.0) -> System:
     """The System the planner estimates with: the uniform fast path for one node group without a
     profile. With ``profile`` it is ``search``'s own (``System(model, cluster, profile)``): the
     profile's device measurements (per-layer compute, GEMM table, collective efficiency) price the
     cluster's devices of the profiled kind, and its measured links overlay the cluster's first
     hosts in order (a profile of one node: the first node's links), so that the printed search
-    command finds the same times."""
+    command finds the same times. ``moe_imbalance``: a mixture of experts' load imbalance
+    (``System.moe_imbalance``)."""
     if profile is None and len(cluster.node_groups) == 1:
-        return System(model, cluster, topology=_UniformTopology(cluster), framework=framework)
-    return System(model, cluster, profile, framework=framework)
+        return System(model, cluster, topology=_UniformTopology(cluster), framework=framework,
+                      moe_imbalance=moe_imbalance)
+    return System(model, cluster, profile, framework=framework, moe_imbalance=moe_imbalance)
 
 
 def _aligned(stride: int, n: int, per: int) -> bool:
@@ -1039,6 +1041,8 @@ class PlanResult:
     """GPU counts left out because, with ``mtbf_per_gpu_h``, the job would fail faster than it
     progresses (``scaling.expected_wall_time``)."""
     max_micro_batch: int = MAX_MICRO_BATCH
+    moe_imbalance: float = 1.0
+    """A mixture of experts' load imbalance the plans were priced at (``--moe-imbalance``)."""
     """The largest micro-batch tried (``--max-micro-batch``), for the printed search command."""
 
     # -- selections ----------------------------------------------------------------------------
@@ -1102,6 +1106,8 @@ class PlanResult:
         extra = "" if self.max_cp is None else f" --max-cp {self.max_cp}"
         if self.max_micro_batch != MAX_MICRO_BATCH:
             extra += f" --max-micro-batch {self.max_micro_batch}"
+        if self.moe_imbalance != 1.0:
+            extra += f" --moe-imbalance {self.moe_imbalance:g}"
         if self.profile_kind is not None:
             extra += f" --profile {shlex.quote(self.profile_path or 'PROFILE.json')}"
         return (f"autoconf search --model {shlex.quote(model_ref)} --cluster {shlex.quote(path)}{extra} "
@@ -1118,6 +1124,7 @@ class PlanResult:
                "profile_device_kind": self.profile_kind, "max_cp": self.max_cp, "placement": self.placed,
                "budget": self.budget.to_dict(), "grid": list(self.grid), "skipped_gpus": list(self.skipped),
                "never_finish": list(self.never_finish), "max_micro_batch": self.max_micro_batch,
+               "moe_imbalance": self.moe_imbalance,
                "max_days": self.max_days,
                "price_per_gpu_hour": self.price, "deadline_days": self.deadline_days, "budget_cost": self.budget_cost,
                "mtbf_per_gpu_hours": self.mtbf_per_gpu_h, "checkpoint_s": self.checkpoint_s,
@@ -1190,7 +1197,7 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
          mtbf_per_gpu_h: float | None = None, checkpoint_s: float = 120.0, restart_s: float = 600.0,
          max_days: float = 365.0, max_micro_batch: int = MAX_MICRO_BATCH, progress=None, profile=None,
          precision: str = "bf16", fp8_recipe: str | None = None, max_cp: int | None = None,
-         place: bool = False, place_budget_s: float = 30.0) -> PlanResult:
+         place: bool = False, place_budget_s: float = 30.0, moe_imbalance: float = 1.0) -> PlanResult:
     """Sweep GPU counts x batches x methods x networks; see the module docstring. ``profile``: a
     profile from ``autoconf profile`` taken on the cluster's device kind (``planning_system``);
     ``precision``: the matmul precision of every plan, bf16 (the model's dtype) or fp8 with
@@ -1198,7 +1205,8 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     context-parallel degree (``config.cp_choices``; default by sequence length, as ``search``).
     ``place``: after the sweep, the fastest plan of each GPU count, method and network gets
     ``search``'s placement (the graph heuristic, then its local search over device order and
-    uneven layer splits; the reference trainer only), within ``place_budget_s`` in all."""
+    uneven layer splits; the reference trainer only), within ``place_budget_s`` in all.
+    ``moe_imbalance``: a mixture of experts' load imbalance (``System.moe_imbalance``, as ``search``)."""
     from . import scaling
     from .frameworks import framework as framework_model
     t0 = time.perf_counter()
@@ -1247,7 +1255,7 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     if fp8_recipe is not None and precision != "fp8":
         raise UserError(f"--fp8-recipe {fp8_recipe}: needs --precision fp8")
     from .search import precision_choices
-    systems = {net_names[0]: planning_system(model, first, fw.name, profile)}  # the sweep's first System
+    systems = {net_names[0]: planning_system(model, first, fw.name, profile, moe_imbalance)}  # the first System
     (prec,) = precision_choices(systems[net_names[0]], precision, fp8_recipe)
     # GPU counts worth sweeping: the run would take at most --max-days at the datasheet peak
     from .catalog import device_type
@@ -1287,7 +1295,8 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
 
     for net in net_names:
         if net not in systems:
-            systems[net] = planning_system(model, clusters[net], framework=fw.name, profile=profile)
+            systems[net] = planning_system(model, clusters[net], framework=fw.name, profile=profile,
+                                           moe_imbalance=moe_imbalance)
         system = systems[net]
         opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp)
         opt.oom = shared_oom
@@ -1339,8 +1348,10 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     if not fw.layered_grad_accum and "breadth_first" not in fw.schedules:
         notes.append(f"framework {fw.name} has no layered accumulation: those rows equal the ones without it")
     if model.is_moe:
-        notes.append("mixture of experts: routing perfectly balanced, the expert-parallel all-to-alls exposed (no "
-                     "overlap such as DualPipe's), the scaling laws read at its active parameters "
+        routing = ("routing perfectly balanced (--moe-imbalance 1)" if moe_imbalance == 1.0 else
+                   f"the busiest expert rank {moe_imbalance:g}x its balanced share (--moe-imbalance)")
+        notes.append(f"mixture of experts: {routing}, the expert-parallel all-to-alls exposed (no overlap such as "
+                     "DualPipe's), the scaling laws read at its active parameters "
                      f"({model.active_params() / 1e9:,.3g}B of {model.num_params() / 1e9:,.4g}B)")
     if prec[0] == "fp8":
         notes.append(f"FP8 matmuls ({prec[1]} scaling) in every plan: faster GEMMs and different numerics than "
@@ -1356,7 +1367,7 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                       restart_s=restart_s, max_days=max_days, stats=stats, elapsed_s=time.perf_counter() - t0,
                       methods=tuple(methods), notes=notes, precision=prec, profile_kind=prof_kind,
                       max_cp=max_cp, placed=placed, never_finish=tuple(gone),
-                      max_micro_batch=max_micro_batch)
+                      max_micro_batch=max_micro_batch, moe_imbalance=moe_imbalance)
 
 
 def _place_rows(rows: list, systems: dict, methods, make_row, budget_s: float) -> dict:
@@ -1588,6 +1599,9 @@ def add_plan_parser(sub):
     p.add_argument("--max-days", default="365", help="leave out GPU counts that would take longer even at the "
                    "datasheet peak (default 365 days)")
     p.add_argument("--max-micro-batch", type=int, default=MAX_MICRO_BATCH)
+    p.add_argument("--moe-imbalance", type=float, default=1.0,
+                   help="mixture of experts: the busiest expert rank's tokens over the balanced share "
+                        "(default 1.0, perfectly balanced; as `search`)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--plot", metavar="DIR", help="write days_vs_gpus and cost_vs_days as PNG and SVG")
     p.add_argument("--cluster-out", metavar="FILE", help="write the synthetic cluster file of the main network")
@@ -1663,7 +1677,8 @@ def cmd_plan(args) -> int:
                  deadline_days=deadline, budget=budget, compare_networks=compare if cluster is None else (),
                  mtbf_per_gpu_h=mtbf, checkpoint_s=ckpt, restart_s=restart, max_days=max_days,
                  max_micro_batch=args.max_micro_batch, progress=progress, profile=profile,
-                 precision=args.precision, fp8_recipe=args.fp8_recipe, max_cp=args.max_cp, place=args.place)
+                 precision=args.precision, fp8_recipe=args.fp8_recipe, max_cp=args.max_cp, place=args.place,
+                 moe_imbalance=args.moe_imbalance)
     finally:
         if bar is not None:
             bar.stop()

@@ -541,3 +541,14 @@ def test_a_mixture_of_experts_is_planned_with_expert_parallelism():
     assert cmd[:3] == ["autoconf", "search", "--model"]
     ref = search(m, T.synthetic_cluster("h100-sxm", 32, "ib"), 64, gpus=sh["gpus"], storage=None, place=False, top=1)
     assert ref.top[0].step_time_s == pytest.approx(sh["step_time_s"], rel=1e-9)
+    # an imbalanced router is priced as search prices it, and the printed command says so
+    r = T.plan(m, device="h100-sxm", max_gpus=16, compare_networks=(), batch_law="fixed", global_batch=64,
+               tokens=1e11, moe_imbalance=1.3)
+    assert "--moe-imbalance 1.3" in r.search_command(r.shortest()) and r.to_dict()["moe_imbalance"] == 1.3
+    slow = search(m, T.synthetic_cluster("h100-sxm", 16, "ib"), 64, storage=None, place=False, top=1,
+                  moe_imbalance=1.3)
+    assert slow.top[0].step_time_s == pytest.approx(r.shortest().step_time_s, rel=1e-9)
+    assert any("1.3x its balanced share" in n for n in r.notes)
+    bad = subprocess.run([sys.executable, "-m", "autoconf", "plan", "--model", "qwen3-30b-a3b", "--device", "h100-sxm",
+                          "--max-gpus", "16", "--moe-imbalance", "0.5"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--moe-imbalance 0.5" in bad.stderr and "Traceback" not in bad.stderr

@@ -26,6 +26,18 @@ Published figures used (nothing here is fitted to them):
   (InfiniBand, 200 Gbit/s per GPU). The GPU count is not published; 2,048 is assumed here, so the
   comparison is in GPU-hours (which barely depend on it).
 
+- DeepSeek-V3 (DeepSeek-AI, arXiv 2412.19437, sec. 3.1-3.3 and table 1): 2,048 H800 GPUs, 8 per
+  node on NVLink / NVSwitch, InfiniBand across nodes; 2,664K GPU-hours of pre-training on 14.8T
+  tokens (= 54.2 days on 2,048 GPUs); sequence 4,096, batch 15,360 sequences (after a ramp from
+  3,072 over the first 469B tokens, not modelled); FP8 mixed precision (their fine-grained 1x128 /
+  128x128 scaling; priced here with the framework's FP8 recipe); pp 16, ep 64 over 8 nodes,
+  ZeRO-1 data parallelism, no tensor parallelism, their DualPipe schedule, which hides the
+  all-to-alls under computation (not modelled: autoconf prices them exposed). The H800 is an H100
+  SXM with NVLink cut to 400 GB/s (200 GB/s each way), the same compute and HBM; one 400 Gbit/s
+  InfiniBand NIC per GPU. The model is the ``deepseek-v3`` preset (MLA, 1 shared + 256 routed
+  experts, 8 active, 3 dense blocks first; without the multi-token-prediction module, about 2% of
+  the compute).
+
 Failures: 50,000 h mean time between failures per GPU, from Llama 3's 419 unexpected interruptions
 in 54 days on 16,384 H100s (Dubey et al., arXiv 2407.21783, sec. 3.3.4: 54 x 24 x 16384 / 419 =
 50,700 h); a checkpoint every Young/Daly interval taking 5 min to write, 30 min to restart.
@@ -58,6 +70,9 @@ BLOOM = ModelSpec(name="bloom-176b", num_layers=70, hidden_size=14336, num_atten
 JEAN_ZAY = cluster_from_mapping({"name": "jean-zay-a100", "node_groups": [
     {"count": 48, "device": "a100-80gb", "gpus_per_node": 8, "intra_node_bandwidth": "300 GB/s",
      "nics": {"count": 4, "bandwidth": "100 Gbit/s", "kind": "omnipath"}}]})
+H800 = cluster_from_mapping({"name": "h800-256x8", "node_groups": [
+    {"count": 256, "device": "h100-sxm", "gpus_per_node": 8, "intra_node_bandwidth": "200 GB/s",
+     "nics": {"count": 8, "bandwidth": "400 Gbit/s", "kind": "infiniband"}}]})
 MTBF_H, CKPT_S, RESTART_S = 50_000.0, 300.0, 1800.0
 _ACC = stated_accuracy()
 STATED = (f"median |error| {100 * _ACC['median_abs_error']:.1f}%, max {100 * _ACC['max_abs_error']:.0f}% "
@@ -119,6 +134,35 @@ def main() -> None:
     m2 = 6 * ll.num_params() * 2e12 / (pub_h * 3600) / 312e12
     notes.append(f"Llama-2-70B: the published GPU-hours mean {100 * m2:.0f}% of peak (6ND model FLOPs); the planner's "
                  f"best runs at {100 * b2.estimate.mfu:.0f}% MFU")
+
+    # DeepSeek-V3: the published layout estimated as is, and the planner's best on 2,048 H800s
+    ds = preset("deepseek-v3")
+    ds_steps = 14.8e12 / (15360 * 4096)
+    ds_pub = 2_664_000
+    for rc in ("none", "selective", "full"):
+        cfg3 = ParallelConfig(dp=128, pp=16, tp=1, micro_batch_size=1, num_micro_batches=15360 // 128,
+                              schedule="1f1b", zero_stage=1, recompute=rc, ep=64, precision="fp8",
+                              fp8_recipe="tensorwise")
+        e3 = estimate(cfg3, ds, H800, framework="megatron")
+        if e3.fits:
+            break
+    d3 = restarts(ds_steps * e3.step_time_s, 2048) / 86400
+    out.add_row("DeepSeek-V3, published layout (1F1B for DualPipe)",
+                compact(cfg3) + f" ({'fits' if e3.fits else 'OOM'})", f"{e3.step_time_s:.3g}", f"{ds_steps:,.0f}",
+                f"{d3:.1f}", f"{d3 * 24 * 2048:,.0f}", f"{ds_pub:,} GPU-h", f"{d3 * 24 * 2048 / ds_pub:.2f}")
+    r3 = plan(ds, cluster=H800, max_gpus=2048, framework="megatron", tokens=14.8e12, batch_law="fixed",
+              global_batch=15360, precision="fp8", mtbf_per_gpu_h=MTBF_H, checkpoint_s=CKPT_S, restart_s=RESTART_S,
+              max_days=10_000)
+    b3 = [x for x in r3.select(method="all") if x.gpus == 2048][0]
+    out.add_row("DeepSeek-V3, planner's best", compact(b3.estimate.config), f"{b3.step_time_s:.3g}",
+                f"{b3.steps:,.0f}", f"{b3.days:.1f}", f"{b3.gpu_hours:,.0f}", f"{ds_pub:,} GPU-h",
+                f"{b3.gpu_hours / ds_pub:.2f}")
+    for name, e_ in (("published layout", e3), ("planner's best", b3.estimate)):
+        a2a = e_.breakdown_s.get("ep_comm", 0.0)
+        notes.append(f"DeepSeek-V3, {name}: all-to-alls {100 * a2a / e_.step_time_s:.0f}% of the step, priced "
+                     f"exposed (DualPipe hides them); without them {e_.step_time_s - a2a:.3g} s per step, "
+                     f"{(e_.step_time_s - a2a) / e_.step_time_s * (d3 if e_ is e3 else b3.days) * 24 * 2048 / ds_pub:.2f}"
+                     " of the published GPU-hours")
     con = Console(width=140)
     con.print(out)
     for n in notes:

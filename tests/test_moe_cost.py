@@ -137,6 +137,24 @@ def test_moe_activation_memory_closed_form():
     assert got["total"] == pytest.approx(dense["total"] - dense_mlp + expert + extra)
 
 
+def test_layered_accumulation_at_pp1_keeps_every_moe_blocks_activations():
+    """Layered accumulation at pp = 1 keeps every micro-batch's saved activations of every block
+    until the backward: the MoE blocks' are their own (the experts' rows, the permuted tokens),
+    not a dense block's, and their gradients are those of E/ep experts."""
+    from autoconf.cost.stage_memory import _block_params
+    c = cfg(dp=8, ep=8, num_micro_batches=4, layered_grad_accum=True)
+    s = System(SMALL_MOE, H100, framework="reference")
+    e = estimate(c, SMALL_MOE, ctx=s)
+    moe_act, dense_act = moe_activation_bytes(s, c, 1)["total"], s.layer_activations(c, 1)["total"]
+    assert moe_act > 1.5 * dense_act
+    n_moe = SMALL_MOE.num_moe_layers
+    assert e.memory_by_stage[0].activations >= 4 * (n_moe * moe_act + (8 - n_moe) * dense_act)
+    blocks = _block_params(s, c)
+    experts = 64 // 8 * SMALL_MOE.expert_params()
+    assert blocks[0] == SMALL_MOE.layer_params(0) and blocks[1] == pytest.approx(
+        SMALL_MOE.layer_params(1) - 64 * SMALL_MOE.expert_params() + experts)
+
+
 def test_estimate_has_ep_term_and_search_weighs_ep():
     e = estimate(cfg(ep=8, tp=8), MIXTRAL, H100, framework="megatron")
     assert set(e.breakdown_s) == set(TIME_TERMS) and e.breakdown_s["ep_comm"] > 0

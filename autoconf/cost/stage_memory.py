@@ -187,9 +187,31 @@ def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: di
     dx = schedule_time.boundary_bytes(system, c)
     units = [(embedding_activation_bytes(local, b, t, sp, mask), m.embedding_params() / t * grad_bytes, 0.0, 0.0)]
     block_transient = act_layer.get("recompute_working_bytes", 0.0) + block_backward_temporary_bytes(local, b, t)
-    units += [(act_layer["total"], m.layer_params() / t * grad_bytes, block_transient, dx) for _ in range(m.num_layers)]
+    if m.is_moe:  # its MoE blocks: their own activations, working set and E/ep experts' gradients
+        from .moe import moe_activation_bytes
+        moe_act = moe_activation_bytes(system, c, mask)
+        moe_transient = (max(act_layer.get("recompute_working_bytes", 0.0), _moe_working(system, c, lay))
+                         if c.recompute == "full" else moe_act.get("recompute_working_bytes", 0.0))
+        moe_transient += block_backward_temporary_bytes(local, b, t)
+        blocks = _block_params(system, c)
+        units += [(moe_act["total"], p * grad_bytes, moe_transient, dx) if m.is_moe_layer(i)
+                  else (act_layer["total"], p * grad_bytes, block_transient, dx) for i, p in enumerate(blocks)]
+    else:
+        units += [(act_layer["total"], m.layer_params() / t * grad_bytes, block_transient, dx)
+                  for _ in range(m.num_layers)]
     units.append((head_activation_bytes(local, b, t, sp, mask), m.output_params() / t * grad_bytes, ce_grad, dx))
     return _with_reduction_in_flight(system, c, units)
+
+
+def _block_params(system: System, c: ParallelConfig) -> list:
+    """Each block's parameters on a rank (its tp shard; a mixture of experts' E/ep routed experts
+    per MoE block), as ``layout.chunk_params`` counts them one block per chunk."""
+    from .layout import chunk_params
+    m = system.model_at(c.tp)
+    per = chunk_params(system, c, [1] * m.num_layers)
+    per[0] -= m.embedding_params() / c.tp
+    per[-1] -= m.output_params() / c.tp
+    return per
 
 
 def _with_reduction_in_flight(system: System, c: ParallelConfig, units: list) -> list:
@@ -201,8 +223,8 @@ def _with_reduction_in_flight(system: System, c: ParallelConfig, units: list) ->
     if c.dp * c.cp == 1 or c.zero_stage == 3:
         return units
     m = system.model_at(c.tp)
-    params = [m.embedding_params()] + [m.layer_params()] * m.num_layers + [m.output_params()]
-    copy = [p / c.tp * system.grad_bytes for p in params]
+    blocks = _block_params(system, c) if m.is_moe else [m.layer_params() / c.tp] * m.num_layers
+    copy = [p * system.grad_bytes for p in [m.embedding_params() / c.tp] + blocks + [m.output_params() / c.tp]]
     return [(a, g, bt + (copy[i + 1] if i + 1 < len(units) else 0.0), ig)
             for i, (a, g, bt, ig) in enumerate(units)]
 

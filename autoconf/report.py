@@ -496,7 +496,8 @@ def plan_report(r, console) -> None:
     m, bud = r.model, r.budget
     say = console.print
     active = f" ({m.active_params() / 1e9:,.3g}B active)" if m.is_moe else ""
-    say(f"[bold]autoconf plan[/bold] {m.name}: {m.num_params() / 1e9:,.4g}B parameters{active}, sequence {m.seq_length}; "
+    say(f"[bold]autoconf plan[/bold] {m.name}: {m.num_params() / 1e9:,.4g}B parameters{active}, "
+        f"sequence {m.seq_length}; "
         f"{r.device} up to {r.grid[-1]:,} GPUs on {r.network}; framework {r.framework}"
         + (f"; FP8 ({r.precision[1]})" if r.precision[0] == "fp8" else "")
         + (f"; profile of {r.profile_kind}" if r.profile_kind else ""))

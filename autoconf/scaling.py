@@ -146,12 +146,15 @@ def deepseek_flops_per_token(model) -> float:
     the causal attention core (half the full-square 4 s q, forward and backward: 6 d s where the
     query width q is d). A mixture of experts' MoE blocks count their active experts and router
     (``ModelSpec.moe_layer_forward_flops_per_token``)."""
-    core = model.attention_core_flops()  # 4 s q (scores and weighted sum), MLA's own widths
-    dense = model.layer_forward_flops_per_token()
-    blocks = [model.moe_layer_forward_flops_per_token() if model.is_moe_layer(i) else dense
-              for i in range(model.num_layers)]
-    # the matrix part 3x; the causal attention core at half its full-square FLOPs, 3x (6 d s for MHA)
-    return sum(3.0 * (f - core) + 1.5 * core for f in blocks)
+    # block by block (a windowed block attends to fewer keys): the matrix part 3x; the causal
+    # attention core (4 s q, MLA's own widths) at half its full-square FLOPs, 3x (6 d s for MHA)
+    total = 0.0
+    for i in range(model.num_layers):
+        f = (model.moe_layer_forward_flops_per_token(i) if model.is_moe_layer(i)
+             else model.layer_forward_flops_per_token(i))
+        core = model.attention_core_flops(i)
+        total += 3.0 * (f - core) + 1.5 * core
+    return total
 
 
 def deepseek_batch_tokens(compute_flops: float) -> float:

@@ -425,6 +425,12 @@ def dp_hierarchical(system: System, dp: int, pp: int, tp: int) -> bool:
     return any(hierarchical_runs(g) for g in axis_links(system, c, "dp"))
 
 
+def ep_degrees(ranks: int, experts: int) -> list:
+    """Expert-parallel degrees possible over ``ranks`` (dp x cp) ranks: those dividing both it and
+    the expert count."""
+    return [k for k in range(1, ranks + 1) if ranks % k == 0 and experts % k == 0]
+
+
 def expert_parallel_choices(system: System, point, global_batch: int,
                             precision: tuple = ("bf16", "tensorwise")) -> tuple:
     """The expert-parallel degrees tried at an outer point (1 for dense models): of those dividing
@@ -438,7 +444,7 @@ def expert_parallel_choices(system: System, point, global_batch: int,
         return (1,)
 
     def make():
-        eps = [k for k in range(1, dp * cp + 1) if (dp * cp) % k == 0 and m.num_experts % k == 0]
+        eps = ep_degrees(dp * cp, m.num_experts)
         stages = fw.zero_stages_with_pp if pp > 1 else fw.zero_stages
         zero = next((z for z in (1, 0, 2, 3) if z in stages and (z == 0 or dp * cp > 1)), 0)
         base = make_config(dp, pp, tp, mbs, sched, v, layered, zero, "none", False, global_batch, cp)
@@ -467,8 +473,7 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
     count: every expert-parallel degree dividing dp x cp and the experts is tried (where the
     framework has expert parallelism), or those of ``eps``."""
     if eps is None:
-        eps = (1,) if not moe_experts or not fw.expert_parallel else tuple(
-            e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0 and moe_experts % e == 0)
+        eps = (1,) if not moe_experts or not fw.expert_parallel else tuple(ep_degrees(dp * cp, moe_experts))
     for (zero, rc, sp), ep in ((z, e) for z in inner_choices(dp, tp, cp) for e in eps):
         c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch, cp)
         if ep > 1:

@@ -41,7 +41,7 @@ from .config import RECOMPUTE, ParallelConfig, check, cp_choices, outer_space, p
 from .cost.estimate import Estimate, _estimate
 from .cost.system import System
 from .errors import UserError
-from .search import dp_hierarchical, expert_parallel_choices, framework_inner
+from .search import dp_hierarchical, ep_degrees, expert_parallel_choices, framework_inner
 from .topology import Topology
 
 # -- methods ------------------------------------------------------------------------------------
@@ -327,16 +327,17 @@ class PointOptimizer:
                                           recompute=rc, sequence_parallel=sp, cp=cp))
             shapes = [None]
             if moe:
-                eps = [k for k in range(1, mod.num_experts + 1) if mod.num_experts % k == 0] \
-                    if sys_.framework.expert_parallel else [1]
+                eps = ep_degrees(mod.num_experts, mod.num_experts) if sys_.framework.expert_parallel else [1]
                 shapes = [moe_shape(sys_, dataclasses.replace(c, ep=k)) for k in eps]
             # accumulates=False: no .grad accumulation pass (the least any configuration pays)
             lts = [sys_.block(k, mbs, tp, sp, rc, cp=cp, fp8=self.fp8, compiled=comp, moe=sh, accumulates=False)
                    for k in self.kinds for comp in self.compiled for sh in shapes]
             tpt = tp_times(sys_, c, [self.kinds]) if tp > 1 else None
             mask = min(sys_.mask_bytes(k) for k in self.kinds)
-            act = (moe_activation_bytes if moe else sys_.layer_activations)(*((sys_, c, mask) if moe else (c, mask)))
-            act = act["total"]
+            if moe:
+                act = moe_activation_bytes(sys_, c, mask)["total"]
+            else:
+                act = sys_.layer_activations(c, mask)["total"]
             return (min(lt.forward_s for lt in lts), min(lt.backward_s for lt in lts),
                     tpt.forward_per_layer_s if tpt else 0.0, tpt.backward_per_layer_s if tpt else 0.0,
                     min(lt.host_forward_s for lt in lts), min(lt.host_backward_s for lt in lts), act)
@@ -455,11 +456,7 @@ class PointOptimizer:
         top = slice((v - 1) * pp, v * pp)  # each device's highest chunk
         local_f = fwd.reshape(len(a), v, pp).sum(axis=1)
         b_top = bwd[:, top]
-        # (less all but one block of it: at least the least block's backward)
-        last = b_top / layers[top]
-        if moe_rows is not None:
-            last = np.minimum(last, np.minimum(a[:, 1], am[:, 1])[:, None])
-        start = pre_f + m * local_f + (m - 1) * b_top + last
+        start = pre_f + m * local_f + (m - 1) * b_top + b_top / layers[top]
         return floor, (start[:, None, :] + np.asarray(reductions)[None, :, :]).max(axis=2)
 
     def _max_ep(self, point) -> int:
@@ -469,7 +466,7 @@ class PointOptimizer:
         m = self.model
         if not m.is_moe or not self.system.framework.expert_parallel:
             return 1
-        return max(k for k in range(1, dp * cp + 1) if (dp * cp) % k == 0 and m.num_experts % k == 0)
+        return max(ep_degrees(dp * cp, m.num_experts))
 
     def _stage_params(self, pp: int, tp: int, v: int, ep: int = 1):
         """Per stage (numpy arrays): parameters of its chunks' tp shards (a mixture of experts'
@@ -574,9 +571,14 @@ class PointOptimizer:
             # a mixture of experts: its dense parameters only (the routed experts' reductions over
             # dp x cp / ep queue after them: at least 0)
             params = [p - e for p, e in zip(params, self._expert_chunk_params(pp, tp, v))]
-            distinct = sorted(set(params))
-            lay = _ChunkParams(tuple(distinct))  # one chunk of each size: the reductions are per chunk
-            where = [distinct.index(x) for x in params]
+            # one chunk of each size and place (the first and last chunks may hold a tied embedding's
+            # copy, ``data_parallel.tied_params``): the reductions are per chunk
+            n_chunks = pp * v
+            keys = [(p, ci in (0, n_chunks - 1)) for ci, p in enumerate(params)]
+            reps = {}
+            for ci, k in enumerate(keys):
+                reps.setdefault(k, ci)
+            lay = _ChunkParams(tuple(params))
             _prefill(self.system, ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1, cp=cp))
             hier = dp_hierarchical(self.system, dp, pp, tp)
             out = {}
@@ -588,8 +590,8 @@ class PointOptimizer:
                                                   virtual_stages=v, zero_stage=z, dp_all_reduce=mode, cp=cp))
                     _prefill(self.system, c)
                     red = reduction_collective(z)
-                    one = [_reduction(self.system, c, lay, red, i, self.kinds) for i in range(len(distinct))]
-                    per_chunk = [one[w] for w in where]
+                    one = {k: _reduction(self.system, c, lay, red, ci, self.kinds) for k, ci in reps.items()}
+                    per_chunk = [one[k] for k in keys]
                     sums = [sum(per_chunk[d::pp]) for d in range(pp)]
                     best = min(best, max(sums))
                     per_dev = [min(x, y) for x, y in zip(per_dev, sums)]
@@ -601,14 +603,14 @@ class PointOptimizer:
                 if z >= 1:
                     c = self._prec(ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1,
                                                   virtual_stages=v, zero_stage=z, cp=cp))
-                    one = [_reduction(self.system, c, lay, comm.reduce_scatter_s, i, self.kinds)
-                           for i in range(len(distinct))]
-                    rs = [one[w] for w in where]
+                    one = {k: _reduction(self.system, c, lay, comm.reduce_scatter_s, ci, self.kinds)
+                           for k, ci in reps.items()}
+                    rs = [one[k] for k in keys]
                     n, axis = grad_group(c)
                     links = axis_links(self.system, c, axis)
-                    one = [collective_s(self.system, links, comm.all_gather_s, n, p * gather_bytes(self.system, c))
-                           for p in distinct]
-                    ag = [one[w] for w in where]
+                    one = {p: collective_s(self.system, links, comm.all_gather_s, n, p * gather_bytes(self.system, c))
+                           for p in set(params)}
+                    ag = [one[p] for p in params]
                 out[z] = (best, [sum(rs[d::pp]) for d in range(pp)], [sum(ag[d::pp]) for d in range(pp)], per_dev)
             return out
         red = self.system.cached(("ttt-red", dp, pp, tp, v, cp, self.fp8), make)
@@ -677,7 +679,7 @@ class PointOptimizer:
         return out
 
     # -- the search ------------------------------------------------------------------------------
-    def eps(self, point, global_batch: int) -> tuple:
+    def ep_choices(self, point, global_batch: int) -> tuple:
         """The expert-parallel degrees tried at ``point``: ``search``'s (1 for a dense model)."""
         return expert_parallel_choices(self.system, point, global_batch, self.precision)
 
@@ -730,6 +732,11 @@ class PointOptimizer:
                     inc[m.name], best[m.name] = e.step_time_s, e
 
         for c in _neighbours(seeds, world, global_batch):
+            if self.model.is_moe:  # search's expert-parallel degrees at the neighbour's point only
+                eps = self.ep_choices((c.dp, c.pp, c.tp, c.micro_batch_size, c.schedule, c.virtual_stages,
+                                       c.layered_grad_accum, c.cp), global_batch)
+                if c.ep not in eps:
+                    c = dataclasses.replace(c, ep=max((e for e in eps if e <= c.ep), default=eps[0]))
             consider(c)
         pts = self.points(world, global_batch)
         st.outer_points = len(pts)
@@ -759,7 +766,7 @@ class PointOptimizer:
             inner = [(b[(c.sequence_parallel, c.recompute, c.zero_stage)], c)
                      for c in framework_inner(self.system.framework, dp, pp, tp, mbs, sched, v, layered,
                                               global_batch, hier, cp, moe_experts=self.model.num_experts,
-                                              eps=self.eps(p, global_batch))
+                                              eps=self.ep_choices(p, global_batch))
                      if (c.sequence_parallel, c.recompute, c.zero_stage) in b]
             for clb, c in sorted(inner, key=lambda x: x[0]):
                 consider(c, clb)
@@ -792,7 +799,8 @@ def live_counts(schedule: str, pp: int, m: int, v: int) -> tuple:
 
 def _neighbours(seeds, world: int, global_batch: int):
     """Configurations near each seed at this GPU count and batch: the seed's degrees with the
-    extra (or fewer) GPUs on dp, pp or tp, its micro-batch size (or the largest that divides)."""
+    extra (or fewer) GPUs on dp, pp or tp, its micro-batch size (or the largest that divides), its
+    expert-parallel degree where it still divides dp x cp (else their greatest common divisor)."""
     out = []
     for c in seeds:
         if c is None:
@@ -1041,9 +1049,9 @@ class PlanResult:
     """GPU counts left out because, with ``mtbf_per_gpu_h``, the job would fail faster than it
     progresses (``scaling.expected_wall_time``)."""
     max_micro_batch: int = MAX_MICRO_BATCH
+    """The largest micro-batch tried (``--max-micro-batch``), for the printed search command."""
     moe_imbalance: float = 1.0
     """A mixture of experts' load imbalance the plans were priced at (``--moe-imbalance``)."""
-    """The largest micro-batch tried (``--max-micro-batch``), for the printed search command."""
 
     # -- selections ----------------------------------------------------------------------------
     def select(self, network=None, method="all") -> list:

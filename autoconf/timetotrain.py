@@ -27,6 +27,10 @@ branch and bound, and fast enough for tens of thousands of GPUs:
   next bound reaches the incumbent of every method the point could improve;
 - incumbents start from the best configurations of the neighbouring GPU count, batch and network,
   mapped to this one (warm start), so most points are pruned before any estimate.
+
+A mixture of experts is planned over the same space with ``search``'s expert-parallel degrees per
+outer point (``search.expert_parallel_choices``); its bounds take the MoE blocks, all-to-alls
+included, at their least over every degree the point allows.
 """
 
 from __future__ import annotations
@@ -312,23 +316,21 @@ class PointOptimizer:
         sps = (False, True) if tp > 1 and (self.model.seq_length // cp) % tp == 0 else (False,)
         return [(sp, rc) for sp in sps for rc in RECOMPUTE]
 
-    def _per_layer(self, mbs: int, tp: int, sp: bool, rc: str, cp: int = 1, moe: bool = False) -> tuple:
+    def _per_layer(self, mbs: int, tp: int, sp: bool, rc: str, cp: int = 1, ep: int = 0) -> tuple:
         """(forward, backward, exposed tp forward, exposed tp backward, host forward, host backward,
         activation bytes) of one block per micro-batch on a rank's s/cp tokens: least over device
-        kinds and compile modes (the context-parallel exchange is left out: at least 0). ``moe``: a
-        mixture of experts' MoE block instead, least over every expert-parallel degree (each
-        column on its own; the all-to-alls are left out: at least 0)."""
+        kinds and compile modes (the context-parallel exchange is left out: at least 0). ``ep`` > 0:
+        a mixture of experts' MoE block with its experts over ``ep`` ranks instead (its all-to-alls
+        are the caller's, ``_moe_rows``)."""
         from .cost.moe import moe_activation_bytes, moe_shape
         from .cost.tensor_parallel import tp_times
 
         def make():
-            sys_, mod = self.system, self.model
+            sys_ = self.system
             c = self._prec(ParallelConfig(dp=1, pp=1, tp=tp, micro_batch_size=mbs, num_micro_batches=1,
                                           recompute=rc, sequence_parallel=sp, cp=cp))
-            shapes = [None]
-            if moe:
-                eps = ep_degrees(mod.num_experts, mod.num_experts) if sys_.framework.expert_parallel else [1]
-                shapes = [moe_shape(sys_, dataclasses.replace(c, ep=k)) for k in eps]
+            moe = ep > 0
+            shapes = [moe_shape(sys_, dataclasses.replace(c, ep=ep))] if moe else [None]
             # accumulates=False: no .grad accumulation pass (the least any configuration pays)
             lts = [sys_.block(k, mbs, tp, sp, rc, cp=cp, fp8=self.fp8, compiled=comp, moe=sh, accumulates=False)
                    for k in self.kinds for comp in self.compiled for sh in shapes]
@@ -341,7 +343,32 @@ class PointOptimizer:
             return (min(lt.forward_s for lt in lts), min(lt.backward_s for lt in lts),
                     tpt.forward_per_layer_s if tpt else 0.0, tpt.backward_per_layer_s if tpt else 0.0,
                     min(lt.host_forward_s for lt in lts), min(lt.host_backward_s for lt in lts), act)
-        return self.system.cached(("ttt-layer", mbs, tp, sp, rc, cp, self.fp8, moe), make)
+        return self.system.cached(("ttt-layer", mbs, tp, sp, rc, cp, self.fp8, ep), make)
+
+    def _moe_rows(self, point, opts) -> list:
+        """Per option (sequence parallel, recompute): a lower bound on every MoE block of ``point``
+        as ``_per_layer``'s row, least over the expert-parallel degrees its configurations can
+        run: each degree's block with its dispatch and combine all-to-alls (``moe.a2a_times``,
+        exposed: added to the compute) on that degree's groups, column by column."""
+        import numpy as np
+
+        from .cost.moe import a2a_times
+        dp, pp, tp, mbs, sched, v, layered, cp = point
+        eps = ep_degrees(dp * cp, self.model.num_experts) if self.system.framework.expert_parallel else [1]
+        out = []
+        for sp, rc in opts:
+            rows = []
+            for k in eps:
+                r = list(self._per_layer(mbs, tp, sp, rc, cp, ep=k))
+                if k > 1:
+                    c = ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=mbs, num_micro_batches=1, recompute=rc,
+                                       sequence_parallel=sp, cp=cp, ep=k)
+                    key = ("ttt-a2a", dp, pp, tp, cp, mbs, sp, rc, k)
+                    af, ab = self.system.cached(key, lambda: a2a_times(self.system, c))
+                    r[0], r[1] = r[0] + af, r[1] + ab
+                rows.append(r)
+            out.append(tuple(np.min(np.array(rows), axis=0)))
+        return out
 
     def _edges(self, mbs: int, tp: int, cp: int = 1) -> tuple:
         def make():
@@ -396,7 +423,7 @@ class PointOptimizer:
     def _floors(self, point, m: int, layer_rows, p2p=None, reductions=None, moe_rows=None):
         """``schedule_time.pipeline_floor`` over chunk lower bounds, for each row of per-block
         (forward, backward, tp forward, tp backward, host forward, host backward): a numpy vector.
-        ``moe_rows``: the same for a mixture of experts' MoE blocks (``_per_layer(moe=True)``).
+        ``moe_rows``: the same for a mixture of experts' MoE blocks (``_moe_rows``).
         ``p2p`` (options x pp): the transfers micro-batch 0 makes on its way to device d and back
         join its prefix (forward and backward, one per boundary crossed). ``reductions`` (zeros x
         pp, one chunk per device): also a bound per (option, zero) with each device's gradient
@@ -651,7 +678,7 @@ class PointOptimizer:
         zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
         opts = self._options(tp, cp)
         rows = [self._per_layer(mbs, tp, sp, rc, cp) for sp, rc in opts]
-        mrows = [self._per_layer(mbs, tp, sp, rc, cp, moe=True) for sp, rc in opts] if self.model.is_moe else None
+        mrows = self._moe_rows(point, opts) if self.model.is_moe else None
         # a mixture of experts: every block's activations at least the lesser of a dense and an MoE block's
         acts = [min(r[6], mr[6]) for r, mr in zip(rows, mrows)] if mrows else [r[6] for r in rows]
         fits = self._memory_floors(point, m, acts, zeros) <= self.capacity

@@ -155,6 +155,18 @@ def test_layered_accumulation_at_pp1_keeps_every_moe_blocks_activations():
         SMALL_MOE.layer_params(1) - 64 * SMALL_MOE.expert_params() + experts)
 
 
+def test_zero3_gathers_an_moe_block_with_its_local_experts():
+    """FSDP (torchtitan) gathers a whole block before it runs, an MoE block with its E/ep experts:
+    the working set is two of the largest blocks, not two dense ones."""
+    from autoconf.cost.stage_memory import _block_params
+    c = cfg(dp=8, ep=2, zero_stage=3)
+    s = System(SMALL_MOE, H100, framework="torchtitan")
+    parts = dict(estimate(c, SMALL_MOE, ctx=s).memory_by_stage[0].other_parts)
+    local = SMALL_MOE.layer_params(1) - 64 * SMALL_MOE.expert_params() + 32 * SMALL_MOE.expert_params()
+    assert max(_block_params(s, c)) == local
+    assert parts["zero-3 gathered layers"] == 2 * local * 2
+
+
 def test_estimate_has_ep_term_and_search_weighs_ep():
     e = estimate(cfg(ep=8, tp=8), MIXTRAL, H100, framework="megatron")
     assert set(e.breakdown_s) == set(TIME_TERMS) and e.breakdown_s["ep_comm"] > 0

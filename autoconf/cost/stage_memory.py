@@ -273,7 +273,10 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
     m, chunks = system.model, lay.chunks_of(c, s)
     parts = [("runtime context", max(device_type(k).framework_overhead_bytes for k in lay.stage_kinds[s]))]
     if c.zero_stage == 3 and c.dp * c.cp > 1:
-        parts.append(("zero-3 gathered layers", zero3_working_bytes(m, c.tp)))
+        gathered = zero3_working_bytes(m, c.tp)
+        if m.is_moe:  # an MoE block gathers its E/ep experts too: the largest block, twice
+            gathered = max(gathered, 2 * max(_block_params(system, c)) * m.dtype_bytes)
+        parts.append(("zero-3 gathered layers", gathered))
     fw = system.framework
     if c.precision == "fp8" and fw.fp8_weight_copy_bytes:
         linear = sum(lay.chunk_layers[ci] for ci in chunks) * linear_params_per_layer(m) / c.tp

@@ -22,9 +22,23 @@ from autoconf.errors import UserError
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+_TMPDIR: list = []
+"""This module's TMPDIR for the commands it runs (torchrun leaves a ``torchelastic_*`` directory in
+it), under pytest's own temporary directory rather than the machine's /tmp."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _commands_tmpdir(tmp_path_factory):
+    _TMPDIR[:] = [str(tmp_path_factory.mktemp("tmpdir"))]
+    yield
+    _TMPDIR.clear()
+
+
 def _env(**extra):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # torchrun beside python
+    if _TMPDIR:
+        env["TMPDIR"] = _TMPDIR[0]
     env.update(extra)
     return env
 

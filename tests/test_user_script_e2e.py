@@ -23,6 +23,7 @@ def test_the_emitted_node_script_runs_the_users_script_with_the_plan(tmp_path):
     root = os.path.dirname(HERE)
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
     env.pop("AUTOCONF_PLAN", None)
+    env["TMPDIR"] = str(tmp_path)  # torchrun's torchelastic_* directory, here rather than in /tmp
     script = tmp_path / "user_train.py"
     shutil.copy(os.path.join(HERE, "data", "user_train.py"), script)
     out = tmp_path / "launch dir"

@@ -386,7 +386,7 @@ class PointOptimizer:
         dense model)."""
         import numpy as np
 
-        from .placement import Placement, even_layers
+        from .placement import even_layers
 
         def make():
             n_chunks = pp * v
@@ -395,11 +395,7 @@ class PointOptimizer:
             edge = np.zeros((4, n_chunks))
             edge[:, 0] += (ef, eb, ehf, ehb)
             edge[:, -1] += (hf_, hb_, hhf, hhb)
-            moe = np.zeros(n_chunks)
-            if self.model.is_moe:
-                c = ParallelConfig(dp=1, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1, virtual_stages=v)
-                moe = np.array([sum(self.model.is_moe_layer(i) for i in idx)
-                                for idx in Placement.of(c, self.model.num_layers).chunk_layers()], dtype=float)
+            moe = np.array(self._chunk_experts(pp, tp, v)[0], dtype=float)
             return layers, edge, moe
         return self.system.cached(("ttt-chunks", pp, tp, v, mbs, cp), make)
 
@@ -597,7 +593,7 @@ class PointOptimizer:
                                                               num_micro_batches=1, virtual_stages=v), layers)
             # a mixture of experts: its dense parameters only (the routed experts' reductions over
             # dp x cp / ep queue after them: at least 0)
-            params = [p - e for p, e in zip(params, self._expert_chunk_params(pp, tp, v))]
+            params = [p - e for p, e in zip(params, self._chunk_experts(pp, tp, v)[1])]
             # one chunk of each size and place (the first and last chunks may hold a tied embedding's
             # copy, ``data_parallel.tied_params``): the reductions are per chunk
             n_chunks = pp * v
@@ -643,17 +639,15 @@ class PointOptimizer:
         red = self.system.cached(("ttt-red", dp, pp, tp, v, cp, self.fp8), make)
         return [red[z] for z in zeros]
 
-    def _expert_chunk_params(self, pp: int, tp: int, v: int) -> list:
-        """Per chunk, its routed experts' parameters per tp shard at ep = 1 (all E experts of each
-        MoE block, ``cost.layout``'s count); zeros for a dense model."""
-        m = self.model
-        if not m.is_moe:
-            return [0.0] * (pp * v)
+    def _chunk_experts(self, pp: int, tp: int, v: int) -> tuple:
+        """Per chunk at ep = 1: its MoE blocks and all E experts' parameters of them on a rank
+        (``layout.chunk_experts``); zeros for a dense model."""
+        if not self.model.is_moe:
+            return (0,) * (pp * v), (0.0,) * (pp * v)
+        from .cost.layout import chunk_experts
         from .placement import Placement
         c = ParallelConfig(dp=1, pp=pp, tp=tp, micro_batch_size=1, num_micro_batches=1, virtual_stages=v)
-        etp = tp if self.system.framework.expert_tensor_parallel else 1
-        return [sum(m.is_moe_layer(i) for i in idx) * m.num_experts * m.expert_params() / etp
-                for idx in Placement.of(c, m.num_layers).chunk_layers()]
+        return chunk_experts(self.system, c, Placement.of(c, self.model.num_layers).chunk_layers())
 
     def _micro_batch_dp_floor(self, point, m: int, red) -> float:
         """The busiest device's ZeRO-2/3 traffic over the micro-batches (see _reduction_floor)."""

@@ -63,9 +63,7 @@ def layout(system: System, c: ParallelConfig) -> Layout:
     moe_layers, expert_params = (), ()
     if m.is_moe:
         indices = [[i] for i in range(m.num_layers)] if layered_pp1 else Placement.of(c, m.num_layers).chunk_layers()
-        moe_layers = tuple(sum(m.is_moe_layer(i) for i in idx) for idx in indices)
-        etp = c.tp if system.framework.expert_tensor_parallel else 1
-        expert_params = tuple(n * (m.num_experts // c.ep) * m.expert_params() / etp for n in moe_layers)
+        moe_layers, expert_params = chunk_experts(system, c, indices)
     # Communication overlaps computation only where a copy engine / NIC does the work; CPU
     # processes run their collectives on the same cores as their compute, so nothing is hidden.
     overlaps = not any("cpu" in k for k in stage_kinds)
@@ -76,6 +74,16 @@ def layout(system: System, c: ParallelConfig) -> Layout:
                   layered=c.layered_grad_accum or c.schedule == "breadth_first", overlaps=overlaps,
                   overlap_grad_reduce=overlaps and system.framework.overlaps_grad_reduce(c),
                   overlap_param_gather=overlaps and system.framework.knob(c, "overlap_param_gather"))
+
+
+def chunk_experts(system: System, c: ParallelConfig, indices) -> tuple[tuple, tuple]:
+    """Per chunk (its blocks' indices): its mixture-of-experts blocks, and its routed experts'
+    parameters on a rank (E/ep experts of each MoE block, split over tp where the framework splits
+    experts, ``Framework.expert_tensor_parallel``)."""
+    m = system.model
+    moe_layers = tuple(sum(m.is_moe_layer(i) for i in idx) for idx in indices)
+    etp = c.tp if system.framework.expert_tensor_parallel else 1
+    return moe_layers, tuple(n * (m.num_experts // c.ep) * m.expert_params() / etp for n in moe_layers)
 
 
 def chunk_params(system: System, c: ParallelConfig, chunk_layers) -> list[float]:

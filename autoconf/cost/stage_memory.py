@@ -246,9 +246,25 @@ def _layered_peak(system: System, c: ParallelConfig, lay: Layout, act_layer: dic
 
 
 def linear_params_per_layer(m) -> float:
-    """Weights of one block's linear layers (qkv, projection, MLP), the ones FP8 runs."""
-    h, f = m.hidden_size, m.ffn_hidden_size
-    return h * (m.q_size + 2 * m.kv_size) + m.q_size * h + m.mlp_matrices * h * f
+    """Weights of one dense block's linear layers (attention projections, MLA's too; MLP), the
+    ones FP8 runs."""
+    return m.attention_matmul_params() + m.mlp_matrices * m.hidden_size * m.ffn_hidden_size
+
+
+def _fp8_linear_params(system: System, c: ParallelConfig, lay: Layout, ci: int) -> float:
+    """Linear-layer weights chunk ``ci`` holds on a rank (what FP8 keeps copies of): its dense
+    blocks' (``linear_params_per_layer`` over tp) and its MoE blocks' attention projections over
+    tp, shared experts and the rank's E/ep routed experts over the experts' tensor-parallel split
+    (``moe.expert_tp``; the router stays in 16 bits)."""
+    m = system.model
+    n_moe = lay.chunk_moe_layers[ci] if lay.chunk_moe_layers else 0
+    out = (lay.chunk_layers[ci] - n_moe) * linear_params_per_layer(m) / c.tp
+    if n_moe:
+        from .moe import expert_tp
+        attn = m.attention_matmul_params()
+        experts = m.shared_expert_params() + m.num_experts // c.ep * m.expert_params()
+        out += n_moe * (attn / c.tp + experts / expert_tp(system, c))
+    return out
 
 
 def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: float,
@@ -279,7 +295,7 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
         parts.append(("zero-3 gathered layers", gathered))
     fw = system.framework
     if c.precision == "fp8" and fw.fp8_weight_copy_bytes:
-        linear = sum(lay.chunk_layers[ci] for ci in chunks) * linear_params_per_layer(m) / c.tp
+        linear = sum(_fp8_linear_params(system, c, lay, ci) for ci in chunks)
         parts.append(("fp8 weight copies", linear * fw.fp8_weight_copy_bytes))
     if c.cp > 1:
         from .context_parallel import kv_chunk_bytes

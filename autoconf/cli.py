@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
     for knob, what in (("overlap-grad-reduce", "overlap the data-parallel gradient reduction with the backward"),
                        ("overlap-param-gather", "prefetch ZeRO's parameter gathers behind compute"),
                        ("tp-comm-overlap", "overlap tensor-parallel communication with the GEMMs (needs SP)"),
+                       ("ep-comm-overlap", "overlap expert-parallel all-to-alls with another micro-batch's "
+                                           "computation (Megatron; needs ep > 1)"),
                        ("torch-compile", "compile each block with torch.compile (torchtitan)")):
         p.add_argument(f"--{knob}", action=argparse.BooleanOptionalAction, default=None,
                        help=f"{what} (default: the framework's)")
@@ -255,6 +257,7 @@ def cmd_estimate(args) -> int:
                             sequence_parallel=args.sequence_parallel, rank_order=args.rank_order,
                             overlap_grad_reduce=args.overlap_grad_reduce,
                             overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,
+                            ep_comm_overlap=args.ep_comm_overlap,
                             dp_all_reduce=args.dp_all_reduce, device_order=args.device_order,
                             stage_layers=args.stage_layers, cp=args.cp, precision=args.precision,
                             fp8_recipe=args.fp8_recipe, torch_compile=args.torch_compile, ep=args.ep,

@@ -44,6 +44,7 @@ CONFIG_SCHEMA = Dict(
               "zero_stage": Int(0, 3), "recompute": Str(RECOMPUTE), "sequence_parallel": Bool(),
               "rank_order": Str(max_len=32), "overlap_grad_reduce": Null(Bool()),
               "overlap_param_gather": Null(Bool()), "tp_comm_overlap": Null(Bool()),
+              "ep_comm_overlap": Null(Bool()),
               "dp_all_reduce": Str(DP_ALL_REDUCE),
               "pp_compression": Str(PP_COMPRESSION), "pp_compression_rank": Int(1, 1 << 16),
               "dp_compression_stages": Int(0, 1 << 16), "dp_compression_rank": Int(1, 1 << 16),
@@ -94,6 +95,11 @@ class ParallelConfig:
     tp_comm_overlap: bool | None = None
     """Overlap tensor-parallel communication with the GEMMs (Megatron ``--tp-comm-overlap`` with
     sequence parallelism, torchtitan's asynchronous TP). None: the framework's default."""
+    ep_comm_overlap: bool | None = None
+    """Overlap a mixture of experts' token all-to-alls with another micro-batch's computation
+    (Megatron ``--overlap-moe-expert-parallel-comm``: forward and backward of two micro-batches run
+    together layer by layer on two streams, ``cost.moe.paired_a2a_s``). Needs ep > 1, no full
+    recomputation, and the interleaved schedule when pp > 1. None: the framework's default."""
     dp_all_reduce: str = "flat"
     """ZeRO-0/1's gradient all-reduce: "flat" (the collective library's own: gloo's ring in the
     reference trainer, NCCL's ring or tree elsewhere) or "hierarchical" (reduce-scatter inside each
@@ -199,7 +205,7 @@ class ParallelConfig:
         if self.fused_embedding_sync:
             s += " fused-emb"
         for knob, tag in (("overlap_grad_reduce", "ogr"), ("overlap_param_gather", "opg"), ("tp_comm_overlap", "tpo"),
-                          ("torch_compile", "compile")):
+                          ("ep_comm_overlap", "epo"), ("torch_compile", "compile")):
             v = getattr(self, knob)
             if v is not None:
                 s += f" {tag}" if v else f" no-{tag}"
@@ -302,7 +308,7 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return f"zero_stage={c.zero_stage} with dp=1 shards nothing"
     if c.layered_grad_accum and c.num_micro_batches == 1:
         return "layered_grad_accum with one micro-batch is plain accumulation"
-    for knob in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "torch_compile"):
+    for knob in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap", "torch_compile"):
         v = getattr(c, knob)
         if v is not None and not isinstance(v, bool):
             return f"{knob}={v!r} must be true, false or absent (the framework's default)"
@@ -318,8 +324,28 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return why
     if c.tp_comm_overlap and not c.sequence_parallel:
         return "tp_comm_overlap needs sequence_parallel (it overlaps the all-gather / reduce-scatter pairs)"
+    if c.ep_comm_overlap:
+        why = ep_overlap_reason(c, model)
+        if why:
+            return why
     if c.device_order is not None or c.stage_layers is not None:
         return check_placement(c.device_order, c.stage_layers, c.world_size, c.num_chunks, model.num_layers)
+    return None
+
+
+def ep_overlap_reason(c: ParallelConfig, model: ModelSpec | None = None) -> str | None:
+    """Why the all-to-all overlap (``ep_comm_overlap``) cannot run with this configuration, or None
+    (Megatron-Core's own checks: expert parallelism, no full recomputation, virtual stages when
+    pipelining, a 16-bit model: not checked without ``model``)."""
+    if c.ep == 1:
+        return "ep_comm_overlap overlaps expert-parallel all-to-alls: it needs ep > 1"
+    if c.recompute == "full":
+        return "ep_comm_overlap runs forward and backward layer by layer: it cannot run with recompute=full"
+    if c.pp > 1 and (c.schedule != "interleaved" or c.virtual_stages < 2):
+        return (f"ep_comm_overlap with pp={c.pp} pairs micro-batches in the interleaved schedule: "
+                f"schedule {c.schedule} with virtual_stages={c.virtual_stages} has none (use interleaved, 2+ stages)")
+    if model is not None and model.dtype == "fp32":
+        return "ep_comm_overlap needs a 16-bit model (bf16 or fp16); this model is fp32"
     return None
 
 

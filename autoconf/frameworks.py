@@ -21,7 +21,9 @@ stacks. What differs, and is modelled here from each framework's own code and do
   (``overlap_grad_reduce``; off by default in Megatron and in DeepSpeed (``overlap_comm``), on
   in DDP / FSDP2), whether ZeRO's parameter gathers are prefetched (``overlap_param_gather``) and whether
   tensor-parallel communication overlaps the GEMMs (``tp_comm_overlap``; Megatron with Transformer
-  Engine userbuffers, torchtitan's asynchronous TP);
+  Engine userbuffers, torchtitan's asynchronous TP), and whether a mixture of experts'
+  all-to-alls run under another micro-batch's computation (``ep_comm_overlap``: Megatron-Core's
+  ``--overlap-moe-expert-parallel-comm``, off by default, ``cost.moe.paired_a2a_s``);
 - **tensor-parallel backward**: Megatron-LM launches a column-parallel layer's backward
   collectives asynchronously beside its GEMMs (``tp_backward_overlap``,
   ``tensor_parallel.overlapped``); the others run them in turn, unless ``tp_comm_overlap``
@@ -74,7 +76,7 @@ from .cost.compute import HostCost
 from .errors import UserError
 
 FRAMEWORK_NAMES = ("reference", "megatron", "torchtitan", "deepspeed")
-KNOBS = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "torch_compile")
+KNOBS = ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap", "torch_compile")
 
 
 @dataclass(frozen=True)
@@ -371,7 +373,7 @@ FRAMEWORKS = {
         per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_REFERENCE_HOST,
         master_weights=False, optimizer_foreach=True,
         defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False,
-                  "torch_compile": False},
+                  "ep_comm_overlap": False, "torch_compile": False},
         knobs=(), all_reduce_algorithms={"flat": ("ring", "tree"), "hierarchical": ("hierarchical",)},
         cp_comm="ring", ring_math=True, fp8_recipes=("tensorwise", "rowwise"), fp8_host_ops=(16, 16),
         expert_parallel=True, expert_zero_stages=(0, 1), expert_tensor_parallel=False,
@@ -382,8 +384,8 @@ FRAMEWORKS = {
         zero_stages=(0, 1), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
         per_micro_batch_pipeline_buffers=False, fp32_grad_buffer_bf16=True, host=_MEGATRON_HOST,
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
-                  "torch_compile": False},
-        knobs=("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"), vocab_multiple=128,
+                  "ep_comm_overlap": False, "torch_compile": False},
+        knobs=("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap"), vocab_multiple=128,
         loss_backward_fp32_tensors=0, megatron_softmax=True,
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
@@ -394,7 +396,7 @@ FRAMEWORKS = {
         zero_stages=(0, 2, 3), zero_stages_with_pp=(0, 2, 3), layered_grad_accum=False,
         per_micro_batch_pipeline_buffers=True, fp32_grad_buffer_bf16=False, host=_EAGER,
         defaults={"overlap_grad_reduce": True, "overlap_param_gather": True, "tp_comm_overlap": False,
-                  "torch_compile": False},
+                  "ep_comm_overlap": False, "torch_compile": False},
         knobs=("tp_comm_overlap", "torch_compile"), all_reduce_algorithms=_NCCL_ALL_REDUCE, loss_backward_fp32_tensors=2,
         cp_comm="all_gather", fp8_recipes=("rowwise", "tensorwise", "mxfp8"), fp8_host_ops=(16, 16),
         fp8_all_gather=True, expert_parallel=True, expert_tensor_parallel=False, grad_norm_traffic=3.0),
@@ -403,7 +405,7 @@ FRAMEWORKS = {
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
         per_micro_batch_pipeline_buffers=False, fp32_grad_buffer_bf16=False, host=_MEGATRON_HOST,
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": True, "tp_comm_overlap": False,
-                  "torch_compile": False},
+                  "ep_comm_overlap": False, "torch_compile": False},
         knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE,
         loss_backward_fp32_tensors=0, grad_accumulation_kernel=True, bf16_optimizer_with_pp=True,
         step_gather_overlaps=False, grad_reduce_overlap_needs_zero_without_pp=True, param_gather_in_place=True,

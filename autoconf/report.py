@@ -96,7 +96,7 @@ def _extras(c, placement: bool = True, framework: str | None = None) -> list[str
         from .frameworks import framework as framework_model
         defaults = framework_model(framework).defaults
     for knob, tag in (("overlap_grad_reduce", "ogr"), ("overlap_param_gather", "opg"), ("tp_comm_overlap", "tpo"),
-                      ("torch_compile", "compile")):
+                      ("ep_comm_overlap", "epo"), ("torch_compile", "compile")):
         v = getattr(c, knob, None)
         if v is not None and (knob not in defaults or bool(v) != defaults[knob]):
             parts.append(tag if v else f"no-{tag}")

@@ -35,7 +35,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .config import ParallelConfig, check, cp_choices, inner_choices, make_config, outer_space
+from .config import ParallelConfig, check, cp_choices, ep_overlap_reason, inner_choices, make_config, outer_space
 from .cost import comm
 from .cost.data_parallel import reduction_collective
 from .cost.estimate import Estimate, _estimate
@@ -198,6 +198,9 @@ class _Evaluator:
             # the cheapest precision and expert-parallel degree are not known in advance
             for prec, ep in ((p_, e) for p_ in self.precisions for e in self._eps_of(point)):
                 cc = dataclasses.replace(c, precision=prec[0], fp8_recipe=prec[1], ep=ep)
+                if "ep_comm_overlap" in fw.knobs:  # on where it can be: it only hides time
+                    cc = dataclasses.replace(cc, ep_comm_overlap=ep_overlap_reason(
+                        dataclasses.replace(cc, ep_comm_overlap=True), self.ctx.model) is None)
                 # (not filtered by the framework's own check: a stage it refuses here only
                 # loosens the bound, while refusing them all would prune the point unseen)
                 if check(cc, self.ctx.model) is None and _estimate(self._placed(cc), self.ctx,
@@ -464,7 +467,8 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
     has, every recompute mode, sequence parallelism, and both values of each knob it lets a user
     switch where the knob matters (overlap_grad_reduce with dp > 1 where the framework applies it,
     ``Framework.can_overlap_grad_reduce``; overlap_param_gather with
-    ZeRO, tp_comm_overlap with sequence parallelism); other knobs stay at the framework's default.
+    ZeRO, tp_comm_overlap with sequence parallelism, ep_comm_overlap where ``config.ep_overlap_reason``
+    allows it); other knobs stay at the framework's default.
     ``dp_hier`` (:func:`dp_hierarchical`): the data-parallel all-reduce is tried flat and
     hierarchical too, for the ZeRO stages whose modelled reduction is an all-reduce
     (``data_parallel.reduction_collective``: ZeRO-0; the trainer's ZeRO-1 all-reduce is modelled
@@ -482,7 +486,8 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
             continue
         matters = {"overlap_grad_reduce": dp * cp > 1 and fw.can_overlap_grad_reduce(c),
                    "overlap_param_gather": dp * cp > 1 and zero >= 1,
-                   "tp_comm_overlap": sp, "torch_compile": True}
+                   "tp_comm_overlap": sp, "torch_compile": True,
+                   "ep_comm_overlap": ep > 1 and not ep_overlap_reason(dataclasses.replace(c, ep_comm_overlap=True))}
         variants = [{}] if tuple(precisions) == (("bf16", "tensorwise"),) else [
             {"precision": p, "fp8_recipe": r} for p, r in precisions]
         for knob in fw.knobs:

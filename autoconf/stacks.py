@@ -302,6 +302,8 @@ def megatron_moe_args(plan) -> list:
           "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
     if c.ep > 1:
         a += ["--expert-model-parallel-size", c.ep]
+    if _knob(plan, "megatron", "ep_comm_overlap"):  # combined 1F1B: all-to-alls under the other micro-batch
+        a.append("--overlap-moe-expert-parallel-comm")
     if c.moe_capacity_factor is not None:
         a += ["--moe-expert-capacity-factor", f"{c.moe_capacity_factor:g}"]
     if m.router_bias:  # DeepSeek-V3's e_score_correction_bias (megatron-core: sigmoid routers only)

@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 
 from .catalog import stated_accuracy
-from .config import RECOMPUTE, ParallelConfig, check, cp_choices, outer_space, point_config
+from .config import RECOMPUTE, ParallelConfig, check, cp_choices, ep_overlap_reason, outer_space, point_config
 from .cost.estimate import Estimate, _estimate
 from .cost.system import System
 from .errors import UserError
@@ -294,6 +294,7 @@ class PointOptimizer:
         self.kinds = sorted(set(system.topology.kind_of))
         fw = system.framework
         self.tp_overlap = fw.defaults.get("tp_comm_overlap", False) or "tp_comm_overlap" in fw.knobs
+        self.ep_overlap = fw.defaults.get("ep_comm_overlap", False) or "ep_comm_overlap" in fw.knobs
         # torch.compile where the framework compiles by default or lets the user switch it on: the
         # least of both is the bound (compiled kernels are fewer and fused)
         self.compiled = tuple(sorted({bool(fw.defaults.get("torch_compile", False))}
@@ -349,7 +350,8 @@ class PointOptimizer:
         """Per option (sequence parallel, recompute): a lower bound on every MoE block of ``point``
         as ``_per_layer``'s row, least over the expert-parallel degrees its configurations can
         run: each degree's block with its dispatch and combine all-to-alls (``moe.a2a_times``,
-        exposed: added to the compute) on that degree's groups, column by column."""
+        exposed: added to the compute) on that degree's groups, column by column; none where the
+        framework's ``ep_comm_overlap`` can run at the point (its pairs may hide them all)."""
         import numpy as np
 
         from .cost.moe import a2a_times
@@ -362,7 +364,11 @@ class PointOptimizer:
                 r = list(self._per_layer(mbs, tp, sp, rc, cp, ep=k))
                 if k > 1:
                     c = ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=mbs, num_micro_batches=1, recompute=rc,
-                                       sequence_parallel=sp, cp=cp, ep=k)
+                                       sequence_parallel=sp, cp=cp, ep=k, schedule=sched, virtual_stages=v)
+                    if self.ep_overlap and ep_overlap_reason(dataclasses.replace(c, ep_comm_overlap=True),
+                                                             self.model) is None:
+                        rows.append(r)  # paired passes can hide them all: the least is none exposed
+                        continue
                     key = ("ttt-a2a", dp, pp, tp, cp, mbs, sp, rc, k)
                     af, ab = self.system.cached(key, lambda: a2a_times(self.system, c))
                     r[0], r[1] = r[0] + af, r[1] + ab
@@ -1483,11 +1489,13 @@ _SCHED = {"gpipe": "gp", "1f1b": "1f1b", "interleaved": "il", "breadth_first": "
 
 def compact(c: ParallelConfig) -> str:
     """dp/pp/tp, cp<k> (context parallel), ep<k> (expert parallel), micro-batch, schedule (gp,
-    1f1b, il<v>, bf<v>; L: layered), ZeRO, recompute, sp."""
+    1f1b, il<v>, bf<v>; L: layered), ZeRO, recompute, sp; ep<k>o: all-to-alls overlapped
+    (``ep_comm_overlap``)."""
     s = _SCHED[c.schedule] + (str(c.virtual_stages) if c.virtual_stages > 1 else "")
     if c.layered_grad_accum and c.schedule != "breadth_first":
         s += "L"
-    parts = ([f"{c.dp}/{c.pp}/{c.tp}"] + ([f"cp{c.cp}"] if c.cp > 1 else []) + ([f"ep{c.ep}"] if c.ep > 1 else [])
+    ep = f"ep{c.ep}" + ("o" if c.ep_comm_overlap else "")
+    parts = ([f"{c.dp}/{c.pp}/{c.tp}"] + ([f"cp{c.cp}"] if c.cp > 1 else []) + ([ep] if c.ep > 1 else [])
              + [f"b{c.micro_batch_size}", s])
     if c.zero_stage:
         parts.append(f"z{c.zero_stage}")
@@ -1500,8 +1508,9 @@ def compact(c: ParallelConfig) -> str:
     return " ".join(parts)
 
 
-LEGEND = ("config: dp/pp/tp, cp context parallel, ep expert parallel, micro-batch b, schedule (gp gpipe, 1f1b, "
-          "il<v> interleaved, bf<v> breadth-first; L layered), z ZeRO stage, sel/full recompute, sp sequence parallel")
+LEGEND = ("config: dp/pp/tp, cp context parallel, ep expert parallel (o: all-to-alls overlapped), micro-batch b, "
+          "schedule (gp gpipe, 1f1b, il<v> interleaved, bf<v> breadth-first; L layered), z ZeRO stage, sel/full "
+          "recompute, sp sequence parallel")
 
 
 def _num(x: float) -> str:

@@ -200,7 +200,8 @@ import dataclasses as _dc  # noqa: E402
 
 MOE = _dc.replace(LLAMA, num_experts=8, experts_per_token=2, expert_ffn_hidden_size=2048, name="llama-moe")
 MOE_CASES = {  # (model, config)
-    "dropless": (MOE, cfg(dp=4, tp=2, micro_batch_size=1, num_micro_batches=2, zero_stage=1, ep=4)),
+    "dropless": (MOE, cfg(dp=4, tp=2, micro_batch_size=1, num_micro_batches=2, zero_stage=1, ep=4,
+                          ep_comm_overlap=True)),
     "deepseek-like": (_dc.replace(MOE, num_shared_experts=2, shared_expert_ffn_hidden_size=1024, first_dense_layers=3,
                                   router="sigmoid"),
                       cfg(dp=2, pp=2, tp=2, cp=2, micro_batch_size=1, num_micro_batches=4, ep=2,
@@ -249,6 +250,7 @@ def test_megatron_moe_args_parse_back_to_the_plan(tmp_path, case):
     assert o["moe_router_score_function"] == m.router and o["moe_token_dispatcher_type"] == "alltoall"
     assert o["moe_grouped_gemm"] is True and int(o.get("expert_model_parallel_size", 1)) == c.ep
     assert o.get("moe_expert_capacity_factor") == (None if c.moe_capacity_factor is None else f"{c.moe_capacity_factor:g}")
+    assert o.get("overlap_moe_expert_parallel_comm", False) is bool(c.ep_comm_overlap)
     freq = _layer_freq(o["moe_layer_freq"])
     pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(m.num_layers)]
     assert pattern == [int(m.is_moe_layer(i)) for i in range(m.num_layers)]  # megatron-core's reading of an int
@@ -273,7 +275,7 @@ def test_megatron_core_accepts_the_moe_args(tmp_path, case):
     names = {f.name for f in _dc.fields(TransformerConfig)}
     kw = {"num_moe_experts": int(o["num_experts"]), "moe_layer_freq": _layer_freq(o["moe_layer_freq"])}
     for k, v in o.items():
-        if k.startswith(("moe_", "expert_")) and k != "moe_layer_freq":
+        if k.startswith(("moe_", "expert_", "overlap_moe_")) and k != "moe_layer_freq":
             assert k in names, k
             kw[k] = v if v is True or not v.replace(".", "").isdigit() else (float(v) if "." in v else int(v))
     for k in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
@@ -287,6 +289,7 @@ def test_megatron_core_accepts_the_moe_args(tmp_path, case):
     assert tc.moe_router_score_function == m.router and tc.moe_token_dispatcher_type == "alltoall"
     assert tc.expert_model_parallel_size == c.ep and tc.expert_tensor_parallel_size == c.tp  # experts split tp ways
     assert tc.moe_expert_capacity_factor == c.moe_capacity_factor
+    assert tc.overlap_moe_expert_parallel_comm is bool(c.ep_comm_overlap)  # its own checks passed
     specs = get_gpt_decoder_layer_specs(tc, use_transformer_engine=False, normalization="RMSNorm")
     specs = getattr(specs, "layer_specs", specs)
     got = [int(s.submodules.mlp.module is MoELayer) for s in specs]

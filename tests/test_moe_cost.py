@@ -184,3 +184,91 @@ def test_experts_split_over_tp_only_where_the_framework_does():
     assert meg.chunk_expert_params == (per_rank / 2,) and ref.chunk_expert_params == (per_rank,)
     # whole experts on every tp rank route that rank's sequence shard (half the tokens here)
     assert a2a_bytes(System(MIXTRAL, H100), c) == a2a_bytes(System(MIXTRAL, H100, framework="megatron"), c) / 2
+
+
+def test_paired_layer_time_closed_forms():
+    """Megatron-Core's combined 1F1B layer (two streams): no all-to-all time is the compute alone;
+    no compute is the four all-to-alls in turn on the communication stream; all-to-alls shorter
+    than the work they run beside are hidden; all-to-alls longer than it leave the communication
+    stream's four plus nothing else (the dependencies, traced by hand)."""
+    from autoconf.cost.moe import paired_layer_s
+
+    assert paired_layer_s(1.0, 2.0, 3.0, 4.0, 0.0) == pytest.approx(10.0)
+    assert paired_layer_s(0.0, 0.0, 0.0, 0.0, 0.5) == pytest.approx(2.0)
+    assert paired_layer_s(1.0, 1.0, 1.0, 1.0, 0.5) == pytest.approx(4.0)
+    # t = 2: combine_bwd [0,2]; mlp_bwd dgrad [2,2.5], dw [2.5,3]; dispatch_fwd [2,4];
+    # dispatch_bwd [4,6]; mlp_fwd [4,5]; combine_fwd [6,8]; attn_bwd [6,7]
+    assert paired_layer_s(1.0, 1.0, 1.0, 1.0, 2.0) == pytest.approx(8.0)
+    for args in ((0.3, 2.0, 0.7, 4.0, 0.9), (2.0, 0.1, 3.0, 0.2, 1.0), (0.1, 0.1, 0.1, 0.1, 5.0)):
+        t = paired_layer_s(*args)
+        assert max(sum(args[:4]), 4 * args[4]) <= t + 1e-12 <= sum(args[:4]) + 4 * args[4]
+
+
+def test_paired_fraction_follows_megatrons_warmup():
+    from autoconf.cost.moe import paired_fraction
+
+    assert paired_fraction(cfg(ep=8, num_micro_batches=8, ep_comm_overlap=True), 0) == pytest.approx(7 / 8)
+    assert paired_fraction(cfg(ep=8, num_micro_batches=8), 0) == 0.0  # the knob off
+    c = cfg(dp=8, pp=4, ep=8, num_micro_batches=8, schedule="interleaved", virtual_stages=2, ep_comm_overlap=True)
+    # 16 chunk forwards; warm-up 2 (pp - 1 - rank) + (v - 1) pp + 1
+    assert [paired_fraction(c, r) for r in range(4)] == pytest.approx([5 / 16, 7 / 16, 9 / 16, 11 / 16])
+    c1 = dataclasses.replace(c, num_micro_batches=2)  # every forward in the warm-up
+    assert paired_fraction(c1, 0) == 0.0
+
+
+def test_ep_comm_overlap_hides_all_to_alls_and_costs_a_paired_micro_batch():
+    """On Megatron the overlap leaves the passes that run alone exposed (1/m of them at pp 1) and
+    what the pairs cannot hide; it holds one MoE block more; the other frameworks cannot switch it,
+    and Megatron-Core's own conditions are the configuration's."""
+    c = cfg(dp=8, ep=8, tp=1, num_micro_batches=8, zero_stage=1)
+    s = System(SMALL_MOE, H100, framework="megatron")
+    off = estimate(c, SMALL_MOE, ctx=s)
+    on = estimate(dataclasses.replace(c, ep_comm_overlap=True), SMALL_MOE, ctx=s)
+    assert off.breakdown_s["ep_comm"] / 8 <= on.breakdown_s["ep_comm"] < off.breakdown_s["ep_comm"]
+    assert on.step_time_s < off.step_time_s
+    parts = dict(on.memory_by_stage[0].other_parts)
+    assert parts["ep-overlap paired micro-batch"] == pytest.approx(moe_activation_bytes(s, c, 1)["total"])
+    assert on.memory_by_stage[0].total > off.memory_by_stage[0].total
+    with pytest.raises(UserError, match="torchtitan cannot switch ep_comm_overlap"):
+        estimate(dataclasses.replace(c, ep_comm_overlap=True, zero_stage=0), SMALL_MOE, H100, framework="torchtitan")
+    on_c = dataclasses.replace(c, ep_comm_overlap=True)
+    assert "needs ep > 1" in check(dataclasses.replace(on_c, ep=1), SMALL_MOE)
+    assert "recompute=full" in check(dataclasses.replace(on_c, recompute="full"), SMALL_MOE)
+    assert "interleaved" in check(dataclasses.replace(on_c, dp=4, pp=2, ep=4), SMALL_MOE)
+    il = dataclasses.replace(on_c, dp=4, pp=2, ep=4, schedule="interleaved", virtual_stages=2)
+    assert check(il, SMALL_MOE) is None
+    assert "16-bit" in check(on_c, dataclasses.replace(SMALL_MOE, dtype="fp32"))
+
+
+def test_search_tries_ep_comm_overlap_where_megatron_can_run_it():
+    from autoconf.frameworks import framework
+    from autoconf.search import framework_inner
+
+    fw = framework("megatron")
+    inner = list(framework_inner(fw, 8, 1, 1, 1, "1f1b", 1, False, 32, moe_experts=64))
+    assert {c.ep_comm_overlap for c in inner if c.ep > 1 and c.recompute != "full"} == {False, True}
+    assert not any(c.ep_comm_overlap for c in inner if c.ep == 1 or c.recompute == "full")
+    assert not any(c.ep_comm_overlap for c in framework_inner(fw, 4, 2, 1, 1, "1f1b", 1, False, 32, moe_experts=64))
+    titan = list(framework_inner(framework("torchtitan"), 8, 1, 1, 1, "1f1b", 1, False, 32, moe_experts=64))
+    assert not any(c.ep_comm_overlap for c in titan)
+
+
+def test_fp8_weight_copies_hold_a_ranks_own_experts():
+    """Transformer Engine's FP8 weight copies (2 bytes per linear weight on Megatron): the dense
+    block's projections and MLP, each MoE block's projections, shared expert and the rank's E/ep
+    routed experts, split over tp like Megatron's experts; MLA's projections at their size."""
+    from autoconf.cost.stage_memory import linear_params_per_layer
+
+    m = SMALL_MOE
+    c = cfg(dp=8, tp=2, ep=8, precision="fp8", fp8_recipe="tensorwise")
+    e = estimate(c, m, H100, framework="megatron")
+    h = m.hidden_size
+    attn = h * (m.q_size + 2 * m.kv_size) + m.q_size * h
+    per_moe = attn + m.shared_expert_params() + 64 // 8 * m.expert_params()
+    want = 2.0 * (linear_params_per_layer(m) + 7 * per_moe) / 2
+    assert dict(e.memory_by_stage[0].other_parts)["fp8 weight copies"] == pytest.approx(want)
+    from autoconf.model import preset
+
+    ds = preset("deepseek-v3")
+    assert linear_params_per_layer(ds) == ds.attention_matmul_params() + 3 * ds.hidden_size * ds.ffn_hidden_size
+    assert ds.attention_matmul_params() == pytest.approx(187e6, rel=0.02)  # MLA: about 187M weights per block

@@ -75,9 +75,11 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
                 cpt: CpTimes = CpTimes()) -> ChunkTimes:
     """Every chunk's times per micro-batch; ``runtime_s``: the pipeline runtime's cost per action;
     ``cpt``: context parallelism's exposed exchange per layer; a mixture of experts' all-to-alls
-    per MoE block (``moe.a2a_times``)."""
-    from .moe import a2a_times
-    a2a = a2a_times(system, c) if lay.chunk_moe_layers else (0.0, 0.0)
+    per MoE block (``moe.a2a_exposed_s``: what the rank's paired passes leave exposed where
+    ``ep_comm_overlap`` pairs them, else ``moe.a2a_times``)."""
+    from .moe import a2a_exposed_s
+    moe = bool(lay.chunk_moe_layers) and any(lay.chunk_moe_layers)
+    a2a = {r: a2a_exposed_s(system, c, lay.stage_kinds[r], r) for r in range(c.pp)} if moe else {}
     cols = {k: [] for k in ChunkTimes.__dataclass_fields__}
     for ci, nl in enumerate(lay.chunk_layers):
         f, bw_, rc, host_f, host_b = chunk_compute(system, c, lay, ci)
@@ -86,7 +88,7 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
         # (what the framework hides under the GEMMs is already out: ``tensor_parallel.overlapped``)
         cpf, cpb = nl * cpt.forward_per_layer_s, nl * cpt.backward_per_layer_s
         n_moe = lay.chunk_moe_layers[ci] if lay.chunk_moe_layers else 0
-        epf, epb = n_moe * a2a[0], n_moe * a2a[1]
+        epf, epb = (n_moe * a2a[ci % c.pp][0], n_moe * a2a[ci % c.pp][1]) if n_moe else (0.0, 0.0)
         extra_f, extra_b = per_micro_batch_s(system, c, lay, ci, f, bw_)
         # the host issues a pass (forward; backward with its recomputation) ahead of the device:
         # the device waits where issuing the pass takes longer than computing it. The TP

@@ -11,8 +11,9 @@ folds it). Per MoE block and micro-batch, on each rank (T = b x s / cp tokens, k
   another rank, T x k x (ep - 1)/ep hidden vectors under uniform routing, and receives as many; the
   backward sends the gradients back the same way (two more). On the links the group spans (NVLink
   inside a host or an NVLink domain, the NICs across), at the collective library's efficiency.
-  Exposed: none of the frameworks modelled overlaps them with computation by default (Megatron's
-  ``--overlap-moe-expert-parallel-comm`` and DeepSeek's DualPipe do; not modelled);
+  Exposed, unless Megatron-Core's ``--overlap-moe-expert-parallel-comm`` (``ep_comm_overlap``) runs
+  them under another micro-batch's computation (``paired_a2a_s``: its combined 1F1B; DeepSeek's
+  DualPipe pairs micro-batches the same way). No framework does by default;
 - **expert work**: each rank's E/ep experts take T x k assignments together (each expert
   T x k x ep / E rows: a grouped GEMM of many small GEMMs), times the **load imbalance** of the
   busiest rank (``System.moe_imbalance``: 1.0 is perfect balance, as forced-balance benchmarks
@@ -96,6 +97,75 @@ def a2a_times(system: System, c: ParallelConfig) -> tuple[float, float]:
     one = max(comm.all_to_all_s(nbytes, g, tune) for g in axis_links(system, c, "ep"))
     fwd = 2 * one
     return fwd, 2 * one + (fwd if c.recompute == "full" else 0.0)
+
+
+def paired_fraction(c: ParallelConfig, rank: int) -> float:
+    """Of pipeline rank ``rank``'s forward passes, the fraction Megatron-Core's combined 1F1B runs
+    together with a backward (``ep_comm_overlap``; 0 without it). Without pipelining, every
+    micro-batch's forward but the first runs beside the previous one's backward: (m - 1) / m. With
+    the interleaved schedule, the steady 1F1B steps: all m x v chunk forwards but the warm-up,
+    which is the interleaved schedule's, 2 (pp - 1 - rank) + (v - 1) pp, plus the one extra
+    forward the combined schedule runs first so that every pair is independent
+    (``get_pp_rank_microbatches``; micro-batch groups of pp, Megatron's default)."""
+    if not c.ep_comm_overlap or c.ep == 1:
+        return 0.0
+    m = c.num_micro_batches
+    if c.pp == 1:
+        return (m - 1) / m
+    total = m * c.virtual_stages
+    warmup = min(total, 2 * (c.pp - 1 - rank) + (c.virtual_stages - 1) * c.pp + 1)
+    return (total - warmup) / total
+
+
+def paired_layer_s(attn_f: float, mlp_f: float, attn_b: float, mlp_b: float, a2a: float) -> float:
+    """Seconds of one MoE layer's forward (of one micro-batch) and backward (of another) run
+    together on two CUDA streams, as Megatron-Core's ``TransformerLayerSchedulePlan.run`` issues
+    them::
+
+        comm:    combine_bwd | dispatch_fwd -> dispatch_bwd  | combine_fwd
+        compute: attn_fwd    | mlp_bwd -> mlp_dw -> mlp_fwd  | attn_bwd
+
+    ``attn_*``: the layer's work outside the routed experts (attention, norms, router, shared
+    experts, permutation); ``mlp_*``: the routed experts (the backward half data gradient, half
+    weight gradient: the same GEMMs' two products); ``a2a``: one all-to-all. Each node starts when
+    its stream is free and its input exists: mlp_bwd after combine_bwd, dispatch_fwd after
+    attn_fwd, dispatch_bwd after mlp_bwd's data gradient, mlp_fwd after dispatch_fwd, combine_fwd
+    after mlp_fwd, attn_bwd after dispatch_bwd. Without overlap the same work takes
+    attn_f + mlp_f + attn_b + mlp_b + 4 a2a."""
+    dgrad = wgrad = mlp_b / 2
+    cb = a2a                                   # comm: combine_bwd from 0
+    af = attn_f                                # compute: attn_fwd from 0
+    mb = max(af, cb) + dgrad                   # compute: mlp_bwd (data gradient)
+    df = max(cb, af) + a2a                     # comm: dispatch_fwd
+    mdw = mb + wgrad                           # compute: mlp_dw
+    db = max(df, mb) + a2a                     # comm: dispatch_bwd
+    mf = max(mdw, df) + mlp_f                  # compute: mlp_fwd
+    cf = max(db, mf) + a2a                     # comm: combine_fwd
+    ab = max(mf, db) + attn_b                  # compute: attn_bwd
+    return max(cf, ab)
+
+
+def paired_exposed_s(system: System, c: ParallelConfig, kind: str) -> float:
+    """All-to-all seconds one MoE layer's paired forward and backward (``paired_layer_s``) leave
+    exposed on ``kind``: the pair's time less the computation of both."""
+    whole, attn = system.block_for(kind, c, moe=True), system.block_for(kind, c, moe=True, routed=False)
+    one = a2a_times(system, c)[0] / 2
+    af, ab = attn.forward_s, attn.backward_s
+    mf, mb = whole.forward_s - af, whole.backward_s - ab
+    return max(0.0, paired_layer_s(af, mf, ab, mb, one) - (af + mf + ab + mb))
+
+
+def a2a_exposed_s(system: System, c: ParallelConfig, kinds, rank: int) -> tuple[float, float]:
+    """(forward, backward) all-to-all seconds one MoE block of pipeline rank ``rank`` exposes per
+    micro-batch, on average over the schedule: ``a2a_times`` for the passes that run alone, half
+    a pair's exposed time each (``paired_exposed_s``, the slowest of ``kinds``) for the
+    ``paired_fraction`` that Megatron's combined 1F1B runs together."""
+    f, b = a2a_times(system, c)
+    p = paired_fraction(c, rank)
+    if p == 0.0:
+        return f, b
+    half = max(paired_exposed_s(system, c, k) for k in kinds) / 2
+    return (1 - p) * f + p * half, (1 - p) * b + p * half
 
 
 def moe_activation_bytes(system: System, c: ParallelConfig, mask: int) -> dict:

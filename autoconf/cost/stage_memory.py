@@ -95,6 +95,20 @@ def _moe_working(system: System, c: ParallelConfig, lay: Layout) -> float:
     return moe_activation_bytes(system, dataclasses.replace(c, recompute="none"), _mask_bytes(system, lay))["total"]
 
 
+def _paired_extra_bytes(system: System, c: ParallelConfig, lay: Layout, s: int) -> float:
+    """What Megatron-Core's combined 1F1B (``ep_comm_overlap``) holds above the plain schedule on
+    stage ``s``: with pipelining, the extra warm-up forward it runs first (one more micro-batch of
+    the stage's largest chunk in flight); without, the forward of one MoE block running beside the
+    backward that has not yet freed its own (forward and backward walk the layers in opposite
+    directions, so the two micro-batches together hold one block more than one does)."""
+    mask = _mask_bytes(system, lay)
+    if c.pp > 1:
+        per_chunk = _chunk_activation_bytes(system, c, lay, system.layer_activations(c, mask)["total"])
+        return max(per_chunk[ci] for ci in lay.chunks_of(c, s))
+    from .moe import moe_activation_bytes
+    return moe_activation_bytes(system, c, mask)["total"]
+
+
 def _mask_bytes(system: System, lay: Layout) -> int:
     """Dropout mask bytes per element: the widest among the devices of the layout."""
     kinds = sorted({k for ks in lay.stage_kinds for k in ks})
@@ -307,6 +321,8 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
         act = schedule_time.boundary_bytes(system, c)  # an activation and its gradient have one shape
         buffers = sum((ci > 0) + (ci < lay.num_chunks - 1) for ci in chunks)
         parts.append(("pipeline receive buffers", buffers * c.num_micro_batches * act))
+    if c.ep_comm_overlap and c.ep > 1:
+        parts.append(("ep-overlap paired micro-batch", _paired_extra_bytes(system, c, lay, s)))
     if c.compressed:
         from .compression import memory_parts
         parts += memory_parts(system, c, lay, s)

@@ -233,13 +233,17 @@ class System:
         return (self.framework.megatron_softmax and m.attention == "eager" and m.dtype != "fp32"
                 and not fused_softmax_available(b, m.num_attention_heads / tp, m.seq_length / cp, m.seq_length / cp))
 
-    def block_for(self, kind: str, c, moe: bool = False) -> LayerTimes:
+    def block_for(self, kind: str, c, moe: bool = False, routed: bool = True) -> LayerTimes:
         """:meth:`block` for configuration ``c`` (its micro-batch, tp, cp, precision, compile);
-        ``moe``: a mixture-of-experts block (its experts over ``c.ep``, ``cost.moe``)."""
+        ``moe``: a mixture-of-experts block (its experts over ``c.ep``, ``cost.moe``);
+        ``routed=False``: that block without its routed experts' work (what
+        ``moe.paired_exposed_s`` overlaps with their all-to-alls)."""
         shape = None
         if moe:
             from .moe import moe_shape
             shape = moe_shape(self, c)
+            if not routed:
+                shape = dataclasses.replace(shape, rows=0.0)
         return self.block(kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
                           c.fp8_recipe if c.precision == "fp8" else None,
                           self.framework.knob(c, "torch_compile"), shape, self.accumulates(c),

@@ -135,6 +135,15 @@ def test_moe_activation_memory_closed_form():
     expert = e * 3 * (T * k * 768 + T * 768) / 2  # routed rows (T x k) and the shared expert's T rows
     extra = 2 * e * T * k * h + 4 * T * 64
     assert got["total"] == pytest.approx(dense["total"] - dense_mlp + expert + extra)
+    # FP8 keeping the linear layers' inputs (Megatron / Transformer Engine): 1 byte for the
+    # down projections' f-wide inputs and for the dispatched tokens the experts' up projection keeps
+    c8 = dataclasses.replace(c, precision="fp8", fp8_recipe="tensorwise")
+    dense8, got8 = s.layer_activations(c8, 1), moe_activation_bytes(s, c8, 1)
+    dense_mlp8 = T * (3 * e - 1) * 8192 / 2
+    expert8 = (3 * e - 1) * (T * k * 768 + T * 768) / 2
+    extra8 = (2 * e - 1) * T * k * h + 4 * T * 64
+    assert dense8["mlp_hidden"] == pytest.approx(dense_mlp8)
+    assert got8["total"] == pytest.approx(dense8["total"] - dense_mlp8 + expert8 + extra8)
 
 
 def test_layered_accumulation_at_pp1_keeps_every_moe_blocks_activations():

@@ -173,7 +173,10 @@ def moe_activation_bytes(system: System, c: ParallelConfig, mask: int) -> dict:
     block's (``System.layer_activations``): the dense formula's MLP hidden activations replaced by
     the experts' (T x k x load rows of the expert width, and the shared experts' T rows), plus the
     permuted tokens (dispatched inputs and the experts' outputs before combine: 2 x T x k x h) and
-    the router's fp32 probabilities (T x E); everything else (attention, norms) as a dense block."""
+    the router's fp32 probabilities (T x E); everything else (attention, norms) as a dense block.
+    Where FP8 keeps the linear layers' inputs in FP8 (``Framework.fp8_saves_inputs``), the experts'
+    down-projection inputs and the dispatched tokens (the grouped up projection's input) take
+    1 byte, as the dense block's do (``activations._fp8_saved``)."""
     m = system.model
     dense = system.layer_activations(c, mask)
     if c.recompute == "full":
@@ -181,10 +184,14 @@ def moe_activation_bytes(system: System, c: ParallelConfig, mask: int) -> dict:
     e, tp = m.dtype_bytes, c.tp
     T = c.micro_batch_size * m.seq_length / c.cp
     hidden_per_row = mlp_hidden_rows(m, system.framework.fused_glu)
-    dense_mlp = e * T * hidden_per_row * m.ffn_hidden_size / tp
+    # FP8 that keeps the linear layers' inputs in FP8 (1 byte): the down projections' (one f-wide
+    # tensor of the rows) and the experts' up projection's (the dispatched tokens)
+    fp8_in = c.precision == "fp8" and system.framework.fp8_saves_inputs
+    low = (e - 1) if fp8_in else 0
+    dense_mlp = T * (e * hidden_per_row - low) * m.ffn_hidden_size / tp
     sh = moe_shape(system, c)
-    expert_mlp = e * hidden_per_row * (sh.assignments * m.expert_ffn + sh.tokens * sh.shared_ffn) / sh.etp
-    extra = 2 * e * sh.assignments * m.hidden_size + 4.0 * sh.tokens * m.num_experts
+    expert_mlp = (e * hidden_per_row - low) * (sh.assignments * m.expert_ffn + sh.tokens * sh.shared_ffn) / sh.etp
+    extra = (2 * e - low) * sh.assignments * m.hidden_size + 4.0 * sh.tokens * m.num_experts
     out = dict(dense)
     out["mlp_hidden"] = out.get("mlp_hidden", 0.0) - dense_mlp + expert_mlp
     out["moe_permuted_and_router"] = extra

@@ -98,7 +98,7 @@ class ParallelConfig:
     ep_comm_overlap: bool | None = None
     """Overlap a mixture of experts' token all-to-alls with another micro-batch's computation
     (Megatron ``--overlap-moe-expert-parallel-comm``: forward and backward of two micro-batches run
-    together layer by layer on two streams, ``cost.moe.paired_a2a_s``). Needs ep > 1, no full
+    together layer by layer on two streams, ``cost.moe.paired_layer_s``). Needs ep > 1, no full
     recomputation, and the interleaved schedule when pp > 1. None: the framework's default."""
     dp_all_reduce: str = "flat"
     """ZeRO-0/1's gradient all-reduce: "flat" (the collective library's own: gloo's ring in the

@@ -23,7 +23,7 @@ stacks. What differs, and is modelled here from each framework's own code and do
   tensor-parallel communication overlaps the GEMMs (``tp_comm_overlap``; Megatron with Transformer
   Engine userbuffers, torchtitan's asynchronous TP), and whether a mixture of experts'
   all-to-alls run under another micro-batch's computation (``ep_comm_overlap``: Megatron-Core's
-  ``--overlap-moe-expert-parallel-comm``, off by default, ``cost.moe.paired_a2a_s``);
+  ``--overlap-moe-expert-parallel-comm``, off by default, ``cost.moe.paired_layer_s``);
 - **tensor-parallel backward**: Megatron-LM launches a column-parallel layer's backward
   collectives asynchronously beside its GEMMs (``tp_backward_overlap``,
   ``tensor_parallel.overlapped``); the others run them in turn, unless ``tp_comm_overlap``

@@ -232,7 +232,7 @@ def search_tables(r, wide: bool = False, rows: int | None = None) -> list:
            search_table(r, wide, rows)]
     if not wide:
         out.append(Text("options: z ZeRO stage, rc recomputation, sp sequence parallelism, fp8 FP8 linears, knobs "
-                        "(ogr, opg, tpo, compile) where not the framework's default; --wide: all", style="dim"))
+                        "(ogr, opg, tpo, epo, compile) where not the framework's default; --wide: all", style="dim"))
     out += [Text(""), _heading(f"rejected ({r.space_size:,} configurations in the space)"), rejected_table(r)]
     return out
 

@@ -241,7 +241,7 @@ class _Evaluator:
             return [], None
         for c in framework_inner(self.ctx.framework, dp, pp, tp, mbs, sched, v, layered, self.global_batch,
                                  dp_hierarchical(self.ctx, dp, pp, tp), cp, self.precisions,
-                                 self.ctx.model.num_experts, self._eps_of(point)):
+                                 self.ctx.model.num_experts, self._eps_of(point), self.ctx.model):
             if check(c, self.ctx.model):
                 continue
             # memory first (no simulation when it cannot fit); skip the schedule simulation when
@@ -440,7 +440,8 @@ def expert_parallel_choices(system: System, point, global_batch: int,
     dp x cp and the experts, the one whose step is fastest with the plainest memory savers (ZeRO-1
     where the framework has it, no recomputation, ``precision``) and the largest (the least expert
     memory), so ep is weighed against tp and dp without multiplying every inner choice by every
-    degree. ``search`` and ``plan`` try the same ones (cached on the System)."""
+    degree; each degree at its faster of ``ep_comm_overlap`` off and on where the framework can
+    switch it. ``search`` and ``plan`` try the same ones (cached on the System)."""
     m, fw = system.model, system.framework
     dp, pp, tp, mbs, sched, v, layered, cp = point
     if not m.num_experts or not fw.expert_parallel:
@@ -456,19 +457,23 @@ def expert_parallel_choices(system: System, point, global_batch: int,
         for k in eps:
             c = dataclasses.replace(base, ep=k)
             if check(c, m) is None and fw.check(c) is None:
-                timed.append((_estimate(c, system).step_time_s, k))
+                t = _estimate(c, system).step_time_s
+                on = dataclasses.replace(c, ep_comm_overlap=True)  # hidden all-to-alls favour other degrees
+                if "ep_comm_overlap" in fw.knobs and check(on, m) is None:
+                    t = min(t, _estimate(on, system).step_time_s)
+                timed.append((t, k))
         return tuple(sorted({min(timed)[1], eps[-1]})) if timed else (eps[-1],)
     return system.cached(("ep-choices", tuple(point), global_batch, tuple(precision)), make)
 
 
 def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hier: bool = False, cp: int = 1,
-                    precisions=(("bf16", "tensorwise"),), moe_experts: int = 0, eps=None):
+                    precisions=(("bf16", "tensorwise"),), moe_experts: int = 0, eps=None, model=None):
     """The inner configurations of an outer point that framework ``fw`` can run: ZeRO stages it
     has, every recompute mode, sequence parallelism, and both values of each knob it lets a user
     switch where the knob matters (overlap_grad_reduce with dp > 1 where the framework applies it,
     ``Framework.can_overlap_grad_reduce``; overlap_param_gather with
     ZeRO, tp_comm_overlap with sequence parallelism, ep_comm_overlap where ``config.ep_overlap_reason``
-    allows it); other knobs stay at the framework's default.
+    allows it for ``model``); other knobs stay at the framework's default.
     ``dp_hier`` (:func:`dp_hierarchical`): the data-parallel all-reduce is tried flat and
     hierarchical too, for the ZeRO stages whose modelled reduction is an all-reduce
     (``data_parallel.reduction_collective``: ZeRO-0; the trainer's ZeRO-1 all-reduce is modelled
@@ -487,7 +492,8 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
         matters = {"overlap_grad_reduce": dp * cp > 1 and fw.can_overlap_grad_reduce(c),
                    "overlap_param_gather": dp * cp > 1 and zero >= 1,
                    "tp_comm_overlap": sp, "torch_compile": True,
-                   "ep_comm_overlap": ep > 1 and not ep_overlap_reason(dataclasses.replace(c, ep_comm_overlap=True))}
+                   "ep_comm_overlap": ep > 1 and not ep_overlap_reason(dataclasses.replace(c, ep_comm_overlap=True),
+                                                                      model)}
         variants = [{}] if tuple(precisions) == (("bf16", "tensorwise"),) else [
             {"precision": p, "fp8_recipe": r} for p, r in precisions]
         for knob in fw.knobs:
@@ -533,7 +539,8 @@ def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=N
     for point in points:
         dp, pp, tp, mbs, sched, v, layered, cp = point
         inner = list(framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch,
-                                     bool(dp_hier and dp_hier(dp, pp, tp)), cp, precisions, model.num_experts))
+                                     bool(dp_hier and dp_hier(dp, pp, tp)), cp, precisions, model.num_experts,
+                                     model=model))
         total += len(inner)
         base = check(make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, global_batch, cp), model)
         if base:

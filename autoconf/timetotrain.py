@@ -793,7 +793,7 @@ class PointOptimizer:
             inner = [(b[(c.sequence_parallel, c.recompute, c.zero_stage)], c)
                      for c in framework_inner(self.system.framework, dp, pp, tp, mbs, sched, v, layered,
                                               global_batch, hier, cp, moe_experts=self.model.num_experts,
-                                              eps=self.ep_choices(p, global_batch))
+                                              eps=self.ep_choices(p, global_batch), model=self.model)
                      if (c.sequence_parallel, c.recompute, c.zero_stage) in b]
             for clb, c in sorted(inner, key=lambda x: x[0]):
                 consider(c, clb)
@@ -1385,8 +1385,11 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     if model.is_moe:
         routing = ("routing perfectly balanced (--moe-imbalance 1)" if moe_imbalance == 1.0 else
                    f"the busiest expert rank {moe_imbalance:g}x its balanced share (--moe-imbalance)")
-        notes.append(f"mixture of experts: {routing}, the expert-parallel all-to-alls exposed (no overlap such as "
-                     "DualPipe's), the scaling laws read at its active parameters "
+        a2a = ("exposed, or under another micro-batch's computation where ep_comm_overlap pairs the passes "
+               "(Megatron-Core's combined 1F1B, DualPipe's idea)" if "ep_comm_overlap" in fw.knobs
+               else "exposed (this framework does not overlap them)")
+        notes.append(f"mixture of experts: {routing}, the expert-parallel all-to-alls {a2a}, the scaling laws read at "
+                     "its active parameters "
                      f"({model.active_params() / 1e9:,.3g}B of {model.num_params() / 1e9:,.4g}B)")
     if prec[0] == "fp8":
         notes.append(f"FP8 matmuls ({prec[1]} scaling) in every plan: faster GEMMs and different numerics than "

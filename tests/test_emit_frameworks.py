@@ -207,6 +207,9 @@ MOE_CASES = {  # (model, config)
                       cfg(dp=2, pp=2, tp=2, cp=2, micro_batch_size=1, num_micro_batches=4, ep=2,
                           moe_capacity_factor=1.25, rank_order="tp-cp-dp-pp")),
     "every-other": (_dc.replace(MOE, moe_layer_freq=2), cfg(dp=8, micro_batch_size=1, num_micro_batches=2)),
+    "paired-interleaved": (MOE, cfg(dp=4, pp=2, micro_batch_size=1, num_micro_batches=4, zero_stage=1, ep=4,
+                                    schedule="interleaved", virtual_stages=2, recompute="selective",
+                                    ep_comm_overlap=True)),
 }
 
 
@@ -282,6 +285,12 @@ def test_megatron_core_accepts_the_moe_args(tmp_path, case):
               "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
         if k in o:
             kw[k] = int(o[k])
+    if "num_layers_per_virtual_pipeline_stage" in o:  # as Megatron-LM's arguments.py derives it
+        per_stage = int(o["num_layers"]) // int(o["pipeline_model_parallel_size"])
+        kw["virtual_pipeline_model_parallel_size"] = per_stage // int(o["num_layers_per_virtual_pipeline_stage"])
+    for k in ("recompute_granularity", "recompute_method"):
+        if k in o:
+            kw[k] = o[k]
     tc = TransformerConfig(**kw, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                            params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True)
     assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size) == \

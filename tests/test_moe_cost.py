@@ -205,9 +205,13 @@ def test_paired_layer_time_closed_forms():
     assert paired_layer_s(1.0, 2.0, 3.0, 4.0, 0.0) == pytest.approx(10.0)
     assert paired_layer_s(0.0, 0.0, 0.0, 0.0, 0.5) == pytest.approx(2.0)
     assert paired_layer_s(1.0, 1.0, 1.0, 1.0, 0.5) == pytest.approx(4.0)
-    # t = 2: combine_bwd [0,2]; mlp_bwd dgrad [2,2.5], dw [2.5,3]; dispatch_fwd [2,4];
-    # dispatch_bwd [4,6]; mlp_fwd [4,5]; combine_fwd [6,8]; attn_bwd [6,7]
+    # t = 2: combine_bwd [0,2]; mlp_bwd [2,3]; dispatch_fwd [2,4]; dispatch_bwd [4,6];
+    # mlp_fwd [4,5]; combine_fwd [6,8]; attn_bwd [6,7]
     assert paired_layer_s(1.0, 1.0, 1.0, 1.0, 2.0) == pytest.approx(8.0)
+    # the experts' whole backward before dispatch_bwd (Megatron without --delay-wgrad-compute):
+    # combine_bwd [0,1]; attn_fwd [0,1]; mlp_bwd [1,5]; dispatch_fwd [1,2]; dispatch_bwd [5,6];
+    # mlp_fwd [5,6]; combine_fwd [6,7]; attn_bwd [6,7]: 7, not the 6 of the compute alone
+    assert paired_layer_s(1.0, 1.0, 1.0, 4.0, 1.0) == pytest.approx(7.0)
     for args in ((0.3, 2.0, 0.7, 4.0, 0.9), (2.0, 0.1, 3.0, 0.2, 1.0), (0.1, 0.1, 0.1, 0.1, 5.0)):
         t = paired_layer_s(*args)
         assert max(sum(args[:4]), 4 * args[4]) <= t + 1e-12 <= sum(args[:4]) + 4 * args[4]
@@ -216,13 +220,14 @@ def test_paired_layer_time_closed_forms():
 def test_paired_fraction_follows_megatrons_warmup():
     from autoconf.cost.moe import paired_fraction
 
-    assert paired_fraction(cfg(ep=8, num_micro_batches=8, ep_comm_overlap=True), 0) == pytest.approx(7 / 8)
-    assert paired_fraction(cfg(ep=8, num_micro_batches=8), 0) == 0.0  # the knob off
+    s = System(SMALL_MOE, H100, framework="megatron")
+    assert paired_fraction(s, cfg(ep=8, num_micro_batches=8, ep_comm_overlap=True), 0) == pytest.approx(7 / 8)
+    assert paired_fraction(s, cfg(ep=8, num_micro_batches=8), 0) == 0.0  # the knob off (Megatron's default)
     c = cfg(dp=8, pp=4, ep=8, num_micro_batches=8, schedule="interleaved", virtual_stages=2, ep_comm_overlap=True)
     # 16 chunk forwards; warm-up 2 (pp - 1 - rank) + (v - 1) pp + 1
-    assert [paired_fraction(c, r) for r in range(4)] == pytest.approx([5 / 16, 7 / 16, 9 / 16, 11 / 16])
+    assert [paired_fraction(s, c, r) for r in range(4)] == pytest.approx([5 / 16, 7 / 16, 9 / 16, 11 / 16])
     c1 = dataclasses.replace(c, num_micro_batches=2)  # every forward in the warm-up
-    assert paired_fraction(c1, 0) == 0.0
+    assert paired_fraction(s, c1, 0) == 0.0
 
 
 def test_ep_comm_overlap_hides_all_to_alls_and_costs_a_paired_micro_batch():
@@ -258,8 +263,9 @@ def test_search_tries_ep_comm_overlap_where_megatron_can_run_it():
     assert {c.ep_comm_overlap for c in inner if c.ep > 1 and c.recompute != "full"} == {False, True}
     assert not any(c.ep_comm_overlap for c in inner if c.ep == 1 or c.recompute == "full")
     assert not any(c.ep_comm_overlap for c in framework_inner(fw, 4, 2, 1, 1, "1f1b", 1, False, 32, moe_experts=64))
-    titan = list(framework_inner(framework("torchtitan"), 8, 1, 1, 1, "1f1b", 1, False, 32, moe_experts=64))
-    assert not any(c.ep_comm_overlap for c in titan)
+    fp32 = dataclasses.replace(SMALL_MOE, dtype="fp32")  # Megatron-Core overlaps 16-bit models only
+    assert not any(c.ep_comm_overlap for c in framework_inner(fw, 8, 1, 1, 1, "1f1b", 1, False, 32, moe_experts=64,
+                                                              model=fp32))
 
 
 def test_fp8_weight_copies_hold_a_ranks_own_experts():

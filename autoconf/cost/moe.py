@@ -12,7 +12,7 @@ folds it). Per MoE block and micro-batch, on each rank (T = b x s / cp tokens, k
   backward sends the gradients back the same way (two more). On the links the group spans (NVLink
   inside a host or an NVLink domain, the NICs across), at the collective library's efficiency.
   Exposed, unless Megatron-Core's ``--overlap-moe-expert-parallel-comm`` (``ep_comm_overlap``) runs
-  them under another micro-batch's computation (``paired_a2a_s``: its combined 1F1B; DeepSeek's
+  them under another micro-batch's computation (``paired_layer_s``: its combined 1F1B; DeepSeek's
   DualPipe pairs micro-batches the same way). No framework does by default;
 - **expert work**: each rank's E/ep experts take T x k assignments together (each expert
   T x k x ep / E rows: a grouped GEMM of many small GEMMs), times the **load imbalance** of the
@@ -99,7 +99,7 @@ def a2a_times(system: System, c: ParallelConfig) -> tuple[float, float]:
     return fwd, 2 * one + (fwd if c.recompute == "full" else 0.0)
 
 
-def paired_fraction(c: ParallelConfig, rank: int) -> float:
+def paired_fraction(system: System, c: ParallelConfig, rank: int) -> float:
     """Of pipeline rank ``rank``'s forward passes, the fraction Megatron-Core's combined 1F1B runs
     together with a backward (``ep_comm_overlap``; 0 without it). Without pipelining, every
     micro-batch's forward but the first runs beside the previous one's backward: (m - 1) / m. With
@@ -107,7 +107,7 @@ def paired_fraction(c: ParallelConfig, rank: int) -> float:
     which is the interleaved schedule's, 2 (pp - 1 - rank) + (v - 1) pp, plus the one extra
     forward the combined schedule runs first so that every pair is independent
     (``get_pp_rank_microbatches``; micro-batch groups of pp, Megatron's default)."""
-    if not c.ep_comm_overlap or c.ep == 1:
+    if c.ep == 1 or not system.framework.knob(c, "ep_comm_overlap"):
         return 0.0
     m = c.num_micro_batches
     if c.pp == 1:
@@ -126,20 +126,19 @@ def paired_layer_s(attn_f: float, mlp_f: float, attn_b: float, mlp_b: float, a2a
         compute: attn_fwd    | mlp_bwd -> mlp_dw -> mlp_fwd  | attn_bwd
 
     ``attn_*``: the layer's work outside the routed experts (attention, norms, router, shared
-    experts, permutation); ``mlp_*``: the routed experts (the backward half data gradient, half
-    weight gradient: the same GEMMs' two products); ``a2a``: one all-to-all. Each node starts when
-    its stream is free and its input exists: mlp_bwd after combine_bwd, dispatch_fwd after
-    attn_fwd, dispatch_bwd after mlp_bwd's data gradient, mlp_fwd after dispatch_fwd, combine_fwd
-    after mlp_fwd, attn_bwd after dispatch_bwd. Without overlap the same work takes
-    attn_f + mlp_f + attn_b + mlp_b + 4 a2a."""
-    dgrad = wgrad = mlp_b / 2
+    experts, permutation); ``mlp_*``: the routed experts; ``a2a``: one all-to-all. Each node
+    starts when its stream is free and its input exists: mlp_bwd after combine_bwd, dispatch_fwd
+    after attn_fwd, dispatch_bwd after mlp_bwd, mlp_fwd after dispatch_fwd, combine_fwd after
+    mlp_fwd, attn_bwd after dispatch_bwd. mlp_bwd is the experts' whole backward: mlp_dw only
+    splits the weight gradient out under ``--delay-wgrad-compute`` (a no-op otherwise,
+    ``TransformerLayerNode.backward_dw``), which autoconf does not emit. Without overlap the same
+    work takes attn_f + mlp_f + attn_b + mlp_b + 4 a2a."""
     cb = a2a                                   # comm: combine_bwd from 0
     af = attn_f                                # compute: attn_fwd from 0
-    mb = max(af, cb) + dgrad                   # compute: mlp_bwd (data gradient)
+    mb = max(af, cb) + mlp_b                   # compute: mlp_bwd (data and weight gradients)
     df = max(cb, af) + a2a                     # comm: dispatch_fwd
-    mdw = mb + wgrad                           # compute: mlp_dw
     db = max(df, mb) + a2a                     # comm: dispatch_bwd
-    mf = max(mdw, df) + mlp_f                  # compute: mlp_fwd
+    mf = max(mb, df) + mlp_f                   # compute: mlp_fwd
     cf = max(db, mf) + a2a                     # comm: combine_fwd
     ab = max(mf, db) + attn_b                  # compute: attn_bwd
     return max(cf, ab)
@@ -161,7 +160,7 @@ def a2a_exposed_s(system: System, c: ParallelConfig, kinds, rank: int) -> tuple[
     a pair's exposed time each (``paired_exposed_s``, the slowest of ``kinds``) for the
     ``paired_fraction`` that Megatron's combined 1F1B runs together."""
     f, b = a2a_times(system, c)
-    p = paired_fraction(c, rank)
+    p = paired_fraction(system, c, rank)
     if p == 0.0:
         return f, b
     half = max(paired_exposed_s(system, c, k) for k in kinds) / 2

@@ -267,17 +267,14 @@ def linear_params_per_layer(m) -> float:
 
 def _fp8_linear_params(system: System, c: ParallelConfig, lay: Layout, ci: int) -> float:
     """Linear-layer weights chunk ``ci`` holds on a rank (what FP8 keeps copies of): its dense
-    blocks' (``linear_params_per_layer`` over tp) and its MoE blocks' attention projections over
-    tp, shared experts and the rank's E/ep routed experts over the experts' tensor-parallel split
-    (``moe.expert_tp``; the router stays in 16 bits)."""
+    blocks' (``linear_params_per_layer`` over tp), its MoE blocks' attention projections and
+    shared experts over tp, and its routed experts on the rank (``Layout.chunk_expert_params``);
+    the router stays in 16 bits."""
     m = system.model
     n_moe = lay.chunk_moe_layers[ci] if lay.chunk_moe_layers else 0
     out = (lay.chunk_layers[ci] - n_moe) * linear_params_per_layer(m) / c.tp
     if n_moe:
-        from .moe import expert_tp
-        attn = m.attention_matmul_params()
-        experts = m.shared_expert_params() + m.num_experts // c.ep * m.expert_params()
-        out += n_moe * (attn / c.tp + experts / expert_tp(system, c))
+        out += n_moe * (m.attention_matmul_params() + m.shared_expert_params()) / c.tp + lay.chunk_expert_params[ci]
     return out
 
 
@@ -321,7 +318,7 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
         act = schedule_time.boundary_bytes(system, c)  # an activation and its gradient have one shape
         buffers = sum((ci > 0) + (ci < lay.num_chunks - 1) for ci in chunks)
         parts.append(("pipeline receive buffers", buffers * c.num_micro_batches * act))
-    if c.ep_comm_overlap and c.ep > 1:
+    if c.ep > 1 and fw.knob(c, "ep_comm_overlap"):
         parts.append(("ep-overlap paired micro-batch", _paired_extra_bytes(system, c, lay, s)))
     if c.compressed:
         from .compression import memory_parts

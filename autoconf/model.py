@@ -43,7 +43,7 @@ LATER_FIELDS = {"head_dim": None, "qkv_bias": False, "parallel_attention": False
                 "moe_layer_freq": 1, "router": "softmax", "router_bias": False, "shared_expert_gate": False,
                 "qk_norm": False, "q_lora_rank": None, "kv_lora_rank": None, "qk_rope_head_dim": None,
                 "qk_nope_head_dim": None, "v_head_dim": None, "sliding_window": None, "full_attention_every": 0,
-                "attention_sinks": False}
+                "attention_sinks": False, "router_groups": 0, "router_group_topk": 0}
 ROUTERS = ("softmax", "sigmoid")
 """How a mixture-of-experts layer scores its experts: softmax over the experts, then the top k
 (Mixtral, Qwen-MoE, GPT-OSS), or a sigmoid per expert, top k, renormalised (DeepSeek-V3)."""
@@ -63,7 +63,7 @@ MODEL_SCHEMA = Dict(
               "kv_lora_rank": Null(Int(*LORA_RANK_LIMITS)), "qk_rope_head_dim": Null(Int(*HEAD_DIM_LIMITS)),
               "qk_nope_head_dim": Null(Int(*HEAD_DIM_LIMITS)), "v_head_dim": Null(Int(*HEAD_DIM_LIMITS)),
               "sliding_window": Null(Int(*LIMITS["seq_length"])), "full_attention_every": Int(0, 4096),
-              "attention_sinks": Bool()},
+              "attention_sinks": Bool(), "router_groups": Int(0, 1 << 14), "router_group_topk": Int(0, 1 << 14)},
     what="a model")
 
 
@@ -138,6 +138,15 @@ class ModelSpec:
     router_bias: bool = False
     """The router carries E more parameters per mixture-of-experts block: a bias on its logits (GPT-OSS)
     or DeepSeek-V3's e_score_correction_bias (added to the scores for the top-k choice only)."""
+    router_groups: int = 0
+    """Group-limited routing (DeepSeek-V3's ``n_group``; Megatron-LM's ``--moe-router-num-groups``):
+    the experts form this many equal groups, and each token picks its top-k experts inside its
+    ``router_group_topk`` best groups (a group's score: the sum of its top k / router_group_topk
+    expert scores). 0: no groups. With a group per host the routing is node-limited: a token's
+    experts lie on at most router_group_topk hosts, which a deduplicating dispatcher exploits
+    (``cost.moe``)."""
+    router_group_topk: int = 0
+    """Groups each token may route to (DeepSeek-V3's ``topk_group``: 4 of 8)."""
     shared_expert_gate: bool = False
     """Each mixture-of-experts block scales its shared experts' output by sigmoid(x . g), g an h-vector
     (Qwen2-MoE's shared_expert_gate): h parameters, counted in :meth:`shared_expert_params`."""
@@ -242,6 +251,13 @@ class ModelSpec:
             if self.router_bias:
                 raise UserError(f"model {self.name}: router_bias=true needs a router: set num_experts too; "
                                 "valid: false")
+        for field in ("router_groups", "router_group_topk"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise UserError(f"model {self.name}: {field}={v!r} must be a non-negative integer")
+        if (self.router_groups or self.router_group_topk) and e == 0:
+            raise UserError(f"model {self.name}: router_groups and router_group_topk group a router's experts: set "
+                            "num_experts too; valid: 0")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise UserError(f"model {self.name}: shared_expert_gate=true gates shared experts: set "
                             "num_shared_experts too; valid: false")
@@ -252,6 +268,14 @@ class ModelSpec:
         if self.first_dense_layers >= self.num_layers:
             raise UserError(f"model {self.name}: first_dense_layers={self.first_dense_layers} leaves no "
                             f"mixture-of-experts block of {self.num_layers}")
+        g, gk = self.router_groups, self.router_group_topk
+        if g or gk:
+            if not g or e % g:
+                raise UserError(f"model {self.name}: router_groups={g} must divide num_experts ({e}) into equal "
+                                "groups (0: no groups)")
+            if not 1 <= gk <= min(g, k):
+                raise UserError(f"model {self.name}: router_group_topk={gk} must be in 1..{min(g, k)} (at most "
+                                "router_groups and experts_per_token)")
 
     def _validate_attention(self) -> None:
         """Multi-head latent attention, Q/K norms, sliding windows and sinks."""
@@ -872,6 +896,8 @@ def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse) -> dict:
                                                                                          default=8),
                expert_ffn_hidden_size=pick("moe_intermediate_size", default=2048), num_shared_experts=shared,
                router=scoring, router_bias=True, **fit,
+               # group-limited routing: transformers' DeepseekV3Config defaults, 8 groups, the best 4
+               router_groups=get("n_group", 8) or 0, router_group_topk=get("topk_group", 4) or 0,
                # q_lora_rank null: one query projection (DeepSeek-V2-Lite); absent: transformers' 1536
                q_lora_rank=cfg["q_lora_rank"] if "q_lora_rank" in cfg else 1536,
                kv_lora_rank=pick("kv_lora_rank", default=512), qk_rope_head_dim=pick("qk_rope_head_dim", default=64),

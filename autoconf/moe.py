@@ -5,7 +5,9 @@ instead of fc1 / fc2); imports torch.
 
 - Router: an E x h matrix (no bias), applied in fp32. "softmax": softmax over the experts, the top k,
   their probabilities renormalised over the top k (Mixtral); "sigmoid": a sigmoid per expert, the top
-  k, renormalised (DeepSeek-V3). :func:`route`.
+  k, renormalised (DeepSeek-V3); with ``router_groups`` the top k inside each token's
+  ``router_group_topk`` best groups (a group scored by the sum of its top k / router_group_topk
+  scores, as Megatron-LM's ``group_limited_topk``). :func:`route`.
 - Routed experts: each a gated (SwiGLU / GeGLU) or two-matrix MLP of width ``model.expert_ffn``, as the
   dense MLP; shared experts (``num_shared_experts``, width ``model.shared_expert_ffn``) see every token.
   Output = sum over the token's kept (token, expert) pairs of weight x expert(x), + sum of shared(x).
@@ -59,12 +61,23 @@ def reset_a2a_bytes() -> None:
         A2A_BYTES[k] = 0
 
 
-def route(logits: torch.Tensor, k: int, router: str) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, k: int, router: str, groups: int = 0,
+          group_topk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert indices [n, k] and their weights [n, k] (fp32, renormalised over the top k) from
-    the router logits [n, E]."""
+    the router logits [n, E]; with ``groups``, only inside each token's ``group_topk`` best groups
+    of E / groups consecutive experts."""
     logits = logits.float()
     scores = F.softmax(logits, dim=-1) if router == "softmax" else torch.sigmoid(logits)
-    w, idx = scores.topk(k, dim=-1)
+    choice = scores
+    if groups > 1:
+        n = scores.shape[0]
+        per_group = scores.view(n, groups, -1)
+        group_score = per_group.topk(k // group_topk, dim=-1)[0].sum(dim=-1)  # [n, groups]
+        best = group_score.topk(group_topk, dim=-1)[1]
+        allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
+        choice = scores.masked_fill(~allowed.unsqueeze(-1).expand_as(per_group).reshape(n, -1), float("-inf"))
+    idx = choice.topk(k, dim=-1)[1]
+    w = scores.gather(1, idx)
     return idx, w / w.sum(dim=-1, keepdim=True)
 
 
@@ -157,7 +170,7 @@ class MoE(nn.Module):
         e, k = m.num_experts, m.experts_per_token
         t = x.reshape(-1, x.shape[-1])
         n = t.shape[0]
-        idx, w = route(F.linear(t.float(), self.router.float()), k, m.router)
+        idx, w = route(F.linear(t.float(), self.router.float()), k, m.router, m.router_groups, m.router_group_topk)
         tok = torch.arange(n, device=t.device).repeat_interleave(k)
         ex, wt = idx.reshape(-1), w.reshape(-1)
         keep = None

@@ -306,6 +306,8 @@ def megatron_moe_args(plan) -> list:
         a.append("--overlap-moe-expert-parallel-comm")
     if c.moe_capacity_factor is not None:
         a += ["--moe-expert-capacity-factor", f"{c.moe_capacity_factor:g}"]
+    if m.router_groups:  # group-limited routing (node-limited where the groups are hosts)
+        a += ["--moe-router-num-groups", m.router_groups, "--moe-router-group-topk", m.router_group_topk]
     if m.router_bias:  # DeepSeek-V3's e_score_correction_bias (megatron-core: sigmoid routers only)
         a.append("--moe-router-enable-expert-bias")
     if m.shared_expert_gate:
@@ -476,7 +478,10 @@ def torchtitan_moe_text(plan, version: str = "0.3") -> str:
     if version == "0.3":
         return (f"mixture of experts ({what}): TORCHTITAN_CONFIG's blocks must hold torchtitan.models.common.moe."
                 f"MoE.Config(num_experts={m.num_experts}, router=TokenChoiceTopKRouter.Config(top_k="
-                f"{m.experts_per_token}, score_func={m.router!r}, ...), routed experts' GroupedExperts.Config(hidden_dim="
+                f"{m.experts_per_token}, score_func={m.router!r}"
+                + (f", num_expert_groups={m.router_groups}, num_limited_groups={m.router_group_topk}"
+                   if m.router_groups else "")
+                + ", ...), routed experts' GroupedExperts.Config(hidden_dim="
                 f"{m.expert_ffn}), shared_experts="
                 + (f"FeedForward.Config(hidden_dim={m.num_shared_experts * m.shared_expert_ffn})" if m.num_shared_experts
                    else "None")

@@ -203,7 +203,7 @@ MOE_CASES = {  # (model, config)
     "dropless": (MOE, cfg(dp=4, tp=2, micro_batch_size=1, num_micro_batches=2, zero_stage=1, ep=4,
                           ep_comm_overlap=True)),
     "deepseek-like": (_dc.replace(MOE, num_shared_experts=2, shared_expert_ffn_hidden_size=1024, first_dense_layers=3,
-                                  router="sigmoid"),
+                                  router="sigmoid", router_groups=4, router_group_topk=2),
                       cfg(dp=2, pp=2, tp=2, cp=2, micro_batch_size=1, num_micro_batches=4, ep=2,
                           moe_capacity_factor=1.25, rank_order="tp-cp-dp-pp")),
     "every-other": (_dc.replace(MOE, moe_layer_freq=2), cfg(dp=8, micro_batch_size=1, num_micro_batches=2)),
@@ -254,6 +254,8 @@ def test_megatron_moe_args_parse_back_to_the_plan(tmp_path, case):
     assert o["moe_grouped_gemm"] is True and int(o.get("expert_model_parallel_size", 1)) == c.ep
     assert o.get("moe_expert_capacity_factor") == (None if c.moe_capacity_factor is None else f"{c.moe_capacity_factor:g}")
     assert o.get("overlap_moe_expert_parallel_comm", False) is bool(c.ep_comm_overlap)
+    assert (int(o.get("moe_router_num_groups", 0)), int(o.get("moe_router_group_topk", 0))) == \
+        (m.router_groups, m.router_group_topk)
     freq = _layer_freq(o["moe_layer_freq"])
     pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(m.num_layers)]
     assert pattern == [int(m.is_moe_layer(i)) for i in range(m.num_layers)]  # megatron-core's reading of an int
@@ -299,6 +301,7 @@ def test_megatron_core_accepts_the_moe_args(tmp_path, case):
     assert tc.expert_model_parallel_size == c.ep and tc.expert_tensor_parallel_size == c.tp  # experts split tp ways
     assert tc.moe_expert_capacity_factor == c.moe_capacity_factor
     assert tc.overlap_moe_expert_parallel_comm is bool(c.ep_comm_overlap)  # its own checks passed
+    assert (tc.moe_router_num_groups or 0, tc.moe_router_group_topk or 0) == (m.router_groups, m.router_group_topk)
     specs = get_gpt_decoder_layer_specs(tc, use_transformer_engine=False, normalization="RMSNorm")
     specs = getattr(specs, "layer_specs", specs)
     got = [int(s.submodules.mlp.module is MoELayer) for s in specs]

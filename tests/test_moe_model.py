@@ -64,6 +64,14 @@ def test_qwen3_30b_a3b():
     assert truncated(m.active_params(), 3.3 * B, 0.1 * B)
 
 
+def test_deepseek_v3_routes_node_limited():
+    # DeepSeek-V3 technical report, sec. 2.1.2: "each token will be sent to at most M = 4 nodes", by
+    # the sum of the highest K_r / M affinity scores of the experts on each node; its config's
+    # n_group = 8, topk_group = 4
+    m = hf("DeepSeek-V3")
+    assert (m.router_groups, m.router_group_topk) == (8, 4)
+
+
 def test_deepseek_v3():
     # DeepSeek-V3 technical report (arXiv 2412.19437): 671B total, 37B activated per token. The
     # Hugging Face page's 685B adds the 14B multi-token-prediction module, which is not counted here.
@@ -262,6 +270,12 @@ MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=
     (dict(sliding_window=0), r"sliding_window=0 must be null or an integer in \[1, "),
     (dict(full_attention_every=2), "full_attention_every=2 picks .*set sliding_window too"),
     (dict(sliding_window=4, full_attention_every=-1), "full_attention_every=-1 must be a non-negative integer"),
+    (dict(router_groups=2, router_group_topk=1), "router_groups and router_group_topk group a router's experts"),
+    (dict(num_experts=8, experts_per_token=2, router_groups=3, router_group_topk=1), "router_groups=3 must divide"),
+    (dict(num_experts=8, experts_per_token=2, router_groups=4, router_group_topk=3),
+     r"router_group_topk=3 must be in 1\.\.2"),
+    (dict(num_experts=8, experts_per_token=2, router_groups=4), r"router_group_topk=0 must be in 1\.\.2"),
+    (dict(num_experts=8, experts_per_token=2, router_groups=-1), "router_groups=-1 must be a non-negative integer"),
 ])
 def test_bad_new_fields(kw, needle):
     with pytest.raises(UserError, match=needle) as e:

@@ -41,6 +41,27 @@ def test_route_top_k_renormalised(router):
         assert w[n].tolist() == pytest.approx([scores[e] / total for e in top], rel=1e-6)
 
 
+def test_group_limited_route_picks_inside_the_best_groups():
+    """DeepSeek-V3's group-limited routing, by hand: 4 groups of 4 experts, the best 2 groups by
+    the sum of their top k / 2 scores, then the top k inside those groups only."""
+    from autoconf.moe import route
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(20, 16, generator=g)
+    idx, w = route(logits, 4, "sigmoid", groups=4, group_topk=2)
+    for n in range(20):
+        scores = logits[n].sigmoid().tolist()
+        group_score = [sum(sorted(scores[4 * j:4 * j + 4], reverse=True)[:2]) for j in range(4)]
+        best = sorted(range(4), key=lambda j: -group_score[j])[:2]
+        allowed = [e for j in best for e in range(4 * j, 4 * j + 4)]
+        top = sorted(allowed, key=lambda e: -scores[e])[:4]
+        assert sorted(idx[n].tolist()) == sorted(top) and {e // 4 for e in idx[n].tolist()} <= set(best)
+        total = sum(scores[e] for e in top)
+        assert sorted(w[n].tolist()) == pytest.approx(sorted(scores[e] / total for e in top), rel=1e-6)
+    # the plain top k goes outside two groups for some token here: the limit changes the routing
+    assert any(len({e // 4 for e in row}) > 2 for row in route(logits, 4, "sigmoid")[0].tolist())
+
+
 def test_capacity_drops_first_come_in_token_order():
     from autoconf.moe import capacity, keep_mask
 

@@ -19,7 +19,7 @@ from profiler.cli import add_profile_parser
 
 from . import __version__
 from .argtypes import int_list, port, positive_int
-from .config import DP_ALL_REDUCE, FP8_RECIPES, PP_COMPRESSION
+from .config import DP_ALL_REDUCE, FP8_RECIPES, MOE_DISPATCHERS, PP_COMPRESSION
 from .errors import UserError
 from .frameworks import FRAMEWORK_NAMES
 from .testbed import add_testbed_parser, cmd_testbed
@@ -57,6 +57,10 @@ def _add_target(p, cluster_required: bool = False):
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="mixture of experts: the busiest expert rank's tokens over the balanced share "
                         "(default 1.0, perfectly balanced)")
+    p.add_argument("--moe-dispatcher", default="alltoall", choices=MOE_DISPATCHERS,
+                   help="mixture of experts: how tokens reach their experts' ranks: alltoall (every token-expert "
+                        "pair) or deepep (DeepEP: once per host over the NICs, once per GPU over NVLink; Megatron's "
+                        "flex dispatcher, torchtitan 0.3) (default: alltoall)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -265,7 +269,7 @@ def cmd_estimate(args) -> int:
                             pp_compression_rank=args.pp_compression_rank,
                             dp_compression_stages=args.dp_compression_stages,
                             dp_compression_rank=args.dp_compression_rank,
-                            fused_embedding_sync=args.fused_embedding_sync)
+                            fused_embedding_sync=args.fused_embedding_sync, moe_dispatcher=args.moe_dispatcher)
     e = estimate(config, model, cluster, profile, calibration, framework=args.framework,
                  moe_imbalance=args.moe_imbalance)
     from .outputs import fail_after, side_output
@@ -341,7 +345,8 @@ def cmd_search(args) -> int:
                         study_name=args.study_name, profile=profile, calibration=calibration,
                         max_micro_batch=args.max_micro_batch, framework=args.framework, place=not args.no_place,
                         max_cp=args.max_cp, precision=args.precision, fp8_recipe=args.fp8_recipe,
-                        moe_imbalance=args.moe_imbalance, allow_compression=args.allow_compression,
+                        moe_imbalance=args.moe_imbalance, moe_dispatcher=args.moe_dispatcher,
+                        allow_compression=args.allow_compression,
                         pp_compression_rank=args.pp_compression_rank or 16,
                         dp_compression_rank=args.dp_compression_rank or 128,
                         progress=lambda done, total: bars.update(task, completed=done, total=total),

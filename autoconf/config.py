@@ -19,6 +19,11 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 RECOMPUTE = ("none", "selective", "full")
 DP_ALL_REDUCE = ("flat", "hierarchical")
 PP_COMPRESSION = ("none", "epilogue", "all")
+MOE_DISPATCHERS = ("alltoall", "deepep")
+"""How a mixture of experts' tokens reach their experts' ranks (``ParallelConfig.moe_dispatcher``)."""
+DEFAULTED_FIELDS = {"moe_dispatcher": "alltoall"}
+"""Written by :meth:`ParallelConfig.to_dict` only when not the default (later fields: earlier
+documents read as before)."""
 """Low-rank compression of the activation gradients sent backwards between pipeline stages
 (Optimus-CC, arXiv 2301.09830): none; epilogue (only the sends nothing overlaps: those a device
 makes after its last forward, e.g. stage s's last p - s under 1F1B); all (every backward send).
@@ -44,7 +49,7 @@ CONFIG_SCHEMA = Dict(
               "zero_stage": Int(0, 3), "recompute": Str(RECOMPUTE), "sequence_parallel": Bool(),
               "rank_order": Str(max_len=32), "overlap_grad_reduce": Null(Bool()),
               "overlap_param_gather": Null(Bool()), "tp_comm_overlap": Null(Bool()),
-              "ep_comm_overlap": Null(Bool()),
+              "ep_comm_overlap": Null(Bool()), "moe_dispatcher": Str(MOE_DISPATCHERS),
               "dp_all_reduce": Str(DP_ALL_REDUCE),
               "pp_compression": Str(PP_COMPRESSION), "pp_compression_rank": Int(1, 1 << 16),
               "dp_compression_stages": Int(0, 1 << 16), "dp_compression_rank": Int(1, 1 << 16),
@@ -100,6 +105,13 @@ class ParallelConfig:
     (Megatron ``--overlap-moe-expert-parallel-comm``: forward and backward of two micro-batches run
     together layer by layer on two streams, ``cost.moe.paired_layer_s``). Needs ep > 1, no full
     recomputation, and the interleaved schedule when pp > 1. None: the framework's default."""
+    moe_dispatcher: str = "alltoall"
+    """How tokens reach their experts' ranks with ep > 1 (``MOE_DISPATCHERS``): "alltoall", one
+    all-to-all of every (token, expert) pair (Megatron-LM's alltoall dispatcher, torchtitan's,
+    the reference trainer's); "deepep", DeepSeek's DeepEP kernels (Megatron-LM's flex dispatcher,
+    torchtitan 0.3's DeepEPTokenDispatcher), which send a token once to each host holding any of
+    its experts, over the NICs, and forward it inside the host over NVLink, once per GPU
+    (``cost.moe.deepep_bytes``)."""
     dp_all_reduce: str = "flat"
     """ZeRO-0/1's gradient all-reduce: "flat" (the collective library's own: gloo's ring in the
     reference trainer, NCCL's ring or tree elsewhere) or "hierarchical" (reduce-scatter inside each
@@ -194,6 +206,8 @@ class ParallelConfig:
             s += " hier-ar"
         if self.ep > 1:
             s += f" ep{self.ep}"
+        if self.moe_dispatcher != "alltoall":
+            s += f" {self.moe_dispatcher}"
         if self.moe_capacity_factor is not None:
             s += f" cf{self.moe_capacity_factor:g}"
         if self.precision == "fp8":
@@ -227,6 +241,9 @@ class ParallelConfig:
                 del d[k]
             else:
                 d[k] = list(d[k])
+        for k, default in DEFAULTED_FIELDS.items():
+            if d[k] == default:
+                del d[k]
         return d
 
     @classmethod
@@ -324,6 +341,10 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return why
     if c.tp_comm_overlap and not c.sequence_parallel:
         return "tp_comm_overlap needs sequence_parallel (it overlaps the all-gather / reduce-scatter pairs)"
+    if c.moe_dispatcher not in MOE_DISPATCHERS:
+        return f"moe_dispatcher={c.moe_dispatcher!r}; valid: {', '.join(MOE_DISPATCHERS)}"
+    if c.moe_dispatcher != "alltoall" and c.ep == 1:
+        return f"moe_dispatcher={c.moe_dispatcher} dispatches tokens to other expert-parallel ranks: it needs ep > 1"
     if c.ep_comm_overlap:
         why = ep_overlap_reason(c, model)
         if why:

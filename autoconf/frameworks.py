@@ -62,7 +62,8 @@ stacks. What differs, and is modelled here from each framework's own code and do
   host dispatches;
 - **mixtures of experts**: expert parallelism (Megatron-LM's ``--expert-model-parallel-size``,
   torchtitan's ``expert_parallel_degree``, the reference trainer); token dropping by a capacity
-  factor (Megatron-LM, the reference trainer; torchtitan routes dropless). DeepSpeed's MoE layer
+  factor (Megatron-LM, the reference trainer; torchtitan routes dropless); DeepEP's deduplicating
+  dispatch (Megatron-LM's flex dispatcher, torchtitan 0.3; ``moe_dispatchers``). DeepSpeed's MoE layer
   is configured in the model code, which the emitted files cannot set: not offered.
 
 A knob set to None in a :class:`~autoconf.config.ParallelConfig` takes the framework's default.
@@ -158,6 +159,9 @@ class Framework:
     """Whether it splits a mixture of experts' experts over ranks (``config.ParallelConfig.ep``)."""
     capacity_factor: bool = False
     """Whether its router can drop tokens beyond an expert capacity (else dropless only)."""
+    moe_dispatchers: tuple = ("alltoall",)
+    """The token dispatchers it can run (``config.MOE_DISPATCHERS``): DeepEP in Megatron-LM's flex
+    dispatcher and torchtitan 0.3's DeepEPTokenDispatcher, where the DeepEP library is installed."""
     expert_tensor_parallel: bool = True
     """Whether its experts are split over the tp ranks like the dense MLP (Megatron-LM's default
     expert tensor-parallel size is tp); else every tp rank holds whole experts and routes its own
@@ -306,6 +310,9 @@ class Framework:
         if getattr(c, "ep", 1) > 1 and c.zero_stage not in self.expert_zero_stages:
             return (f"framework {self.name} has no ZeRO-{c.zero_stage} with expert parallelism; valid: "
                     f"{', '.join(map(str, self.expert_zero_stages))}")
+        if getattr(c, "moe_dispatcher", "alltoall") not in self.moe_dispatchers:
+            return (f"framework {self.name} has no {c.moe_dispatcher} token dispatcher; valid: "
+                    f"{', '.join(self.moe_dispatchers)}")
         if getattr(c, "moe_capacity_factor", None) is not None and not self.capacity_factor:
             return f"framework {self.name} routes dropless only (moe_capacity_factor={c.moe_capacity_factor})"
         if getattr(c, "cp", 1) > 1 and self.cp_comm is None:
@@ -389,7 +396,8 @@ FRAMEWORKS = {
         loss_backward_fp32_tensors=0, megatron_softmax=True,
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
-        capacity_factor=True, fused_glu=True, tp_backward_overlap=True, param_gather_in_place=True,
+        capacity_factor=True, moe_dispatchers=("alltoall", "deepep"), fused_glu=True, tp_backward_overlap=True,
+        param_gather_in_place=True,
         early_receive_schedules=("interleaved",), tied_pair_all_reduce=True, grad_norm_traffic=1.0),
     "torchtitan": Framework(
         name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
@@ -399,7 +407,8 @@ FRAMEWORKS = {
                   "ep_comm_overlap": False, "torch_compile": False},
         knobs=("tp_comm_overlap", "torch_compile"), all_reduce_algorithms=_NCCL_ALL_REDUCE, loss_backward_fp32_tensors=2,
         cp_comm="all_gather", fp8_recipes=("rowwise", "tensorwise", "mxfp8"), fp8_host_ops=(16, 16),
-        fp8_all_gather=True, expert_parallel=True, expert_tensor_parallel=False, grad_norm_traffic=3.0),
+        fp8_all_gather=True, expert_parallel=True, expert_tensor_parallel=False, grad_norm_traffic=3.0,
+        moe_dispatchers=("alltoall", "deepep")),
     "deepspeed": Framework(
         name="deepspeed", schedules=("1f1b",),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1), layered_grad_accum=False,

@@ -197,7 +197,8 @@ class _Evaluator:
             c = dataclasses.replace(c, **{k: (tpo if k == "tp_comm_overlap" else True) for k in fw.knobs})
             # the cheapest precision and expert-parallel degree are not known in advance
             for prec, ep in ((p_, e) for p_ in self.precisions for e in self._eps_of(point)):
-                cc = dataclasses.replace(c, precision=prec[0], fp8_recipe=prec[1], ep=ep)
+                cc = dataclasses.replace(c, precision=prec[0], fp8_recipe=prec[1], ep=ep,
+                                         moe_dispatcher=self.ctx.moe_dispatcher if ep > 1 else "alltoall")
                 if "ep_comm_overlap" in fw.knobs:  # on where it can be: it only hides time
                     cc = dataclasses.replace(cc, ep_comm_overlap=ep_overlap_reason(
                         dataclasses.replace(cc, ep_comm_overlap=True), self.ctx.model) is None)
@@ -241,7 +242,8 @@ class _Evaluator:
             return [], None
         for c in framework_inner(self.ctx.framework, dp, pp, tp, mbs, sched, v, layered, self.global_batch,
                                  dp_hierarchical(self.ctx, dp, pp, tp), cp, self.precisions,
-                                 self.ctx.model.num_experts, self._eps_of(point), self.ctx.model):
+                                 self.ctx.model.num_experts, self._eps_of(point), self.ctx.model,
+                                 self.ctx.moe_dispatcher):
             if check(c, self.ctx.model):
                 continue
             # memory first (no simulation when it cannot fit); skip the schedule simulation when
@@ -455,7 +457,7 @@ def expert_parallel_choices(system: System, point, global_batch: int,
         base = dataclasses.replace(base, precision=precision[0], fp8_recipe=precision[1])
         timed = []
         for k in eps:
-            c = dataclasses.replace(base, ep=k)
+            c = dataclasses.replace(base, ep=k, moe_dispatcher=system.moe_dispatcher if k > 1 else "alltoall")
             if check(c, m) is None and fw.check(c) is None:
                 t = _estimate(c, system).step_time_s
                 on = dataclasses.replace(c, ep_comm_overlap=True)  # hidden all-to-alls favour other degrees
@@ -463,11 +465,12 @@ def expert_parallel_choices(system: System, point, global_batch: int,
                     t = min(t, _estimate(on, system).step_time_s)
                 timed.append((t, k))
         return tuple(sorted({min(timed)[1], eps[-1]})) if timed else (eps[-1],)
-    return system.cached(("ep-choices", tuple(point), global_batch, tuple(precision)), make)
+    return system.cached(("ep-choices", tuple(point), global_batch, tuple(precision), system.moe_dispatcher), make)
 
 
 def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hier: bool = False, cp: int = 1,
-                    precisions=(("bf16", "tensorwise"),), moe_experts: int = 0, eps=None, model=None):
+                    precisions=(("bf16", "tensorwise"),), moe_experts: int = 0, eps=None, model=None,
+                    dispatcher: str = "alltoall"):
     """The inner configurations of an outer point that framework ``fw`` can run: ZeRO stages it
     has, every recompute mode, sequence parallelism, and both values of each knob it lets a user
     switch where the knob matters (overlap_grad_reduce with dp > 1 where the framework applies it,
@@ -479,14 +482,15 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
     (``data_parallel.reduction_collective``: ZeRO-0; the trainer's ZeRO-1 all-reduce is modelled
     as a reduce-scatter, which the choice does not change). ``precisions``: the (precision, FP8
     recipe) pairs to try (:func:`precision_choices`). ``moe_experts``: a mixture of experts' expert
-    count: every expert-parallel degree dividing dp x cp and the experts is tried (where the
+    count: every expert-parallel degree dividing dp x cp and the experts is tried, with token
+    dispatcher ``dispatcher`` (where the
     framework has expert parallelism), or those of ``eps``."""
     if eps is None:
         eps = (1,) if not moe_experts or not fw.expert_parallel else tuple(ep_degrees(dp * cp, moe_experts))
     for (zero, rc, sp), ep in ((z, e) for z in inner_choices(dp, tp, cp) for e in eps):
         c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch, cp)
         if ep > 1:
-            c = dataclasses.replace(c, ep=ep)
+            c = dataclasses.replace(c, ep=ep, moe_dispatcher=dispatcher)
         if fw.check(c):
             continue
         matters = {"overlap_grad_reduce": dp * cp > 1 and fw.can_overlap_grad_reduce(c),
@@ -1010,7 +1014,8 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
            seed: int = 0, exhaustive: bool = True, progress=None, framework=None,
            place: bool = False, phase=None, max_cp: int | None = None, precision: str = "auto",
            fp8_recipe: str | None = None, moe_imbalance: float = 1.0, allow_compression: bool = False,
-           pp_compression_rank: int = 16, dp_compression_rank: int = 128) -> SearchResult:
+           pp_compression_rank: int = 16, dp_compression_rank: int = 128,
+           moe_dispatcher: str = "alltoall") -> SearchResult:
     """Search the space for the ``top`` fastest configurations that fit (exactly the model's
     ``top`` fastest, unless ``exhaustive=False``). ``storage``: an Optuna storage URL to keep the
     trials in (``sqlite:///file.db``; resumable), or None to keep them in memory only (no file
@@ -1026,11 +1031,14 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     degree tried (``config.cp_choices``); ``precision`` ("auto", "bf16" or "fp8") and
     ``fp8_recipe``: the matmul precisions tried (:func:`precision_choices`). ``allow_compression``:
     lossy communication may be picked (compressed pipeline gradients, PowerSGD on data-parallel
-    gradients, at the ranks given; :func:`compression_variants`), and the fused embedding sync."""
+    gradients, at the ranks given; :func:`compression_variants`), and the fused embedding sync.
+    ``moe_dispatcher``: the token dispatcher of a mixture of experts' configurations
+    (``config.MOE_DISPATCHERS``, one the framework runs)."""
     t0 = time.perf_counter()
     if top < 1:
         raise UserError(f"--top {top}: must be a positive number of configurations")
-    ctx = System(model, cluster, profile, calibration, framework=framework, moe_imbalance=moe_imbalance)
+    ctx = System(model, cluster, profile, calibration, framework=framework, moe_imbalance=moe_imbalance,
+                 moe_dispatcher=moe_dispatcher)
     world = gpus or ctx.num_devices
     if world > ctx.num_devices:
         raise UserError(f"--gpus {world}: the cluster has only {ctx.num_devices} devices")
@@ -1077,6 +1085,8 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         signature["precisions"] = [list(p) for p in precisions]
     if moe_imbalance != 1.0:
         signature["moe_imbalance"] = moe_imbalance
+    if moe_dispatcher != "alltoall":
+        signature["moe_dispatcher"] = moe_dispatcher
     if compression is not None:
         signature["compression"] = list(compression)
     name = study_name or default_study_name(model, world, global_batch,

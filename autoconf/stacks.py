@@ -151,6 +151,9 @@ def _moe_gaps(plan, name: str, version: str) -> list[str]:
         out.append("expert biases with tp > 1: megatron-core's MoE has biases only with expert_tensor_parallel_size "
                    "1, and the plan splits the experts tp ways")
     if name == "torchtitan":
+        if c.ep > 1 and c.moe_dispatcher == "deepep" and version != "0.3":
+            out.append("the DeepEP token dispatcher: torchtitan 0.2 dispatches with all-to-alls only (0.3 has "
+                       "DeepEPTokenDispatcher)")
         if cf is not None:
             out.append(f"the capacity factor {cf:g}: torchtitan's token-choice router is dropless (every token "
                        "reaches its top-k experts), so no token is dropped and expert loads are the router's")
@@ -298,8 +301,12 @@ def megatron_moe_args(plan) -> list:
         a += ["--moe-shared-expert-intermediate-size", m.num_shared_experts * m.shared_expert_ffn]
     freq = m.moe_layer_freq if m.first_dense_layers == 0 else \
         "[" + ",".join(map(str, moe_layer_pattern(m))) + "]"
-    a += ["--moe-layer-freq", freq, "--moe-router-score-function", m.router,
-          "--moe-token-dispatcher-type", "alltoall", "--moe-grouped-gemm"]
+    a += ["--moe-layer-freq", freq, "--moe-router-score-function", m.router]
+    if c.ep > 1 and c.moe_dispatcher == "deepep":  # megatron-core's flex dispatcher on DeepEP's kernels
+        a += ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+    else:
+        a += ["--moe-token-dispatcher-type", "alltoall"]
+    a.append("--moe-grouped-gemm")
     if c.ep > 1:
         a += ["--expert-model-parallel-size", c.ep]
     if _knob(plan, "megatron", "ep_comm_overlap"):  # combined 1F1B: all-to-alls under the other micro-batch
@@ -482,7 +489,11 @@ def torchtitan_moe_text(plan, version: str = "0.3") -> str:
                 + (f", num_expert_groups={m.router_groups}, num_limited_groups={m.router_group_topk}"
                    if m.router_groups else "")
                 + ", ...), routed experts' GroupedExperts.Config(hidden_dim="
-                f"{m.expert_ffn}), shared_experts="
+                f"{m.expert_ffn})"
+                + (f" with token_dispatcher=DeepEPTokenDispatcher.Config(num_max_tokens_per_rank="
+                   f"{plan.config.micro_batch_size * m.seq_length // plan.config.cp}, hidden_dim={m.hidden_size}) "
+                   "(DeepEP installed)" if plan.config.ep > 1 and plan.config.moe_dispatcher == "deepep" else "")
+                + ", shared_experts="
                 + (f"FeedForward.Config(hidden_dim={m.num_shared_experts * m.shared_expert_ffn})" if m.num_shared_experts
                    else "None")
                 + "); torchtitan's MoE modules: qwen3 (softmax, no shared experts, every block), deepseek_v3 "

@@ -41,7 +41,8 @@ import time
 from dataclasses import dataclass, field
 
 from .catalog import stated_accuracy
-from .config import RECOMPUTE, ParallelConfig, check, cp_choices, ep_overlap_reason, outer_space, point_config
+from .config import (MOE_DISPATCHERS, RECOMPUTE, ParallelConfig, check, cp_choices, ep_overlap_reason, outer_space,
+                     point_config)
 from .cost.estimate import Estimate, _estimate
 from .cost.system import System
 from .errors import UserError
@@ -181,18 +182,20 @@ class _UniformTopology(Topology):
         """Devices per host for bandwidth (per NVLink domain where domains span hosts)."""
 
 
-def planning_system(model, cluster, framework=None, profile=None, moe_imbalance: float = 1.0) -> System:
+def planning_system(model, cluster, framework=None, profile=None, moe_imbalance: float = 1.0,
+                    moe_dispatcher: str = "alltoall") -> System:
     """The System the planner estimates with: the uniform fast path for one node group without a
     profile. With ``profile`` it is ``search``'s own (``System(model, cluster, profile)``): the
     profile's device measurements (per-layer compute, GEMM table, collective efficiency) price the
     cluster's devices of the profiled kind, and its measured links overlay the cluster's first
     hosts in order (a profile of one node: the first node's links), so that the printed search
     command finds the same times. ``moe_imbalance``: a mixture of experts' load imbalance
-    (``System.moe_imbalance``)."""
+    (``System.moe_imbalance``); ``moe_dispatcher``: its token dispatcher (``System.moe_dispatcher``)."""
     if profile is None and len(cluster.node_groups) == 1:
         return System(model, cluster, topology=_UniformTopology(cluster), framework=framework,
-                      moe_imbalance=moe_imbalance)
-    return System(model, cluster, profile, framework=framework, moe_imbalance=moe_imbalance)
+                      moe_imbalance=moe_imbalance, moe_dispatcher=moe_dispatcher)
+    return System(model, cluster, profile, framework=framework, moe_imbalance=moe_imbalance,
+                  moe_dispatcher=moe_dispatcher)
 
 
 def _aligned(stride: int, n: int, per: int) -> bool:
@@ -364,7 +367,8 @@ class PointOptimizer:
                 r = list(self._per_layer(mbs, tp, sp, rc, cp, ep=k))
                 if k > 1:
                     c = ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=mbs, num_micro_batches=1, recompute=rc,
-                                       sequence_parallel=sp, cp=cp, ep=k, schedule=sched, virtual_stages=v)
+                                       sequence_parallel=sp, cp=cp, ep=k, schedule=sched, virtual_stages=v,
+                                       moe_dispatcher=self.system.moe_dispatcher)
                     if self.ep_overlap and ep_overlap_reason(dataclasses.replace(c, ep_comm_overlap=True),
                                                              self.model) is None:
                         rows.append(r)  # paired passes can hide them all: the least is none exposed
@@ -793,7 +797,8 @@ class PointOptimizer:
             inner = [(b[(c.sequence_parallel, c.recompute, c.zero_stage)], c)
                      for c in framework_inner(self.system.framework, dp, pp, tp, mbs, sched, v, layered,
                                               global_batch, hier, cp, moe_experts=self.model.num_experts,
-                                              eps=self.ep_choices(p, global_batch), model=self.model)
+                                              eps=self.ep_choices(p, global_batch), model=self.model,
+                                              dispatcher=self.system.moe_dispatcher)
                      if (c.sequence_parallel, c.recompute, c.zero_stage) in b]
             for clb, c in sorted(inner, key=lambda x: x[0]):
                 consider(c, clb)
@@ -1079,6 +1084,8 @@ class PlanResult:
     """The largest micro-batch tried (``--max-micro-batch``), for the printed search command."""
     moe_imbalance: float = 1.0
     """A mixture of experts' load imbalance the plans were priced at (``--moe-imbalance``)."""
+    moe_dispatcher: str = "alltoall"
+    """A mixture of experts' token dispatcher (``--moe-dispatcher``)."""
 
     # -- selections ----------------------------------------------------------------------------
     def select(self, network=None, method="all") -> list:
@@ -1143,6 +1150,8 @@ class PlanResult:
             extra += f" --max-micro-batch {self.max_micro_batch}"
         if self.moe_imbalance != 1.0:
             extra += f" --moe-imbalance {self.moe_imbalance:g}"
+        if self.moe_dispatcher != "alltoall":
+            extra += f" --moe-dispatcher {self.moe_dispatcher}"
         if self.profile_kind is not None:
             extra += f" --profile {shlex.quote(self.profile_path or 'PROFILE.json')}"
         return (f"autoconf search --model {shlex.quote(model_ref)} --cluster {shlex.quote(path)}{extra} "
@@ -1159,7 +1168,7 @@ class PlanResult:
                "profile_device_kind": self.profile_kind, "max_cp": self.max_cp, "placement": self.placed,
                "budget": self.budget.to_dict(), "grid": list(self.grid), "skipped_gpus": list(self.skipped),
                "never_finish": list(self.never_finish), "max_micro_batch": self.max_micro_batch,
-               "moe_imbalance": self.moe_imbalance,
+               "moe_imbalance": self.moe_imbalance, "moe_dispatcher": self.moe_dispatcher,
                "max_days": self.max_days,
                "price_per_gpu_hour": self.price, "deadline_days": self.deadline_days, "budget_cost": self.budget_cost,
                "mtbf_per_gpu_hours": self.mtbf_per_gpu_h, "checkpoint_s": self.checkpoint_s,
@@ -1232,7 +1241,8 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
          mtbf_per_gpu_h: float | None = None, checkpoint_s: float = 120.0, restart_s: float = 600.0,
          max_days: float = 365.0, max_micro_batch: int = MAX_MICRO_BATCH, progress=None, profile=None,
          precision: str = "bf16", fp8_recipe: str | None = None, max_cp: int | None = None,
-         place: bool = False, place_budget_s: float = 30.0, moe_imbalance: float = 1.0) -> PlanResult:
+         place: bool = False, place_budget_s: float = 30.0, moe_imbalance: float = 1.0,
+         moe_dispatcher: str = "alltoall") -> PlanResult:
     """Sweep GPU counts x batches x methods x networks; see the module docstring. ``profile``: a
     profile from ``autoconf profile`` taken on the cluster's device kind (``planning_system``);
     ``precision``: the matmul precision of every plan, bf16 (the model's dtype) or fp8 with
@@ -1241,7 +1251,8 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     ``place``: after the sweep, the fastest plan of each GPU count, method and network gets
     ``search``'s placement (the graph heuristic, then its local search over device order and
     uneven layer splits; the reference trainer only), within ``place_budget_s`` in all.
-    ``moe_imbalance``: a mixture of experts' load imbalance (``System.moe_imbalance``, as ``search``)."""
+    ``moe_imbalance``: a mixture of experts' load imbalance (``System.moe_imbalance``, as ``search``);
+    ``moe_dispatcher``: its token dispatcher (``System.moe_dispatcher``, as ``search``)."""
     from . import scaling
     from .frameworks import framework as framework_model
     t0 = time.perf_counter()
@@ -1290,7 +1301,8 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     if fp8_recipe is not None and precision != "fp8":
         raise UserError(f"--fp8-recipe {fp8_recipe}: needs --precision fp8")
     from .search import precision_choices
-    systems = {net_names[0]: planning_system(model, first, fw.name, profile, moe_imbalance)}  # the first System
+    # the first System
+    systems = {net_names[0]: planning_system(model, first, fw.name, profile, moe_imbalance, moe_dispatcher)}
     (prec,) = precision_choices(systems[net_names[0]], precision, fp8_recipe)
     # GPU counts worth sweeping: the run would take at most --max-days at the datasheet peak
     from .catalog import device_type
@@ -1331,7 +1343,7 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     for net in net_names:
         if net not in systems:
             systems[net] = planning_system(model, clusters[net], framework=fw.name, profile=profile,
-                                           moe_imbalance=moe_imbalance)
+                                           moe_imbalance=moe_imbalance, moe_dispatcher=moe_dispatcher)
         system = systems[net]
         opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp)
         opt.oom = shared_oom
@@ -1405,7 +1417,7 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
                       restart_s=restart_s, max_days=max_days, stats=stats, elapsed_s=time.perf_counter() - t0,
                       methods=tuple(methods), notes=notes, precision=prec, profile_kind=prof_kind,
                       max_cp=max_cp, placed=placed, never_finish=tuple(gone),
-                      max_micro_batch=max_micro_batch, moe_imbalance=moe_imbalance)
+                      max_micro_batch=max_micro_batch, moe_imbalance=moe_imbalance, moe_dispatcher=moe_dispatcher)
 
 
 def _place_rows(rows: list, systems: dict, methods, make_row, budget_s: float) -> dict:
@@ -1643,6 +1655,8 @@ def add_plan_parser(sub):
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="mixture of experts: the busiest expert rank's tokens over the balanced share "
                         "(default 1.0, perfectly balanced; as `search`)")
+    p.add_argument("--moe-dispatcher", default="alltoall", choices=MOE_DISPATCHERS,
+                   help="mixture of experts: the token dispatcher, alltoall or deepep (as `search`)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--plot", metavar="DIR", help="write days_vs_gpus and cost_vs_days as PNG and SVG")
     p.add_argument("--cluster-out", metavar="FILE", help="write the synthetic cluster file of the main network")
@@ -1719,7 +1733,7 @@ def cmd_plan(args) -> int:
                  mtbf_per_gpu_h=mtbf, checkpoint_s=ckpt, restart_s=restart, max_days=max_days,
                  max_micro_batch=args.max_micro_batch, progress=progress, profile=profile,
                  precision=args.precision, fp8_recipe=args.fp8_recipe, max_cp=args.max_cp, place=args.place,
-                 moe_imbalance=args.moe_imbalance)
+                 moe_imbalance=args.moe_imbalance, moe_dispatcher=args.moe_dispatcher)
     finally:
         if bar is not None:
             bar.stop()

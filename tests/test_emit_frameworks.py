@@ -205,7 +205,7 @@ MOE_CASES = {  # (model, config)
     "deepseek-like": (_dc.replace(MOE, num_shared_experts=2, shared_expert_ffn_hidden_size=1024, first_dense_layers=3,
                                   router="sigmoid", router_groups=4, router_group_topk=2),
                       cfg(dp=2, pp=2, tp=2, cp=2, micro_batch_size=1, num_micro_batches=4, ep=2,
-                          moe_capacity_factor=1.25, rank_order="tp-cp-dp-pp")),
+                          moe_capacity_factor=1.25, rank_order="tp-cp-dp-pp", moe_dispatcher="deepep")),
     "every-other": (_dc.replace(MOE, moe_layer_freq=2), cfg(dp=8, micro_batch_size=1, num_micro_batches=2)),
     "paired-interleaved": (MOE, cfg(dp=4, pp=2, micro_batch_size=1, num_micro_batches=4, zero_stage=1, ep=4,
                                     schedule="interleaved", virtual_stages=2, recompute="selective",
@@ -224,6 +224,8 @@ def _moe_plan(case, framework):
     # a plan the framework cannot run (torchtitan drops no tokens) is made for the reference trainer:
     # the framework's files then say what they cannot express
     runs = framework_model(framework).check(c) is None
+    if not runs:  # what the reference trainer cannot run either: Megatron's and DeepEP's own
+        c = _dc.replace(c, ep_comm_overlap=None, moe_dispatcher="alltoall")
     return m, c, LaunchPlan(c, m, A100, framework=framework if runs else "reference")
 
 
@@ -250,7 +252,10 @@ def test_megatron_moe_args_parse_back_to_the_plan(tmp_path, case):
     assert (int(o["num_experts"]), int(o["moe_router_topk"]), int(o["moe_ffn_hidden_size"])) == \
         (m.num_experts, m.experts_per_token, m.expert_ffn)
     assert int(o.get("moe_shared_expert_intermediate_size", 0)) == m.num_shared_experts * m.shared_expert_ffn
-    assert o["moe_router_score_function"] == m.router and o["moe_token_dispatcher_type"] == "alltoall"
+    deepep = c.moe_dispatcher == "deepep"
+    assert o["moe_router_score_function"] == m.router
+    assert o["moe_token_dispatcher_type"] == ("flex" if deepep else "alltoall")
+    assert o.get("moe_flex_dispatcher_backend") == ("deepep" if deepep else None)
     assert o["moe_grouped_gemm"] is True and int(o.get("expert_model_parallel_size", 1)) == c.ep
     assert o.get("moe_expert_capacity_factor") == (None if c.moe_capacity_factor is None else f"{c.moe_capacity_factor:g}")
     assert o.get("overlap_moe_expert_parallel_comm", False) is bool(c.ep_comm_overlap)
@@ -297,7 +302,8 @@ def test_megatron_core_accepts_the_moe_args(tmp_path, case):
                            params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True)
     assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size) == \
         (m.num_experts, m.experts_per_token, m.expert_ffn)
-    assert tc.moe_router_score_function == m.router and tc.moe_token_dispatcher_type == "alltoall"
+    assert tc.moe_router_score_function == m.router
+    assert tc.moe_token_dispatcher_type == ("flex" if c.moe_dispatcher == "deepep" else "alltoall")
     assert tc.expert_model_parallel_size == c.ep and tc.expert_tensor_parallel_size == c.tp  # experts split tp ways
     assert tc.moe_expert_capacity_factor == c.moe_capacity_factor
     assert tc.overlap_moe_expert_parallel_comm is bool(c.ep_comm_overlap)  # its own checks passed
@@ -323,6 +329,16 @@ def test_torchtitan_moe_files_and_gaps(tmp_path):
         missing = gaps(plan, "torchtitan", version)
         assert [g for g in missing if g.startswith("the capacity factor 1.25")]
         assert bool([g for g in missing if g.startswith("expert parallelism with tp=2")]) == (version == "0.3")
+    # DeepEP: torchtitan 0.3's token dispatcher, named in the model note; 0.2 has none
+    from autoconf.plan import LaunchPlan
+
+    dm, dc = MOE_CASES["dropless"]
+    dc = _dc.replace(dc, zero_stage=3, tp=1, dp=8, ep_comm_overlap=None, moe_dispatcher="deepep")
+    dplan = LaunchPlan(dc, dm, A100, framework="torchtitan")
+    assert "token_dispatcher=DeepEPTokenDispatcher.Config(num_max_tokens_per_rank=" in \
+        torchtitan_args_file(dplan, "header\n")
+    assert not [g for g in gaps(dplan, "torchtitan", "0.3") if "DeepEP" in g]
+    assert [g for g in gaps(dplan, "torchtitan", "0.2") if g.startswith("the DeepEP token dispatcher")]
     doc = tomllib.loads(torchtitan_toml(plan, "header\n"))
     assert doc["parallelism"]["expert_tensor_parallel_degree"] == c.tp
     assert "score_func = \"sigmoid\"" in torchtitan_toml(plan, "header\n")

@@ -287,3 +287,47 @@ def test_fp8_weight_copies_hold_a_ranks_own_experts():
     ds = preset("deepseek-v3")
     assert linear_params_per_layer(ds) == ds.attention_matmul_params() + 3 * ds.hidden_size * ds.ffn_hidden_size
     assert ds.attention_matmul_params() == pytest.approx(187e6, rel=0.02)  # MLA: about 187M weights per block
+
+
+def test_deepep_spread_and_bytes_closed_forms():
+    """DeepEP's traffic per rank and dispatch: a token crosses the NICs once per other host holding
+    one of its experts and NVLink once per other GPU there (expected counts under uniform routing,
+    drawn without replacement); group-limited routing caps the hosts (DeepSeek-V3: at most 4)."""
+    from math import comb
+
+    from autoconf.cost.moe import _hit, deepep_bytes, deepep_spread
+    from autoconf.model import preset
+
+    assert _hit(8, 8, 256) == pytest.approx(8 * (1 - comb(256 - 32, 8) / comb(256, 8)))
+    assert _hit(1, 8, 256) == 1.0 and _hit(8, 1, 256) == pytest.approx(1.0)
+    ds = preset("deepseek-v3")
+    s = System(ds, load_cluster("examples/clusters/h100-8x8.yaml"), framework="megatron")
+    c = cfg(dp=64, ep=64, moe_dispatcher="deepep")
+    [g] = set(axis_links(s, c, "ep"))
+    assert (g.size, g.num_hosts, g.local_size) == (64, 8, 8)
+    hosts, ranks = deepep_spread(ds, g)
+    assert hosts == pytest.approx(4.0)  # node-limited: the 4 best of 8 groups, one group per host
+    assert ranks == pytest.approx(_hit(32, 8, 128))  # the 32 GPUs of those hosts
+    free = dataclasses.replace(ds, router_groups=0, router_group_topk=0)
+    assert deepep_spread(free, g) == pytest.approx((_hit(8, 8, 256), _hit(64, 8, 256)))
+    nic, nvl = deepep_bytes(s, c, g)
+    unit = 4096 * 7168 * 2
+    assert nic == pytest.approx(unit * 4 * 7 / 8) and nvl == pytest.approx(unit * ranks * 7 / 8)
+    # against every (token, expert) pair: 8 x 63/64 hidden vectors, 7 of 8 of them across the NICs
+    assert a2a_bytes(s, dataclasses.replace(c, moe_dispatcher="alltoall")) == pytest.approx(unit * 8 * 63 / 64)
+    on, off = a2a_times(s, c), a2a_times(s, dataclasses.replace(c, moe_dispatcher="alltoall"))
+    assert on[0] < off[0] / 1.5 and on[1] < off[1] / 1.5
+
+
+def test_deepep_only_where_the_framework_runs_it():
+    c = cfg(ep=8, moe_dispatcher="deepep")
+    assert estimate(c, SMALL_MOE, H100, framework="megatron").breakdown_s["ep_comm"] > 0
+    with pytest.raises(UserError, match="framework reference has no deepep token dispatcher; valid: alltoall"):
+        estimate(c, SMALL_MOE, H100)
+    with pytest.raises(UserError, match="--moe-dispatcher 'deepep': framework deepspeed runs alltoall"):
+        System(SMALL_MOE, H100, framework="deepspeed", moe_dispatcher="deepep")
+    assert "needs ep > 1" in check(cfg(moe_dispatcher="deepep"), SMALL_MOE)
+    assert ParallelConfig.from_dict(c.to_dict()) == c and "moe_dispatcher" not in cfg(ep=8).to_dict()
+    r = search(SMALL_MOE, H100, 32, gpus=16, top=3, framework="megatron", precision="bf16", trials=40,
+               moe_dispatcher="deepep")
+    assert r.top and all(t.config.moe_dispatcher == ("deepep" if t.config.ep > 1 else "alltoall") for t in r.top)

@@ -86,15 +86,77 @@ def a2a_bytes(system: System, c: ParallelConfig) -> float:
     return T * m.experts_per_token * (c.ep - 1) / c.ep * m.hidden_size * m.dtype_bytes * load_factor(system, c)
 
 
+def _hit(bins: int, k: int, items: int) -> float:
+    """Expected bins hit when ``k`` distinct items are drawn uniformly from ``items`` spread evenly
+    over ``bins``: bins x (1 - C(items - items / bins, k) / C(items, k))."""
+    if bins <= 1:
+        return float(bins)
+    per, miss = items / bins, 1.0
+    for i in range(min(k, items)):
+        miss *= max(0.0, (items - per - i) / (items - i))
+    return bins * (1.0 - miss)
+
+
+def deepep_spread(model, g) -> tuple[float, float]:
+    """(hosts, GPUs) of the EP group ``g`` that one token's k experts lie on, in expectation over
+    uniform routing (the experts in order over the group's ranks, the ranks in order over its
+    hosts). Group-limited routing (``router_groups``, ``router_group_topk``) confines a token to
+    its best groups: where a host holds whole groups, to the hosts of those groups (node-limited
+    routing: DeepSeek-V3's at most 4 of 8); where a group spans hosts, to its hosts."""
+    E, k, n, H = model.num_experts, model.experts_per_token, g.size, g.num_hosts
+    G, M = model.router_groups, model.router_group_topk
+    hosts, ranks = _hit(H, k, E), _hit(n, k, E)
+    if G > 1 and M < G:
+        if G % H == 0:
+            hosts = min(hosts, _hit(H, M, G))
+        elif H % G == 0:
+            hosts = _hit(M * H // G, k, M * E // G)
+        if n % G == 0:
+            ranks = _hit(M * n // G, k, M * E // G)
+    return hosts, ranks
+
+
+def deepep_bytes(system: System, c: ParallelConfig, g) -> tuple[float, float]:
+    """(NIC bytes, NVLink bytes) one rank sends in one DeepEP dispatch (or combine) of one MoE
+    block and micro-batch over EP group ``g``: each of its T tokens once to every other host
+    holding one of its experts (over RDMA, to the GPU of the same local index there), then, on
+    each host, from that GPU to every other GPU holding one of its experts (NVLink); the combine
+    the reverse, each host's partial sum crossing the NICs once (``deepep_spread``; 16-bit
+    tokens, as Megatron-LM's flex dispatcher sends them; times the load factor)."""
+    m = system.model
+    T = routed_tokens(system, c)
+    hosts, ranks = deepep_spread(m, g)
+    L = max(1, g.local_size)
+    unit = T * m.hidden_size * m.dtype_bytes * load_factor(system, c)
+    return unit * hosts * (g.num_hosts - 1) / g.num_hosts, unit * ranks * (L - 1) / L
+
+
+def deepep_s(system: System, c: ParallelConfig, g) -> float:
+    """One DeepEP dispatch (or combine) over ``g``: the NIC and NVLink shares pipelined (chunks
+    forwarded as they arrive), so the slower of the two, at the collective library's efficiency,
+    plus a message latency per peer host and per peer GPU."""
+    tune = system.collective_tuning
+    nic, nvl = deepep_bytes(system, c, g)
+    L = max(1, g.local_size)
+    t_nic = nic / (g.inter_bandwidth_bytes_per_s * tune.inter_efficiency) if nic else 0.0
+    t_nvl = nvl / (g.intra_bandwidth_bytes_per_s * tune.intra(L)) if nvl else 0.0
+    lat = (g.num_hosts - 1) * g.inter_latency_s + (L - 1) * g.intra_latency_s
+    return tune.base_latency_s + max(t_nic, t_nvl) + lat
+
+
 def a2a_times(system: System, c: ParallelConfig) -> tuple[float, float]:
     """(forward, backward) seconds of one MoE block's all-to-alls per micro-batch (dispatch and
     combine; the backward's two carry the gradients), on the slowest EP group; exposed. Full
-    recomputation runs the forward's again in the backward."""
+    recomputation runs the forward's again in the backward. ``c.moe_dispatcher``: an all-to-all
+    of every (token, expert) pair (``a2a_bytes``), or DeepEP's (``deepep_s``)."""
     if c.ep == 1:
         return 0.0, 0.0
-    nbytes = a2a_bytes(system, c)
     tune = system.collective_tuning
-    one = max(comm.all_to_all_s(nbytes, g, tune) for g in axis_links(system, c, "ep"))
+    if c.moe_dispatcher == "deepep":
+        one = max(deepep_s(system, c, g) for g in axis_links(system, c, "ep"))
+    else:
+        nbytes = a2a_bytes(system, c)
+        one = max(comm.all_to_all_s(nbytes, g, tune) for g in axis_links(system, c, "ep"))
     fwd = 2 * one
     return fwd, 2 * one + (fwd if c.recompute == "full" else 0.0)
 

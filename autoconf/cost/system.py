@@ -48,6 +48,10 @@ class System:
     """Mixture-of-experts load imbalance: the busiest expert rank's tokens over the balanced share
     (1.0: perfectly balanced, as forced-balance benchmarks run; give a measured figure otherwise).
     ``cost.moe``."""
+    moe_dispatcher: str = "alltoall"
+    """The token dispatcher the configurations ``search`` and ``plan`` make carry
+    (``config.ParallelConfig.moe_dispatcher``: one the framework runs); an estimate prices its
+    configuration's own."""
     _cache: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -58,6 +62,9 @@ class System:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 1.0 <= f <= 64.0:
             raise UserError(f"--moe-imbalance {f!r}: the busiest expert rank's tokens over the balanced share, "
                             "a number from 1.0 (balanced) to 64")
+        if self.moe_dispatcher not in self.framework.moe_dispatchers:
+            raise UserError(f"--moe-dispatcher {self.moe_dispatcher!r}: framework {self.framework.name} runs "
+                            f"{', '.join(self.framework.moe_dispatchers)}")
         if self.topology is None:
             if self.cluster is not None and self.profile is not None:
                 # the cluster file declares hosts and devices; what the profile measured overrides

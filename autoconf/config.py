@@ -19,15 +19,15 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 RECOMPUTE = ("none", "selective", "full")
 DP_ALL_REDUCE = ("flat", "hierarchical")
 PP_COMPRESSION = ("none", "epilogue", "all")
+"""Low-rank compression of the activation gradients sent backwards between pipeline stages
+(Optimus-CC, arXiv 2301.09830): none; epilogue (only the sends nothing overlaps: those a device
+makes after its last forward, e.g. stage s's last p - s under 1F1B); all (every backward send).
+Forward activations are never compressed."""
 MOE_DISPATCHERS = ("alltoall", "deepep")
 """How a mixture of experts' tokens reach their experts' ranks (``ParallelConfig.moe_dispatcher``)."""
 DEFAULTED_FIELDS = {"moe_dispatcher": "alltoall"}
 """Written by :meth:`ParallelConfig.to_dict` only when not the default (later fields: earlier
 documents read as before)."""
-"""Low-rank compression of the activation gradients sent backwards between pipeline stages
-(Optimus-CC, arXiv 2301.09830): none; epilogue (only the sends nothing overlaps: those a device
-makes after its last forward, e.g. stage s's last p - s under 1F1B); all (every backward send).
-Forward activations are never compressed."""
 COMPRESSION_FIELDS = {"pp_compression": "none", "pp_compression_rank": 16, "dp_compression_stages": 0,
                       "dp_compression_rank": 128, "fused_embedding_sync": False}
 """Lossy communication and its defaults: written by :meth:`ParallelConfig.to_dict` only when not

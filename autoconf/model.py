@@ -276,6 +276,10 @@ class ModelSpec:
             if not 1 <= gk <= min(g, k):
                 raise UserError(f"model {self.name}: router_group_topk={gk} must be in 1..{min(g, k)} (at most "
                                 "router_groups and experts_per_token)")
+            if e // g < k // gk or gk * (e // g) < k:
+                raise UserError(f"model {self.name}: router_groups={g} of {e // g} experts: a group is scored by its "
+                                f"top {k // gk} and {gk} groups must hold the {k} experts per token; valid: fewer "
+                                "groups or a larger router_group_topk")
 
     def _validate_attention(self) -> None:
         """Multi-head latent attention, Q/K norms, sliding windows and sinks."""

@@ -65,17 +65,19 @@ def route(logits: torch.Tensor, k: int, router: str, groups: int = 0,
           group_topk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k expert indices [n, k] and their weights [n, k] (fp32, renormalised over the top k) from
     the router logits [n, E]; with ``groups``, only inside each token's ``group_topk`` best groups
-    of E / groups consecutive experts."""
+    of E / groups consecutive experts. A softmax router chooses on the logits (Megatron-LM without
+    --moe-router-pre-softmax: the same experts without groups, and its groups by their logits),
+    a sigmoid router on its scores."""
     logits = logits.float()
     scores = F.softmax(logits, dim=-1) if router == "softmax" else torch.sigmoid(logits)
-    choice = scores
+    choice = logits if router == "softmax" else scores
     if groups > 1:
         n = scores.shape[0]
-        per_group = scores.view(n, groups, -1)
+        per_group = choice.view(n, groups, -1)
         group_score = per_group.topk(k // group_topk, dim=-1)[0].sum(dim=-1)  # [n, groups]
         best = group_score.topk(group_topk, dim=-1)[1]
         allowed = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, best, True)
-        choice = scores.masked_fill(~allowed.unsqueeze(-1).expand_as(per_group).reshape(n, -1), float("-inf"))
+        choice = choice.masked_fill(~allowed.unsqueeze(-1).expand_as(per_group).reshape(n, -1), float("-inf"))
     idx = choice.topk(k, dim=-1)[1]
     w = scores.gather(1, idx)
     return idx, w / w.sum(dim=-1, keepdim=True)

@@ -439,9 +439,9 @@ def ep_degrees(ranks: int, experts: int) -> list:
 def expert_parallel_choices(system: System, point, global_batch: int,
                             precision: tuple = ("bf16", "tensorwise")) -> tuple:
     """The expert-parallel degrees tried at an outer point (1 for dense models): of those dividing
-    dp x cp and the experts, the one whose step is fastest with the plainest memory savers (ZeRO-1
-    where the framework has it, no recomputation, ``precision``) and the largest (the least expert
-    memory), so ep is weighed against tp and dp without multiplying every inner choice by every
+    dp x cp and the experts, the two whose steps are fastest with the plainest memory savers (ZeRO-1
+    where the framework has it, no recomputation, ``precision``: the other choices can reorder
+    close ones) and the largest (the least expert memory), so ep is weighed against tp and dp without multiplying every inner choice by every
     degree; each degree at its faster of ``ep_comm_overlap`` off and on where the framework can
     switch it. ``search`` and ``plan`` try the same ones (cached on the System)."""
     m, fw = system.model, system.framework
@@ -464,7 +464,7 @@ def expert_parallel_choices(system: System, point, global_batch: int,
                 if "ep_comm_overlap" in fw.knobs and check(on, m) is None:
                     t = min(t, _estimate(on, system).step_time_s)
                 timed.append((t, k))
-        return tuple(sorted({min(timed)[1], eps[-1]})) if timed else (eps[-1],)
+        return tuple(sorted({k for _, k in sorted(timed)[:2]} | {eps[-1]})) if timed else (eps[-1],)
     return system.cached(("ep-choices", tuple(point), global_batch, tuple(precision), system.moe_dispatcher), make)
 
 

@@ -154,6 +154,9 @@ def _moe_gaps(plan, name: str, version: str) -> list[str]:
         if c.ep > 1 and c.moe_dispatcher == "deepep" and version != "0.3":
             out.append("the DeepEP token dispatcher: torchtitan 0.2 dispatches with all-to-alls only (0.3 has "
                        "DeepEPTokenDispatcher)")
+        if m.router_groups and m.experts_per_token // m.router_group_topk != 2:
+            out.append(f"group-limited routing scores a group by its top {m.experts_per_token // m.router_group_topk} "
+                       "experts (Megatron-LM, the reference trainer); torchtitan's router always by its top 2")
         if cf is not None:
             out.append(f"the capacity factor {cf:g}: torchtitan's token-choice router is dropless (every token "
                        "reaches its top-k experts), so no token is dropped and expert loads are the router's")

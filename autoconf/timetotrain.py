@@ -768,6 +768,8 @@ class PointOptimizer:
                                        c.layered_grad_accum, c.cp), global_batch)
                 if c.ep not in eps:
                     c = dataclasses.replace(c, ep=max((e for e in eps if e <= c.ep), default=eps[0]))
+                # the System's dispatcher with ep > 1, whatever the seed's degree was
+                c = dataclasses.replace(c, moe_dispatcher=self.system.moe_dispatcher if c.ep > 1 else "alltoall")
             consider(c)
         pts = self.points(world, global_batch)
         st.outer_points = len(pts)
@@ -852,7 +854,9 @@ def _neighbours(seeds, world: int, global_batch: int):
             mbs = max((b for b in range(1, c.micro_batch_size + 1) if per_replica % b == 0), default=1)
             out.append(dataclasses.replace(c, dp=d["dp"], pp=d["pp"], tp=d["tp"], micro_batch_size=mbs,
                                            num_micro_batches=per_replica // mbs, stage_layers=None,
-                                           device_order=None, ep=math.gcd(c.ep, d["dp"] * c.cp)))
+                                           device_order=None, ep=math.gcd(c.ep, d["dp"] * c.cp),
+                                           moe_dispatcher=c.moe_dispatcher if math.gcd(c.ep, d["dp"] * c.cp) > 1
+                                           else "alltoall"))
     return out
 
 

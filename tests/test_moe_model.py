@@ -276,6 +276,8 @@ MLA = dict(kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=
      r"router_group_topk=3 must be in 1\.\.2"),
     (dict(num_experts=8, experts_per_token=2, router_groups=4), r"router_group_topk=0 must be in 1\.\.2"),
     (dict(num_experts=8, experts_per_token=2, router_groups=-1), "router_groups=-1 must be a non-negative integer"),
+    (dict(num_experts=8, experts_per_token=4, router_groups=4, router_group_topk=1),
+     "router_groups=4 of 2 experts: a group is scored by its top 4"),
 ])
 def test_bad_new_fields(kw, needle):
     with pytest.raises(UserError, match=needle) as e:

@@ -62,6 +62,40 @@ def test_group_limited_route_picks_inside_the_best_groups():
     assert any(len({e // 4 for e in row}) > 2 for row in route(logits, 4, "sigmoid")[0].tolist())
 
 
+@pytest.mark.parametrize("router", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("groups,group_topk", [(0, 0), (4, 2), (8, 4)])
+def test_route_is_megatron_cores(router, groups, group_topk):
+    """The trainer's routing against megatron-core's own (topk_routing_with_score_function, no
+    pre-softmax, no scaling, no expert bias): the same experts and weights per token."""
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install -e '.[megatron]')")
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    from autoconf.moe import route
+
+    logits = torch.randn(500, 32, generator=torch.Generator().manual_seed(2))
+    idx, w = route(logits, 8, router, groups, group_topk)
+    probs, chosen = topk_routing_with_score_function(logits, 8, num_groups=groups or None,
+                                                     group_topk=group_topk or None, score_function=router)
+    mine = torch.zeros(500, 32, dtype=torch.bool).scatter_(1, idx, True)
+    assert torch.equal(mine, chosen)
+    assert torch.allclose(torch.zeros(500, 32).scatter_(1, idx, w), probs.float(), atol=1e-6)
+
+
+def test_cost_models_routing_spread_is_the_routers():
+    """The hosts and GPUs per token that the cost model's DeepEP traffic assumes
+    (``cost.moe.routing_spread``, simulated) are the ones this router produces on random scores."""
+    from autoconf.cost.moe import routing_spread
+    from autoconf.moe import route
+
+    logits = torch.randn(4000, 256, generator=torch.Generator().manual_seed(3))
+    for groups, gk in ((0, 0), (8, 4)):
+        idx = route(logits, 8, "sigmoid", groups, gk)[0]
+        ranks, hosts = idx // 4, idx // 32  # 256 experts on 64 GPUs, 8 hosts of 8
+        got = (float(sum(len(set(r)) for r in hosts.tolist())) / 4000,
+               float(sum(len(set(r)) for r in ranks.tolist())) / 4000)
+        assert routing_spread(256, 8, groups, gk, 64, 8) == pytest.approx(got, rel=0.03)
+
+
 def test_capacity_drops_first_come_in_token_order():
     from autoconf.moe import capacity, keep_mask
 

@@ -30,6 +30,8 @@ folds it). Per MoE block and micro-batch, on each rank (T = b x s / cp tokens, k
 
 from __future__ import annotations
 
+import functools
+
 from ..config import ParallelConfig
 from . import comm
 from .activations import mlp_hidden_rows
@@ -86,34 +88,40 @@ def a2a_bytes(system: System, c: ParallelConfig) -> float:
     return T * m.experts_per_token * (c.ep - 1) / c.ep * m.hidden_size * m.dtype_bytes * load_factor(system, c)
 
 
-def _hit(bins: int, k: int, items: int) -> float:
-    """Expected bins hit when ``k`` distinct items are drawn uniformly from ``items`` spread evenly
-    over ``bins``: bins x (1 - C(items - items / bins, k) / C(items, k))."""
-    if bins <= 1:
-        return float(bins)
-    per, miss = items / bins, 1.0
-    for i in range(min(k, items)):
-        miss *= max(0.0, (items - per - i) / (items - i))
-    return bins * (1.0 - miss)
+@functools.lru_cache(maxsize=512)
+def routing_spread(experts: int, k: int, groups: int, group_topk: int, ranks: int, hosts: int) -> tuple:
+    """(hosts, ranks) one token's k experts lie on, on average: the router simulated on seeded
+    uniform scores (balanced routing) for a few thousand tokens, the experts in order over
+    ``ranks`` ranks, the ranks in order over ``hosts`` hosts. Group-limited routing as the router
+    runs it (``autoconf.moe.route``): the ``group_topk`` groups with the highest sums of their top
+    k / group_topk scores, then the top k inside them. Deterministic (seed 0)."""
+    import numpy as np
+
+    tokens = max(256, min(4096, (1 << 22) // experts))
+    s = np.random.default_rng(0).random((tokens, experts))
+    if groups > 1 and group_topk < groups:
+        per = s.reshape(tokens, groups, experts // groups)
+        score = np.sort(per, axis=-1)[:, :, per.shape[-1] - k // group_topk:].sum(axis=-1)
+        best = np.argpartition(-score, group_topk - 1, axis=1)[:, :group_topk]
+        allowed = np.zeros((tokens, groups), dtype=bool)
+        allowed[np.arange(tokens)[:, None], best] = True
+        s = np.where(np.repeat(allowed, experts // groups, axis=1), s, -1.0)
+    chosen = np.argpartition(-s, k - 1, axis=1)[:, :k]
+    rank = chosen * ranks // experts
+    host = np.minimum(rank * hosts // ranks, hosts - 1)
+    rows = np.arange(tokens)[:, None]
+    hit_r, hit_h = np.zeros((tokens, ranks), dtype=bool), np.zeros((tokens, hosts), dtype=bool)
+    hit_r[rows, rank] = True
+    hit_h[rows, host] = True
+    return float(hit_h.sum(axis=1).mean()), float(hit_r.sum(axis=1).mean())
 
 
 def deepep_spread(model, g) -> tuple[float, float]:
-    """(hosts, GPUs) of the EP group ``g`` that one token's k experts lie on, in expectation over
-    uniform routing (the experts in order over the group's ranks, the ranks in order over its
-    hosts). Group-limited routing (``router_groups``, ``router_group_topk``) confines a token to
-    its best groups: where a host holds whole groups, to the hosts of those groups (node-limited
-    routing: DeepSeek-V3's at most 4 of 8); where a group spans hosts, to its hosts."""
-    E, k, n, H = model.num_experts, model.experts_per_token, g.size, g.num_hosts
+    """(hosts, GPUs) of the EP group ``g`` that one token's k experts lie on (``routing_spread``;
+    group-limited routing, ``router_groups`` / ``router_group_topk``, confines a token to its best
+    groups: with a group per host, DeepSeek-V3's node-limited routing, to at most 4 of 8 hosts)."""
     G, M = model.router_groups, model.router_group_topk
-    hosts, ranks = _hit(H, k, E), _hit(n, k, E)
-    if G > 1 and M < G:
-        if G % H == 0:
-            hosts = min(hosts, _hit(H, M, G))
-        elif H % G == 0:
-            hosts = _hit(M * H // G, k, M * E // G)
-        if n % G == 0:
-            ranks = _hit(M * n // G, k, M * E // G)
-    return hosts, ranks
+    return routing_spread(model.num_experts, model.experts_per_token, G, M, g.size, g.num_hosts)
 
 
 def deepep_bytes(system: System, c: ParallelConfig, g) -> tuple[float, float]:

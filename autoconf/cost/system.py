@@ -62,6 +62,9 @@ class System:
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 1.0 <= f <= 64.0:
             raise UserError(f"--moe-imbalance {f!r}: the busiest expert rank's tokens over the balanced share, "
                             "a number from 1.0 (balanced) to 64")
+        if self.moe_dispatcher != "alltoall" and not self.model.is_moe:
+            raise UserError(f"--moe-dispatcher {self.moe_dispatcher}: model {self.model.name} has no experts to "
+                            "dispatch to; valid: alltoall")
         if self.moe_dispatcher not in self.framework.moe_dispatchers:
             raise UserError(f"--moe-dispatcher {self.moe_dispatcher!r}: framework {self.framework.name} runs "
                             f"{', '.join(self.framework.moe_dispatchers)}")

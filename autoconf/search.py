@@ -441,9 +441,9 @@ def expert_parallel_choices(system: System, point, global_batch: int,
     """The expert-parallel degrees tried at an outer point (1 for dense models): of those dividing
     dp x cp and the experts, the two whose steps are fastest with the plainest memory savers (ZeRO-1
     where the framework has it, no recomputation, ``precision``: the other choices can reorder
-    close ones) and the largest (the least expert memory), so ep is weighed against tp and dp without multiplying every inner choice by every
-    degree; each degree at its faster of ``ep_comm_overlap`` off and on where the framework can
-    switch it. ``search`` and ``plan`` try the same ones (cached on the System)."""
+    close ones) and the largest (the least expert memory), so ep is weighed against tp and dp
+    without multiplying every inner choice by every degree; each degree at its faster of
+    ``ep_comm_overlap`` off and on where the framework can switch it. ``search`` and ``plan`` try the same ones (cached on the System)."""
     m, fw = system.model, system.framework
     dp, pp, tp, mbs, sched, v, layered, cp = point
     if not m.num_experts or not fw.expert_parallel:

@@ -7,7 +7,9 @@ of 8, NVLink 450 GB/s per direction, 8 x 400 Gbit/s InfiniBand), Megatron-LM, BF
 allowed (the search's default): the wall time of the whole exhaustive search (in memory), the best
 configuration and the all-to-all share of its step (``ep_comm``: dispatch and combine over the
 expert-parallel group). Load balance is assumed perfect (``--moe-imbalance 1.0``; forced-balance
-benchmarks run so); a second row per model at 1.3 shows what imbalance costs.
+benchmarks run so); a second row per model at 1.3 shows what imbalance costs, a third what
+DeepEP's dispatch buys (``--moe-dispatcher deepep``: a token once per host over the NICs, once per
+GPU over NVLink; DeepSeek-V3's node-limited routing caps its hosts at 4).
 
 The shapes are the published configs' (``autoconf models``: DeepSeek-V3 with its multi-head latent
 attention, 256 routed experts top-8, one shared, three dense first blocks, the sigmoid router;
@@ -42,18 +44,19 @@ def hosts(n: int):
 def main() -> None:
     cases = [(preset("deepseek-v3"), 32, 1024), (preset("qwen3-30b-a3b"), 2, 256)]
     t = Table(title="MoE searches (H100, Megatron-LM, in-memory study, this machine)")
-    for col in ("model", "total / active", "GPUs", "imbalance", "wall s", "valid", "best", "step", "MFU",
-                "all-to-all share", "peak"):
+    for col in ("model", "total / active", "GPUs", "imbalance", "dispatcher", "wall s", "valid", "best", "step",
+                "MFU", "all-to-all share", "peak"):
         t.add_column(col)
     for model, n_hosts, gb in cases:
         cluster = hosts(n_hosts)
-        for imbalance in (1.0, 1.3):
+        for imbalance, dispatcher in ((1.0, "alltoall"), (1.3, "alltoall"), (1.0, "deepep")):
             t0 = time.perf_counter()
-            r = search(model, cluster, gb, storage=None, framework="megatron", moe_imbalance=imbalance)
+            r = search(model, cluster, gb, storage=None, framework="megatron", moe_imbalance=imbalance,
+                       moe_dispatcher=dispatcher)
             wall = time.perf_counter() - t0
             e = r.top[0] if r.top else None
             t.add_row(model.name, f"{model.num_params() / 1e9:.0f}B / {model.active_params() / 1e9:.1f}B",
-                      str(cluster.num_devices), f"{imbalance:g}", f"{wall:.1f}", f"{r.valid:,}",
+                      str(cluster.num_devices), f"{imbalance:g}", dispatcher, f"{wall:.1f}", f"{r.valid:,}",
                       e.config.short() if e else "nothing fits", f"{e.step_time_s:.2f} s" if e else "-",
                       f"{100 * e.mfu:.1f}%" if e else "-",
                       f"{100 * e.breakdown_s['ep_comm'] / e.step_time_s:.1f}%" if e else "-",

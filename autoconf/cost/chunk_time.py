@@ -77,9 +77,10 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
     ``cpt``: context parallelism's exposed exchange per layer; a mixture of experts' all-to-alls
     per MoE block (``moe.a2a_exposed_s``: what the rank's paired passes leave exposed where
     ``ep_comm_overlap`` pairs them, else ``moe.a2a_times``)."""
-    from .moe import a2a_exposed_s
+    from .moe import a2a_exposed_s, a2a_times
     moe = bool(lay.chunk_moe_layers) and any(lay.chunk_moe_layers)
-    a2a = {r: a2a_exposed_s(system, c, lay.stage_kinds[r], r) for r in range(c.pp)} if moe else {}
+    alone = a2a_times(system, c) if moe else (0.0, 0.0)
+    a2a = {r: a2a_exposed_s(system, c, lay.stage_kinds[r], r, alone) for r in range(c.pp)} if moe else {}
     cols = {k: [] for k in ChunkTimes.__dataclass_fields__}
     for ci, nl in enumerate(lay.chunk_layers):
         f, bw_, rc, host_f, host_b = chunk_compute(system, c, lay, ci)

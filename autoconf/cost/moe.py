@@ -224,12 +224,12 @@ def paired_exposed_s(system: System, c: ParallelConfig, kind: str) -> float:
     return max(0.0, paired_layer_s(af, mf, ab, mb, one) - (af + mf + ab + mb))
 
 
-def a2a_exposed_s(system: System, c: ParallelConfig, kinds, rank: int) -> tuple[float, float]:
+def a2a_exposed_s(system: System, c: ParallelConfig, kinds, rank: int, alone: tuple | None = None) -> tuple:
     """(forward, backward) all-to-all seconds one MoE block of pipeline rank ``rank`` exposes per
-    micro-batch, on average over the schedule: ``a2a_times`` for the passes that run alone, half
-    a pair's exposed time each (``paired_exposed_s``, the slowest of ``kinds``) for the
-    ``paired_fraction`` that Megatron's combined 1F1B runs together."""
-    f, b = a2a_times(system, c)
+    micro-batch, on average over the schedule: ``alone`` (``a2a_times``, computed when None) for
+    the passes that run alone, half a pair's exposed time each (``paired_exposed_s``, the slowest
+    of ``kinds``) for the ``paired_fraction`` that Megatron's combined 1F1B runs together."""
+    f, b = alone if alone is not None else a2a_times(system, c)
     p = paired_fraction(system, c, rank)
     if p == 0.0:
         return f, b

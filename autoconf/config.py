@@ -25,7 +25,7 @@ makes after its last forward, e.g. stage s's last p - s under 1F1B); all (every 
 Forward activations are never compressed."""
 MOE_DISPATCHERS = ("alltoall", "deepep")
 """How a mixture of experts' tokens reach their experts' ranks (``ParallelConfig.moe_dispatcher``)."""
-DEFAULTED_FIELDS = {"moe_dispatcher": "alltoall"}
+DEFAULTED_FIELDS = {"moe_dispatcher": "alltoall", "ep_comm_overlap": None}
 """Written by :meth:`ParallelConfig.to_dict` only when not the default (later fields: earlier
 documents read as before)."""
 COMPRESSION_FIELDS = {"pp_compression": "none", "pp_compression_rank": 16, "dp_compression_stages": 0,
@@ -139,7 +139,8 @@ class ParallelConfig:
     kernels fused, Python dispatch gone. None: the framework's default."""
     ep: int = 1
     """Expert-parallel degree (mixture-of-experts models): the routed experts of each MoE layer are
-    split over ep ranks, which exchange tokens with two all-to-alls per layer (dispatch, combine).
+    split over ep ranks, which exchange tokens twice per layer (dispatch, combine: all-to-alls, or
+    DeepEP's kernels, ``moe_dispatcher``).
     As Megatron-LM folds it, the expert-parallel group lies inside the dp x cp ranks (ep divides
     dp x cp; the ranks of a pipeline stage and tensor-parallel rank that hold different tokens):
     attention is replicated over them as usual, the experts are not. Expert weights are reduced,
@@ -345,6 +346,9 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return f"moe_dispatcher={c.moe_dispatcher!r}; valid: {', '.join(MOE_DISPATCHERS)}"
     if c.moe_dispatcher != "alltoall" and c.ep == 1:
         return f"moe_dispatcher={c.moe_dispatcher} dispatches tokens to other expert-parallel ranks: it needs ep > 1"
+    if c.moe_dispatcher == "deepep" and c.tp > 1:
+        return (f"moe_dispatcher=deepep with tp={c.tp}: autoconf prices DeepEP over the expert-parallel group "
+                "alone (Megatron's flex dispatcher spans tp x ep); valid: tp 1, or moe_dispatcher alltoall")
     if c.ep_comm_overlap:
         why = ep_overlap_reason(c, model)
         if why:

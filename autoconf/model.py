@@ -147,6 +147,11 @@ class ModelSpec:
     (``cost.moe``)."""
     router_group_topk: int = 0
     """Groups each token may route to (DeepSeek-V3's ``topk_group``: 4 of 8)."""
+
+    @property
+    def group_limited(self) -> bool:
+        """Whether group-limited routing limits anything (more than one group, not all allowed)."""
+        return self.router_groups > 1 and self.router_group_topk < self.router_groups
     shared_expert_gate: bool = False
     """Each mixture-of-experts block scales its shared experts' output by sigmoid(x . g), g an h-vector
     (Qwen2-MoE's shared_expert_gate): h parameters, counted in :meth:`shared_expert_params`."""
@@ -896,12 +901,24 @@ def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse) -> dict:
     # transformers: block i is sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
     fit = _fit_moe_layers([i >= first_k and i % freq == 0 for i in range(layers)], "first_k_dense_replace", refuse)
     shared = get("n_shared_experts", 1)
+    # group-limited routing: transformers' DeepseekV3Config defaults, 8 groups, the best 4; one
+    # group, or every group allowed, limits nothing
+    groups, allowed = get("n_group", 8), get("topk_group", 4)
+    for key, v in (("n_group", groups), ("topk_group", allowed)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            refuse(key, "group-limited routing counts groups", "a positive integer")
+    if groups > 1 and allowed < groups:
+        experts, k = get("n_routed_experts", 256), get("num_experts_per_tok", 8)
+        if experts % groups or experts // groups < k // allowed or allowed * (experts // groups) < k:
+            refuse("n_group", f"{groups} groups of the {experts} experts, the best {allowed} per token, cannot "
+                   f"hold its {k} experts", "a divisor of n_routed_experts leaving topk_group groups room for them")
+    else:
+        groups = allowed = 0
     out = dict(num_experts=pick("n_routed_experts", default=256), experts_per_token=pick("num_experts_per_tok",
                                                                                          default=8),
                expert_ffn_hidden_size=pick("moe_intermediate_size", default=2048), num_shared_experts=shared,
                router=scoring, router_bias=True, **fit,
-               # group-limited routing: transformers' DeepseekV3Config defaults, 8 groups, the best 4
-               router_groups=get("n_group", 8) or 0, router_group_topk=get("topk_group", 4) or 0,
+               router_groups=groups, router_group_topk=allowed,
                # q_lora_rank null: one query projection (DeepSeek-V2-Lite); absent: transformers' 1536
                q_lora_rank=cfg["q_lora_rank"] if "q_lora_rank" in cfg else 1536,
                kv_lora_rank=pick("kv_lora_rank", default=512), qk_rope_head_dim=pick("qk_rope_head_dim", default=64),

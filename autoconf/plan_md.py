@@ -9,7 +9,7 @@ from .stacks import gaps
 _TERMS = (("compute", "compute (forward + backward)"), ("recompute", "recomputation"),
           ("bubble", "pipeline bubble"), ("tp_comm", "tensor-parallel communication (exposed)"),
           ("cp_comm", "context-parallel key/value exchange (exposed)"),
-          ("ep_comm", "mixture-of-experts all-to-alls (dispatch and combine)"),
+          ("ep_comm", "mixture-of-experts dispatch and combine (exposed)"),
           ("pp_comm", "pipeline transfers (exposed)"), ("dp_comm", "data-parallel communication (exposed)"),
           ("optimizer", "optimizer step"))
 _MEMORY = ("parameters", "gradients", "optimizer", "activations", "other")
@@ -116,6 +116,13 @@ def _moe(plan) -> str:
           else "no expert parallelism (every rank holds all experts)")
     routing = ("dropless routing" if c.moe_capacity_factor is None
                else f"capacity factor {c.moe_capacity_factor:g} (tokens beyond an expert's capacity skip it)")
+    if m.group_limited:
+        routing += f", each token inside its best {m.router_group_topk} of {m.router_groups} expert groups"
+    if c.ep > 1:
+        ep += ("; tokens dispatched by DeepEP (once per host over the NICs)" if c.moe_dispatcher == "deepep"
+               else "; tokens dispatched by all-to-alls")
+        if c.ep_comm_overlap:
+            ep += ", under another micro-batch's computation (combined 1F1B)"
     return (f"Mixture of experts: {m.num_experts} experts{shared}, top-{m.experts_per_token} ({m.router} router), "
             f"{blocks}; {ep}; {routing}.")
 

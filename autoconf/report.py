@@ -22,7 +22,8 @@ TERM_SOURCES = {
     "recompute": "cost/compute.py: forward recomputed in backward (full / selective)",
     "tp_comm": "cost/tensor_parallel.py: Megatron all-reduces (SP: all-gather + reduce-scatter) per layer, less what the framework hides under the GEMMs beside them",
     "cp_comm": "cost/context_parallel.py: key/value exchange of the sequence split, beyond the attention it hides behind",
-    "ep_comm": "cost/moe.py: the MoE blocks' dispatch and combine all-to-alls over the expert-parallel group",
+    "ep_comm": ("cost/moe.py: the MoE blocks' dispatch and combine (all-to-alls or DeepEP) over the expert-parallel "
+                "group, less what paired micro-batches hide"),
     "bubble": "cost/pipeline.py: simulated schedule, idle time without transfers",
     "pp_comm": "cost/pipeline.py: simulated schedule, extra time from stage-to-stage transfers; the pipeline runtime per action (measured)",
     "dp_comm": "cost/data_parallel.py: gradient reduction not hidden behind backward; ZeRO gathers",

@@ -198,10 +198,9 @@ class _Evaluator:
             # the cheapest precision and expert-parallel degree are not known in advance
             for prec, ep in ((p_, e) for p_ in self.precisions for e in self._eps_of(point)):
                 cc = dataclasses.replace(c, precision=prec[0], fp8_recipe=prec[1], ep=ep,
-                                         moe_dispatcher=self.ctx.moe_dispatcher if ep > 1 else "alltoall")
+                                         moe_dispatcher=dispatcher_at(self.ctx, ep, tp))
                 if "ep_comm_overlap" in fw.knobs:  # on where it can be: it only hides time
-                    cc = dataclasses.replace(cc, ep_comm_overlap=ep_overlap_reason(
-                        dataclasses.replace(cc, ep_comm_overlap=True), self.ctx.model) is None)
+                    cc = dataclasses.replace(cc, ep_comm_overlap=ep_overlap_reason(cc, self.ctx.model) is None)
                 # (not filtered by the framework's own check: a stage it refuses here only
                 # loosens the bound, while refusing them all would prune the point unseen)
                 if check(cc, self.ctx.model) is None and _estimate(self._placed(cc), self.ctx,
@@ -436,6 +435,14 @@ def ep_degrees(ranks: int, experts: int) -> list:
     return [k for k in range(1, ranks + 1) if ranks % k == 0 and experts % k == 0]
 
 
+def dispatcher_at(system: System, ep: int, tp: int) -> str:
+    """The token dispatcher a configuration of ``ep`` and ``tp`` gets in ``search`` and ``plan``:
+    the System's where it can be priced (ep > 1; DeepEP at tp 1, ``config.check``), else alltoall."""
+    if ep == 1 or (system.moe_dispatcher == "deepep" and tp > 1):
+        return "alltoall"
+    return system.moe_dispatcher
+
+
 def expert_parallel_choices(system: System, point, global_batch: int,
                             precision: tuple = ("bf16", "tensorwise")) -> tuple:
     """The expert-parallel degrees tried at an outer point (1 for dense models): of those dividing
@@ -443,7 +450,8 @@ def expert_parallel_choices(system: System, point, global_batch: int,
     where the framework has it, no recomputation, ``precision``: the other choices can reorder
     close ones) and the largest (the least expert memory), so ep is weighed against tp and dp
     without multiplying every inner choice by every degree; each degree at its faster of
-    ``ep_comm_overlap`` off and on where the framework can switch it. ``search`` and ``plan`` try the same ones (cached on the System)."""
+    ``ep_comm_overlap`` off and on where the framework can switch it. ``search`` and ``plan`` try
+    the same ones (cached on the System)."""
     m, fw = system.model, system.framework
     dp, pp, tp, mbs, sched, v, layered, cp = point
     if not m.num_experts or not fw.expert_parallel:
@@ -457,7 +465,7 @@ def expert_parallel_choices(system: System, point, global_batch: int,
         base = dataclasses.replace(base, precision=precision[0], fp8_recipe=precision[1])
         timed = []
         for k in eps:
-            c = dataclasses.replace(base, ep=k, moe_dispatcher=system.moe_dispatcher if k > 1 else "alltoall")
+            c = dataclasses.replace(base, ep=k, moe_dispatcher=dispatcher_at(system, k, tp))
             if check(c, m) is None and fw.check(c) is None:
                 t = _estimate(c, system).step_time_s
                 on = dataclasses.replace(c, ep_comm_overlap=True)  # hidden all-to-alls favour other degrees
@@ -489,15 +497,15 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
         eps = (1,) if not moe_experts or not fw.expert_parallel else tuple(ep_degrees(dp * cp, moe_experts))
     for (zero, rc, sp), ep in ((z, e) for z in inner_choices(dp, tp, cp) for e in eps):
         c = make_config(dp, pp, tp, mbs, sched, v, layered, zero, rc, sp, global_batch, cp)
-        if ep > 1:
-            c = dataclasses.replace(c, ep=ep, moe_dispatcher=dispatcher)
+        if ep > 1:  # (DeepEP is priced at tp 1 only: config.check)
+            c = dataclasses.replace(c, ep=ep, moe_dispatcher="alltoall" if dispatcher == "deepep" and tp > 1
+                                    else dispatcher)
         if fw.check(c):
             continue
         matters = {"overlap_grad_reduce": dp * cp > 1 and fw.can_overlap_grad_reduce(c),
                    "overlap_param_gather": dp * cp > 1 and zero >= 1,
                    "tp_comm_overlap": sp, "torch_compile": True,
-                   "ep_comm_overlap": ep > 1 and not ep_overlap_reason(dataclasses.replace(c, ep_comm_overlap=True),
-                                                                      model)}
+                   "ep_comm_overlap": ep > 1 and "ep_comm_overlap" in fw.knobs and not ep_overlap_reason(c, model)}
         variants = [{}] if tuple(precisions) == (("bf16", "tensorwise"),) else [
             {"precision": p, "fp8_recipe": r} for p, r in precisions]
         for knob in fw.knobs:

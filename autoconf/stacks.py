@@ -11,8 +11,10 @@
   Mixture of experts (:func:`megatron_moe_args`): ``--num-experts`` (TransformerConfig.num_moe_experts),
   ``--moe-router-topk``, ``--moe-ffn-hidden-size``, ``--moe-shared-expert-intermediate-size``,
   ``--moe-layer-freq`` (an int, or megatron-core's 0/1 list when the first blocks are dense),
-  ``--moe-router-score-function``, ``--moe-token-dispatcher-type alltoall``, ``--moe-grouped-gemm``,
-  ``--expert-model-parallel-size``, ``--moe-expert-capacity-factor``. megatron-core's wheel has no
+  ``--moe-router-score-function``, ``--moe-token-dispatcher-type alltoall`` (``flex
+  --moe-flex-dispatcher-backend deepep`` for DeepEP), ``--moe-grouped-gemm``,
+  ``--expert-model-parallel-size``, ``--moe-expert-capacity-factor``, ``--moe-router-num-groups``
+  / ``--moe-router-group-topk``, ``--overlap-moe-expert-parallel-comm``. megatron-core's wheel has no
   ``arguments.py``: these names are its TransformerConfig fields with dashes (Megatron-LM's
   convention), --num-experts being Megatron-LM's name for ``num_moe_experts``.
 - **torchtitan**: 0.3 reads no file; its configuration is a Python function of a model module
@@ -154,7 +156,7 @@ def _moe_gaps(plan, name: str, version: str) -> list[str]:
         if c.ep > 1 and c.moe_dispatcher == "deepep" and version != "0.3":
             out.append("the DeepEP token dispatcher: torchtitan 0.2 dispatches with all-to-alls only (0.3 has "
                        "DeepEPTokenDispatcher)")
-        if m.router_groups and m.experts_per_token // m.router_group_topk != 2:
+        if m.group_limited and m.experts_per_token // m.router_group_topk != 2:
             out.append(f"group-limited routing scores a group by its top {m.experts_per_token // m.router_group_topk} "
                        "experts (Megatron-LM, the reference trainer); torchtitan's router always by its top 2")
         if cf is not None:
@@ -291,8 +293,11 @@ def megatron_moe_args(plan) -> list:
     """The mixture-of-experts arguments ([] for a dense model). megatron-core's integer
     moe_layer_freq N makes block i an MoE block when i % N == 0, so dense first blocks need its
     list form (``--moe-layer-freq`` takes a Python list expression in Megatron-LM). Tokens go
-    through the all-to-all dispatcher (the two all-to-alls per layer the plan priced) and each
-    rank's experts run as one grouped GEMM. Without a capacity factor megatron-core is dropless;
+    through the dispatcher the plan priced (the all-to-all one, or the flex one on DeepEP's
+    kernels), its all-to-alls under the other micro-batch's work with ``ep_comm_overlap``
+    (``--overlap-moe-expert-parallel-comm``), group-limited routing as the model has it
+    (``--moe-router-num-groups`` / ``--moe-router-group-topk``), and each rank's experts run as
+    one grouped GEMM. Without a capacity factor megatron-core is dropless;
     with one it drops the lowest-probability tokens beyond each expert's capacity (its default
     policy) without padding to it. The experts' tensor-parallel size is megatron-core's default,
     tp, as the plan splits them."""
@@ -316,7 +321,7 @@ def megatron_moe_args(plan) -> list:
         a.append("--overlap-moe-expert-parallel-comm")
     if c.moe_capacity_factor is not None:
         a += ["--moe-expert-capacity-factor", f"{c.moe_capacity_factor:g}"]
-    if m.router_groups:  # group-limited routing (node-limited where the groups are hosts)
+    if m.group_limited:  # group-limited routing (node-limited where the groups are hosts)
         a += ["--moe-router-num-groups", m.router_groups, "--moe-router-group-topk", m.router_group_topk]
     if m.router_bias:  # DeepSeek-V3's e_score_correction_bias (megatron-core: sigmoid routers only)
         a.append("--moe-router-enable-expert-bias")
@@ -490,7 +495,7 @@ def torchtitan_moe_text(plan, version: str = "0.3") -> str:
                 f"MoE.Config(num_experts={m.num_experts}, router=TokenChoiceTopKRouter.Config(top_k="
                 f"{m.experts_per_token}, score_func={m.router!r}"
                 + (f", num_expert_groups={m.router_groups}, num_limited_groups={m.router_group_topk}"
-                   if m.router_groups else "")
+                   if m.group_limited else "")
                 + ", ...), routed experts' GroupedExperts.Config(hidden_dim="
                 f"{m.expert_ffn})"
                 + (f" with token_dispatcher=DeepEPTokenDispatcher.Config(num_max_tokens_per_rank="

@@ -46,7 +46,7 @@ from .config import (MOE_DISPATCHERS, RECOMPUTE, ParallelConfig, check, cp_choic
 from .cost.estimate import Estimate, _estimate
 from .cost.system import System
 from .errors import UserError
-from .search import dp_hierarchical, ep_degrees, expert_parallel_choices, framework_inner
+from .search import dispatcher_at, dp_hierarchical, ep_degrees, expert_parallel_choices, framework_inner
 from .topology import Topology
 
 # -- methods ------------------------------------------------------------------------------------
@@ -368,9 +368,8 @@ class PointOptimizer:
                 if k > 1:
                     c = ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=mbs, num_micro_batches=1, recompute=rc,
                                        sequence_parallel=sp, cp=cp, ep=k, schedule=sched, virtual_stages=v,
-                                       moe_dispatcher=self.system.moe_dispatcher)
-                    if self.ep_overlap and ep_overlap_reason(dataclasses.replace(c, ep_comm_overlap=True),
-                                                             self.model) is None:
+                                       moe_dispatcher=dispatcher_at(self.system, k, tp))
+                    if self.ep_overlap and ep_overlap_reason(c, self.model) is None:
                         rows.append(r)  # paired passes can hide them all: the least is none exposed
                         continue
                     key = ("ttt-a2a", dp, pp, tp, cp, mbs, sp, rc, k)
@@ -768,8 +767,10 @@ class PointOptimizer:
                                        c.layered_grad_accum, c.cp), global_batch)
                 if c.ep not in eps:
                     c = dataclasses.replace(c, ep=max((e for e in eps if e <= c.ep), default=eps[0]))
-                # the System's dispatcher with ep > 1, whatever the seed's degree was
-                c = dataclasses.replace(c, moe_dispatcher=self.system.moe_dispatcher if c.ep > 1 else "alltoall")
+                # the System's dispatcher at the neighbour's degree, and the overlap only where it runs
+                c = dataclasses.replace(c, moe_dispatcher=dispatcher_at(self.system, c.ep, c.tp))
+                if c.ep_comm_overlap and ep_overlap_reason(c, self.model):
+                    c = dataclasses.replace(c, ep_comm_overlap=None)
             consider(c)
         pts = self.points(world, global_batch)
         st.outer_points = len(pts)
@@ -854,9 +855,7 @@ def _neighbours(seeds, world: int, global_batch: int):
             mbs = max((b for b in range(1, c.micro_batch_size + 1) if per_replica % b == 0), default=1)
             out.append(dataclasses.replace(c, dp=d["dp"], pp=d["pp"], tp=d["tp"], micro_batch_size=mbs,
                                            num_micro_batches=per_replica // mbs, stage_layers=None,
-                                           device_order=None, ep=math.gcd(c.ep, d["dp"] * c.cp),
-                                           moe_dispatcher=c.moe_dispatcher if math.gcd(c.ep, d["dp"] * c.cp) > 1
-                                           else "alltoall"))
+                                           device_order=None, ep=math.gcd(c.ep, d["dp"] * c.cp)))
     return out
 
 

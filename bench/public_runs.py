@@ -41,9 +41,9 @@ Published figures used (nothing here is fitted to them):
   which needs the micro-batches per replica in multiples of pp (128: 16,384 sequences, priced per
   token) and cannot recompute in full. Tokens are dispatched in 16 bits (DeepSeek's in FP8: not
   modelled). The H800 is an H100 SXM with NVLink cut to 400 GB/s (200 GB/s each way), the same
-  compute and HBM; one 400 Gbit/s InfiniBand NIC per GPU. The model is the ``deepseek-v3`` preset (MLA, 1 shared + 256 routed
-  experts, 8 active, 3 dense blocks first; without the multi-token-prediction module, about 2% of
-  the compute).
+  compute and HBM; one 400 Gbit/s InfiniBand NIC per GPU. The model is the ``deepseek-v3`` preset
+  (MLA, 1 shared + 256 routed experts, 8 active, 3 dense blocks first; without the
+  multi-token-prediction module, about 2% of the compute).
 
 Failures: 50,000 h mean time between failures per GPU, from Llama 3's 419 unexpected interruptions
 in 54 days on 16,384 H100s (Dubey et al., arXiv 2407.21783, sec. 3.3.4: 54 x 24 x 16384 / 419 =

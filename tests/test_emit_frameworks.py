@@ -205,11 +205,11 @@ MOE_CASES = {  # (model, config)
     "deepseek-like": (_dc.replace(MOE, num_shared_experts=2, shared_expert_ffn_hidden_size=1024, first_dense_layers=3,
                                   router="sigmoid", router_groups=4, router_group_topk=2),
                       cfg(dp=2, pp=2, tp=2, cp=2, micro_batch_size=1, num_micro_batches=4, ep=2,
-                          moe_capacity_factor=1.25, rank_order="tp-cp-dp-pp", moe_dispatcher="deepep")),
+                          moe_capacity_factor=1.25, rank_order="tp-cp-dp-pp")),
     "every-other": (_dc.replace(MOE, moe_layer_freq=2), cfg(dp=8, micro_batch_size=1, num_micro_batches=2)),
     "paired-interleaved": (MOE, cfg(dp=4, pp=2, micro_batch_size=1, num_micro_batches=4, zero_stage=1, ep=4,
                                     schedule="interleaved", virtual_stages=2, recompute="selective",
-                                    ep_comm_overlap=True)),
+                                    ep_comm_overlap=True, moe_dispatcher="deepep")),
 }
 
 
@@ -392,7 +392,13 @@ def test_plan_md_states_the_moe_shape(tmp_path):
     files = emitted(tmp_path, c, "megatron", model=m)
     md = open(files["PLAN.md"]).read()
     assert ("Mixture of experts: 8 experts, top-2 (softmax router), in all 32 blocks; expert parallelism ep 4 "
-            "(2 experts per rank); dropless routing.") in md
+            "(2 experts per rank); tokens dispatched by all-to-alls, under another micro-batch's computation "
+            "(combined 1F1B); dropless routing.") in md
+    m2, c2 = MOE_CASES["paired-interleaved"]
+    grouped = _dc.replace(m2, num_experts=16, router_groups=4, router_group_topk=2)
+    md2 = open(emitted(tmp_path / "deepep", c2, "megatron", model=grouped)["PLAN.md"]).read()
+    assert ("tokens dispatched by DeepEP (once per host over the NICs), under another micro-batch's computation "
+            "(combined 1F1B); dropless routing, each token inside its best 2 of 4 expert groups.") in md2
     assert "Mixture of experts" not in open(emitted(tmp_path / "dense", cfg(dp=8, micro_batch_size=1,
                                                                           num_micro_batches=2), "megatron")
                                              ["PLAN.md"]).read()

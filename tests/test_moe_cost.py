@@ -328,7 +328,8 @@ def test_deepep_only_where_the_framework_runs_it():
     assert estimate(c, SMALL_MOE, H100, framework="megatron").breakdown_s["ep_comm"] > 0
     with pytest.raises(UserError, match="framework reference has no deepep token dispatcher; valid: alltoall"):
         estimate(c, SMALL_MOE, H100)
-    with pytest.raises(UserError, match="--moe-dispatcher 'deepep': framework deepspeed runs alltoall"):
+    with pytest.raises(UserError, match="--moe-dispatcher deepep: framework deepspeed has no deepep token dispatcher; "
+                                        "valid: alltoall"):
         System(SMALL_MOE, H100, framework="deepspeed", moe_dispatcher="deepep")
     assert "needs ep > 1" in check(cfg(moe_dispatcher="deepep"), SMALL_MOE)
     assert ParallelConfig.from_dict(c.to_dict()) == c and "moe_dispatcher" not in cfg(ep=8).to_dict()
@@ -340,3 +341,16 @@ def test_deepep_only_where_the_framework_runs_it():
         System(dataclasses.replace(SMALL_MOE, num_experts=0, experts_per_token=0, expert_ffn_hidden_size=None,
                                    num_shared_experts=0, first_dense_layers=0), H100, framework="megatron",
                moe_dispatcher="deepep")
+
+
+def test_deepep_at_tp_one_and_paired_memory_only_where_passes_pair():
+    from autoconf.frameworks import framework
+    from autoconf.search import framework_inner
+
+    assert "tp 1, or moe_dispatcher alltoall" in check(cfg(ep=4, tp=2, moe_dispatcher="deepep"), SMALL_MOE)
+    inner = list(framework_inner(framework("megatron"), 4, 1, 2, 1, "1f1b", 1, False, 32, moe_experts=64,
+                                 dispatcher="deepep"))
+    assert inner and all(c.moe_dispatcher == "alltoall" for c in inner)  # priced as all-to-alls at tp 2
+    one = cfg(dp=8, ep=8, num_micro_batches=1, zero_stage=1, ep_comm_overlap=True)
+    e = estimate(one, SMALL_MOE, H100, framework="megatron")
+    assert "ep-overlap paired micro-batch" not in dict(e.memory_by_stage[0].other_parts)  # nothing to pair

@@ -337,3 +337,20 @@ def test_qwen3_dense_counts_its_qk_norms():
         cfg.pop(k)
     m = from_hf_config(cfg)
     assert not m.is_moe and m.qk_norm and m.attention_params() == 2048 * 5120 + 4096 * 2048 + 256
+
+
+def test_hf_group_limited_routing_read_and_refused():
+    """n_group / topk_group: one group, or every group allowed, limits nothing (no groups); a
+    layout that cannot hold a token's experts is refused naming the config's own key."""
+    ds = read("DeepSeek-V3")
+    m = from_hf_config({**ds, "n_group": 1, "topk_group": 1})
+    assert (m.router_groups, m.router_group_topk, m.group_limited) == (0, 0, False)
+    m = from_hf_config({**ds, "n_group": 8, "topk_group": 8})
+    assert (m.router_groups, m.router_group_topk) == (0, 0)
+    assert from_hf_config({**ds, "n_group": 16, "topk_group": 4}).router_groups == 16
+    for change, needle in (({"n_group": 7}, "n_group=7: 7 groups of the 256 experts"),
+                           ({"n_group": 128, "topk_group": 2}, "n_group=128"),
+                           ({"topk_group": 0}, "topk_group=0: group-limited routing counts groups")):
+        with pytest.raises(UserError, match=needle) as e:
+            from_hf_config({**ds, **change})
+        assert "\n" not in str(e.value)

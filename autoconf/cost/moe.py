@@ -13,7 +13,10 @@ folds it). Per MoE block and micro-batch, on each rank (T = b x s / cp tokens, k
   inside a host or an NVLink domain, the NICs across), at the collective library's efficiency.
   Exposed, unless Megatron-Core's ``--overlap-moe-expert-parallel-comm`` (``ep_comm_overlap``) runs
   them under another micro-batch's computation (``paired_layer_s``: its combined 1F1B; DeepSeek's
-  DualPipe pairs micro-batches the same way). No framework does by default;
+  DualPipe pairs micro-batches the same way). No framework does by default. With DeepEP's kernels
+  (``moe_dispatcher``: deepep) a token crosses the NICs once per other host holding one of its
+  experts and NVLink once per other GPU there (``deepep_bytes``), group-limited routing capping
+  the hosts (``routing_spread``);
 - **expert work**: each rank's E/ep experts take T x k assignments together (each expert
   T x k x ep / E rows: a grouped GEMM of many small GEMMs), times the **load imbalance** of the
   busiest rank (``System.moe_imbalance``: 1.0 is perfect balance, as forced-balance benchmarks

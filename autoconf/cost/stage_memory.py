@@ -95,6 +95,12 @@ def _moe_working(system: System, c: ParallelConfig, lay: Layout) -> float:
     return moe_activation_bytes(system, dataclasses.replace(c, recompute="none"), _mask_bytes(system, lay))["total"]
 
 
+def _pairs(system: System, c: ParallelConfig) -> bool:
+    """Whether Megatron-Core's combined 1F1B pairs any passes (``moe.paired_fraction``)."""
+    from .moe import paired_fraction
+    return any(paired_fraction(system, c, r) > 0 for r in range(c.pp))
+
+
 def _paired_extra_bytes(system: System, c: ParallelConfig, lay: Layout, s: int) -> float:
     """What Megatron-Core's combined 1F1B (``ep_comm_overlap``) holds above the plain schedule on
     stage ``s``: with pipelining, the extra warm-up forward it runs first (one more micro-batch of
@@ -318,7 +324,7 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
         act = schedule_time.boundary_bytes(system, c)  # an activation and its gradient have one shape
         buffers = sum((ci > 0) + (ci < lay.num_chunks - 1) for ci in chunks)
         parts.append(("pipeline receive buffers", buffers * c.num_micro_batches * act))
-    if c.ep > 1 and fw.knob(c, "ep_comm_overlap"):
+    if c.ep > 1 and fw.knob(c, "ep_comm_overlap") and _pairs(system, c):
         parts.append(("ep-overlap paired micro-batch", _paired_extra_bytes(system, c, lay, s)))
     if c.compressed:
         from .compression import memory_parts

@@ -66,8 +66,9 @@ class System:
             raise UserError(f"--moe-dispatcher {self.moe_dispatcher}: model {self.model.name} has no experts to "
                             "dispatch to; valid: alltoall")
         if self.moe_dispatcher not in self.framework.moe_dispatchers:
-            raise UserError(f"--moe-dispatcher {self.moe_dispatcher!r}: framework {self.framework.name} runs "
-                            f"{', '.join(self.framework.moe_dispatchers)}")
+            valid = ", ".join(self.framework.moe_dispatchers)
+            raise UserError(f"--moe-dispatcher {self.moe_dispatcher}: framework {self.framework.name} has no "
+                            f"{self.moe_dispatcher} token dispatcher; valid: {valid}")
         if self.topology is None:
             if self.cluster is not None and self.profile is not None:
                 # the cluster file declares hosts and devices; what the profile measured overrides

@@ -490,9 +490,9 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
     (``data_parallel.reduction_collective``: ZeRO-0; the trainer's ZeRO-1 all-reduce is modelled
     as a reduce-scatter, which the choice does not change). ``precisions``: the (precision, FP8
     recipe) pairs to try (:func:`precision_choices`). ``moe_experts``: a mixture of experts' expert
-    count: every expert-parallel degree dividing dp x cp and the experts is tried, with token
-    dispatcher ``dispatcher`` (where the
-    framework has expert parallelism), or those of ``eps``."""
+    count: every expert-parallel degree dividing dp x cp and the experts is tried (where the
+    framework has expert parallelism), or those of ``eps``, with token dispatcher ``dispatcher``
+    (all-to-alls where DeepEP cannot be priced: tp > 1)."""
     if eps is None:
         eps = (1,) if not moe_experts or not fw.expert_parallel else tuple(ep_degrees(dp * cp, moe_experts))
     for (zero, rc, sp), ep in ((z, e) for z in inner_choices(dp, tp, cp) for e in eps):

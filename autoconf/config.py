@@ -234,7 +234,7 @@ class ParallelConfig:
         d = dataclasses.asdict(self)
         if self.precision != "fp8":
             del d["fp8_recipe"]
-        for k, default in COMPRESSION_FIELDS.items():
+        for k, default in {**COMPRESSION_FIELDS, **DEFAULTED_FIELDS}.items():
             if d[k] == default:
                 del d[k]
         for k in PLACEMENT_FIELDS:
@@ -242,9 +242,6 @@ class ParallelConfig:
                 del d[k]
             else:
                 d[k] = list(d[k])
-        for k, default in DEFAULTED_FIELDS.items():
-            if d[k] == default:
-                del d[k]
         return d
 
     @classmethod

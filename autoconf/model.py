@@ -281,7 +281,7 @@ class ModelSpec:
             if not 1 <= gk <= min(g, k):
                 raise UserError(f"model {self.name}: router_group_topk={gk} must be in 1..{min(g, k)} (at most "
                                 "router_groups and experts_per_token)")
-            if e // g < k // gk or gk * (e // g) < k:
+            if not groups_hold_experts(e, k, g, gk):
                 raise UserError(f"model {self.name}: router_groups={g} of {e // g} experts: a group is scored by its "
                                 f"top {k // gk} and {gk} groups must hold the {k} experts per token; valid: fewer "
                                 "groups or a larger router_group_topk")
@@ -868,6 +868,13 @@ def _fit_moe_layers(moe: list[bool], key: str, refuse) -> dict:
     return dict(first_dense_layers=first, moe_layer_freq=freq)
 
 
+def groups_hold_experts(experts: int, k: int, groups: int, group_topk: int) -> bool:
+    """Whether ``groups`` equal groups of ``experts``, ``group_topk`` allowed per token, can be
+    scored (each group has its top k / group_topk) and hold a token's ``k`` experts."""
+    per = experts // groups
+    return per >= k // group_topk and group_topk * per >= k
+
+
 def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse) -> dict:
     """The mixture-of-experts fields of a Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 or GPT-OSS config,
     with the defaults of transformers' config classes."""
@@ -909,7 +916,7 @@ def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse) -> dict:
             refuse(key, "group-limited routing counts groups", "a positive integer")
     if groups > 1 and allowed < groups:
         experts, k = get("n_routed_experts", 256), get("num_experts_per_tok", 8)
-        if experts % groups or experts // groups < k // allowed or allowed * (experts // groups) < k:
+        if experts % groups or not groups_hold_experts(experts, k, groups, allowed):
             refuse("n_group", f"{groups} groups of the {experts} experts, the best {allowed} per token, cannot "
                    f"hold its {k} experts", "a divisor of n_routed_experts leaving topk_group groups room for them")
     else:

@@ -217,11 +217,11 @@ def paired_layer_s(attn_f: float, mlp_f: float, attn_b: float, mlp_b: float, a2a
     return max(cf, ab)
 
 
-def paired_exposed_s(system: System, c: ParallelConfig, kind: str) -> float:
+def paired_exposed_s(system: System, c: ParallelConfig, kind: str, one: float) -> float:
     """All-to-all seconds one MoE layer's paired forward and backward (``paired_layer_s``) leave
-    exposed on ``kind``: the pair's time less the computation of both."""
+    exposed on ``kind``, one all-to-all taking ``one``: the pair's time less the computation of
+    both."""
     whole, attn = system.block_for(kind, c, moe=True), system.block_for(kind, c, moe=True, routed=False)
-    one = a2a_times(system, c)[0] / 2
     af, ab = attn.forward_s, attn.backward_s
     mf, mb = whole.forward_s - af, whole.backward_s - ab
     return max(0.0, paired_layer_s(af, mf, ab, mb, one) - (af + mf + ab + mb))
@@ -236,7 +236,7 @@ def a2a_exposed_s(system: System, c: ParallelConfig, kinds, rank: int, alone: tu
     p = paired_fraction(system, c, rank)
     if p == 0.0:
         return f, b
-    half = max(paired_exposed_s(system, c, k) for k in kinds) / 2
+    half = max(paired_exposed_s(system, c, k, f / 2) for k in kinds) / 2  # f: dispatch + combine
     return (1 - p) * f + p * half, (1 - p) * b + p * half
 
 

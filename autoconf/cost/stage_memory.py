@@ -324,7 +324,7 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
         act = schedule_time.boundary_bytes(system, c)  # an activation and its gradient have one shape
         buffers = sum((ci > 0) + (ci < lay.num_chunks - 1) for ci in chunks)
         parts.append(("pipeline receive buffers", buffers * c.num_micro_batches * act))
-    if c.ep > 1 and fw.knob(c, "ep_comm_overlap") and _pairs(system, c):
+    if _pairs(system, c):  # (none without ep > 1 and the framework's ep_comm_overlap)
         parts.append(("ep-overlap paired micro-batch", _paired_extra_bytes(system, c, lay, s)))
     if c.compressed:
         from .compression import memory_parts

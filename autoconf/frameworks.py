@@ -107,6 +107,12 @@ class Framework:
     (Megatron-LM's and DeepSpeed's mixed precision: 12 bytes of optimizer state per parameter).
     False: ``torch.optim.AdamW`` steps the 16-bit parameters themselves and its moments take their
     dtype (4 bytes), as the reference trainer does."""
+    grad_buffer_up_front: bool = False
+    """Every gradient lives in one buffer allocated when the model is wrapped and zeroed, not freed,
+    between steps (Megatron-Core's ``_ParamAndGradBuffer``, whose ``grad_data`` the parameters'
+    ``main_grad`` views): the whole stage's gradients count at the activation peak. False:
+    autograd creates each ``.grad`` at its first backward and ``zero_grad(set_to_none=True)`` frees
+    it after the step, so a peak that comes before a chunk's first backward holds none of its."""
     optimizer_foreach: bool = False
     """Its AdamW is torch's multi-tensor (foreach) implementation, torch's default on CUDA, which
     allocates a moment-sized temporary for every local parameter during the step
@@ -393,7 +399,7 @@ FRAMEWORKS = {
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
                   "ep_comm_overlap": False, "torch_compile": False},
         knobs=("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap"),
-        vocab_multiple=128, loss_backward_fp32_tensors=0, megatron_softmax=True,
+        vocab_multiple=128, loss_backward_fp32_tensors=0, megatron_softmax=True, grad_buffer_up_front=True,
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
         capacity_factor=True, moe_dispatchers=("alltoall", "deepep"), fused_glu=True, tp_backward_overlap=True,

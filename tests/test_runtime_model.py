@@ -205,6 +205,22 @@ def test_megatron_memory_terms():
     assert meg.framework == "megatron" and meg.to_dict()["framework"] == "megatron"
 
 
+def test_megatron_gradient_buffer_is_held_at_every_peak():
+    """Megatron-Core allocates every gradient (its fp32 main_grad buffer) when it wraps the model:
+    an interleaved stage whose activation peak comes before its later chunks' first backward holds
+    them all the same, while the reference trainer's .grad tensors exist only from each chunk's
+    first backward (the rest come later, with fewer activations alive)."""
+    from autoconf.cost.estimate import estimate
+    m = preset("llama-3-8b")
+    cl = _a100_node(2)
+    c = ParallelConfig(dp=1, pp=2, tp=8, micro_batch_size=1, num_micro_batches=2, schedule="interleaved",
+                       virtual_stages=2)
+    meg = estimate(c, m, cl, framework="megatron").memory_by_stage[0]
+    ref = estimate(c, m, cl).memory_by_stage[0]
+    assert meg.gradients == pytest.approx(4 * meg.parameters / 2)  # all of the stage's, in fp32
+    assert ref.gradients < 0.75 * ref.parameters  # 2 bytes each when all exist: here not yet
+
+
 def test_estimate_refuses_what_the_framework_cannot_run():
     from autoconf.cost.estimate import estimate
     c = ParallelConfig(dp=2, pp=2, tp=4, micro_batch_size=1, num_micro_batches=8, schedule="gpipe")

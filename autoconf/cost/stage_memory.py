@@ -77,6 +77,8 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         # the step holds every gradient; the activation peak may come before the last ones exist
         # (layered accumulation, interleaved schedules)
         shortfall = max(0.0, dense * st.gradients + experts * st_e.gradients - grads)
+        if system.framework.grad_buffer_up_front:  # allocated before the first forward
+            grads, shortfall = grads + shortfall, 0.0
         if system.bf16_optimizer(c):  # DeepSpeed's BF16 optimizer: a second copy of every gradient
             grads += m.dtype_bytes * params
         other = _other_bytes(system, c, lay, s, acts, optimizer, shortfall)

@@ -47,6 +47,15 @@ def int_list(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"{text!r} must be integers separated by commas, like 1,3") from None
 
 
+def recompute_modules(text: str) -> tuple:
+    from .config import RECOMPUTE_MODULES
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in RECOMPUTE_MODULES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: valid modules, separated by commas: {', '.join(RECOMPUTE_MODULES)}")
+    return names
+
+
 def port(text: str) -> int:
     try:
         v = int(text)

@@ -18,7 +18,7 @@ import threading
 from profiler.cli import add_profile_parser
 
 from . import __version__
-from .argtypes import int_list, port, positive_int
+from .argtypes import int_list, port, positive_int, recompute_modules
 from .config import DP_ALL_REDUCE, FP8_RECIPES, MOE_DISPATCHERS, PP_COMPRESSION
 from .errors import UserError
 from .frameworks import FRAMEWORK_NAMES
@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layered-grad-accum", action="store_true")
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     p.add_argument("--recompute", default="none", help="none, selective, full")
+    p.add_argument("--recompute-modules", type=recompute_modules, default=(), metavar="M,M,...",
+                   help="with --recompute selective, what it recomputes (Megatron-LM's --recompute-modules): "
+                        "core_attn, layernorm, moe_act, mla_up_proj (default: the attention core)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--cp", type=positive_int, default=1,
                    help="context-parallel degree: each sequence split over cp ranks (default 1)")
@@ -257,7 +260,7 @@ def cmd_estimate(args) -> int:
     config = ParallelConfig(dp=args.dp, pp=args.pp, tp=args.tp, micro_batch_size=args.micro_batch_size,
                             num_micro_batches=args.global_batch // per_replica, schedule=schedule,
                             virtual_stages=args.virtual_stages, layered_grad_accum=args.layered_grad_accum,
-                            zero_stage=args.zero, recompute=args.recompute,
+                            zero_stage=args.zero, recompute=args.recompute, recompute_modules=args.recompute_modules,
                             sequence_parallel=args.sequence_parallel, rank_order=args.rank_order,
                             overlap_grad_reduce=args.overlap_grad_reduce,
                             overlap_param_gather=args.overlap_param_gather, tp_comm_overlap=args.tp_comm_overlap,

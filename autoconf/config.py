@@ -17,6 +17,13 @@ from .schema import Bool, Dict, Int, List, Null, Num, Str
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mla_up_proj")
+"""What ``recompute="selective"`` can recompute, in Megatron-LM's names (``--recompute-modules``):
+the attention core; the norms whose outputs a separate linear reads (a mixture of experts' norm
+before its router and experts, multi-head latent attention's input norm: elsewhere Transformer
+Engine fuses the norm into the linear); the routed experts' activation function (its output,
+the down projection's input, dropped); MLA's up-projections and rotary embedding (the heads'
+queries, keys and values dropped, rebuilt from the latents)."""
 DP_ALL_REDUCE = ("flat", "hierarchical")
 PP_COMPRESSION = ("none", "epilogue", "all")
 """Low-rank compression of the activation gradients sent backwards between pipeline stages
@@ -25,7 +32,7 @@ makes after its last forward, e.g. stage s's last p - s under 1F1B); all (every 
 Forward activations are never compressed."""
 MOE_DISPATCHERS = ("alltoall", "deepep")
 """How a mixture of experts' tokens reach their experts' ranks (``ParallelConfig.moe_dispatcher``)."""
-DEFAULTED_FIELDS = {"moe_dispatcher": "alltoall", "ep_comm_overlap": None}
+DEFAULTED_FIELDS = {"moe_dispatcher": "alltoall", "ep_comm_overlap": None, "recompute_modules": ()}
 """Written by :meth:`ParallelConfig.to_dict` only when not the default (later fields: earlier
 documents read as before)."""
 COMPRESSION_FIELDS = {"pp_compression": "none", "pp_compression_rank": 16, "dp_compression_stages": 0,
@@ -50,6 +57,7 @@ CONFIG_SCHEMA = Dict(
               "rank_order": Str(max_len=32), "overlap_grad_reduce": Null(Bool()),
               "overlap_param_gather": Null(Bool()), "tp_comm_overlap": Null(Bool()),
               "ep_comm_overlap": Null(Bool()), "moe_dispatcher": Str(MOE_DISPATCHERS),
+              "recompute_modules": List(Str(RECOMPUTE_MODULES), max_len=len(RECOMPUTE_MODULES)),
               "dp_all_reduce": Str(DP_ALL_REDUCE),
               "pp_compression": Str(PP_COMPRESSION), "pp_compression_rank": Int(1, 1 << 16),
               "dp_compression_stages": Int(0, 1 << 16), "dp_compression_rank": Int(1, 1 << 16),
@@ -86,7 +94,8 @@ class ParallelConfig:
     zero_stage: int = 0
     """0: replicated; 1: optimizer state sharded; 2: + gradients; 3: + parameters."""
     recompute: str = "none"
-    """none, selective (attention core recomputed), full (only each block's input kept)."""
+    """none, selective (attention core recomputed, or ``recompute_modules``), full (only each
+    block's input kept)."""
     sequence_parallel: bool = False
     """Shard norms/dropout along the sequence over the TP group (all-gather/reduce-scatter)."""
     rank_order: str = "tp-dp-pp"
@@ -165,6 +174,10 @@ class ParallelConfig:
     dp_compression_rank: int = 128
     """PowerSGD's rank on the data-parallel gradients (a matrix is compressed only where its
     factors are less than half of it, as torch's ``powerSGD_hook`` decides)."""
+    recompute_modules: tuple = ()
+    """With recompute="selective": what is recomputed (``RECOMPUTE_MODULES``; Megatron-LM's
+    ``--recompute-modules``). Empty: the attention core alone, as every framework's selective
+    recomputation does. Megatron-LM only."""
     fused_embedding_sync: bool = False
     """Tied embeddings under pp: sum the embedding gradient over the first and last stage and over
     the data-parallel replicas in one all-reduce, instead of a first/last all-reduce then the
@@ -201,6 +214,8 @@ class ParallelConfig:
             s += f" zero{self.zero_stage}"
         if self.recompute != "none":
             s += f" rc-{self.recompute}"
+        if self.recompute_modules:
+            s += "(" + ",".join(self.recompute_modules) + ")"
         if self.sequence_parallel:
             s += " sp"
         if self.dp_all_reduce != "flat":
@@ -242,6 +257,8 @@ class ParallelConfig:
                 del d[k]
             else:
                 d[k] = list(d[k])
+        if "recompute_modules" in d:
+            d["recompute_modules"] = list(d["recompute_modules"])
         return d
 
     @classmethod
@@ -251,7 +268,7 @@ class ParallelConfig:
             d = CONFIG_SCHEMA(d)
         except UserError as e:
             raise UserError(f"config: {e}") from None
-        for k in PLACEMENT_FIELDS:
+        for k in PLACEMENT_FIELDS + ("recompute_modules",):
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return cls(**d)
@@ -274,6 +291,10 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return f"recompute={c.recompute!r}; valid: {', '.join(RECOMPUTE)}"
     if c.zero_stage not in (0, 1, 2, 3):
         return f"zero_stage={c.zero_stage!r}; valid: 0, 1, 2, 3"
+    if c.recompute_modules:
+        why = recompute_modules_reason(c, model)
+        if why:
+            return why
     why = order_reason(c.rank_order)
     if why:
         return why
@@ -352,6 +373,40 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
             return why
     if c.device_order is not None or c.stage_layers is not None:
         return check_placement(c.device_order, c.stage_layers, c.world_size, c.num_chunks, model.num_layers)
+    return None
+
+
+def recomputed_modules(c: ParallelConfig) -> frozenset:
+    """What the configuration's recomputation re-runs, by ``RECOMPUTE_MODULES`` name: with
+    recompute="selective" its ``recompute_modules`` (the attention core alone when empty); nothing
+    otherwise (full recomputation re-runs whole blocks)."""
+    if c.recompute != "selective":
+        return frozenset()
+    return frozenset(c.recompute_modules or ("core_attn",))
+
+
+def recompute_modules_reason(c: ParallelConfig, model: ModelSpec) -> str | None:
+    """Why ``recompute_modules`` cannot be set so for this model, or None. A module the model does
+    not have would recompute nothing: refused, as Megatron-LM refuses moe_act without grouped experts
+    and mla_up_proj without MLA; the norms of a block with neither experts nor MLA are fused into
+    the linear that reads them (Transformer Engine's LayerNormLinear), so layernorm finds none."""
+    mods = c.recompute_modules
+    if not isinstance(mods, tuple) or any(m not in RECOMPUTE_MODULES for m in mods):
+        return f"recompute_modules={list(mods) if isinstance(mods, tuple) else mods!r}; valid: a list of " + \
+            ", ".join(RECOMPUTE_MODULES)
+    if len(set(mods)) != len(mods):
+        return f"recompute_modules={list(mods)} names a module twice"
+    if c.recompute != "selective":
+        return (f"recompute_modules={list(mods)} with recompute={c.recompute}: the modules are what selective "
+                "recomputation recomputes (set recompute to selective, or leave recompute_modules empty)")
+    if "moe_act" in mods and not model.is_moe:
+        return f"recompute_modules: moe_act recomputes the experts' activation; model {model.name} has no experts"
+    if "mla_up_proj" in mods and not model.is_mla:
+        return (f"recompute_modules: mla_up_proj recomputes multi-head latent attention's up-projections; "
+                f"model {model.name} has no MLA (kv_lora_rank is null)")
+    if "layernorm" in mods and not (model.is_moe or model.is_mla):
+        return (f"recompute_modules: layernorm finds no separate norm in model {model.name}: each norm is fused "
+                "into the linear layer that reads it (valid with experts or MLA)")
     return None
 
 

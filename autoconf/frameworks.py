@@ -113,6 +113,16 @@ class Framework:
     ``main_grad`` views): the whole stage's gradients count at the activation peak. False:
     autograd creates each ``.grad`` at its first backward and ``zero_grad(set_to_none=True)`` frees
     it after the step, so a peak that comes before a chunk's first backward holds none of its."""
+    moe_output_weighted: bool = True
+    """Its mixture-of-experts combine weights the experts' outputs by the router's scores in fp32
+    (``(y.float() * w).to(dtype)``: the reference trainer's ``autoconf.moe``, torchtitan's token
+    dispatcher), which keeps an fp32 copy of every expert output for the scores' gradient. False:
+    the scores multiply the experts' activation instead (Megatron-Core's
+    ``activation_func_with_probs``; its combine is an unweighted scatter-add that keeps nothing)."""
+    recompute_modules: tuple = ()
+    """What its selective recomputation can be told to recompute (``config.RECOMPUTE_MODULES``:
+    Megatron-LM's ``--recompute-modules``). Empty: its selective recomputation is the attention
+    core, not configurable."""
     optimizer_foreach: bool = False
     """Its AdamW is torch's multi-tensor (foreach) implementation, torch's default on CUDA, which
     allocates a moment-sized temporary for every local parameter during the step
@@ -311,6 +321,15 @@ class Framework:
         for k in KNOBS:
             if getattr(c, k, None) is not None and k not in self.knobs and bool(getattr(c, k)) != self.defaults[k]:
                 return f"framework {self.name} cannot switch {k} (always {self.defaults[k]})"
+        mods = tuple(getattr(c, "recompute_modules", ()) or ())
+        if mods and not set(mods) <= set(self.recompute_modules):
+            return (f"framework {self.name} cannot choose what selective recomputation recomputes "
+                    f"(recompute_modules={list(mods)}); its selective recomputation is the attention core"
+                    + (f"; valid: {', '.join(self.recompute_modules)}" if self.recompute_modules else ""))
+        if ({"moe_act", "layernorm"} & set(mods) and getattr(c, "precision", "bf16") == "fp8"
+                and c.fp8_recipe == "delayed"):
+            return (f"framework {self.name} cannot recompute moe_act or layernorm under FP8 delayed scaling; "
+                    "valid: another FP8 recipe, or leave them out of recompute_modules")
         if getattr(c, "ep", 1) > 1 and not self.expert_parallel:
             return f"framework {self.name} has no expert parallelism (ep={c.ep})"
         if getattr(c, "ep", 1) > 1 and c.zero_stage not in self.expert_zero_stages:
@@ -403,6 +422,7 @@ FRAMEWORKS = {
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
         capacity_factor=True, moe_dispatchers=("alltoall", "deepep"), fused_glu=True, tp_backward_overlap=True,
+        recompute_modules=("core_attn", "layernorm", "moe_act", "mla_up_proj"), moe_output_weighted=False,
         param_gather_in_place=True, early_receive_schedules=("interleaved",), tied_pair_all_reduce=True, grad_norm_traffic=1.0),
     "torchtitan": Framework(
         name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),

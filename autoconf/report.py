@@ -79,7 +79,8 @@ def options_label(c, placement: bool = False, framework: str | None = None) -> s
     if c.zero_stage:
         parts.append(f"z{c.zero_stage}")
     if c.recompute != "none":
-        parts.append({"selective": "rc-sel", "full": "rc-full"}.get(c.recompute, f"rc-{c.recompute}"))
+        parts.append({"selective": "rc-sel", "full": "rc-full"}.get(c.recompute, f"rc-{c.recompute}")
+                     + ("(" + ",".join(c.recompute_modules) + ")" if c.recompute_modules else ""))
     if c.sequence_parallel:
         parts.append("sp")
     if getattr(c, "precision", "bf16") == "fp8":

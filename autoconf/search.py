@@ -35,7 +35,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from .config import ParallelConfig, check, cp_choices, ep_overlap_reason, inner_choices, make_config, outer_space
+from .config import (RECOMPUTE_MODULES, ParallelConfig, check, cp_choices, ep_overlap_reason, inner_choices,
+                     make_config, outer_space, recompute_modules_reason)
 from .cost import comm
 from .cost.data_parallel import reduction_collective
 from .cost.estimate import Estimate, _estimate
@@ -476,6 +477,23 @@ def expert_parallel_choices(system: System, point, global_batch: int,
     return system.cached(("ep-choices", tuple(point), global_batch, tuple(precision), system.moe_dispatcher), make)
 
 
+def recompute_module_choices(fw, model) -> tuple:
+    """The ``recompute_modules`` values tried with recompute="selective": the framework's own
+    selective recomputation (empty: the attention core) and, where the framework lets a user
+    choose (Megatron-LM's ``--recompute-modules``) and the model has modules beyond the core,
+    all of those (the norms before the experts or MLA's down-projections, the experts'
+    activation, MLA's up-projections), with the attention core only where attention is eager (a
+    fused attention keeps almost nothing a recomputed core would free)."""
+    if model is None or not fw.recompute_modules:
+        return ((),)
+    probe = ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1, recompute="selective")
+    extra = tuple(m for m in RECOMPUTE_MODULES if m != "core_attn" and m in fw.recompute_modules
+                  and recompute_modules_reason(dataclasses.replace(probe, recompute_modules=(m,)), model) is None)
+    if not extra:
+        return ((),)
+    return ((), (("core_attn",) if model.attention == "eager" else ()) + extra)
+
+
 def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hier: bool = False, cp: int = 1,
                     precisions=(("bf16", "tensorwise"),), moe_experts: int = 0, eps=None, model=None,
                     dispatcher: str = "alltoall"):
@@ -492,7 +510,9 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
     recipe) pairs to try (:func:`precision_choices`). ``moe_experts``: a mixture of experts' expert
     count: every expert-parallel degree dividing dp x cp and the experts is tried (where the
     framework has expert parallelism), or those of ``eps``, with token dispatcher ``dispatcher``
-    (all-to-alls where DeepEP cannot be priced: tp > 1)."""
+    (all-to-alls where DeepEP cannot be priced: tp > 1). Selective recomputation is tried with each
+    of :func:`recompute_module_choices`."""
+    module_choices = recompute_module_choices(fw, model)
     if eps is None:
         eps = (1,) if not moe_experts or not fw.expert_parallel else tuple(ep_degrees(dp * cp, moe_experts))
     for (zero, rc, sp), ep in ((z, e) for z in inner_choices(dp, tp, cp) for e in eps):
@@ -508,6 +528,8 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
                    "ep_comm_overlap": ep > 1 and "ep_comm_overlap" in fw.knobs and not ep_overlap_reason(c, model)}
         variants = [{}] if tuple(precisions) == (("bf16", "tensorwise"),) else [
             {"precision": p, "fp8_recipe": r} for p, r in precisions]
+        if rc == "selective" and len(module_choices) > 1:
+            variants = [{**v_, "recompute_modules": mods} if mods else v_ for v_ in variants for mods in module_choices]
         for knob in fw.knobs:
             if matters[knob]:
                 variants = [{**v_, knob: val} for v_ in variants for val in (False, True)]

@@ -255,6 +255,8 @@ def megatron_args(plan) -> list:
         a.append("--sequence-parallel")
     if c.recompute == "selective":
         a += ["--recompute-granularity", "selective"]
+        if c.recompute_modules:  # Megatron-LM's default list is the attention core alone
+            a += ["--recompute-modules", *c.recompute_modules]
     elif c.recompute == "full":  # every block's input kept, the block recomputed: autoconf's "full"
         a += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     if c.zero_stage == 1:

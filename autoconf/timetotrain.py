@@ -46,7 +46,8 @@ from .config import (MOE_DISPATCHERS, RECOMPUTE, ParallelConfig, check, cp_choic
 from .cost.estimate import Estimate, _estimate
 from .cost.system import System
 from .errors import UserError
-from .search import dispatcher_at, dp_hierarchical, ep_degrees, expert_parallel_choices, framework_inner
+from .search import (dispatcher_at, dp_hierarchical, ep_degrees, expert_parallel_choices, framework_inner,
+                     recompute_module_choices)
 from .topology import Topology
 
 # -- methods ------------------------------------------------------------------------------------
@@ -335,15 +336,19 @@ class PointOptimizer:
                                           recompute=rc, sequence_parallel=sp, cp=cp))
             moe = ep > 0
             shapes = [moe_shape(sys_, dataclasses.replace(c, ep=ep))] if moe else [None]
+            # selective recomputation: the least over what it may recompute (search.recompute_module_choices)
+            mods = recompute_module_choices(sys_.framework, self.model) if rc == "selective" else ((),)
             # accumulates=False: no .grad accumulation pass (the least any configuration pays)
-            lts = [sys_.block(k, mbs, tp, sp, rc, cp=cp, fp8=self.fp8, compiled=comp, moe=sh, accumulates=False)
-                   for k in self.kinds for comp in self.compiled for sh in shapes]
+            lts = [sys_.block(k, mbs, tp, sp, rc, cp=cp, fp8=self.fp8, compiled=comp, moe=sh, accumulates=False,
+                              modules=tuple(sorted(md)))
+                   for k in self.kinds for comp in self.compiled for sh in shapes for md in mods]
             tpt = tp_times(sys_, c, [self.kinds]) if tp > 1 else None
             mask = min(sys_.mask_bytes(k) for k in self.kinds)
+            cs = [dataclasses.replace(c, recompute_modules=md) for md in mods]
             if moe:
-                act = moe_activation_bytes(sys_, c, mask)["total"]
+                act = min(moe_activation_bytes(sys_, c_, mask)["total"] for c_ in cs)
             else:
-                act = sys_.layer_activations(c, mask)["total"]
+                act = min(sys_.layer_activations(c_, mask)["total"] for c_ in cs)
             return (min(lt.forward_s for lt in lts), min(lt.backward_s for lt in lts),
                     tpt.forward_per_layer_s if tpt else 0.0, tpt.backward_per_layer_s if tpt else 0.0,
                     min(lt.host_forward_s for lt in lts), min(lt.host_backward_s for lt in lts), act)
@@ -1507,8 +1512,8 @@ _SCHED = {"gpipe": "gp", "1f1b": "1f1b", "interleaved": "il", "breadth_first": "
 
 def compact(c: ParallelConfig) -> str:
     """dp/pp/tp, cp<k> (context parallel), ep<k> (expert parallel), micro-batch, schedule (gp,
-    1f1b, il<v>, bf<v>; L: layered), ZeRO, recompute, sp; ep<k>o: all-to-alls overlapped
-    (``ep_comm_overlap``)."""
+    1f1b, il<v>, bf<v>; L: layered), ZeRO, recompute (sel+: selective with Megatron-LM's recompute
+    modules), sp; ep<k>o: all-to-alls overlapped (``ep_comm_overlap``)."""
     s = _SCHED[c.schedule] + (str(c.virtual_stages) if c.virtual_stages > 1 else "")
     if c.layered_grad_accum and c.schedule != "breadth_first":
         s += "L"
@@ -1518,7 +1523,7 @@ def compact(c: ParallelConfig) -> str:
     if c.zero_stage:
         parts.append(f"z{c.zero_stage}")
     if c.recompute != "none":
-        parts.append("sel" if c.recompute == "selective" else "full")
+        parts.append(("sel" + ("+" if c.recompute_modules else "")) if c.recompute == "selective" else "full")
     if c.sequence_parallel:
         parts.append("sp")
     if c.dp_all_reduce == "hierarchical":
@@ -1528,7 +1533,7 @@ def compact(c: ParallelConfig) -> str:
 
 LEGEND = ("config: dp/pp/tp, cp context parallel, ep expert parallel (o: all-to-alls overlapped), micro-batch b, "
           "schedule (gp gpipe, 1f1b, il<v> interleaved, bf<v> breadth-first; L layered), z ZeRO stage, sel/full "
-          "recompute, sp sequence parallel")
+          "recompute (sel+: with recompute modules), sp sequence parallel")
 
 
 def _num(x: float) -> str:

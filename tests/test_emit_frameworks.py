@@ -47,16 +47,16 @@ def bash_array(path, *names) -> list:
 
 
 def options(words) -> dict:
-    """--flag value / --flag (true) -> {flag_with_underscores: value}."""
+    """--flag value / --flag v1 v2 (a list) / --flag (true) -> {flag_with_underscores: value}."""
     out, i = {}, 0
     while i < len(words):
         key = words[i][2:].replace("-", "_")
-        if i + 1 < len(words) and not words[i + 1].startswith("--"):
-            out[key] = words[i + 1]
-            i += 2
-        else:
-            out[key] = True
-            i += 1
+        j = i + 1
+        while j < len(words) and not words[j].startswith("--"):
+            j += 1
+        vals = words[i + 1:j]
+        out[key] = True if not vals else vals[0] if len(vals) == 1 else list(vals)
+        i = j
     return out
 
 
@@ -209,7 +209,8 @@ MOE_CASES = {  # (model, config)
     "every-other": (_dc.replace(MOE, moe_layer_freq=2), cfg(dp=8, micro_batch_size=1, num_micro_batches=2)),
     "paired-interleaved": (MOE, cfg(dp=4, pp=2, micro_batch_size=1, num_micro_batches=4, zero_stage=1, ep=4,
                                     schedule="interleaved", virtual_stages=2, recompute="selective",
-                                    ep_comm_overlap=True, moe_dispatcher="deepep")),
+                                    recompute_modules=("layernorm", "moe_act"), ep_comm_overlap=True,
+                                    moe_dispatcher="deepep")),
 }
 
 
@@ -261,6 +262,8 @@ def test_megatron_moe_args_parse_back_to_the_plan(tmp_path, case):
     assert o.get("overlap_moe_expert_parallel_comm", False) is bool(c.ep_comm_overlap)
     assert (int(o.get("moe_router_num_groups", 0)), int(o.get("moe_router_group_topk", 0))) == \
         (m.router_groups, m.router_group_topk)
+    mods = o.get("recompute_modules")
+    assert (mods if isinstance(mods, list) else [mods] if mods else []) == list(c.recompute_modules)
     freq = _layer_freq(o["moe_layer_freq"])
     pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(m.num_layers)]
     assert pattern == [int(m.is_moe_layer(i)) for i in range(m.num_layers)]  # megatron-core's reading of an int
@@ -298,6 +301,9 @@ def test_megatron_core_accepts_the_moe_args(tmp_path, case):
     for k in ("recompute_granularity", "recompute_method"):
         if k in o:
             kw[k] = o[k]
+    if "recompute_modules" in o:
+        kw["recompute_modules"] = o["recompute_modules"] if isinstance(o["recompute_modules"], list) else \
+            [o["recompute_modules"]]
     tc = TransformerConfig(**kw, gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
                            params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, bf16=True)
     assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size) == \
@@ -308,6 +314,8 @@ def test_megatron_core_accepts_the_moe_args(tmp_path, case):
     assert tc.moe_expert_capacity_factor == c.moe_capacity_factor
     assert tc.overlap_moe_expert_parallel_comm is bool(c.ep_comm_overlap)  # its own checks passed
     assert (tc.moe_router_num_groups or 0, tc.moe_router_group_topk or 0) == (m.router_groups, m.router_group_topk)
+    if c.recompute_modules:  # its own checks passed (moe_act needs the grouped GEMM it has)
+        assert set(tc.recompute_modules) == set(c.recompute_modules)
     specs = get_gpt_decoder_layer_specs(tc, use_transformer_engine=False, normalization="RMSNorm")
     specs = getattr(specs, "layer_specs", specs)
     got = [int(s.submodules.mlp.module is MoELayer) for s in specs]

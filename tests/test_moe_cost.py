@@ -133,15 +133,23 @@ def test_moe_activation_memory_closed_form():
     # Megatron-LM's fused SwiGLU keeps 3 f-wide rows per token (its 2f input and the product)
     dense_mlp = e * T * 3 * 8192 / 2
     expert = e * 3 * (T * k * 768 + T * 768) / 2  # routed rows (T x k) and the shared expert's T rows
-    extra = 2 * e * T * k * h + 4 * T * 64
+    # the dispatched tokens, the router's fp32 score per assignment (Megatron-Core weights the
+    # experts' activation, and its combine keeps no expert output) and its fp32 probabilities
+    extra = e * T * k * h + 4 * T * k + 4 * T * 64
     assert got["total"] == pytest.approx(dense["total"] - dense_mlp + expert + extra)
+    # a combine that weights the experts' outputs in fp32 (the reference trainer) keeps an fp32 copy
+    ref, c1 = System(SMALL_MOE, H100, framework="reference"), cfg(ep=2)
+    ref_extra = (e + 4) * T * k * h + 4 * T * 64
+    ref_mlp = e * T * 4 * 8192  # eager SwiGLU: 4 rows
+    assert moe_activation_bytes(ref, c1, 1)["total"] == pytest.approx(
+        ref.layer_activations(c1, 1)["total"] - ref_mlp + e * 4 * (T * k * 768 + T * 768) + ref_extra)
     # FP8 keeping the linear layers' inputs (Megatron / Transformer Engine): 1 byte for the
     # down projections' f-wide inputs and for the dispatched tokens the experts' up projection keeps
     c8 = dataclasses.replace(c, precision="fp8", fp8_recipe="tensorwise")
     dense8, got8 = s.layer_activations(c8, 1), moe_activation_bytes(s, c8, 1)
     dense_mlp8 = T * (3 * e - 1) * 8192 / 2
     expert8 = (3 * e - 1) * (T * k * 768 + T * 768) / 2
-    extra8 = (2 * e - 1) * T * k * h + 4 * T * 64
+    extra8 = 1 * T * k * h + 4 * T * k + 4 * T * 64
     assert dense8["mlp_hidden"] == pytest.approx(dense_mlp8)
     assert got8["total"] == pytest.approx(dense8["total"] - dense_mlp8 + expert8 + extra8)
 
@@ -354,3 +362,84 @@ def test_deepep_at_tp_one_and_paired_memory_only_where_passes_pair():
     one = cfg(dp=8, ep=8, num_micro_batches=1, zero_stage=1, ep_comm_overlap=True)
     e = estimate(one, SMALL_MOE, H100, framework="megatron")
     assert "ep-overlap paired micro-batch" not in dict(e.memory_by_stage[0].other_parts)  # nothing to pair
+
+
+SMALL_MLA = dataclasses.replace(SMALL_MOE, name="mla-small", num_kv_heads=16, q_lora_rank=512, kv_lora_rank=256, qk_rope_head_dim=32,
+                                qk_nope_head_dim=64, v_head_dim=64)
+MODULES = ("layernorm", "moe_act", "mla_up_proj")
+
+
+def test_recompute_modules_free_their_outputs_closed_form():
+    """Megatron-LM's output-discarding recompute modules free exactly their outputs: layernorm the
+    MLA input norm's (the down-projections' input, h wide) and the MoE norm's (the router's and
+    experts' input); moe_act the routed experts' activation output (T x k rows of the expert
+    width); mla_up_proj the heads' queries, keys and values. Leaving core_attn out keeps the
+    attention core's log-sum-exp. MLA's latents (each norm's input and output) are kept."""
+    s, T, e, h, k = System(SMALL_MLA, H100, framework="megatron"), 4096, 2, 2048, 8
+    m = SMALL_MLA
+    base = cfg(ep=2, recompute="selective")
+    plain = s.layer_activations(base, 1)
+    assert plain["mla_latents"] == 2 * e * T * (512 + 256)
+    qkv = e * T * (m.q_size + m.k_size + m.v_size)
+    assert plain["qkv"] == qkv and "attention_logsumexp" not in plain
+    mods = dataclasses.replace(base, recompute_modules=MODULES)
+    dense = s.layer_activations(mods, 1)
+    lse = 4 * T * m.num_attention_heads
+    assert dense["total"] == pytest.approx(plain["total"] - qkv - e * T * h + lse)
+    moe_plain, moe_mods = moe_activation_bytes(s, base, 1), moe_activation_bytes(s, mods, 1)
+    routed_act_out = e * T * k * 768
+    assert moe_mods["total"] == pytest.approx(moe_plain["total"] - qkv - e * T * h + lse - e * T * h - routed_act_out)
+    # in FP8 the outputs went as FP8 copies: those are what is freed
+    f8 = dict(precision="fp8", fp8_recipe="tensorwise")
+    p8 = moe_activation_bytes(s, dataclasses.replace(base, **f8), 1)
+    m8 = moe_activation_bytes(s, dataclasses.replace(mods, **f8), 1)
+    assert m8["total"] == pytest.approx(p8["total"] - qkv - T * h + lse - T * h - T * k * 768)
+
+
+def test_recompute_modules_time_closed_form():
+    """What the modules re-run in the backward, on the roofline: the two separate norms, the
+    routed experts' SwiGLU (read 2f, write f), the up-projection GEMMs and the rotary parts."""
+    from autoconf.cost.compute import block_times, linear_gemms
+    s = System(SMALL_MLA, H100, framework="megatron")
+    c = cfg(ep=2, recompute="selective", recompute_modules=MODULES)
+    sh = moe_shape(s, c)
+    rf, m, T, h, B = s.roofline("h100-sxm"), SMALL_MLA, 4096, 2048, 2
+    core = block_times(m, 1, 1, False, "selective", rf, moe=sh)
+    got = block_times(m, 1, 1, False, "selective", rf, moe=sh, modules=MODULES)
+    ups = linear_gemms(m, 1, 1)["attention_in"][1::2]
+    assert [k for _, _, k in ups] == [512, 256]
+    elems = sh.rows * sh.local_experts * 768
+    want = (rf.elementwise(2 * 2 * T * h * B, kernels=2, flops=16 * T * h)
+            + rf.elementwise(3 * elems * B, kernels=1, flops=6 * elems)
+            + sum(rf.gemm(a, b, k, B) for a, b, k in ups)
+            + rf.elementwise(2 * T * (m.num_attention_heads + 1) * 32 * B, kernels=2))
+    assert got.recompute_s == pytest.approx(want)  # no attention core
+    assert core.recompute_s > 0 and got.forward_s == core.forward_s
+
+
+def test_recompute_modules_are_checked_searched_and_kept():
+    """Only with selective recomputation, only modules the model has, only where the framework
+    lets a user choose them (Megatron-LM); the search tries them beside the attention core; a
+    config document keeps them."""
+    from autoconf.search import framework_inner, recompute_module_choices
+    from autoconf.frameworks import framework
+    c = cfg(ep=2, recompute="selective", recompute_modules=MODULES)
+    assert check(c, SMALL_MLA) is None
+    assert "mla_up_proj" in check(c, SMALL_MOE) and "no MLA" in check(c, SMALL_MOE)
+    assert "recompute=full" in check(dataclasses.replace(c, recompute="full"), SMALL_MLA)
+    assert "twice" in check(dataclasses.replace(c, recompute_modules=("moe_act", "moe_act")), SMALL_MLA)
+    dense = dataclasses.replace(SMALL_MOE, num_experts=0, experts_per_token=0, first_dense_layers=0,
+                                num_shared_experts=0, expert_ffn_hidden_size=None)
+    assert "fused" in check(cfg(recompute="selective", recompute_modules=("layernorm",)), dense)
+    assert "cannot choose" in framework("reference").check(c) and framework("megatron").check(c) is None
+    assert "delayed" in framework("megatron").check(dataclasses.replace(c, precision="fp8", fp8_recipe="delayed"))
+    assert recompute_module_choices(framework("megatron"), SMALL_MLA) == ((), MODULES)
+    assert recompute_module_choices(framework("megatron"), SMALL_MOE) == ((), ("layernorm", "moe_act"))
+    assert recompute_module_choices(framework("megatron"), dense) == ((),)
+    assert recompute_module_choices(framework("torchtitan"), SMALL_MLA) == ((),)
+    inner = list(framework_inner(framework("megatron"), 8, 1, 1, 1, "1f1b", 1, False, 32, moe_experts=64,
+                                 eps=(2,), model=SMALL_MLA))
+    sel = [x.recompute_modules for x in inner if x.recompute == "selective"]
+    assert () in sel and MODULES in sel and all(not x.recompute_modules for x in inner if x.recompute != "selective")
+    assert ParallelConfig.from_dict(c.to_dict()) == c and c.to_dict()["recompute_modules"] == list(MODULES)
+    assert "recompute_modules" not in cfg().to_dict()

@@ -88,6 +88,8 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
     # fused attention, and selective recompute (the core's inputs), keep them at kv width
     qkv_width = (3 * q) if (eager and not selective) else (q + model.k_size + model.v_size)
     p["qkv"] = e * tok * qkv_width / t
+    if model.is_mla:  # each latent's norm input, and its output (the up-projection's input)
+        p["mla_latents"] = 2 * e * rep * _mla_latent_width(model)
     if not selective:
         if eager:
             # softmax output (the paper's 2as^2b; fp32 where the softmax runs in fp32); with
@@ -115,11 +117,17 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
     return p
 
 
+def _mla_latent_width(model: ModelSpec) -> int:
+    """Elements per token of multi-head latent attention's normed latents: the query's (when it
+    has a low-rank query) and the keys and values' (the rotary key part is not normed)."""
+    return (model.q_lora_rank or 0) + model.kv_lora_rank
+
+
 def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                            recompute: str = "none", mask_bytes: int = 1,
                            norm_stat_bytes: int | None = None, cp: int = 1,
                            fp8_inputs: bool = False, fp32_softmax: bool = False,
-                           fused_glu: bool = False) -> dict[str, float]:
+                           fused_glu: bool = False, modules: tuple = ()) -> dict[str, float]:
     """Bytes one transformer block keeps for backward, per micro-batch and per TP rank.
 
     Korthikanti et al. (arXiv 2205.05198) eq. 1-5 and Table 2, generalised (see the module docstring).
@@ -139,6 +147,12 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
     fallback from its fused kernel, ``compute.fused_softmax_available``).
     ``fused_glu``: a gated MLP's activation is one autograd function keeping only its input
     (Megatron-LM; ``mlp_hidden_rows``).
+    ``modules``: with "selective", what it recomputes (``config.RECOMPUTE_MODULES``; empty: the
+    attention core). Megatron-LM's output-discarding recomputation frees a module's output, which
+    the backward rebuilds from the inputs kept anyway: "layernorm" the input norm's output where a
+    separate linear reads it (MLA's down-projections: elsewhere the norm is fused into the QKV
+    linear), "mla_up_proj" MLA's heads' queries, keys and values; without "core_attn" the attention
+    core keeps what it keeps without recomputation.
     """
     _check(micro_batch_size, tp, recompute)
     sp = bool(sequence_parallel) and tp > 1
@@ -152,8 +166,14 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
         parts = {"block_input": model.dtype_bytes * rep * model.hidden_size}
         working = full_total
     elif recompute == "selective":
+        mods = set(modules or ("core_attn",))
         parts = _fp8_saved(model, b, t, _no_recompute_parts(model, b, t, sp, mask_bytes, norm_stat_bytes,
-                                                             selective=True, fused_glu=fused_glu), fp8_inputs)
+                                                             selective="core_attn" in mods, fused_glu=fused_glu,
+                                                             fp32_softmax=fp32_softmax), fp8_inputs)
+        if model.is_mla and "layernorm" in mods:
+            parts.pop("qkv_input", None)
+        if model.is_mla and "mla_up_proj" in mods:
+            parts.pop("qkv", None)
         working = full_total - sum(parts.values())
     else:
         parts, working = full, 0.0
@@ -172,6 +192,8 @@ def _fp8_saved(model: ModelSpec, b: int, t: int, parts: dict, fp8_inputs: bool) 
     for k in ("qkv_input", "projection_input", "mlp_input"):
         if k in out:
             out[k] = out[k] / e
+    if "mla_latents" in out:  # the up-projections' inputs (half of the part) in FP8
+        out["mla_latents"] -= out["mla_latents"] / 2 * (e - 1) / e
     if "mlp_hidden" in out:  # the down projection's input (f wide) is one of the kept tensors
         out["mlp_hidden"] -= (e - 1) * model.seq_length * b * model.ffn_hidden_size / t
     return out

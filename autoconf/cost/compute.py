@@ -601,7 +601,8 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
                 host: HostCost | None = None, cp: int = 1, fp8: Fp8 | None = None,
                 compiled: bool = False, moe: Moe | None = None, ring_math: bool = False,
                 unfused_softmax: bool = False, eager_elementwise: bool = False,
-                grad_accumulation: bool = False, grad_update: tuple = (0.0, 0)) -> LayerTimes:
+                grad_accumulation: bool = False, grad_update: tuple = (0.0, 0),
+                modules: tuple = ()) -> LayerTimes:
     """One transformer block shard (of a tp-way split) for a micro-batch of b sequences: device
     times, and with ``host`` the host's time to issue the operations (``block_op_counts``).
 
@@ -629,7 +630,8 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     weight-gradient GEMM (its fp32 ``main_grad``). ``grad_update``: (bytes per parameter,
     kernels per parameter tensor) a framework moves after every backward as well (DeepSpeed's
     BF16 optimizer: ``BF16_OPTIMIZER_UPDATE``). Neither for mixture-of-experts blocks (not
-    priced)."""
+    priced). ``modules``: with recompute="selective", what it re-runs in the backward
+    (``config.RECOMPUTE_MODULES``; empty: the attention core): :func:`module_recompute_s`."""
     unfused_softmax = unfused_softmax and model.attention == "eager"
     s, h, f = model.seq_length, model.hidden_size, model.ffn_hidden_size
     q, kv, B = model.q_size, model.kv_size, model.dtype_bytes
@@ -704,7 +706,12 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     ew_b = rf.elementwise(2 * ew_bytes + xb, 2 * ew_kernels + kb, flops=2 * ew_flops)
     fwd = g_fwd + att_f + ew_f + qf + moe_f
     bwd = g_bwd + att_b + ew_b + qb + moe_b
-    rc = fwd if recompute == "full" else att_f if recompute == "selective" else 0.0
+    mods = set(modules or ("core_attn",)) if recompute == "selective" else set()
+    rc = fwd if recompute == "full" else att_f if "core_attn" in mods else 0.0
+    rc_ops = 0
+    if mods - {"core_attn"}:
+        extra, rc_ops = module_recompute_s(model, mods, lin, T, T_rep, tp, rf, fp8, moe)
+        rc += extra
     host_f = host_b = 0.0
     if host is not None:
         ops_f, ops_b = (dispatch_op_counts if host.dispatch_counts else block_op_counts)(model, tp, sp)
@@ -724,13 +731,48 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
         host_f, host_b = ops_f * host.forward_op_s, ops_b * host.backward_op_s
         if recompute == "full":  # the recomputed forward is issued again (and, counted by dispatch,
             host_b += host_f * (2 if host.dispatch_counts else 1)  # its saved tensors unpacked)
-        if recompute == "selective" and host.dispatch_counts:  # the attention core re-run:
+        host_b += rc_ops * host.forward_op_s  # the recomputed modules' operations, issued again
+        if "core_attn" in mods and host.dispatch_counts:  # the attention core re-run:
             core = 8 if model.attention != "eager" else 28 + (5 if model.dropout > 0 else 0)  # counted
             host_b += core * host.backward_op_s
         if recompute != "none" and not compiled:
             host_f += host.checkpoint_s / 2
             host_b += host.checkpoint_s / 2
     return LayerTimes(forward_s=fwd, backward_s=bwd + rc, recompute_s=rc, host_forward_s=host_f, host_backward_s=host_b)
+
+
+def module_recompute_s(model: ModelSpec, mods: set, lin: dict, T: float, T_rep: float, tp: int, rf: Roofline,
+                       fp8: Fp8 | None, moe: Moe | None) -> tuple[float, int]:
+    """(seconds, host operations) of the forward work Megatron-LM's output-discarding recompute
+    modules re-run in the backward, besides the attention core (``config.RECOMPUTE_MODULES``):
+
+    - "layernorm": each separate norm (before a mixture of experts' router; MLA's input norm),
+      read and written once, ~8 FLOPs per element;
+    - "moe_act": the routed experts' gated activation (read the 2f-wide up projection, write f;
+      f to f ungated), at the activation's vector FLOPs;
+    - "mla_up_proj": MLA's up-projection GEMMs (query latent to the heads' queries, key/value
+      latent to their keys and values; in FP8 where the linears are) and the rotary embedding of
+      the query heads' and the shared key's rotary parts.
+    """
+    B, h = model.dtype_bytes, model.hidden_size
+    s = ops = 0.0
+    if "layernorm" in mods:
+        n = int(model.is_mla) + int(moe is not None)
+        if n:
+            s += rf.elementwise(2 * n * T_rep * h * B, kernels=n, flops=8 * n * T_rep * h)
+            ops += n
+    if "moe_act" in mods and moe is not None and moe.rows > 0:
+        elems = moe.rows * moe.local_experts * moe.expert_ffn / (moe.etp or tp)
+        act_flops = {"gelu": 20, "swiglu": 6, "geglu": 21}[model.activation]
+        s += rf.elementwise((3 if model.gated_mlp else 2) * elems * B, kernels=1, flops=act_flops * elems)
+        ops += 1
+    if "mla_up_proj" in mods and model.is_mla:
+        ups = lin["attention_in"][1::2] if model.q_lora_rank else lin["attention_in"][-1:]
+        s += sum(fp8_gemm(fp8.rf, m, n, k) if fp8 is not None else rf.gemm(m, n, k, B) for m, n, k in ups)
+        rope = (model.num_attention_heads / tp + 1) * model.qk_rope_head_dim
+        s += rf.elementwise(2 * T * rope * B, kernels=2)
+        ops += len(ups) + 6  # the GEMMs, two rotary applications, the splits and concatenations
+    return s, int(ops)
 
 
 # Operations the embedding (lookup, position add, dropout, TP reduce) and the output layer (norm,

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import functools
 
-from ..config import ParallelConfig
+from ..config import ParallelConfig, recomputed_modules
 from . import comm
 from .activations import mlp_hidden_rows
 from .compute import Moe
@@ -244,11 +244,15 @@ def moe_activation_bytes(system: System, c: ParallelConfig, mask: int) -> dict:
     """Bytes one MoE block keeps for the backward per micro-batch and rank, in place of a dense
     block's (``System.layer_activations``): the dense formula's MLP hidden activations replaced by
     the experts' (T x k x load rows of the expert width, and the shared experts' T rows), plus the
-    permuted tokens (dispatched inputs and the experts' outputs before combine: 2 x T x k x h) and
-    the router's fp32 probabilities (T x E); everything else (attention, norms) as a dense block.
+    dispatched tokens (T x k x h), the experts' outputs as the combine keeps them
+    (``Framework.moe_output_weighted``: an fp32 copy, or nothing) and the router's fp32
+    probabilities (T x E); everything else (attention, norms) as a dense block.
     Where FP8 keeps the linear layers' inputs in FP8 (``Framework.fp8_saves_inputs``), the experts'
     down-projection inputs and the dispatched tokens (the grouped up projection's input) take
-    1 byte, as the dense block's do (``activations._fp8_saved``)."""
+    1 byte, as the dense block's do (``activations._fp8_saved``). Megatron-LM's recompute modules
+    (``config.recomputed_modules``) free "moe_act", the routed experts' activation outputs (the
+    down projection then keeps the original, not an FP8 copy, and it is freed), and "layernorm",
+    the output of the norm before the router (a separate norm in a mixture-of-experts block)."""
     m = system.model
     dense = system.layer_activations(c, mask)
     if c.recompute == "full":
@@ -263,9 +267,21 @@ def moe_activation_bytes(system: System, c: ParallelConfig, mask: int) -> dict:
     dense_mlp = T * (e * hidden_per_row - low) * m.ffn_hidden_size / tp
     sh = moe_shape(system, c)
     expert_mlp = (e * hidden_per_row - low) * (sh.assignments * m.expert_ffn + sh.tokens * sh.shared_ffn) / sh.etp
-    extra = (2 * e - low) * sh.assignments * m.hidden_size + 4.0 * sh.tokens * m.num_experts
+    # the dispatched tokens (the grouped up projection's input), the fp32 copy of the experts'
+    # outputs a combine weighting them keeps (Framework.moe_output_weighted; else the router's
+    # fp32 score per assignment, kept by the weighted activation), the router's fp32 probabilities
+    weighted = system.framework.moe_output_weighted
+    extra = ((e - low + (4.0 if weighted else 0.0)) * sh.assignments * m.hidden_size
+             + (0.0 if weighted else 4.0 * sh.assignments) + 4.0 * sh.tokens * m.num_experts)
     out = dict(dense)
     out["mlp_hidden"] = out.get("mlp_hidden", 0.0) - dense_mlp + expert_mlp
     out["moe_permuted_and_router"] = extra
-    out["total"] = dense["total"] - dense_mlp + expert_mlp + extra
+    mods, freed = recomputed_modules(c), 0.0
+    if "moe_act" in mods:  # the routed experts' activation output (their down projection's input)
+        act_out = (e - low) * sh.assignments * m.expert_ffn / sh.etp
+        out["mlp_hidden"] -= act_out
+        freed += act_out
+    if "layernorm" in mods:  # the norm before the router and experts: its output rebuilt
+        freed += out.pop("mlp_input", 0.0)
+    out["total"] = dense["total"] - dense_mlp + expert_mlp + extra - freed
     return out

@@ -206,7 +206,8 @@ class System:
         return self.model.dtype_bytes if kind == "cpu" else 1
 
     def block(self, kind: str, b: int, tp: int, sp: bool, recompute: str, cp: int = 1, fp8: str | None = None,
-              compiled: bool = False, moe=None, accumulates: bool = True, bf16_optimizer: bool = False) -> LayerTimes:
+              compiled: bool = False, moe=None, accumulates: bool = True, bf16_optimizer: bool = False,
+              modules: tuple = ()) -> LayerTimes:
         """One transformer block shard per micro-batch on ``kind``: the profile's measured layer
         times (``measured.block_times``; measured in the model's dtype over the whole sequence, so
         only for a dense block at cp = 1 without FP8), else the roofline per op
@@ -216,9 +217,10 @@ class System:
         weight gradients into ``.grad`` (more than one micro-batch, gradients not reduced away
         after each backward), which a framework with ``grad_accumulation_kernel`` pays for;
         ``bf16_optimizer``: DeepSpeed's BF16 optimizer also adds every micro-batch's gradients into
-        its own copies (:meth:`bf16_optimizer`)."""
+        its own copies (:meth:`bf16_optimizer`). ``modules``: what selective recomputation re-runs
+        (``config.RECOMPUTE_MODULES``; empty: the attention core, as profiles measure it)."""
         def make():
-            if self.measured_for(kind) and cp == 1 and fp8 is None and not compiled and moe is None:
+            if self.measured_for(kind) and cp == 1 and fp8 is None and not compiled and moe is None and not modules:
                 from .measured import block_times as measured_block
                 got = measured_block(self.profile, self.model, b, tp, recompute)
                 if got:
@@ -232,8 +234,9 @@ class System:
                                unfused_softmax=self.unfused_softmax(b, tp, cp),
                                eager_elementwise=self.framework.eager_elementwise,
                                grad_accumulation=self.framework.grad_accumulation_kernel and accumulates,
-                               grad_update=BF16_OPTIMIZER_UPDATE if bf16_optimizer else (0.0, 0))
-        return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled, moe, accumulates, bf16_optimizer),
+                               grad_update=BF16_OPTIMIZER_UPDATE if bf16_optimizer else (0.0, 0), modules=modules)
+        return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled, moe, accumulates, bf16_optimizer,
+                            modules),
                            lambda: _shared(make(), self.cpu_share(kind)))
 
     def unfused_softmax(self, b: int, tp: int, cp: int = 1) -> bool:
@@ -258,7 +261,8 @@ class System:
         return self.block(kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
                           c.fp8_recipe if c.precision == "fp8" else None,
                           self.framework.knob(c, "torch_compile"), shape, self.accumulates(c),
-                          self.bf16_optimizer(c))
+                          self.bf16_optimizer(c),
+                          tuple(sorted(c.recompute_modules)) if c.recompute == "selective" else ())
 
     def accumulates(self, c) -> bool:
         """Whether autograd adds micro-batches' weight gradients into ``.grad``: more than one
@@ -364,10 +368,11 @@ class System:
         Korthikanti et al., arXiv 2205.05198); ``total`` replaced by the profile's measurement
         (``measured.activation_bytes``) when it has one."""
         fp8_inputs = c.precision == "fp8" and self.framework.fp8_saves_inputs
+        mods = tuple(sorted(c.recompute_modules)) if c.recompute == "selective" else ()
 
         def make():
-            kw = {"cp": c.cp, "fp8_inputs": fp8_inputs, "fused_glu": self.framework.fused_glu}
-            if self.measured_for():
+            kw = {"cp": c.cp, "fp8_inputs": fp8_inputs, "fused_glu": self.framework.fused_glu, "modules": mods}
+            if self.measured_for() and not mods:  # (profiles measure the attention core's recompute)
                 from .measured import activation_bytes
                 got = activation_bytes(self.profile, self.model, c.micro_batch_size, c.tp, c.sequence_parallel,
                                        c.recompute)
@@ -380,8 +385,8 @@ class System:
                     return {**base, "total": float(got) * base["total"] / full if full else float(got)}
             return layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute,
                                           mask, **kw, fp32_softmax=self.unfused_softmax(c.micro_batch_size, c.tp, c.cp))
-        return self.cached(("act", c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask, c.cp, fp8_inputs),
-                           make)
+        return self.cached(("act", c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask, c.cp, fp8_inputs,
+                            mods), make)
 
     # -- memory-bound rates: optimizer step and bucket copies ---------------------------------
 

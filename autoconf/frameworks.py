@@ -30,6 +30,16 @@ stacks. What differs, and is modelled here from each framework's own code and do
   pipelines them (torchtitan's async TP);
 - **gated activation**: Megatron-LM's fused SwiGLU / GeGLU keeps its input only, 3 f-wide
   tensors per token against eager's 4 (``fused_glu``);
+- **gradient buffer**: Megatron-Core allocates every gradient in one buffer when it wraps the
+  model, so a stage's whole gradient counts at its activation peak (``grad_buffer_up_front``);
+  autograd's ``.grad`` (the others) appears at each chunk's first backward;
+- **what selective recomputation recomputes**: the attention core everywhere; Megatron-LM also
+  takes ``--recompute-modules`` (``recompute_modules``: the norms before a mixture of experts or
+  MLA's down-projections, the experts' activation, MLA's up-projections; its output-discarding
+  recomputation frees their outputs);
+- **expert outputs**: the reference trainer and torchtitan weight the experts' outputs by the
+  router's scores in fp32 at the combine and keep that copy; Megatron-Core weights the experts'
+  activation instead and keeps none (``moe_output_weighted``);
 - **gradient accumulation**: eager autograd adds each micro-batch's gradients into ``.grad``
   (the reference trainer, DeepSpeed ZeRO-0/1: ``grad_accumulation_kernel``); DeepSpeed's BF16
   optimizer (bf16, pipeline, no ZeRO) also adds them into a second copy it keeps and shards its

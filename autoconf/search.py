@@ -482,8 +482,10 @@ def recompute_module_choices(fw, model) -> tuple:
     selective recomputation (empty: the attention core) and, where the framework lets a user
     choose (Megatron-LM's ``--recompute-modules``) and the model has modules beyond the core,
     all of those (the norms before the experts or MLA's down-projections, the experts'
-    activation, MLA's up-projections), with the attention core only where attention is eager (a
-    fused attention keeps almost nothing a recomputed core would free)."""
+    activation, MLA's up-projections). With eager attention the second also recomputes the core;
+    with fused (flash) attention the core alone is not tried at all, since a recomputed core frees
+    only its log-sum-exp there (it is slower than no recomputation for no memory that matters),
+    so the space keeps its size."""
     if model is None or not fw.recompute_modules:
         return ((),)
     probe = ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1, recompute="selective")
@@ -491,7 +493,7 @@ def recompute_module_choices(fw, model) -> tuple:
                   and recompute_modules_reason(dataclasses.replace(probe, recompute_modules=(m,)), model) is None)
     if not extra:
         return ((),)
-    return ((), (("core_attn",) if model.attention == "eager" else ()) + extra)
+    return ((), ("core_attn",) + extra) if model.attention == "eager" else (extra,)
 
 
 def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hier: bool = False, cp: int = 1,
@@ -528,7 +530,7 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
                    "ep_comm_overlap": ep > 1 and "ep_comm_overlap" in fw.knobs and not ep_overlap_reason(c, model)}
         variants = [{}] if tuple(precisions) == (("bf16", "tensorwise"),) else [
             {"precision": p, "fp8_recipe": r} for p, r in precisions]
-        if rc == "selective" and len(module_choices) > 1:
+        if rc == "selective" and module_choices != ((),):
             variants = [{**v_, "recompute_modules": mods} if mods else v_ for v_ in variants for mods in module_choices]
         for knob in fw.knobs:
             if matters[knob]:

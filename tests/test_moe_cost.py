@@ -433,13 +433,16 @@ def test_recompute_modules_are_checked_searched_and_kept():
     assert "fused" in check(cfg(recompute="selective", recompute_modules=("layernorm",)), dense)
     assert "cannot choose" in framework("reference").check(c) and framework("megatron").check(c) is None
     assert "delayed" in framework("megatron").check(dataclasses.replace(c, precision="fp8", fp8_recipe="delayed"))
-    assert recompute_module_choices(framework("megatron"), SMALL_MLA) == ((), MODULES)
-    assert recompute_module_choices(framework("megatron"), SMALL_MOE) == ((), ("layernorm", "moe_act"))
+    # flash attention: the modules instead of the core alone (which would free only the log-sum-exp)
+    assert recompute_module_choices(framework("megatron"), SMALL_MLA) == (MODULES,)
+    assert recompute_module_choices(framework("megatron"), SMALL_MOE) == (("layernorm", "moe_act"),)
+    eager = dataclasses.replace(SMALL_MOE, attention="eager")
+    assert recompute_module_choices(framework("megatron"), eager) == ((), ("core_attn", "layernorm", "moe_act"))
     assert recompute_module_choices(framework("megatron"), dense) == ((),)
     assert recompute_module_choices(framework("torchtitan"), SMALL_MLA) == ((),)
     inner = list(framework_inner(framework("megatron"), 8, 1, 1, 1, "1f1b", 1, False, 32, moe_experts=64,
                                  eps=(2,), model=SMALL_MLA))
-    sel = [x.recompute_modules for x in inner if x.recompute == "selective"]
-    assert () in sel and MODULES in sel and all(not x.recompute_modules for x in inner if x.recompute != "selective")
+    sel = {x.recompute_modules for x in inner if x.recompute == "selective"}
+    assert sel == {MODULES} and all(not x.recompute_modules for x in inner if x.recompute != "selective")
     assert ParallelConfig.from_dict(c.to_dict()) == c and c.to_dict()["recompute_modules"] == list(MODULES)
     assert "recompute_modules" not in cfg().to_dict()

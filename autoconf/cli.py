@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
     p.add_argument("--recompute", default="none", help="none, selective, full")
     p.add_argument("--recompute-modules", type=recompute_modules, default=(), metavar="M,M,...",
-                   help="with --recompute selective, what it recomputes (Megatron-LM's --recompute-modules): "
+                   help="with --recompute selective, what it recomputes (of Megatron-LM's --recompute-modules): "
                         "core_attn, layernorm, moe_act, mla_up_proj (default: the attention core)")
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--cp", type=positive_int, default=1,

@@ -18,7 +18,8 @@ from .schema import Bool, Dict, Int, List, Null, Num, Str
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "moe_act", "mla_up_proj")
-"""What ``recompute="selective"`` can recompute, in Megatron-LM's names (``--recompute-modules``):
+"""What ``recompute="selective"`` can recompute, in Megatron-LM's names (those of its
+``--recompute-modules`` that autoconf prices; it also has mlp, moe and shared_experts):
 the attention core; the norms whose outputs a separate linear reads (a mixture of experts' norm
 before its router and experts, multi-head latent attention's input norm: elsewhere Transformer
 Engine fuses the norm into the linear); the routed experts' activation function (its output,
@@ -182,6 +183,10 @@ class ParallelConfig:
     """Tied embeddings under pp: sum the embedding gradient over the first and last stage and over
     the data-parallel replicas in one all-reduce, instead of a first/last all-reduce then the
     data-parallel one."""
+
+    def __post_init__(self):
+        if isinstance(self.recompute_modules, list):  # a JSON-style list reads as the tuple it means
+            object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
 
     @property
     def compressed(self) -> bool:
@@ -385,6 +390,14 @@ def recomputed_modules(c: ParallelConfig) -> frozenset:
     return frozenset(c.recompute_modules or ("core_attn",))
 
 
+def module_key(c: ParallelConfig) -> tuple:
+    """What selective recomputation recomputes beyond the default, as a cache key: () for the
+    attention core alone (``recompute_modules`` empty or ("core_attn",)) and for no selective
+    recomputation, else the sorted modules."""
+    mods = recomputed_modules(c)
+    return () if mods <= {"core_attn"} else tuple(sorted(mods))
+
+
 def recompute_modules_reason(c: ParallelConfig, model: ModelSpec) -> str | None:
     """Why ``recompute_modules`` cannot be set so for this model, or None. A module the model does
     not have would recompute nothing: refused, as Megatron-LM refuses moe_act without grouped experts
@@ -392,7 +405,7 @@ def recompute_modules_reason(c: ParallelConfig, model: ModelSpec) -> str | None:
     the linear that reads them (Transformer Engine's LayerNormLinear), so layernorm finds none."""
     mods = c.recompute_modules
     if not isinstance(mods, tuple) or any(m not in RECOMPUTE_MODULES for m in mods):
-        return f"recompute_modules={list(mods) if isinstance(mods, tuple) else mods!r}; valid: a list of " + \
+        return f"recompute_modules={list(mods) if isinstance(mods, tuple) else mods!r}; valid: names among " + \
             ", ".join(RECOMPUTE_MODULES)
     if len(set(mods)) != len(mods):
         return f"recompute_modules={list(mods)} names a module twice"

@@ -161,7 +161,8 @@ class Placer:
             return None
         m = self.system.model
         key = (c.pp, c.virtual_stages, c.tp, c.micro_batch_size, c.sequence_parallel, c.recompute, c.dp,
-               c.rank_order, device_order, c.cp, c.precision, c.fp8_recipe, c.torch_compile)
+               c.rank_order, device_order, c.cp, c.precision, c.fp8_recipe, c.torch_compile, c.recompute_modules,
+               c.ep, c.moe_dispatcher)
         hit = self._splits.get(key, False)
         if hit is not False:
             return hit

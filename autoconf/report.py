@@ -204,7 +204,9 @@ def search_table(r, wide: bool = False, rows: int | None = None) -> Table:
         c, b = e.config, e.breakdown_s
         if wide:
             t.add_row(str(i), str(c.dp), str(c.pp), str(c.tp), str(c.cp), str(c.micro_batch_size), str(c.num_micro_batches),
-                      schedule_label(c), str(c.zero_stage), c.recompute, "y" if c.sequence_parallel else "",
+                      schedule_label(c), str(c.zero_stage),
+                      c.recompute + ("(" + ",".join(c.recompute_modules) + ")" if c.recompute_modules else ""),
+                      "y" if c.sequence_parallel else "",
                       " ".join(_extras(c)), fmt_seconds(e.step_time_s), f"{e.tokens_per_s:,.0f}",
                       f"{100 * e.mfu:.1f}%", fmt_bytes(e.peak_memory_bytes), fmt_seconds(b["compute"] + b["recompute"]),
                       fmt_seconds(b["bubble"]),

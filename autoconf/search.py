@@ -496,6 +496,13 @@ def recompute_module_choices(fw, model) -> tuple:
     return ((), ("core_attn",) + extra) if model.attention == "eager" else (extra,)
 
 
+def recompute_module_fallback(mods: tuple) -> tuple:
+    """``mods`` without the modules Megatron-LM refuses under FP8 delayed scaling (moe_act,
+    layernorm); the attention core alone where none is left."""
+    rest = tuple(m for m in mods if m not in ("moe_act", "layernorm"))
+    return () if rest in ((), ("core_attn",)) else rest
+
+
 def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hier: bool = False, cp: int = 1,
                     precisions=(("bf16", "tensorwise"),), moe_experts: int = 0, eps=None, model=None,
                     dispatcher: str = "alltoall"):
@@ -538,7 +545,11 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
         if dp_hier and reduction_collective(zero) is comm.all_reduce_s:
             variants = [{**v_, "dp_all_reduce": mode} for v_ in variants for mode in ("flat", "hierarchical")]
         for kw in variants:
-            yield dataclasses.replace(c, **kw) if kw else c
+            got = dataclasses.replace(c, **kw) if kw else c
+            if got.recompute_modules and fw.check(got):  # (FP8 delayed scaling takes no moe_act, layernorm)
+                got = dataclasses.replace(got, recompute_modules=recompute_module_fallback(got.recompute_modules))
+            if not fw.check(got):
+                yield got
 
 
 def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=None, dp_hier=None, cps=(1,),

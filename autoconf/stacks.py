@@ -336,7 +336,8 @@ def megatron_attention_args(plan) -> list:
     """Attention variants in megatron-core's spelling (TransformerConfig / MLATransformerConfig
     fields): multi-head latent attention (``multi_latent_attention``, ``q_lora_rank``,
     ``kv_lora_rank``, ``qk_head_dim`` (the no-rope part), ``qk_pos_emb_head_dim``, ``v_head_dim``),
-    per-head Q/K norms (``qk_layernorm``), sliding windows (``window_size`` (w, 0): w keys back, none
+    per-head Q/K norms (``qk_layernorm``; with MLA it norms the query and key/value latents, as
+    DeepSeek's models do), sliding windows (``window_size`` (w, 0): w keys back, none
     ahead; ``window_attn_skip_freq`` N: every N-th block full attention)."""
     m = plan.model
     a = []
@@ -345,7 +346,7 @@ def megatron_attention_args(plan) -> list:
               "--qk-pos-emb-head-dim", m.qk_rope_head_dim, "--v-head-dim", m.v_head_dim]
         if m.q_lora_rank:
             a += ["--q-lora-rank", m.q_lora_rank]
-    if m.qk_norm:
+    if m.qk_norm or m.is_mla:  # MLA's latent norms: megatron-core norms the latents only with it
         a.append("--qk-layernorm")
     if m.sliding_window is not None:
         a += ["--window-size", f"{m.sliding_window},0"]

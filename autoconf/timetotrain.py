@@ -47,7 +47,7 @@ from .cost.estimate import Estimate, _estimate
 from .cost.system import System
 from .errors import UserError
 from .search import (dispatcher_at, dp_hierarchical, ep_degrees, expert_parallel_choices, framework_inner,
-                     recompute_module_choices)
+                     recompute_module_choices, recompute_module_fallback)
 from .topology import Topology
 
 # -- methods ------------------------------------------------------------------------------------
@@ -337,7 +337,10 @@ class PointOptimizer:
             moe = ep > 0
             shapes = [moe_shape(sys_, dataclasses.replace(c, ep=ep))] if moe else [None]
             # selective recomputation: the least over what it may recompute (search.recompute_module_choices)
-            mods = recompute_module_choices(sys_.framework, self.model) if rc == "selective" else ((),)
+            mods = ((),)
+            if rc == "selective":  # (and what FP8 delayed scaling leaves of them: framework_inner)
+                choices = recompute_module_choices(sys_.framework, self.model)
+                mods = tuple(set(choices) | {recompute_module_fallback(md) for md in choices})
             # accumulates=False: no .grad accumulation pass (the least any configuration pays)
             lts = [sys_.block(k, mbs, tp, sp, rc, cp=cp, fp8=self.fp8, compiled=comp, moe=sh, accumulates=False,
                               modules=tuple(sorted(md)))

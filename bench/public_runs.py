@@ -41,8 +41,8 @@ Published figures used (nothing here is fitted to them):
   which needs the micro-batches per replica in multiples of pp (128: 16,384 sequences, priced per
   token) and cannot recompute in full. Each published-layout row takes the lightest recomputation
   that fits: none, Megatron-LM's recompute modules for the norms, MLA's up-projections and the
-  experts' activation (what DeepSeek's framework recomputes, sec. 3.2.3), the attention core,
-  everything. Tokens are dispatched in 16 bits (DeepSeek's in FP8: not
+  experts' activation (what DeepSeek's framework recomputes, secs. 3.2.3 and 3.3.3), the attention
+  core, everything (where none fits, the one needing the least memory). Tokens are dispatched in 16 bits (DeepSeek's in FP8: not
   modelled). The H800 is an H100 SXM with NVLink cut to 400 GB/s (200 GB/s each way), the same
   compute and HBM; one 400 Gbit/s InfiniBand NIC per GPU. The model is the ``deepseek-v3`` preset
   (MLA, 1 shared + 256 routed experts, 8 active, 3 dense blocks first; without the
@@ -162,18 +162,22 @@ def main() -> None:
         return e_
 
     # Megatron-LM's recomputation, lightest first: none; selective with the modules that free
-    # what DeepSeek's own framework frees (the norms, MLA's up-projections, the experts' activation:
-    # its sec. 3.2.3), without the attention core; selective as Megatron-LM's default (the core);
-    # full
+    # what DeepSeek's own framework frees (the norms and MLA's up-projections, its sec. 3.2.3; the
+    # SwiGLU output, sec. 3.3.3), without the attention core; selective as Megatron-LM's default
+    # (the core); full. Where none fits, the one with the least memory
     mods = ("layernorm", "moe_act", "mla_up_proj")
     light = (("none", ()), ("selective", mods), ("selective", ()), ("full", ()))
 
     def first_fit(make, options=light):
+        least = None
         for rc, md in options:
             c = dataclasses.replace(make(rc), recompute_modules=md)
-            if estimate(c, ds, H800, framework="megatron").fits:
-                break
-        return c
+            e_ = estimate(c, ds, H800, framework="megatron")
+            if e_.fits:
+                return c
+            if least is None or e_.peak_memory_bytes < least[0]:
+                least = (e_.peak_memory_bytes, c)
+        return least[1]
 
     for disp in ("alltoall", "deepep"):
         cfg3 = first_fit(lambda rc: ParallelConfig(
@@ -184,7 +188,7 @@ def main() -> None:
     # each under the other's computation, two chunks per rank: the same idea as Megatron-Core's
     # combined 1F1B (ep_comm_overlap), which needs the interleaved schedule, and that needs the
     # micro-batches in multiples of pp: 128 per replica (16,384 sequences), priced per token. It
-    # cannot run with full recomputation: the first that fits of none and selective, else selective
+    # cannot run with full recomputation: the first that fits of the lighter ones
     cfg4 = first_fit(lambda rc: dataclasses.replace(cfg3, num_micro_batches=128, schedule="interleaved",
                                                     virtual_stages=2, recompute=rc, ep_comm_overlap=True),
                      light[:3])

@@ -818,6 +818,7 @@ def test_megatron_attention_variants_parse_back_and_megatron_core_accepts_them(t
     o = options(bash_array(emitted(tmp_path / "ds", c, "megatron", model=ds, cluster=big)["megatron_args.sh"],
                            "MEGATRON_ARGS"))
     assert o["multi_latent_attention"] is True and int(o["kv_lora_rank"]) == ds.kv_lora_rank
+    assert o["qk_layernorm"] is True  # the latents' norms
     assert int(o["q_lora_rank"]) == ds.q_lora_rank and int(o["qk_head_dim"]) == ds.qk_nope_head_dim
     assert int(o["qk_pos_emb_head_dim"]) == ds.qk_rope_head_dim and int(o["v_head_dim"]) == ds.v_head_dim
     assert o["moe_router_enable_expert_bias"] is True and o["moe_router_score_function"] == "sigmoid"

@@ -374,7 +374,8 @@ def test_recompute_modules_free_their_outputs_closed_form():
     MLA input norm's (the down-projections' input, h wide) and the MoE norm's (the router's and
     experts' input); moe_act the routed experts' activation output (T x k rows of the expert
     width); mla_up_proj the heads' queries, keys and values. Leaving core_attn out keeps the
-    attention core's log-sum-exp. MLA's latents (each norm's input and output) are kept."""
+    attention core's log-sum-exp. mla_up_proj keeps MLA's latents themselves (the fused latent
+    norms' inputs, 16-bit), not their norms' outputs."""
     s, T, e, h, k = System(SMALL_MLA, H100, framework="megatron"), 4096, 2, 2048, 8
     m = SMALL_MLA
     base = cfg(ep=2, recompute="selective")
@@ -385,15 +386,18 @@ def test_recompute_modules_free_their_outputs_closed_form():
     mods = dataclasses.replace(base, recompute_modules=MODULES)
     dense = s.layer_activations(mods, 1)
     lse = 4 * T * m.num_attention_heads
-    assert dense["total"] == pytest.approx(plain["total"] - qkv - e * T * h + lse)
+    lat = T * (512 + 256)
+    assert dense["mla_latents"] == e * lat
+    assert dense["total"] == pytest.approx(plain["total"] - qkv - e * lat - e * T * h + lse)
     moe_plain, moe_mods = moe_activation_bytes(s, base, 1), moe_activation_bytes(s, mods, 1)
     routed_act_out = e * T * k * 768
-    assert moe_mods["total"] == pytest.approx(moe_plain["total"] - qkv - e * T * h + lse - e * T * h - routed_act_out)
+    assert moe_mods["total"] == pytest.approx(moe_plain["total"] - qkv - e * lat - e * T * h + lse - e * T * h
+                                              - routed_act_out)
     # in FP8 the outputs went as FP8 copies: those are what is freed
     f8 = dict(precision="fp8", fp8_recipe="tensorwise")
     p8 = moe_activation_bytes(s, dataclasses.replace(base, **f8), 1)
     m8 = moe_activation_bytes(s, dataclasses.replace(mods, **f8), 1)
-    assert m8["total"] == pytest.approx(p8["total"] - qkv - T * h + lse - T * h - T * k * 768)
+    assert m8["total"] == pytest.approx(p8["total"] - qkv - lat - T * h + lse - T * h - T * k * 768)
 
 
 def test_recompute_modules_time_closed_form():
@@ -433,6 +437,12 @@ def test_recompute_modules_are_checked_searched_and_kept():
     assert "fused" in check(cfg(recompute="selective", recompute_modules=("layernorm",)), dense)
     assert "cannot choose" in framework("reference").check(c) and framework("megatron").check(c) is None
     assert "delayed" in framework("megatron").check(dataclasses.replace(c, precision="fp8", fp8_recipe="delayed"))
+    # under FP8 delayed scaling the search keeps what Megatron-LM takes of the modules
+    delayed = list(framework_inner(framework("megatron"), 8, 1, 1, 1, "1f1b", 1, False, 32, moe_experts=64, eps=(2,),
+                                   model=SMALL_MLA, precisions=(("fp8", "delayed"),)))
+    assert {x.recompute_modules for x in delayed if x.recompute == "selective"} == {("mla_up_proj",)}
+    assert all(framework("megatron").check(x) is None for x in delayed)
+    assert cfg(recompute="selective", recompute_modules=["moe_act"]).recompute_modules == ("moe_act",)
     # flash attention: the modules instead of the core alone (which would free only the log-sum-exp)
     assert recompute_module_choices(framework("megatron"), SMALL_MLA) == (MODULES,)
     assert recompute_module_choices(framework("megatron"), SMALL_MOE) == (("layernorm", "moe_act"),)

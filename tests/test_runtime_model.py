@@ -211,14 +211,23 @@ def test_megatron_gradient_buffer_is_held_at_every_peak():
     them all the same, while the reference trainer's .grad tensors exist only from each chunk's
     first backward (the rest come later, with fewer activations alive)."""
     from autoconf.cost.estimate import estimate
-    m = preset("llama-3-8b")
+    m = preset("llama-2-70b")
     cl = _a100_node(2)
-    c = ParallelConfig(dp=1, pp=2, tp=8, micro_batch_size=1, num_micro_batches=2, schedule="interleaved",
-                       virtual_stages=2)
+    c = ParallelConfig(dp=1, pp=2, tp=2, micro_batch_size=1, num_micro_batches=2, schedule="interleaved",
+                       virtual_stages=4)
+    from autoconf.cost.layout import layout
+    from autoconf.cost.stage_memory import _activation_peaks, _mask_bytes
+    from autoconf.cost.system import System
     meg = estimate(c, m, cl, framework="megatron").memory_by_stage[0]
     ref = estimate(c, m, cl).memory_by_stage[0]
     assert meg.gradients == pytest.approx(4 * meg.parameters / 2)  # all of the stage's, in fp32
     assert ref.gradients < 0.75 * ref.parameters  # 2 bytes each when all exist: here not yet
+    # the peak is the activations' own (their most over the schedule), the gradients beside it
+    s = System(m, cl, framework="megatron")
+    lay = layout(s, c)
+    own = _activation_peaks(s, c, lay, s.layer_activations(c, _mask_bytes(s, lay))["total"], 0.0)[0][0]
+    late = _activation_peaks(s, c, lay, s.layer_activations(c, _mask_bytes(s, lay))["total"], 4.0)[0][0]
+    assert meg.activations == pytest.approx(own) and own > late
 
 
 def test_estimate_refuses_what_the_framework_cannot_run():

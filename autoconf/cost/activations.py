@@ -134,7 +134,7 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
     Returns the named parts and "total" (their sum), plus "recompute_working_bytes", which is *not* a
     part of the total: the activations one block materialises again during its backward when it is
     recomputed -- with "full", everything it would otherwise have kept (the "none" total); with
-    "selective", the attention core's share. A schedule's peak adds it once (only one block is
+    "selective", the share of what it recomputes (the attention core, or ``modules``). A schedule's peak adds it once (only one block is
     recomputed at a time). ``mask_bytes``: bytes per dropout-mask element, 1 on CUDA, the activation
     element size on CPU. ``norm_stat_bytes``: bytes per LayerNorm statistic (see _norm_stat_bytes).
 
@@ -151,8 +151,10 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
     attention core). Megatron-LM's output-discarding recomputation frees a module's output, which
     the backward rebuilds from the inputs kept anyway: "layernorm" the input norm's output where a
     separate linear reads it (MLA's down-projections: elsewhere the norm is fused into the QKV
-    linear), "mla_up_proj" MLA's heads' queries, keys and values; without "core_attn" the attention
-    core keeps what it keeps without recomputation.
+    linear), "mla_up_proj" MLA's heads' queries, keys and values and the latents' norm outputs
+    (Transformer Engine fuses the latent norms into the up-projections: the recomputed region
+    keeps only its inputs, the latents, in 16 bits); without "core_attn" the attention core keeps
+    what it keeps without recomputation.
     """
     _check(micro_batch_size, tp, recompute)
     sp = bool(sequence_parallel) and tp > 1
@@ -172,8 +174,10 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
                                                              fp32_softmax=fp32_softmax), fp8_inputs)
         if model.is_mla and "layernorm" in mods:
             parts.pop("qkv_input", None)
-        if model.is_mla and "mla_up_proj" in mods:
+        if model.is_mla and "mla_up_proj" in mods:  # rebuilt from the latents, kept as they come (16-bit)
             parts.pop("qkv", None)
+            rep = model.seq_length * b / t if sp else model.seq_length * b
+            parts["mla_latents"] = model.dtype_bytes * rep * _mla_latent_width(model)
         working = full_total - sum(parts.values())
     else:
         parts, working = full, 0.0

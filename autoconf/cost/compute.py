@@ -750,9 +750,11 @@ def module_recompute_s(model: ModelSpec, mods: set, lin: dict, T: float, T_rep: 
       read and written once, ~8 FLOPs per element;
     - "moe_act": the routed experts' gated activation (read the 2f-wide up projection, write f;
       f to f ungated), at the activation's vector FLOPs;
-    - "mla_up_proj": MLA's up-projection GEMMs (query latent to the heads' queries, key/value
-      latent to their keys and values; in FP8 where the linears are) and the rotary embedding of
-      the query heads' and the shared key's rotary parts.
+    - "mla_up_proj": MLA's up-projection GEMMs (query latent to the heads' queries, or the whole
+      query projection without a low-rank query; key/value latent to their keys and values; in
+      FP8 where the linears are) and the rotary embedding of the query heads' and the shared key's
+      rotary parts. (Under sequence parallelism the latents' all-gather is redone too: not priced,
+      the latents are a few thousand wide.)
     """
     B, h = model.dtype_bytes, model.hidden_size
     s = ops = 0.0
@@ -767,7 +769,9 @@ def module_recompute_s(model: ModelSpec, mods: set, lin: dict, T: float, T_rep: 
         s += rf.elementwise((3 if model.gated_mlp else 2) * elems * B, kernels=1, flops=act_flops * elems)
         ops += 1
     if "mla_up_proj" in mods and model.is_mla:
-        ups = lin["attention_in"][1::2] if model.q_lora_rank else lin["attention_in"][-1:]
+        # with a low-rank query its up-projection, else the query's whole projection (inside the
+        # same recomputed region), and the key/value up-projection
+        ups = lin["attention_in"][1::2] if model.q_lora_rank else lin["attention_in"][0::2]
         s += sum(fp8_gemm(fp8.rf, m, n, k) if fp8 is not None else rf.gemm(m, n, k, B) for m, n, k in ups)
         rope = (model.num_attention_heads / tp + 1) * model.qk_rope_head_dim
         s += rf.elementwise(2 * T * rope * B, kernels=2)

@@ -3,7 +3,8 @@
 Model states follow ZeRO (``memory.state_bytes_per_param``; Rajbhandari et al., arXiv
 1910.02054). Activations and gradients peak together over the schedule's order
 (``pipeline.peak_memory``): gradients exist from each chunk's first backward (they are set to None
-after each step), the loss gradient and ZeRO-2/3's bucket in flight sit on top during a backward.
+after each step; a framework's buffer allocated up front, Megatron-Core's, holds them all the
+time), the loss gradient and ZeRO-2/3's bucket in flight sit on top during a backward.
 The rest: the framework's overhead, ZeRO-3's gathered layers, the pipeline runtime's receive
 buffers and DDP's bucket copy.
 """
@@ -56,10 +57,13 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
                                fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
     act_layer = system.layer_activations(c, _mask_bytes(system, lay))
     layered_pp1 = c.pp == 1 and c.layered_grad_accum
+    # a gradient buffer allocated up front (Megatron-Core) is there at every moment: the peak is
+    # the activations' own, with every gradient beside it
+    up_front = system.framework.grad_buffer_up_front
     if layered_pp1:
-        peaks = _layered_peak(system, c, lay, act_layer, st.gradients)
+        peaks = _layered_peak(system, c, lay, act_layer, 0.0 if up_front else st.gradients)
     else:
-        peaks = _activation_peaks(system, c, lay, act_layer["total"], st.gradients)
+        peaks = _activation_peaks(system, c, lay, act_layer["total"], 0.0 if up_front else st.gradients)
     # a mixture of experts' routed experts: sharded by ZeRO over the ranks holding the same experts
     st_e = state_bytes_per_param(m.dtype, zero, max(1, c.dp * c.cp // c.ep),
                                  fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
@@ -69,7 +73,9 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         experts = sum(lay.chunk_expert_params[ci] for ci in lay.chunks_of(c, s)) if lay.chunk_expert_params else 0.0
         dense = params - experts
         acts, grads = peaks[s]
-        if experts:  # the peak's gradients were counted at the dense sharding: the experts' differ
+        if up_front:
+            grads = dense * st.gradients + experts * st_e.gradients
+        elif experts:  # the peak's gradients were counted at the dense sharding: the experts' differ
             grads += experts * (st_e.gradients - st.gradients)
         if c.recompute == "full" and not layered_pp1:  # layered: inside _layered_peak
             acts += max(act_layer.get("recompute_working_bytes", 0.0), _moe_working(system, c, lay))
@@ -77,8 +83,6 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         # the step holds every gradient; the activation peak may come before the last ones exist
         # (layered accumulation, interleaved schedules)
         shortfall = max(0.0, dense * st.gradients + experts * st_e.gradients - grads)
-        if system.framework.grad_buffer_up_front:  # allocated before the first forward
-            grads, shortfall = grads + shortfall, 0.0
         if system.bf16_optimizer(c):  # DeepSpeed's BF16 optimizer: a second copy of every gradient
             grads += m.dtype_bytes * params
         other = _other_bytes(system, c, lay, s, acts, optimizer, shortfall)

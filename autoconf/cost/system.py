@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..catalog import device_type
+from ..config import module_key
 from ..errors import UserError
 from ..model import ModelSpec
 from ..topology import Topology
@@ -262,7 +263,7 @@ class System:
                           c.fp8_recipe if c.precision == "fp8" else None,
                           self.framework.knob(c, "torch_compile"), shape, self.accumulates(c),
                           self.bf16_optimizer(c),
-                          tuple(sorted(c.recompute_modules)) if c.recompute == "selective" else ())
+                          module_key(c))
 
     def accumulates(self, c) -> bool:
         """Whether autograd adds micro-batches' weight gradients into ``.grad``: more than one
@@ -368,7 +369,7 @@ class System:
         Korthikanti et al., arXiv 2205.05198); ``total`` replaced by the profile's measurement
         (``measured.activation_bytes``) when it has one."""
         fp8_inputs = c.precision == "fp8" and self.framework.fp8_saves_inputs
-        mods = tuple(sorted(c.recompute_modules)) if c.recompute == "selective" else ()
+        mods = module_key(c)
 
         def make():
             kw = {"cp": c.cp, "fp8_inputs": fp8_inputs, "fused_glu": self.framework.fused_glu, "modules": mods}

@@ -52,7 +52,8 @@ def recompute_modules(text: str) -> tuple:
     names = tuple(x.strip() for x in text.split(",") if x.strip())
     bad = [n for n in names if n not in RECOMPUTE_MODULES]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"{text!r}: valid modules, separated by commas: {', '.join(RECOMPUTE_MODULES)}")
+        raise argparse.ArgumentTypeError(f"{text!r}: valid modules, separated by commas: "
+                                         f"{', '.join(RECOMPUTE_MODULES)}")
     return names
 
 

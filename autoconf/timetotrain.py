@@ -41,8 +41,8 @@ import time
 from dataclasses import dataclass, field
 
 from .catalog import stated_accuracy
-from .config import (MOE_DISPATCHERS, RECOMPUTE, ParallelConfig, check, cp_choices, ep_overlap_reason, outer_space,
-                     point_config)
+from .config import (MOE_DISPATCHERS, RECOMPUTE, ParallelConfig, check, cp_choices, ep_overlap_reason, module_key,
+                     outer_space, point_config)
 from .cost.estimate import Estimate, _estimate
 from .cost.system import System
 from .errors import UserError
@@ -341,13 +341,13 @@ class PointOptimizer:
             if rc == "selective":  # (and what FP8 delayed scaling leaves of them: framework_inner)
                 choices = recompute_module_choices(sys_.framework, self.model)
                 mods = tuple(set(choices) | {recompute_module_fallback(md) for md in choices})
+            cs = [dataclasses.replace(c, recompute_modules=md) for md in mods]
             # accumulates=False: no .grad accumulation pass (the least any configuration pays)
             lts = [sys_.block(k, mbs, tp, sp, rc, cp=cp, fp8=self.fp8, compiled=comp, moe=sh, accumulates=False,
-                              modules=tuple(sorted(md)))
-                   for k in self.kinds for comp in self.compiled for sh in shapes for md in mods]
+                              modules=module_key(c_))
+                   for k in self.kinds for comp in self.compiled for sh in shapes for c_ in cs]
             tpt = tp_times(sys_, c, [self.kinds]) if tp > 1 else None
             mask = min(sys_.mask_bytes(k) for k in self.kinds)
-            cs = [dataclasses.replace(c, recompute_modules=md) for md in mods]
             if moe:
                 act = min(moe_activation_bytes(sys_, c_, mask)["total"] for c_ in cs)
             else:

@@ -456,3 +456,18 @@ def test_recompute_modules_are_checked_searched_and_kept():
     assert sel == {MODULES} and all(not x.recompute_modules for x in inner if x.recompute != "selective")
     assert ParallelConfig.from_dict(c.to_dict()) == c and c.to_dict()["recompute_modules"] == list(MODULES)
     assert "recompute_modules" not in cfg().to_dict()
+
+
+def test_recompute_modules_working_set_sits_on_the_peak():
+    """A block's recomputed outputs are alive again during its backward: the stage's peak is the
+    schedule's activation peak plus the larger of a dense and an MoE block's freed tensors."""
+    from autoconf.cost.stage_memory import _activation_peaks, _mask_bytes, _moe_working
+    s = System(SMALL_MLA, H100, framework="megatron")
+    c = cfg(ep=2, pp=2, dp=4, recompute="selective", recompute_modules=MODULES)
+    lay = layout(s, c)
+    none = moe_activation_bytes(s, cfg(ep=2, pp=2, dp=4), 1)["total"]
+    assert _moe_working(s, c, lay) == pytest.approx(none - moe_activation_bytes(s, c, 1)["total"])
+    dense = s.layer_activations(c, _mask_bytes(s, lay))
+    peak = _activation_peaks(s, c, lay, dense["total"], 0.0)[0][0]
+    got = estimate(c, SMALL_MLA, ctx=s).memory_by_stage[0].activations
+    assert got == pytest.approx(peak + max(dense["recompute_working_bytes"], _moe_working(s, c, lay)))

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..catalog import device_type
-from ..config import ParallelConfig
+from ..config import ParallelConfig, module_key
 from .activations import block_backward_temporary_bytes, embedding_activation_bytes, head_activation_bytes
 from .layout import Layout
 from .memory import BUCKET_BYTES, optimizer_temporary_bytes, state_bytes_per_param, zero3_working_bytes
@@ -77,7 +77,9 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
             grads = dense * st.gradients + experts * st_e.gradients
         elif experts:  # the peak's gradients were counted at the dense sharding: the experts' differ
             grads += experts * (st_e.gradients - st.gradients)
-        if c.recompute == "full" and not layered_pp1:  # layered: inside _layered_peak
+        # one block's recomputed tensors, alive during its backward (layered: inside _layered_peak);
+        # selective recomputation's attention core alone is not counted (its scores go at once)
+        if (c.recompute == "full" or module_key(c)) and not layered_pp1:
             acts += max(act_layer.get("recompute_working_bytes", 0.0), _moe_working(system, c, lay))
         optimizer = dense * st.optimizer + experts * st_e.optimizer
         # the step holds every gradient; the activation peak may come before the last ones exist
@@ -94,11 +96,15 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
 
 
 def _moe_working(system: System, c: ParallelConfig, lay: Layout) -> float:
-    """Under full recomputation, what one recomputed MoE block materialises (0 for dense models)."""
+    """What one recomputed MoE block materialises again in its backward (0 for dense models):
+    everything it keeps without recomputation under full recomputation, what its recompute
+    modules freed under selective."""
     if not lay.chunk_moe_layers or not any(lay.chunk_moe_layers):
         return 0.0
     from .moe import moe_activation_bytes
-    return moe_activation_bytes(system, dataclasses.replace(c, recompute="none"), _mask_bytes(system, lay))["total"]
+    mask = _mask_bytes(system, lay)
+    none = moe_activation_bytes(system, dataclasses.replace(c, recompute="none", recompute_modules=()), mask)["total"]
+    return none if c.recompute == "full" else max(0.0, none - moe_activation_bytes(system, c, mask)["total"])
 
 
 def _pairs(system: System, c: ParallelConfig) -> bool:

@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass
 
 from .catalog import device_type
-from .config import ParallelConfig
+from .config import ParallelConfig, module_key
 from .placement import Placement, even_layers
 
 _FULL_GRAPH_HOSTS = 256
@@ -161,8 +161,8 @@ class Placer:
             return None
         m = self.system.model
         key = (c.pp, c.virtual_stages, c.tp, c.micro_batch_size, c.sequence_parallel, c.recompute, c.dp,
-               c.rank_order, device_order, c.cp, c.precision, c.fp8_recipe, c.torch_compile, c.recompute_modules,
-               c.ep, c.moe_dispatcher)
+               c.rank_order, device_order, c.cp, c.precision, c.fp8_recipe, c.torch_compile, module_key(c),
+               self.system.accumulates(c), self.system.bf16_optimizer(c))
         hit = self._splits.get(key, False)
         if hit is not False:
             return hit

@@ -544,11 +544,13 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
                 variants = [{**v_, knob: val} for v_ in variants for val in (False, True)]
         if dp_hier and reduction_collective(zero) is comm.all_reduce_s:
             variants = [{**v_, "dp_all_reduce": mode} for v_ in variants for mode in ("flat", "hierarchical")]
+        seen = set()
         for kw in variants:
             got = dataclasses.replace(c, **kw) if kw else c
             if got.recompute_modules and fw.check(got):  # (FP8 delayed scaling takes no moe_act, layernorm)
                 got = dataclasses.replace(got, recompute_modules=recompute_module_fallback(got.recompute_modules))
-            if not fw.check(got):
+            if got not in seen and not fw.check(got):
+                seen.add(got)
                 yield got
 
 

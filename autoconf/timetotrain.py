@@ -744,6 +744,8 @@ class PointOptimizer:
 
         def consider(c: ParallelConfig, lb: float | None = None) -> None:
             c = self._prec(c)
+            if c.recompute_modules and self.system.framework.check(c):  # (FP8 delayed: search.framework_inner)
+                c = dataclasses.replace(c, recompute_modules=recompute_module_fallback(c.recompute_modules))
             if c in tried:
                 return
             tried.add(c)
@@ -809,7 +811,7 @@ class PointOptimizer:
                      for c in framework_inner(self.system.framework, dp, pp, tp, mbs, sched, v, layered,
                                               global_batch, hier, cp, moe_experts=self.model.num_experts,
                                               eps=self.ep_choices(p, global_batch), model=self.model,
-                                              dispatcher=self.system.moe_dispatcher)
+                                              dispatcher=self.system.moe_dispatcher, precisions=(self.precision,))
                      if (c.sequence_parallel, c.recompute, c.zero_stage) in b]
             for clb, c in sorted(inner, key=lambda x: x[0]):
                 consider(c, clb)

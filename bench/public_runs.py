@@ -43,8 +43,8 @@ Published figures used (nothing here is fitted to them):
   that fits: none, Megatron-LM's recompute modules for the norms, MLA's up-projections and the
   experts' activation (what DeepSeek's framework recomputes, secs. 3.2.3 and 3.3.3), the attention
   core, everything (where none fits, the one needing the least memory). Tokens are dispatched in
-  16 bits (DeepSeek's in FP8: not modelled). The H800 is an H100 SXM with NVLink cut to 400 GB/s (200 GB/s each way), the same
-  compute and HBM; one 400 Gbit/s InfiniBand NIC per GPU. The model is the ``deepseek-v3`` preset
+  16 bits (DeepSeek's in FP8: not modelled). The H800 is an H100 SXM with NVLink cut to 400 GB/s
+  (200 GB/s each way), the same compute and HBM; one 400 Gbit/s InfiniBand NIC per GPU. The model is the ``deepseek-v3`` preset
   (MLA, 1 shared + 256 routed experts, 8 active, 3 dense blocks first; without the
   multi-token-prediction module, about 2% of the compute).
 

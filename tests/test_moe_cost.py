@@ -459,15 +459,28 @@ def test_recompute_modules_are_checked_searched_and_kept():
 
 
 def test_recompute_modules_working_set_sits_on_the_peak():
-    """A block's recomputed outputs are alive again during its backward: the stage's peak is the
-    schedule's activation peak plus the larger of a dense and an MoE block's freed tensors."""
-    from autoconf.cost.stage_memory import _activation_peaks, _mask_bytes, _moe_working
-    s = System(SMALL_MLA, H100, framework="megatron")
-    c = cfg(ep=2, pp=2, dp=4, recompute="selective", recompute_modules=MODULES)
+    """Megatron's output-discarding checkpoint rebuilds a block's freed outputs in its backward and
+    keeps the recomputed tensors beside them: twice the larger side (attention: MLA's q/k/v, its
+    latent norms' outputs and its input norm's output; MLP: the norm before the experts and the
+    experts' activation), in 16 bits also under FP8, on the stage's activation peak, and only the
+    kinds of block the stage holds."""
+    from autoconf.cost.stage_memory import _activation_peaks, _mask_bytes
+    m, T, e, h, k = SMALL_MLA, 4096, 2, 2048, 8
+    attn = 2 * e * T * (m.q_size + m.k_size + m.v_size + (512 + 256) + h)
+    mlp = 2 * e * T * (h + k * 768)
+    s = System(m, H100, framework="megatron")
+    for prec in ({}, {"precision": "fp8", "fp8_recipe": "tensorwise"}):
+        c = cfg(ep=2, pp=2, dp=4, recompute="selective", recompute_modules=MODULES, **prec)
+        lay = layout(s, c)
+        dense = s.layer_activations(c, _mask_bytes(s, lay))
+        peaks = _activation_peaks(s, c, lay, dense["total"], 0.0)
+        got = estimate(c, m, ctx=s).memory_by_stage
+        for st in range(2):
+            assert got[st].activations == pytest.approx(peaks[st][0] + max(attn, mlp))
+    # a stage of dense blocks only (the first block is dense): no MoE block's working set
+    c = cfg(ep=2, pp=8, dp=4, recompute="selective", recompute_modules=MODULES)
     lay = layout(s, c)
-    none = moe_activation_bytes(s, cfg(ep=2, pp=2, dp=4), 1)["total"]
-    assert _moe_working(s, c, lay) == pytest.approx(none - moe_activation_bytes(s, c, 1)["total"])
+    assert lay.chunk_moe_layers[0] == 0
     dense = s.layer_activations(c, _mask_bytes(s, lay))
-    peak = _activation_peaks(s, c, lay, dense["total"], 0.0)[0][0]
-    got = estimate(c, SMALL_MLA, ctx=s).memory_by_stage[0].activations
-    assert got == pytest.approx(peak + max(dense["recompute_working_bytes"], _moe_working(s, c, lay)))
+    peak0 = _activation_peaks(s, c, lay, dense["total"], 0.0)[0][0]
+    assert estimate(c, m, ctx=s).memory_by_stage[0].activations == pytest.approx(peak0 + attn)

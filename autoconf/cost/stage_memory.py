@@ -77,10 +77,16 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
             grads = dense * st.gradients + experts * st_e.gradients
         elif experts:  # the peak's gradients were counted at the dense sharding: the experts' differ
             grads += experts * (st_e.gradients - st.gradients)
-        # one block's recomputed tensors, alive during its backward (layered: inside _layered_peak);
-        # selective recomputation's attention core alone is not counted (its scores go at once)
-        if (c.recompute == "full" or module_key(c)) and not layered_pp1:
-            acts += max(act_layer.get("recompute_working_bytes", 0.0), _moe_working(system, c, lay))
+        # one block's recomputed tensors, alive during its backward (layered: inside _layered_peak),
+        # of the kinds of block this stage holds
+        if not layered_pp1 and (c.recompute == "full" or module_key(c)):
+            dense_here, moe_here = _block_kinds(c, lay, s)
+            if c.recompute == "full":
+                work = (act_layer.get("recompute_working_bytes", 0.0) if dense_here else 0.0,
+                        _moe_working(system, c, lay) if moe_here else 0.0)
+            else:
+                work = _module_working(system, c, lay, dense_here, moe_here)
+            acts += max(work)
         optimizer = dense * st.optimizer + experts * st_e.optimizer
         # the step holds every gradient; the activation peak may come before the last ones exist
         # (layered accumulation, interleaved schedules)
@@ -96,15 +102,47 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
 
 
 def _moe_working(system: System, c: ParallelConfig, lay: Layout) -> float:
-    """What one recomputed MoE block materialises again in its backward (0 for dense models):
-    everything it keeps without recomputation under full recomputation, what its recompute
-    modules freed under selective."""
+    """Under full recomputation, what one recomputed MoE block materialises (0 for dense models)."""
     if not lay.chunk_moe_layers or not any(lay.chunk_moe_layers):
         return 0.0
     from .moe import moe_activation_bytes
+    return moe_activation_bytes(system, dataclasses.replace(c, recompute="none"), _mask_bytes(system, lay))["total"]
+
+
+def _block_kinds(c: ParallelConfig, lay: Layout, s: int) -> tuple[bool, bool]:
+    """(whether stage ``s`` holds a dense block, whether it holds a mixture-of-experts block)."""
+    chunks = lay.chunks_of(c, s)
+    moe = sum(lay.chunk_moe_layers[ci] for ci in chunks) if lay.chunk_moe_layers else 0
+    return sum(lay.chunk_layers[ci] for ci in chunks) > moe, moe > 0
+
+
+_ATTENTION_SIDE = ("qkv", "mla_latents", "qkv_input")
+_MLP_SIDE = ("mlp_input", "mlp_hidden")
+
+
+def _module_working(system: System, c: ParallelConfig, lay: Layout, dense: bool, moe: bool) -> tuple:
+    """(dense block, MoE block): what Megatron-LM's recompute modules rebuild during one block's
+    backward, beyond the attention core (whose recomputation is not counted for selective
+    recomputation without modules either). Its output-discarding checkpoint copies the rebuilt
+    outputs back into their storage and keeps the recomputed tensors too until its own backward
+    (``CheckpointWithoutOutput._recompute``): twice the freed outputs, of the attention side (the
+    input norm, the up-projections) or of the MLP side (the norm before the experts, their
+    activation), whichever is larger, since their hooks fire in different parts of the backward.
+    The rebuilt outputs are the 16-bit originals, also under FP8 (the linears reading them keep
+    the original, ``set_save_original_input``)."""
     mask = _mask_bytes(system, lay)
-    none = moe_activation_bytes(system, dataclasses.replace(c, recompute="none", recompute_modules=()), mask)["total"]
-    return none if c.recompute == "full" else max(0.0, none - moe_activation_bytes(system, c, mask)["total"])
+    core = dataclasses.replace(c, recompute_modules=(), precision="bf16")
+    mods = dataclasses.replace(c, precision="bf16")
+
+    def side(before: dict, after: dict) -> float:
+        return 2 * max(sum(before.get(k, 0.0) - after.get(k, 0.0) for k in keys) for keys in (_ATTENTION_SIDE,
+                                                                                            _MLP_SIDE))
+    out_dense = side(system.layer_activations(core, mask), system.layer_activations(mods, mask)) if dense else 0.0
+    out_moe = 0.0
+    if moe:
+        from .moe import moe_activation_bytes
+        out_moe = side(moe_activation_bytes(system, core, mask), moe_activation_bytes(system, mods, mask))
+    return out_dense, out_moe
 
 
 def _pairs(system: System, c: ParallelConfig) -> bool:

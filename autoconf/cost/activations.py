@@ -136,7 +136,8 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
     recomputed -- with "full", everything it would otherwise have kept (the "none" total); with
     "selective", the share of what it recomputes (the attention core, or ``modules``). A schedule's
     peak adds it once (only one block is recomputed at a time). ``mask_bytes``: bytes per
-    dropout-mask element, 1 on CUDA, the activation element size on CPU. ``norm_stat_bytes``: bytes per LayerNorm statistic (see _norm_stat_bytes).
+    dropout-mask element, 1 on CUDA, the activation element size on CPU. ``norm_stat_bytes``:
+    bytes per LayerNorm statistic (see _norm_stat_bytes).
 
     ``cp``: the sequence is split over a context-parallel group: every part is per token of the
     rank's s/cp tokens, and the attention core's s x s terms (eager attention) shrink the same way

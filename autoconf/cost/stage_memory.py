@@ -135,8 +135,9 @@ def _module_working(system: System, c: ParallelConfig, lay: Layout, dense: bool,
     mods = dataclasses.replace(c, precision="bf16")
 
     def side(before: dict, after: dict) -> float:
-        return 2 * max(sum(before.get(k, 0.0) - after.get(k, 0.0) for k in keys) for keys in (_ATTENTION_SIDE,
-                                                                                            _MLP_SIDE))
+        freed = [sum(before.get(k, 0.0) - after.get(k, 0.0) for k in keys) for keys in (_ATTENTION_SIDE, _MLP_SIDE)]
+        return 2 * max(freed)
+
     out_dense = side(system.layer_activations(core, mask), system.layer_activations(mods, mask)) if dense else 0.0
     out_moe = 0.0
     if moe:

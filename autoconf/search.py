@@ -488,8 +488,15 @@ def recompute_module_choices(fw, model) -> tuple:
     so the space keeps its size."""
     if model is None or not fw.recompute_modules:
         return ((),)
+    return _module_choices(fw.recompute_modules, model)
+
+
+@functools.lru_cache(maxsize=64)
+def _module_choices(offered: tuple, model) -> tuple:
+    """:func:`recompute_module_choices` for a framework offering ``offered`` (once per model:
+    ``framework_inner`` asks at every outer point)."""
     probe = ParallelConfig(dp=1, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1, recompute="selective")
-    extra = tuple(m for m in RECOMPUTE_MODULES if m != "core_attn" and m in fw.recompute_modules
+    extra = tuple(m for m in RECOMPUTE_MODULES if m != "core_attn" and m in offered
                   and recompute_modules_reason(dataclasses.replace(probe, recompute_modules=(m,)), model) is None)
     if not extra:
         return ((),)

@@ -67,6 +67,13 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
     # a mixture of experts' routed experts: sharded by ZeRO over the ranks holding the same experts
     st_e = state_bytes_per_param(m.dtype, zero, max(1, c.dp * c.cp // c.ep),
                                  fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
+    # one block's recomputed tensors, alive during its backward (layered: inside _layered_peak):
+    # (a dense block's, an MoE block's), each stage taking those of the blocks it holds
+    working = None
+    if not layered_pp1 and c.recompute == "full":
+        working = (act_layer.get("recompute_working_bytes", 0.0), _moe_working(system, c, lay))
+    elif not layered_pp1 and module_key(c):
+        working = _module_working(system, c, lay)
     out = []
     for s in range(c.pp):
         params = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, s))
@@ -77,16 +84,9 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
             grads = dense * st.gradients + experts * st_e.gradients
         elif experts:  # the peak's gradients were counted at the dense sharding: the experts' differ
             grads += experts * (st_e.gradients - st.gradients)
-        # one block's recomputed tensors, alive during its backward (layered: inside _layered_peak),
-        # of the kinds of block this stage holds
-        if not layered_pp1 and (c.recompute == "full" or module_key(c)):
+        if working is not None:
             dense_here, moe_here = _block_kinds(c, lay, s)
-            if c.recompute == "full":
-                work = (act_layer.get("recompute_working_bytes", 0.0) if dense_here else 0.0,
-                        _moe_working(system, c, lay) if moe_here else 0.0)
-            else:
-                work = _module_working(system, c, lay, dense_here, moe_here)
-            acts += max(work)
+            acts += max(working[0] if dense_here else 0.0, working[1] if moe_here else 0.0)
         optimizer = dense * st.optimizer + experts * st_e.optimizer
         # the step holds every gradient; the activation peak may come before the last ones exist
         # (layered accumulation, interleaved schedules)
@@ -120,7 +120,7 @@ _ATTENTION_SIDE = ("qkv", "mla_latents", "qkv_input")
 _MLP_SIDE = ("mlp_input", "mlp_hidden")
 
 
-def _module_working(system: System, c: ParallelConfig, lay: Layout, dense: bool, moe: bool) -> tuple:
+def _module_working(system: System, c: ParallelConfig, lay: Layout) -> tuple:
     """(dense block, MoE block): what Megatron-LM's recompute modules rebuild during one block's
     backward, beyond the attention core (whose recomputation is not counted for selective
     recomputation without modules either). Its output-discarding checkpoint copies the rebuilt
@@ -138,9 +138,9 @@ def _module_working(system: System, c: ParallelConfig, lay: Layout, dense: bool,
         freed = [sum(before.get(k, 0.0) - after.get(k, 0.0) for k in keys) for keys in (_ATTENTION_SIDE, _MLP_SIDE)]
         return 2 * max(freed)
 
-    out_dense = side(system.layer_activations(core, mask), system.layer_activations(mods, mask)) if dense else 0.0
+    out_dense = side(system.layer_activations(core, mask), system.layer_activations(mods, mask))
     out_moe = 0.0
-    if moe:
+    if lay.chunk_moe_layers and any(lay.chunk_moe_layers):
         from .moe import moe_activation_bytes
         out_moe = side(moe_activation_bytes(system, core, mask), moe_activation_bytes(system, mods, mask))
     return out_dense, out_moe

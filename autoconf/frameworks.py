@@ -47,6 +47,11 @@ stacks. What differs, and is modelled here from each framework's own code and do
   weight-gradient GEMM;
 - **host cost**: eager PyTorch issues every operation from Python (about 5-20 us each on a server
   CPU) and every backward node from the autograd engine; small layers are host-bound;
+- **host syncs**: Megatron-LM synchronises the device at every pipeline transfer (1F1B) and
+  after each loss, DeepSpeed before every micro-batch's forward, the reference trainer after
+  every micro-batch without pipelining; a pass that ends so cannot hide device-heavy work late
+  in it (the last stage's output layer) behind the host's lead over the layers before it
+  (``host_syncs``);
 - **vocabulary padding**: Megatron pads the vocabulary to a multiple of 128 x tp;
 - **softmax kernel**: Megatron's fused scale-mask-softmax kernel (eager attention) takes only
   some shapes (``compute.fused_softmax_available``: keys 17-4096 and a multiple of 4, micro-batch
@@ -259,6 +264,30 @@ class Framework:
     so a transfer overlaps the receiver's compute (Megatron-LM's interleaved schedule:
     ``overlap_p2p_comm``, on by default with virtual stages, posts ``irecv``s one step early).
     Elsewhere a receive waits for the op before it (``schedule_time.posted_receives``)."""
+    host_syncs: tuple = ()
+    """Where the runtime makes the host wait for the device inside a step (``synced_passes``). A
+    pass that ends so cannot hide device work late in it behind the host's lead over the layers
+    before it: the device runs the operations in the order the host issues them, and nothing
+    after the pass is issued until the device is done (``chunk_time.issue_bound_s``); the output
+    layer's forward, device-heavy, is last in the last stage's forward.
+
+    - ``"p2p"``: every pipeline transfer (Megatron-Core's batched p2p: ``torch.cuda.synchronize()``
+      after ``batch_isend_irecv`` under ``batch_p2p_sync``, its default whenever
+      ``overlap_p2p_comm`` is off, i.e. without virtual stages: pp > 1 outside
+      ``early_receive_schedules``). It ends each forward but the last stage's (which sends
+      nothing) and each backward but the first stage's (likewise);
+    - ``"loss"``: the forward that computes a micro-batch's loss (Megatron-LM's GPT loss function,
+      in its training scripts outside the megatron-core package, validates the loss under
+      ``check_for_nan_in_loss_and_grad``, on by default, through megatron-core's
+      ``RerunStateMachine.validate_result``, which evaluates ``torch.isnan(loss)`` on the host
+      even with reruns disabled);
+    - ``"forward"``: before every micro-batch's forward, so every backward ends synchronised
+      (DeepSpeed: the engine's ``ThroughputTimer.start()`` synchronises at every forward, both
+      engines, 0.9 to 0.16);
+    - ``"loss_read"``: every backward without pipelining or layered accumulation (the reference
+      trainer's ``float(loss)`` after it, ``accumulation.standard_step``).
+
+    Empty: none (torchtitan; torch.distributed.pipelining waits on its transfers on the stream)."""
     param_gather_in_place: bool = False
     """ZeRO-1/2's parameter gather after the step lands in the flat buffer the parameters are views
     of (``all_gather_into_tensor``): no flatten and copy back around it, the optimizer's 16-bit
@@ -312,6 +341,19 @@ class Framework:
         """Whether the data-parallel reduction runs under the backward for this configuration:
         the ``overlap_grad_reduce`` knob where it takes effect (:meth:`can_overlap_grad_reduce`)."""
         return self.can_overlap_grad_reduce(config) and self.knob(config, "overlap_grad_reduce")
+
+    def synced_passes(self, pp: int, schedule: str, layered: bool, first_chunk: bool,
+                      last_chunk: bool) -> tuple:
+        """(forward, backward): whether a chunk's forward, and its backward, end at a host-device
+        synchronisation (``host_syncs``) in a configuration of ``pp`` stages, ``schedule`` and
+        layered gradient accumulation or not; ``first_chunk`` / ``last_chunk``: the chunk on the
+        first stage, and the one that computes the loss."""
+        syncs = self.host_syncs
+        p2p = "p2p" in syncs and pp > 1 and schedule not in self.early_receive_schedules
+        fwd = (p2p and not last_chunk) or ("loss" in syncs and last_chunk)
+        bwd = ((p2p and not first_chunk) or "forward" in syncs
+               or ("loss_read" in syncs and pp == 1 and not layered))
+        return fwd, bwd
 
     def padded_vocab(self, vocab: int, tp: int) -> int:
         mult = self.vocab_multiple * tp
@@ -420,7 +462,7 @@ FRAMEWORKS = {
         cp_comm="ring", ring_math=True, fp8_recipes=("tensorwise", "rowwise"), fp8_host_ops=(16, 16),
         expert_parallel=True, expert_zero_stages=(0, 1), expert_tensor_parallel=False,
         capacity_factor=True, compression=True, tied_sync_after_pipeline=True,
-        eager_elementwise=True, grad_accumulation_kernel=True, fp8_eager_quantize=True),
+        eager_elementwise=True, grad_accumulation_kernel=True, fp8_eager_quantize=True, host_syncs=("loss_read",)),
     "megatron": Framework(
         name="megatron", schedules=("1f1b", "interleaved"),
         zero_stages=(0, 1), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
@@ -433,7 +475,8 @@ FRAMEWORKS = {
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
         capacity_factor=True, moe_dispatchers=("alltoall", "deepep"), fused_glu=True, tp_backward_overlap=True,
         recompute_modules=("core_attn", "layernorm", "moe_act", "mla_up_proj"), moe_output_weighted=False,
-        param_gather_in_place=True, early_receive_schedules=("interleaved",), tied_pair_all_reduce=True, grad_norm_traffic=1.0),
+        param_gather_in_place=True, early_receive_schedules=("interleaved",), tied_pair_all_reduce=True,
+        grad_norm_traffic=1.0, host_syncs=("p2p", "loss")),
     "torchtitan": Framework(
         name="torchtitan", schedules=("gpipe", "1f1b", "interleaved", "breadth_first"),
         zero_stages=(0, 2, 3), zero_stages_with_pp=(0, 2, 3), layered_grad_accum=False,
@@ -453,7 +496,7 @@ FRAMEWORKS = {
         knobs=("overlap_grad_reduce",), all_reduce_algorithms=_NCCL_ALL_REDUCE,
         loss_backward_fp32_tensors=0, grad_accumulation_kernel=True, bf16_optimizer_with_pp=True,
         step_gather_overlaps=False, grad_reduce_overlap_needs_zero_without_pp=True, param_gather_in_place=True,
-        tied_pair_all_reduce=True, grad_norm_traffic=1.0),
+        tied_pair_all_reduce=True, grad_norm_traffic=1.0, host_syncs=("forward",)),
 }
 
 

@@ -45,10 +45,26 @@ class ChunkTimes:
     backward's)."""
 
 
+def issue_bound_s(segments) -> float:
+    """Seconds from an idle device until the last of ``segments`` ends: (device seconds, host
+    seconds) per segment in the order the host issues them, each segment's operations spread
+    evenly over it. The device runs an operation once it is issued and the one before it is
+    done, so the pass ends at max(all host time, max over k of the host time before segment k +
+    the device time from k on)."""
+    host = sum(h for _, h in segments)
+    best, before, left = host, 0.0, sum(d for d, _ in segments)
+    for d, h in segments:
+        best = max(best, before + left)
+        before, left = before + h, left - d
+    return best
+
+
 def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tuple:
-    """(forward, backward incl. recompute, recompute, host forward, host backward) of chunk
+    """(forward, backward incl. recompute, recompute, host forward, host backward, edges) of chunk
     ``ci``'s layers on the slowest device kind of its stage: its blocks, the embedding on the
-    first chunk, the output layer on the last; device times, then the host's issue times."""
+    first chunk, the output layer on the last; device times, then the host's issue times; then
+    the embedding's and the output layer's own (forward, host forward, backward, host backward),
+    None where the chunk has none (what ``issue_bound_s`` orders)."""
     b, tp, nl = c.micro_batch_size, c.tp, lay.chunk_layers[ci]
     n_moe = lay.chunk_moe_layers[ci] if lay.chunk_moe_layers else 0
     best = None
@@ -61,14 +77,40 @@ def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tu
             mt = system.block_for(kind, c, moe=True)
             f, bw_, rc = f + n_moe * mt.forward_s, bw_ + n_moe * mt.backward_s, rc + n_moe * mt.recompute_s
             hf, hb = hf + n_moe * mt.host_forward_s, hb + n_moe * mt.host_backward_s
+        edges = []
         for which, here in (("embedding", ci == 0), ("head", ci == lay.num_chunks - 1)):
-            if here:
-                e = system.edge(kind, b, tp, which, c.cp)
-                f, bw_, hf, hb = f + e.forward_s, bw_ + e.backward_s, hf + e.host_forward_s, hb + e.host_backward_s
-                bw_ += system.edge_gradient_s(kind, c, which)  # its weights' gradient passes
+            e = system.edge(kind, b, tp, which, c.cp) if here else None
+            if e is not None:
+                eb = e.backward_s + system.edge_gradient_s(kind, c, which)  # its weights' gradient passes
+                f, bw_, hf, hb = f + e.forward_s, bw_ + eb, hf + e.host_forward_s, hb + e.host_backward_s
+                e = (e.forward_s, e.host_forward_s, eb, e.host_backward_s)
+            edges.append(e)
         if best is None or max(f + bw_, hf + hb) > max(best[0] + best[1], best[3] + best[4]):
-            best = (f, bw_, rc, hf, hb)
+            best = (f, bw_, rc, hf, hb, tuple(edges))
     return best
+
+
+def synced_passes(synced: tuple, fwd: tuple, bwd: tuple, edges: tuple) -> tuple:
+    """(forward, backward) seconds of a chunk's micro-batch as the host and device share them:
+    ``fwd``, ``bwd``: (device, host) of the whole pass; ``edges``: ``chunk_compute``'s;
+    ``synced``: whether the forward, and the backward, end at a host-device synchronisation
+    (``Framework.synced_passes``).
+
+    A pass takes the longer of its host and device times. One that ends synchronised takes
+    ``issue_bound_s`` over its segments in issue order (forward: embedding, layers, output layer;
+    backward in reverse): device work late in it, the output layer's forward, is not hidden by
+    the host's lead over the layers before it, since nothing after the pass is issued until the
+    device is done. Each pass is priced on its own: letting the host run ahead across passes
+    fitted the GPU development set worse (``bench/gpu_devset.py``)."""
+    emb, head = edges
+    f, b = max(fwd), max(bwd)
+    if synced[0]:
+        mid_f = (fwd[0] - sum(e[0] for e in edges if e), fwd[1] - sum(e[1] for e in edges if e))
+        f = issue_bound_s(([emb[:2]] if emb else []) + [mid_f] + ([head[:2]] if head else []))
+    if synced[1]:
+        mid_b = (bwd[0] - sum(e[2] for e in edges if e), bwd[1] - sum(e[3] for e in edges if e))
+        b = issue_bound_s(([head[2:]] if head else []) + [mid_b] + ([emb[2:]] if emb else []))
+    return f, b
 
 
 def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, runtime_s: float,
@@ -83,7 +125,7 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
     a2a = {r: a2a_exposed_s(system, c, lay.stage_kinds[r], r, alone) for r in range(c.pp)} if moe else {}
     cols = {k: [] for k in ChunkTimes.__dataclass_fields__}
     for ci, nl in enumerate(lay.chunk_layers):
-        f, bw_, rc, host_f, host_b = chunk_compute(system, c, lay, ci)
+        f, bw_, rc, host_f, host_b, edges = chunk_compute(system, c, lay, ci)
         tpf = nl * tpt.forward_per_layer_s + (tpt.edge_s if ci == 0 else 0.0)
         tpb = nl * tpt.backward_per_layer_s + (tpt.edge_s if ci == lay.num_chunks - 1 else 0.0)
         # (what the framework hides under the GEMMs is already out: ``tensor_parallel.overlapped``)
@@ -96,8 +138,14 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
         # collectives are kernels on the same stream, queued like the others, so they run inside
         # that wait: a host-bound pass takes the host's time, a device-bound one its compute plus
         # its exposed collectives. (On the GPU development set, bench/gpu_devset.py, a micro-batch
-        # takes the same time at tp 1 and tp 2 while host-bound, collectives or not.)
-        ex_f, ex_b = max(0.0, host_f - f - tpf - cpf - epf), max(0.0, host_b - bw_ - tpb - cpb - epb)
+        # takes the same time at tp 1 and tp 2 while host-bound, collectives or not.) Where the
+        # framework synchronises, the order inside the pass matters too (``synced_passes``).
+        dev_f, dev_b = f + tpf + cpf + epf, bw_ + tpb + cpb + epb
+        synced = system.framework.synced_passes(c.pp, c.schedule, c.layered_grad_accum, ci % c.pp == 0,
+                                                ci == lay.num_chunks - 1)
+        pf, pb = synced_passes(synced, (dev_f, host_f), (dev_b, host_b), edges)
+        ex_f = max(0.0, pf - dev_f) if synced[0] else max(0.0, host_f - dev_f)
+        ex_b = max(0.0, pb - dev_b) if synced[1] else max(0.0, host_b - dev_b)
         f, bw_ = f + ex_f, bw_ + ex_b
         cols["compute_forward_s"].append(f)
         cols["compute_backward_s"].append(bw_ - rc)

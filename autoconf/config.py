@@ -189,6 +189,11 @@ class ParallelConfig:
             object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
 
     @property
+    def modules_label(self) -> str:
+        """The recompute modules as labels show them after the recomputation mode: "(a,b)", or ""."""
+        return "(" + ",".join(self.recompute_modules) + ")" if self.recompute_modules else ""
+
+    @property
     def compressed(self) -> bool:
         """Whether any communication is lossy (pipeline or data-parallel gradient compression)."""
         return self.pp_compression != "none" or self.dp_compression_stages > 0
@@ -219,8 +224,7 @@ class ParallelConfig:
             s += f" zero{self.zero_stage}"
         if self.recompute != "none":
             s += f" rc-{self.recompute}"
-        if self.recompute_modules:
-            s += "(" + ",".join(self.recompute_modules) + ")"
+        s += self.modules_label
         if self.sequence_parallel:
             s += " sp"
         if self.dp_all_reduce != "flat":

@@ -80,7 +80,7 @@ def options_label(c, placement: bool = False, framework: str | None = None) -> s
         parts.append(f"z{c.zero_stage}")
     if c.recompute != "none":
         parts.append({"selective": "rc-sel", "full": "rc-full"}.get(c.recompute, f"rc-{c.recompute}")
-                     + ("(" + ",".join(c.recompute_modules) + ")" if c.recompute_modules else ""))
+                     + c.modules_label)
     if c.sequence_parallel:
         parts.append("sp")
     if getattr(c, "precision", "bf16") == "fp8":
@@ -205,7 +205,7 @@ def search_table(r, wide: bool = False, rows: int | None = None) -> Table:
         if wide:
             t.add_row(str(i), str(c.dp), str(c.pp), str(c.tp), str(c.cp), str(c.micro_batch_size), str(c.num_micro_batches),
                       schedule_label(c), str(c.zero_stage),
-                      c.recompute + ("(" + ",".join(c.recompute_modules) + ")" if c.recompute_modules else ""),
+                      c.recompute + c.modules_label,
                       "y" if c.sequence_parallel else "",
                       " ".join(_extras(c)), fmt_seconds(e.step_time_s), f"{e.tokens_per_s:,.0f}",
                       f"{100 * e.mfu:.1f}%", fmt_bytes(e.peak_memory_bytes), fmt_seconds(b["compute"] + b["recompute"]),

@@ -38,12 +38,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autoconf.cluster import load_cluster  # noqa: E402
-from autoconf.config import enumerate_space  # noqa: E402
-from autoconf.model import ModelSpec  # noqa: E402
-from autoconf.plan import LaunchPlan  # noqa: E402
-from autoconf.trial import run_trial, speed_vs_profile  # noqa: E402
 from stats import spearman  # noqa: E402
+
+from autoconf.launch.plan import LaunchPlan  # noqa: E402
+from autoconf.runs.trial import run_trial, speed_vs_profile  # noqa: E402
+from autoconf.space.config import enumerate_space  # noqa: E402
+from autoconf.specs.cluster import load_cluster  # noqa: E402
+from autoconf.specs.model import ModelSpec  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
     if args.profile == "fresh":
         args.profile = _fresh_profile(model, args.world)
     if args.profile != "none":
-        from autoconf.profile import load_profile
+        from autoconf.specs.profile import load_profile
         profile = load_profile(args.profile)
 
     print(f"model {model.hidden_size}h x {model.num_layers}L seq {model.seq_length} fp32, world {args.world}, "

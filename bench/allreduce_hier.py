@@ -21,7 +21,7 @@ measured loopback send/recv rate, 4.5 GB/s, and 80 us per message).
 
 On localhost every "host" shares the same cores and the loopback device: with more processes than
 cores the times measure contention (collectives slow down 2-3x with 4 processes on 2 cores), not
-a network. ``--testbed RATE`` runs it across ``--hosts`` emulated nodes instead (``autoconf.testbed``:
+a network. ``--testbed RATE`` runs it across ``--hosts`` emulated nodes instead (``autoconf.runs.testbed``:
 a network namespace per host, its NIC shaped to RATE), with the testbed's own cluster file for the
 prediction: each host's agent starts inside its namespace (:func:`launch_node` is the seam).
 """
@@ -173,12 +173,12 @@ def measure(args) -> dict:
 # -- the cost model's side ---------------------------------------------------------------------------
 
 def predictions(args, sizes) -> dict:
-    from autoconf.cluster import cluster_from_mapping, load_cluster
-    from autoconf.config import ParallelConfig
     from autoconf.cost import comm
+    from autoconf.cost.groups import axis_links
     from autoconf.cost.system import System
-    from autoconf.cost.tensor_parallel import axis_links
-    from autoconf.model import preset
+    from autoconf.space.config import ParallelConfig
+    from autoconf.specs.cluster import cluster_from_mapping, load_cluster
+    from autoconf.specs.model import preset
 
     if args.cluster:
         cluster = load_cluster(args.cluster)
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
         print(f"note: {args.nproc} processes on {os.cpu_count()} cores: the times measure contention for the cores",
               file=sys.stderr)
     if args.json:
-        from autoconf.outputs import write_text
+        from autoconf.files import write_text
         write_text(args.json, json.dumps({"nproc": args.nproc, "hosts": args.hosts, "note": got["note"],
                                           "cluster": pred["cluster"], "rows": rows}, indent=1))
     return 0
@@ -255,7 +255,8 @@ def main(argv=None) -> int:
 def _on_testbed(args, argv) -> int:
     """The same bench with each host's agent inside an emulated node of a fresh testbed."""
     global launch_node
-    from autoconf import testbed as tbm
+    from autoconf.runs import testbed as tbm
+    from autoconf.runs import testbed_plan
 
     reason = tbm.unavailable_reason()
     if reason:
@@ -265,7 +266,7 @@ def _on_testbed(args, argv) -> int:
             tempfile.TemporaryDirectory(prefix="allreduce-hier-tb-") as tmp:
         cluster = os.path.join(tmp, "testbed.yaml")
         with open(cluster, "w") as f:
-            f.write(tbm.cluster_yaml(tb.nodes, args.nproc // args.hosts))
+            f.write(testbed_plan.cluster_yaml(tb.nodes, args.nproc // args.hosts))
         launch_node = lambda k, cmd, env, log: tb.popen(k, cmd, env=env, stdout=log,  # noqa: E731
                                                         stderr=subprocess.STDOUT)
         rest, skip = [], False

@@ -13,7 +13,7 @@ windows, so a held-out estimate), its difference from the uncompressed run of th
 over seeds, and the largest), next to the seed-to-seed spread of the uncompressed runs (their
 standard deviation).
 
-**speed**: two emulated nodes (``autoconf.testbed``) of two processes each, NICs shaped to
+**speed**: two emulated nodes (``autoconf.runs.testbed``) of two processes each, NICs shaped to
 --rates. The testbed is profiled (``autoconf profile`` across the nodes), then for pp 2 across the
 nodes (dp 2 inside each; 1F1B and GPipe) and dp 2 across the nodes (pp 2 inside each) every compression mode is run
 with the reference trainer and estimated with the profile: measured and predicted step time, the
@@ -35,10 +35,10 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from autoconf.config import ParallelConfig, check  # noqa: E402
-from autoconf.model import ModelSpec  # noqa: E402
-from autoconf.plan import LaunchPlan  # noqa: E402
-from autoconf.trial import run_trial  # noqa: E402
+from autoconf.launch.plan import LaunchPlan  # noqa: E402
+from autoconf.runs.trial import run_trial  # noqa: E402
+from autoconf.space.config import ParallelConfig, check  # noqa: E402
+from autoconf.specs.model import ModelSpec  # noqa: E402
 
 QUALITY_MODEL = ModelSpec(num_layers=8, hidden_size=128, num_attention_heads=4, num_kv_heads=4, ffn_hidden_size=512,
                           vocab_size=256, seq_length=128, activation="gelu", tied_embeddings=False, dtype="fp32",
@@ -153,12 +153,13 @@ def speed_cases(rank: int, dp_rank: int, nproc: int = 2) -> list:
 
 
 def run_speed(args) -> dict:
-    from autoconf import testbed as tbm
+    from hetero import profile_testbed  # the testbed's cluster file and profile, as bench/hetero.py makes them
+
     from autoconf.cost.compression import step_bytes
     from autoconf.cost.estimate import estimate
     from autoconf.cost.layout import layout
     from autoconf.cost.system import System
-    from hetero import profile_testbed  # the testbed's cluster file and profile, as bench/hetero.py makes them
+    from autoconf.runs import testbed as tbm
 
     reason = tbm.unavailable_reason()
     if reason:

@@ -21,13 +21,14 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from autoconf.cluster import load_cluster  # noqa: E402
-from autoconf.config import ParallelConfig  # noqa: E402
+from compression import speed_cases  # noqa: E402  (bench/compression.py: the configurations it ran)
+
 from autoconf.cost import system as system_module  # noqa: E402
 from autoconf.cost.estimate import estimate  # noqa: E402
-from autoconf.model import load_model  # noqa: E402
-from autoconf.profile import load_profile  # noqa: E402
-from compression import speed_cases  # noqa: E402  (bench/compression.py: the configurations it ran)
+from autoconf.space.config import ParallelConfig  # noqa: E402
+from autoconf.specs.cluster import load_cluster  # noqa: E402
+from autoconf.specs.hf import load_model  # noqa: E402
+from autoconf.specs.profile import load_profile  # noqa: E402
 
 
 def configs() -> dict:

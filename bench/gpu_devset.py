@@ -37,11 +37,12 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from autoconf.cluster import cluster_from_mapping  # noqa: E402
-from autoconf.config import ParallelConfig  # noqa: E402
-from autoconf.cost.estimate import estimate  # noqa: E402
-from autoconf.model import ModelSpec  # noqa: E402
 from stats import spearman  # noqa: E402
+
+from autoconf.cost.estimate import estimate  # noqa: E402
+from autoconf.space.config import ParallelConfig  # noqa: E402
+from autoconf.specs.cluster import cluster_from_mapping  # noqa: E402
+from autoconf.specs.model import ModelSpec  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "vtrain-a100")
 
@@ -239,8 +240,8 @@ def host_free_times(rows: list[dict], recompute: str, framework: str) -> dict:
     """Each row predicted as if the host issued every operation in no time."""
     import dataclasses
 
-    from autoconf.cost.compute import HostCost
-    from autoconf.frameworks import framework as framework_model
+    from autoconf.specs.frameworks import HostCost
+    from autoconf.specs.frameworks import framework as framework_model
     fw = dataclasses.replace(framework_model(framework), host=HostCost(0.0, 0.0))
     saved = [(r["predicted_s"], r["fits"], r["breakdown"], r["error"]) for r in rows]
     predict(rows, recompute, fw)
@@ -253,7 +254,7 @@ def host_free_times(rows: list[dict], recompute: str, framework: str) -> dict:
 def all_reduce_check() -> dict:
     """Predicted against measured nccl-tests all-reduce (out-of-place) on n GPUs of the node."""
     from autoconf.cost import comm
-    from autoconf.topology import Topology
+    from autoconf.specs.topology import Topology
     cluster = cluster_from_mapping(NODE)
     topo = Topology(cluster.graph())
     print("\nall-reduce (fp32, nccl-tests, out-of-place): predicted / measured time")
@@ -281,7 +282,7 @@ def all_reduce_check() -> dict:
 
 
 def _ar_kwargs() -> dict:
-    from autoconf.catalog import device_type
+    from autoconf.specs.devices import device_type
     return {"tune": device_type("a100-80gb").collective_tuning()}
 
 
@@ -319,7 +320,7 @@ ACCURACY = os.path.join(os.path.dirname(__file__), "..", "autoconf", "data", "ac
 
 
 def write_accuracy(summary: dict) -> None:
-    """The step-time accuracy autoconf states (``autoconf.catalog.stated_accuracy``): this bench's
+    """The step-time accuracy autoconf states (``autoconf.specs.devices.stated_accuracy``): this bench's
     summary, with what it was measured on."""
     import datetime
     doc = {"step_time": {

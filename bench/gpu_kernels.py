@@ -269,7 +269,7 @@ def measure_breakdown(out: dict, models, mbs_list, repeats: int = 5) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from autoconf.model import load_model
+    from autoconf.specs.hf import load_model
     from profiler import compute
 
     for name in models:
@@ -318,8 +318,9 @@ def measure_breakdown(out: dict, models, mbs_list, repeats: int = 5) -> None:
 
 def compare(path: str) -> int:
     """The catalog's H100 roofline against stored rows."""
-    from autoconf.catalog import device_type
-    from autoconf.cost.compute import Roofline, attention_shape_efficiency
+    from autoconf.cost.attention import attention_shape_efficiency
+    from autoconf.cost.roofline import Roofline
+    from autoconf.specs.devices import device_type
 
     data = json.load(open(path))
     dev = device_type("h100-sxm")

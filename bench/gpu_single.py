@@ -35,12 +35,12 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autoconf.cluster import cluster_from_mapping  # noqa: E402
-from autoconf.config import ParallelConfig  # noqa: E402
 from autoconf.cost.estimate import estimate  # noqa: E402
-from autoconf.model import load_model  # noqa: E402
-from autoconf.plan import LaunchPlan  # noqa: E402
-from autoconf.trial import run_trial  # noqa: E402
+from autoconf.launch.plan import LaunchPlan  # noqa: E402
+from autoconf.runs.trial import run_trial  # noqa: E402
+from autoconf.space.config import ParallelConfig  # noqa: E402
+from autoconf.specs.cluster import cluster_from_mapping  # noqa: E402
+from autoconf.specs.hf import load_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,7 +140,7 @@ def main(argv=None) -> int:
                                         os.path.join(args.out, "profile.json"), timeout_s=args.budget_s / 2)
         print(f"profile: {prof_path or 'failed'} ({took:.0f} s)", flush=True)
     if prof_path and prof_path != "none":
-        from autoconf.profile import load_profile
+        from autoconf.specs.profile import load_profile
         profile = load_profile(prof_path)
     kind = args.device or (profile.ranks[0].device_kind if profile else None) or "h100-sxm"
     cluster = one_device_cluster(kind)
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
 
 def reprice(path: str, profile_path: str | None) -> int:
     """Today's predictions for the measured rows of an earlier run (its model, device, configurations)."""
-    from autoconf.model import ModelSpec
+    from autoconf.specs.model import ModelSpec
 
     with open(path) as f:
         doc = json.load(f)
@@ -187,7 +187,7 @@ def reprice(path: str, profile_path: str | None) -> int:
     cluster = one_device_cluster(doc["device_kind"])
     profile = None
     if profile_path:
-        from autoconf.profile import load_profile
+        from autoconf.specs.profile import load_profile
         profile = load_profile(profile_path)
     env = doc.get("environment", {})
     print(f"{path}: {model.name} on {env.get('device', doc['device_kind'])}, measured {env.get('date', '?')} "

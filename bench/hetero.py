@@ -1,6 +1,6 @@
 """Placement on a cluster whose links really differ: three picks measured on the emulated testbed.
 
-Two emulated nodes (network namespaces, ``autoconf.testbed``) of two CPU processes each; inside a
+Two emulated nodes (network namespaces, ``autoconf.runs.testbed``) of two CPU processes each; inside a
 node the ranks talk over unshaped loopback, between nodes through NICs shaped to --rates. As a user
 would work: profile the testbed (compute and every link, across the nodes), then
 
@@ -34,14 +34,15 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from autoconf import testbed as tbm  # noqa: E402
-from autoconf.cluster import load_cluster  # noqa: E402
-from autoconf.config import ParallelConfig  # noqa: E402
 from autoconf.cost.estimate import estimate  # noqa: E402
-from autoconf.model import load_model  # noqa: E402
-from autoconf.profile import load_profile  # noqa: E402
-from autoconf.plan import LaunchPlan  # noqa: E402
-from autoconf.trial import run_trial  # noqa: E402
+from autoconf.launch.plan import LaunchPlan  # noqa: E402
+from autoconf.runs import testbed as tbm  # noqa: E402
+from autoconf.runs import testbed_plan  # noqa: E402
+from autoconf.runs.trial import run_trial  # noqa: E402
+from autoconf.space.config import ParallelConfig  # noqa: E402
+from autoconf.specs.cluster import load_cluster  # noqa: E402
+from autoconf.specs.hf import load_model  # noqa: E402
+from autoconf.specs.profile import load_profile  # noqa: E402
 
 MODEL = os.path.join(ROOT, "examples", "models", "bench-h256.yaml")
 
@@ -59,7 +60,7 @@ def profile_testbed(tb, model_path: str, work: str, nproc_per_node: int, timeout
     profile it): (cluster path, ClusterSpec, profile path, Profile)."""
     cluster_path = os.path.join(work, "testbed.yaml")
     with open(cluster_path, "w") as f:
-        f.write(tbm.cluster_yaml(tb.nodes, nproc_per_node))
+        f.write(testbed_plan.cluster_yaml(tb.nodes, nproc_per_node))
     profile_path = os.path.join(work, "profile.json")
     with open(os.devnull, "w") as devnull:
         codes = tb.launch([sys.executable, "-m", "autoconf", "profile", "--model", model_path, "--quick",

@@ -29,10 +29,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autoconf.cluster import load_cluster  # noqa: E402
 from autoconf.errors import UserError  # noqa: E402
-from autoconf.model import preset  # noqa: E402
-from autoconf.search import search  # noqa: E402
+from autoconf.specs.cluster import load_cluster  # noqa: E402
+from autoconf.specs.model import preset  # noqa: E402
+from autoconf.study.search import search  # noqa: E402
 
 H100 = os.path.join(os.path.dirname(__file__), "..", "examples", "clusters", "h100-8x8.yaml")
 

@@ -8,7 +8,7 @@ bucket as the trainer's data-parallel sync does, and times, over loopback: a pla
 the bucket, the trainer's PowerSGD launch (``powerSGD_hook`` on ``trainer.compression``'s bucket,
 past its plain steps) and a 4 KB all-reduce (the latency of each of the hook's three chained
 all-reduces). Over loopback the transfers are nearly free, so the hook's time is its kernels:
-compare with ``cost.compression.powersgd_bucket``'s kernel time at a full core. Measured
+compare with ``cost.powersgd.powersgd_bucket``'s kernel time at a full core. Measured
 2026-11-24 on the 2-core VM, two runs: plain 6.3 / 7.0 ms, PowerSGD 24.2 / 26.6 ms median (15.1 /
 12.1 ms min), 4 KB all-reduce 0.6 / 2.9 ms median; the model's kernels for the same bucket: 16.5 ms
 (33.0 ms at the committed testbed profile's half core, 16.5 at a full one).
@@ -29,9 +29,9 @@ def main() -> None:
     from torch._utils import _flatten_dense_tensors
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
-    from autoconf.model import load_model
-    from autoconf.nn import GPT
+    from autoconf.specs.hf import load_model
     from autoconf.trainer.compression import PowerSGDBucket, end_step, powersgd_state
+    from autoconf.trainer.layers import GPT
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

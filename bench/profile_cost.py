@@ -38,7 +38,7 @@ def _child_cpu_s() -> float:
 
 
 def profile_once(model: str, seq: int | None, extra: list[str], nproc: int) -> dict:
-    from autoconf.profile import load_profile
+    from autoconf.specs.profile import load_profile
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "p.json")

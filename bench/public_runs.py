@@ -65,13 +65,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autoconf import scaling  # noqa: E402
-from autoconf.catalog import stated_accuracy  # noqa: E402
-from autoconf.cluster import cluster_from_mapping  # noqa: E402
-from autoconf.config import ParallelConfig  # noqa: E402
 from autoconf.cost.estimate import estimate  # noqa: E402
-from autoconf.model import ModelSpec, preset  # noqa: E402
-from autoconf.timetotrain import compact, plan, synthetic_cluster  # noqa: E402
+from autoconf.output.plan_report import compact
+from autoconf.space.config import ParallelConfig  # noqa: E402
+from autoconf.specs.cluster import cluster_from_mapping  # noqa: E402
+from autoconf.specs.devices import stated_accuracy  # noqa: E402
+from autoconf.specs.model import ModelSpec, preset  # noqa: E402
+from autoconf.timetotrain import laws as scaling  # noqa: E402
+from autoconf.timetotrain.planner import plan
+from autoconf.timetotrain.synthetic import synthetic_cluster  # noqa: E402
 
 BLOOM = ModelSpec(name="bloom-176b", num_layers=70, hidden_size=14336, num_attention_heads=112, num_kv_heads=112,
                   ffn_hidden_size=4 * 14336, vocab_size=250880, seq_length=2048, activation="gelu",

@@ -104,7 +104,7 @@ def main() -> None:
 
 
 def _short(doc) -> str:
-    from autoconf.config import ParallelConfig
+    from autoconf.space.config import ParallelConfig
 
     return ParallelConfig.from_dict(doc["best"]["config"]).short()
 

@@ -22,9 +22,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autoconf.cluster import load_cluster  # noqa: E402
-from autoconf.model import ModelSpec, preset  # noqa: E402
-from autoconf.search import search  # noqa: E402
+from autoconf.specs.cluster import load_cluster  # noqa: E402
+from autoconf.specs.model import ModelSpec, preset  # noqa: E402
+from autoconf.study.search import search  # noqa: E402
 
 ONE_T = ModelSpec(name="gpt-1t", num_layers=128, hidden_size=25600, num_attention_heads=160, num_kv_heads=160,
                   ffn_hidden_size=4 * 25600, vocab_size=51200, seq_length=2048, activation="gelu",

@@ -4,7 +4,7 @@
     python bench/time_to_train.py --timing   # the 60-s target: `autoconf plan` for the 1T model
     python bench/time_to_train.py --check-exact   # the optimiser against search() at 175B scale
 
-For each model and device, ``autoconf plan`` (``timetotrain.plan``) sweeps GPU counts up to 65,536
+For each model and device, ``autoconf plan`` (``timetotrain.planner.plan``) sweeps GPU counts up to 65,536
 (powers of two; counts that would take over a year even at the datasheet peak left out), batches
 around the critical batch (Kaplan's law), every configuration of the cost model's space at each
 point, with each method switched off in turn, on InfiniBand (a NIC per GPU) and on one 100 or 25
@@ -28,8 +28,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autoconf.model import load_model, preset  # noqa: E402
-from autoconf.timetotrain import METHODS, compact, plan  # noqa: E402
+from autoconf.output.plan_report import compact  # noqa: E402
+from autoconf.specs.hf import load_model
+from autoconf.specs.model import preset  # noqa: E402
+from autoconf.timetotrain.planner import plan
+from autoconf.timetotrain.synthetic import METHODS
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 ONE_T = os.path.join(ROOT, "examples", "models", "gpt-1t.yaml")
@@ -54,8 +57,9 @@ def timing() -> None:
 
 def check_exact() -> None:
     """The per-point optimiser against search()'s exhaustive optimum at GPT-3 scale (no warm start)."""
-    from autoconf.search import search
-    from autoconf.timetotrain import PointOptimizer, planning_system, synthetic_cluster
+    from autoconf.study.search import search
+    from autoconf.timetotrain.optimiser import PointOptimizer
+    from autoconf.timetotrain.synthetic import planning_system, synthetic_cluster
     for dev, gpus, batch, net in (("a100-80gb", 1024, 1536, "ib"), ("a100-80gb", 1024, 1536, "25gbe"),
                                   ("h100-sxm", 2048, 3072, "100gbe")):
         m = preset("gpt3-175b")

@@ -6,6 +6,6 @@ from autoconf.procs import die_with_parent_if_launched
 
 die_with_parent_if_launched()  # launched by `autoconf profile`: die with torchrun, never outlive it
 
-from .run import main  # noqa: E402
+from profiler.run import main  # noqa: E402
 
 sys.exit(main())

@@ -1,20 +1,35 @@
-"""Turn what the ranks gathered into an autoconf.profile.Profile (rank 0 only; no torch needed)."""
+"""Turn what the ranks gathered into an autoconf.specs.profile.Profile (rank 0 only; no torch needed)."""
 
 from __future__ import annotations
 
 import datetime
 import os
 import platform
+import shlex
+import sys
 
 from autoconf import __version__
-from autoconf.catalog import device_type
 from autoconf.errors import UserError
-from autoconf.profile import (PROFILE_VERSION, ActivationEntry, CollectiveEntry, GemmEntry, HostInfo, LayerTiming,
-                              OptimizerTiming, PipelineOverheadTiming, TpBlockTiming,
-                              LinkEntry, MemoryEntry, MemoryOverhead, ParameterEntry, Profile, Provenance,
-                              RankInfo)
-
-from .links import merge_collectives
+from autoconf.specs.devices import device_type
+from autoconf.specs.profile import (
+    PROFILE_VERSION,
+    ActivationEntry,
+    CollectiveEntry,
+    GemmEntry,
+    HostInfo,
+    LayerTiming,
+    LinkEntry,
+    MemoryEntry,
+    MemoryOverhead,
+    OptimizerTiming,
+    ParameterEntry,
+    PipelineOverheadTiming,
+    Profile,
+    Provenance,
+    RankInfo,
+    TpBlockTiming,
+)
+from profiler.links import merge_collectives
 
 
 def _peak(kind: str | None, dtype: str) -> float | None:
@@ -33,7 +48,6 @@ def assemble(args, model, everyone: list[dict], gathered: list[dict], backend: s
              elapsed_s: float) -> Profile:
     import torch
 
-    from .run import command_line
 
     ranks = tuple(RankInfo(**e["rank"]) for e in sorted(everyone, key=lambda e: e["rank"]["rank"]))
     hosts, seen = [], set()
@@ -102,3 +116,7 @@ def assemble(args, model, everyone: list[dict], gathered: list[dict], backend: s
         optimizer=tuple(OptimizerTiming(**x, device_kind=g["kind"]) for g in gathered for x in g.get("optimizer", ())),
         pipeline_overhead=tuple(PipelineOverheadTiming(**x) for x in gathered[0].get("pipeline", ())),
     )
+
+
+def command_line() -> str:
+    return os.environ.get("AUTOCONF_PROFILE_COMMAND") or " ".join(shlex.quote(a) for a in [sys.executable, "-m", "profiler"] + sys.argv[1:])

@@ -21,12 +21,12 @@ import tempfile
 
 from autoconf import procs
 from autoconf.errors import UserError
-from autoconf.launch import python_torchrun, torchrun_argv
+from autoconf.launch.shell import python_torchrun, torchrun_argv
 
 
 def add_profile_parser(subparsers) -> argparse.ArgumentParser:
     """Add the 'profile' subcommand; its handler is :func:`cmd_profile` (set as ``func``)."""
-    from .run import add_measure_args
+    from profiler.run import add_measure_args
 
     p = subparsers.add_parser("profile", help="measure the model and the links between ranks (launches torchrun)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,10 +111,9 @@ def launch_command(args) -> list[str]:
 
 def cmd_profile(args) -> int:
     """Validate the inputs here (fast, one-line errors), then run torchrun; its exit code is ours."""
-    from autoconf.model import load_model
-    from autoconf.outputs import check_file
-
-    from .run import STATUS_ENV, check_measure_args
+    from autoconf.files import check_file
+    from autoconf.specs.hf import load_model
+    from profiler.run import STATUS_ENV, check_measure_args
 
     model = load_model(args.model, seq_length=args.seq_length)
     check_measure_args(args, model)  # every flag the ranks read, here: one line, not a torchrun traceback

@@ -1,6 +1,6 @@
 """Compute and memory of one layer shard: forward/backward times, GEMM efficiency, saved bytes.
 
-Layers are built by ``autoconf.nn`` in local-width mode (``tp_group=None``): a tp-way shard at its
+Layers are built by ``autoconf.trainer.layers`` in local-width mode (``tp_group=None``): a tp-way shard at its
 local width, without collectives, which is exactly one tensor-parallel rank's compute. Timing is
 warm-up runs, then the median of ``repeats`` runs, with the interquartile range as the spread. On
 CPU each forward and backward is timed by the clock; on CUDA the passes run back to back between
@@ -22,8 +22,8 @@ from functools import lru_cache
 
 import torch
 
-from autoconf import nn as acnn
-from autoconf.model import ModelSpec
+from autoconf.specs.model import ModelSpec
+from autoconf.trainer import layers as acnn
 
 
 @dataclass(frozen=True)
@@ -309,9 +309,9 @@ def fp8_out_dtype(model_dtype: str, recipe: str, device) -> str:
 def time_fp8_gemm(m: int, n: int, k: int, recipe: str, out_dtype_name: str, device, repeats: int,
                   min_sample_s: float = 0.01) -> float:
     """Median seconds of one FP8 (m x k) @ (k x n) ``torch._scaled_mm`` on float8_e4m3fn operands
-    quantised beforehand (the casts are not timed), scaled per ``recipe`` as ``autoconf.fp8`` does:
+    quantised beforehand (the casts are not timed), scaled per ``recipe`` as ``autoconf.trainer.fp8`` does:
     tensorwise one fp32 scale per operand, rowwise (m, 1) and (1, n); A row-major, B column-major."""
-    from autoconf.fp8 import FWD_DTYPE, check_recipe, quantize
+    from autoconf.trainer.fp8 import FWD_DTYPE, check_recipe, quantize
 
     rowwise = check_recipe(recipe) == "rowwise"
     a = torch.randn(m, k, device=device)

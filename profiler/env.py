@@ -76,10 +76,10 @@ def host_info() -> dict:
 
 
 def rank_info(rank: int, local_rank: int, local_world_size: int) -> dict:
-    """This rank's device as the profile records it (see autoconf.profile.RankInfo)."""
+    """This rank's device as the profile records it (see autoconf.specs.profile.RankInfo)."""
     import torch
 
-    from autoconf.profile import catalog_kind
+    from autoconf.specs.profile import catalog_kind
 
     if torch.cuda.is_available():
         dev = torch.cuda.current_device()

@@ -9,7 +9,7 @@ see about half of it. In a
 pair (a, b) the direction a -> b is timed as a message of ``size`` bytes from a followed by a
 4-byte acknowledgement from b, repeated; then b -> a the same way. Per size the median of the
 repeats is kept, and t(size) = alpha' + size / beta is fit over the sizes
-(:func:`autoconf.profile.fit_alpha_beta`); the link's latency is alpha' / 2 (alpha' is one
+(:func:`autoconf.specs.profile.fit_alpha_beta`); the link's latency is alpha' / 2 (alpha' is one
 message latency each way).
 
 Collectives run for the whole world and for contiguous groups of each power-of-two size (the
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from autoconf.profile import busbw_factor, fit_alpha_beta
+from autoconf.specs.profile import busbw_factor, fit_alpha_beta
 
 P2P_SIZES = (4, 64, 1 << 10, 16 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
 P2P_SIZES_QUICK = (4, 4 << 10, 256 << 10, 4 << 20)

@@ -1,6 +1,6 @@
 """Saved-tensor accounting: how many activation bytes a module keeps for its backward pass.
 
-Two independent measurements, which agree on every block of autoconf.nn (tests/test_nn.py):
+Two independent measurements, which agree on every block of autoconf.trainer.layers (tests/test_nn.py):
 
 - ``saved_activation_bytes`` packs every tensor autograd saves (``saved_tensors_hooks``), takes its
   storage (``untyped_storage()``: views of one buffer count once, by ``data_ptr``), and sums the

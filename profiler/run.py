@@ -21,14 +21,13 @@ import contextlib
 import datetime
 import math
 import os
-import shlex
 import sys
 import tempfile
 import time
 import warnings
 
 from autoconf.errors import UserError
-from autoconf.model import load_model
+from autoconf.specs.hf import load_model
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -144,7 +143,7 @@ def run(args) -> int:
     import torch
     import torch.distributed as dist
 
-    from . import compute, env, links, report
+    from profiler import compute, env, links, report
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch")
     model = load_model(args.model, seq_length=args.seq_length)
@@ -272,7 +271,7 @@ def run(args) -> int:
         phases["collectives"] = time.perf_counter() - t_start
         pipe_rows = []
         if not args.skip_links and not links_only and world >= 2:
-            from . import pipeline_runtime
+            from profiler import pipeline_runtime
 
             t_pipe = bars.task("pipeline runtime (trivial stages)", len(pipeline_runtime.SCHEDULES))
             pipe_rows = pipeline_runtime.measure(device, repeats, advance=lambda n: bars.advance(t_pipe, n))
@@ -284,7 +283,7 @@ def run(args) -> int:
     failure = None  # rank 0: why the profile is not at --out
     dist.gather_object(mine_all, gathered, dst=0)
     if rank == 0:
-        from .assemble import assemble
+        from profiler.assemble import assemble
 
         profile = assemble(args, model, everyone, gathered, backend, split, repeats, time.perf_counter() - t_start)
         written, failure = save_or_fallback(profile, args.out)
@@ -315,7 +314,7 @@ def save_or_fallback(profile, out: str) -> tuple[str | None, str | None]:
     """Write the profile to ``out``; where that fails (a full disk, a directory gone or read-only),
     to a new file in the temporary directory instead, so the measurements are not lost. Returns
     (the path written or None, the one-line failure or None)."""
-    from autoconf.profile import save_profile
+    from autoconf.specs.profile import save_profile
 
     try:
         save_profile(profile, out)
@@ -339,9 +338,8 @@ def save_or_fallback(profile, out: str) -> tuple[str | None, str | None]:
 def _fp8_items(kind: str | None, gemms: list, notes: list) -> list[tuple]:
     """(m, n, k, recipe) of the FP8 GEMMs to time: the shapes of ``gemms`` that suit FP8
     (``compute.fp8_gemm_shapes``) in each recipe, where the catalog has an FP8 peak for ``kind``."""
-    from autoconf.catalog import device_type
-
-    from . import compute
+    from autoconf.specs.devices import device_type
+    from profiler import compute
 
     if not gemms:
         return []
@@ -359,7 +357,7 @@ def _time_fp8_gemms(items: list, model_dtype: str, device, repeats: int, notes: 
                     describe, advance) -> list[dict]:
     """Profile ``gemm`` rows of dtype ``fp8_<recipe>`` for ``items`` (``_fp8_items``); a shape and
     recipe that ``torch._scaled_mm`` refuses on this device is left out with a note."""
-    from . import compute
+    from profiler import compute
 
     rows, failed = [], {}
     outs = sorted({compute.fp8_out_dtype(model_dtype, r, device) for *_, r in items})
@@ -398,7 +396,7 @@ def _overhead(device) -> dict:
     """Memory one rank costs before any model tensor (see MemoryOverhead)."""
     import torch
 
-    from . import env
+    from profiler import env
 
     if device.type == "cuda":
         a = torch.randn(256, 256, device=device)
@@ -415,5 +413,3 @@ def _overhead(device) -> dict:
                       "excluded since all ranks of a host share them; RSS would count them once per rank"}
 
 
-def command_line() -> str:
-    return os.environ.get("AUTOCONF_PROFILE_COMMAND") or " ".join(shlex.quote(a) for a in [sys.executable, "-m", "profiler"] + sys.argv[1:])

@@ -10,7 +10,7 @@ attention, dropout, GeLU MLP (f = 4h), multi-head attention and 1-byte dropout m
     selective recompute      the 5*a*s/h term disappears (the attention core is recomputed)
     full recompute           2*s*b*h (2*s*b*h/t with sequence parallelism): the block's input
 
-Generalised here, term by term, to what autoconf.nn.Block really saves (measured with
+Generalised here, term by term, to what autoconf.trainer.layers.Block really saves (measured with
 profiler.memory, tests/test_nn.py, tests/test_hf_models.py): grouped-query attention, heads of
 any width (q = a x head width, h unless ``head_dim`` says otherwise), gated MLPs (SwiGLU, GeGLU),
 RMSNorm, parallel attention (one or two norms), fused (flash) attention, dropout 0, any precision,
@@ -25,12 +25,12 @@ keeps mean and 1/std at the activation's precision (fp32 on CUDA) -- ``norm_stat
 
 from __future__ import annotations
 
-from ..model import ModelSpec
+from autoconf.specs.model import ModelSpec
 
 RECOMPUTE = ("none", "selective", "full")
 INDEX_BYTES = 8  # int64 token ids / target indices
 LSE_BYTES = 4  # flash attention's logsumexp is fp32
-RMS_STAT_BYTES = 4  # autoconf.nn's RMSNorm keeps 1/rms in fp32 (as fused Apex / TE kernels do)
+RMS_STAT_BYTES = 4  # autoconf.trainer.layers's RMSNorm keeps 1/rms in fp32 (as fused Apex / TE kernels do)
 LOSS_BYTES = 4  # the cross entropy runs in fp32 and keeps the fp32 softmax
 
 
@@ -56,7 +56,7 @@ def _check(micro_batch_size: int, tp: int, recompute: str = "none") -> None:
 def mlp_hidden_rows(model: ModelSpec, fused_glu: bool = False) -> int:
     """f-wide tensors per token the MLP keeps for the backward: the up projection's output (the
     activation's input) and the activation's output (the down projection's input), 2; a gated MLP
-    run as eager operations (autoconf.nn, torchtitan, Megatron-DeepSpeed's ``swiglu``) keeps the
+    run as eager operations (autoconf.trainer.layers, torchtitan, Megatron-DeepSpeed's ``swiglu``) keeps the
     fused gate_up output (2f), act(gate) for the product's backward (f) and the product (f), 4;
     ``fused_glu``, one autograd function that saves only its 2f input (Megatron-LM's
     ``bias_swiglu_impl`` / ``bias_geglu_impl``, on unless ``--no-bias-swiglu-fusion``) and
@@ -145,7 +145,7 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
     ``fp8_inputs``: the linear layers keep their inputs for the backward in FP8, 1 byte per
     element (Transformer Engine): the qkv, projection, MLP and down-projection inputs.
     ``fp32_softmax``: eager attention's softmax runs in fp32 and keeps its fp32 output (Megatron's
-    fallback from its fused kernel, ``compute.fused_softmax_available``).
+    fallback from its fused kernel, ``cost.attention.fused_softmax_available``).
     ``fused_glu``: a gated MLP's activation is one autograd function keeping only its input
     (Megatron-LM; ``mlp_hidden_rows``).
     ``modules``: with "selective", what it recomputes (``config.RECOMPUTE_MODULES``; empty: the
@@ -226,7 +226,7 @@ def head_activation_parts(model: ModelSpec, micro_batch_size: int, tp: int = 1, 
                           mask_bytes: int = 1, norm_stat_bytes: int | None = None) -> dict[str, float]:
     """Bytes the last stage's head keeps: final norm, output projection input, fp32 softmax of the loss.
 
-    As autoconf.nn.Head with the vocab-parallel cross entropy (Megatron-LM's, in fp32): the norm's
+    As autoconf.trainer.layers.Head with the vocab-parallel cross entropy (Megatron-LM's, in fp32): the norm's
     input and statistics (sequence-sharded under SP), the projection's input (its shard under SP, the
     full sequence otherwise), the fp32 softmax over this rank's vocabulary shard (4*s*b*Vp/t, Vp the
     vocabulary padded to a multiple of t), the local target index (int64) and its mask (bool). The
@@ -264,7 +264,7 @@ def embedding_activation_parts(model: ModelSpec, micro_batch_size: int, tp: int 
                                sequence_parallel: bool = False, mask_bytes: int = 1) -> dict[str, float]:
     """Bytes the first stage's embedding keeps: the token indices of the lookup (int64, 8*s*b), and with
     tp > 1 the local indices instead plus the out-of-shard mask (bool, s*b). The embedding's output is
-    the first block's input and is counted there. No dropout after the embedding in autoconf.nn.
+    the first block's input and is counted there. No dropout after the embedding in autoconf.trainer.layers.
     """
     _check(micro_batch_size, tp)
     tok = model.seq_length * micro_batch_size

@@ -20,6 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autoconf.errors import UserError
+from autoconf.files import write_text
+from autoconf.specs.schema import Dict, Int, List, Num, Str, check_kind, parse_json, read_text
+
 TIME_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm", "bubble", "optimizer")
 MEMORY_TERMS = ("activations", "other")
 MODEL_STATE_PARTS = ("parameters", "gradients", "optimizer")
@@ -223,7 +227,6 @@ def save_calibration(calibration: Calibration, path: str) -> None:
     """Write atomically: a failure leaves the previous file (or none) and no temp file."""
     import json
 
-    from ..outputs import write_text
 
     write_text(path, json.dumps({"version": 1, **calibration.to_dict()}, indent=1))
 
@@ -234,7 +237,6 @@ what the non-negative fit gives a term the trials show no sign of, and are read 
 
 
 def calibration_schema():
-    from ..schema import Dict, Int, List, Num, Str
 
     factor = Num(0.0, MAX_FACTOR)
     return Dict(required={"factors": Dict(optional={k: factor for k in TIME_TERMS + MEMORY_TERMS},
@@ -248,8 +250,6 @@ def load_calibration(path: str) -> Calibration:
     """Read a calibration JSON written by :func:`save_calibration`; UserError if unreadable."""
     import os
 
-    from ..errors import UserError
-    from ..schema import check_kind, parse_json, read_text
 
     data = parse_json(read_text(path, "calibration file"), path, "calibration file", ("calibration",))
     check_kind(data, path, ("calibration",))

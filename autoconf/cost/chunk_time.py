@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ParallelConfig
-from .data_parallel import per_micro_batch_s
-from .layout import Layout
-from .system import System
-from .context_parallel import CpTimes
-from .tensor_parallel import TpTimes
+from autoconf.cost.context_parallel import CpTimes
+from autoconf.cost.data_parallel import per_micro_batch_s
+from autoconf.cost.layout import Layout
+from autoconf.cost.moe import a2a_exposed_s, a2a_times, block_for
+from autoconf.cost.system import System
+from autoconf.cost.tensor_parallel import TpTimes
+from autoconf.space.config import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -69,12 +70,12 @@ def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tu
     n_moe = lay.chunk_moe_layers[ci] if lay.chunk_moe_layers else 0
     best = None
     for kind in lay.stage_kinds[ci % c.pp]:
-        lt = system.block_for(kind, c)
+        lt = block_for(system, kind, c)
         n = nl - n_moe
         f, bw_, rc = n * lt.forward_s, n * lt.backward_s, n * lt.recompute_s
         hf, hb = n * lt.host_forward_s, n * lt.host_backward_s
         if n_moe:
-            mt = system.block_for(kind, c, moe=True)
+            mt = block_for(system, kind, c, moe=True)
             f, bw_, rc = f + n_moe * mt.forward_s, bw_ + n_moe * mt.backward_s, rc + n_moe * mt.recompute_s
             hf, hb = hf + n_moe * mt.host_forward_s, hb + n_moe * mt.host_backward_s
         edges = []
@@ -119,7 +120,6 @@ def chunk_times(system: System, c: ParallelConfig, lay: Layout, tpt: TpTimes, ru
     ``cpt``: context parallelism's exposed exchange per layer; a mixture of experts' all-to-alls
     per MoE block (``moe.a2a_exposed_s``: what the rank's paired passes leave exposed where
     ``ep_comm_overlap`` pairs them, else ``moe.a2a_times``)."""
-    from .moe import a2a_exposed_s, a2a_times
     moe = bool(lay.chunk_moe_layers) and any(lay.chunk_moe_layers)
     alone = a2a_times(system, c) if moe else (0.0, 0.0)
     a2a = {r: a2a_exposed_s(system, c, lay.stage_kinds[r], r, alone) for r in range(c.pp)} if moe else {}

@@ -34,34 +34,10 @@ reduce-scatter: the input), ``B`` the slowest link the algorithm crosses.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from ..topology import GroupLinks
-
-
-@dataclass(frozen=True)
-class CollectiveTuning:
-    """What a collective library adds to the links: a fixed cost per call and the fraction of each
-    tier's bandwidth it reaches. Neutral (0 s, 1.0, 1.0) is the bare alpha-beta model."""
-
-    base_latency_s: float = 0.0
-    """Fixed cost of one collective call (launch, set-up, handshake), on top of per-step latency."""
-    intra_efficiency: float = 1.0
-    """Bus bandwidth reached over the intra-node fabric, as a fraction of its link bandwidth."""
-    inter_efficiency: float = 1.0
-    """Bus bandwidth reached across hosts (NICs), as a fraction of their bandwidth."""
-    short_ring_loss: float = 0.0
-    """How much of ``intra_efficiency`` a short ring inside a host gives up: a ring of k members
-    there reaches ``intra_efficiency - short_ring_loss / k`` of the fabric. On an NVSwitch node a
-    2-GPU ring's large all-reduce reaches 0.67 of NVLink's rate and an 8-GPU ring 0.76 (nccl-tests,
-    8 x A100): fewer peers leave more of the switch's ports idle."""
-
-    def intra(self, local_members: int) -> float:
-        """Fraction of the intra-node fabric a collective with ``local_members`` per host reaches."""
-        return self.intra_efficiency - self.short_ring_loss / max(local_members, 1)
-
-
-NEUTRAL = CollectiveTuning()
+from autoconf.space.allreduce import inter_host_steps  # torch-free: the runtime's own choice
+from autoconf.specs.devices import NEUTRAL, CollectiveTuning
+from autoconf.specs.topology import GroupLinks
 
 
 def p2p_s(nbytes: float, bandwidth: float, latency: float, tune: CollectiveTuning = NEUTRAL,
@@ -102,7 +78,6 @@ def hierarchical_all_reduce_s(nbytes: float, g: GroupLinks, tune: CollectiveTuni
     k, hosts = g.local_size, g.num_hosts
     if hosts <= 1 or k <= 1:
         return ring_all_reduce_s(nbytes, g, tune)
-    from ..trainer.collectives import inter_host_steps  # torch-free: the runtime's own choice
     intra, inter = _intra(g, tune), g.inter_bandwidth_bytes_per_s * tune.inter_efficiency
     local = (k - 1) / k * nbytes / intra + (k - 1) * g.intra_latency_s
     how, steps = inter_host_steps(hosts, nbytes / k)

@@ -30,136 +30,17 @@ Three effects make small work slower than its FLOPs say:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable
 
-from ..catalog import DeviceType
-from ..model import ModelSpec
-
-
-@dataclass(frozen=True)
-class Roofline:
-    peak_flop_per_s: float
-    memory_bandwidth_bytes_per_s: float
-    gemm_efficiency: float
-    memory_efficiency: float
-    kernel_launch_s: float
-    gemm_eff: Callable | None = None
-    """Measured efficiency as a function of (m, n, k); None: the catalog's curve."""
-    sm_count: int = 0
-    """Streaming multiprocessors for wave quantization (0: none, e.g. CPU)."""
-    vector_flop_per_s: float = 0.0
-    """Non-tensor-core rate for element-wise math (0: not modelled)."""
-    attention_efficiency: tuple = ()
-    """(forward, backward) fraction of peak of fused attention; empty: the GEMM efficiency."""
-    unaligned_gemm_factor: float = 1.0
-    """Rate of a GEMM with a dimension that is not a multiple of 16 bytes, relative to an aligned
-    one (``aligned_gemm``); 1.0: no penalty (CPU)."""
-    special_function_per_s: float = 0.0
-    """Exponentials per second (``DeviceType.special_function_per_s``); 0: not modelled."""
-    memory_time: Callable | None = None
-    """Measured seconds of one memory-bound kernel moving x bytes, launch included (a profile's
-    ``memory`` curve, ``measured.memory_time``): caches make small kernels faster per byte than
-    DRAM / HBM streams, launches make the smallest slower. None: the catalog's bandwidth at its
-    efficiency plus a launch per kernel."""
-
-    @classmethod
-    def of(cls, dev: DeviceType, dtype: str, gemm_eff=None, memory_time=None) -> "Roofline":
-        att = dev.attention_efficiency or {}
-        return cls(dev.peak(dtype), dev.memory_bandwidth_bytes_per_s, dev.gemm_efficiency,
-                   dev.memory_efficiency, dev.kernel_launch_s, gemm_eff, dev.sm_count,
-                   dev.peak_flop_per_s.get("fp32", 0.0) if dev.sm_count else 0.0,
-                   (att["forward"], att["backward"]) if att else (),
-                   dev.unaligned_gemm_factor if dev.sm_count else 1.0, dev.special_function_per_s, memory_time)
-
-    def gemm(self, m: float, n: float, k: float, elem_bytes: int, batch: float = 1) -> float:
-        flops = 2.0 * m * n * k * batch
-        nbytes = (m * k + k * n + m * n) * elem_bytes * batch
-        eff = None
-        if self.gemm_eff is not None:
-            eff = self.gemm_eff(m, n, k)
-        if not eff:
-            eff = self.gemm_efficiency * tile_efficiency(m, n, k, batch, self.sm_count)
-            if not aligned_gemm(m, n, k, elem_bytes):
-                eff *= self.unaligned_gemm_factor
-        return max(flops / (self.peak_flop_per_s * eff),
-                   nbytes / (self.memory_bandwidth_bytes_per_s * self.memory_efficiency)) + self.kernel_launch_s
-
-    def elementwise(self, nbytes: float, kernels: int = 1, flops: float = 0.0) -> float:
-        """Memory-bound kernels moving ``nbytes``, or bound by ``flops`` of vector math. With a
-        measured ``memory_time`` each of the ``kernels`` moves an equal share at the measured time
-        for its size (launch included)."""
-        if self.memory_time is not None and nbytes > 0:
-            k = max(kernels, 1)
-            t = k * self.memory_time(nbytes / k)
-            return max(t, flops / self.vector_flop_per_s) if flops and self.vector_flop_per_s else t
-        t = nbytes / (self.memory_bandwidth_bytes_per_s * self.memory_efficiency)
-        if flops and self.vector_flop_per_s:
-            t = max(t, flops / self.vector_flop_per_s)
-        return t + kernels * self.kernel_launch_s
-
-
-def aligned_gemm(m: float, n: float, k: float, elem_bytes: float) -> bool:
-    """Whether every dimension of an (m x k) @ (k x n) GEMM is a multiple of 16 bytes of its
-    elements (8 for 16-bit, 16 for FP8). The weights' dimensions are leading dimensions of some
-    operand in the forward or a backward GEMM (the vocabulary projection's V is the output's in the
-    forward and an input's in both backward GEMMs; the token count, which is not, is a multiple of
-    8 in practice and is checked alike), and cuBLAS's fast tensor-core kernels load 16-byte vectors
-    (Hopper: TMA, which needs 16-byte aligned strides): an unaligned one falls back to slower
-    kernels. On an H100 a GPT-2 vocabulary (50257) projection ran at 94-151 TFLOP/s against
-    699-819 padded to 50264 (bench/gpu_host_device.py). Dimensions that are not whole numbers
-    (averages, such as a mixture of experts' rows per expert) count as aligned."""
-    vec = max(1, round(16 / elem_bytes))
-    return not any(float(x).is_integer() and int(x) % vec for x in (m, n, k))
-
-
-# (tile rows, tile columns, relative efficiency of the tile's main loop): the cuBLAS / CUTLASS
-# tensor-core tiles of Ampere and Hopper; smaller tiles re-read more operand data per FLOP.
-_TILES = ((256, 128, 1.0), (128, 256, 1.0), (128, 128, 0.92), (128, 64, 0.8), (64, 64, 0.65))
-_K_HALF = 64  # inner-dimension length at which prologue / epilogue cost as much as the main loop
-_REFERENCE = 8192  # a "large square GEMM": the catalog's gemm_efficiency is quoted for it
-
-
-def tile_efficiency(m: float, n: float, k: float, batch: float, sm_count: int) -> float:
-    """Fraction of a large GEMM's rate that an (m x k) @ (k x n) GEMM (``batch`` of them) reaches,
-    from tile and wave quantization over ``sm_count`` SMs and the inner dimension's length.
-    1.0 for the reference 8192^3 GEMM; 1.0 when ``sm_count`` is 0 (no SMs: CPU)."""
-    if sm_count <= 0:
-        return 1.0
-    return _raw_tile_efficiency(m, n, k, batch, sm_count) / _raw_tile_efficiency(
-        _REFERENCE, _REFERENCE, _REFERENCE, 1, sm_count)
-
-
-def _raw_tile_efficiency(m, n, k, batch, sm_count) -> float:
-    best = 0.0
-    for tm, tn, tile_eff in _TILES:
-        tiles = math.ceil(m / tm) * math.ceil(n / tn) * max(1, round(batch))
-        waves = math.ceil(tiles / sm_count)
-        useful = (m * n * max(1, round(batch))) / (waves * sm_count * tm * tn)
-        best = max(best, useful * tile_eff)
-    return best * k / (k + _K_HALF)
-
-
-@dataclass(frozen=True)
-class HostCost:
-    """Seconds the host needs to issue one operation: from Python in the forward (and recomputed
-    forward), from the autograd engine in the backward. From the framework model."""
-
-    forward_op_s: float = 0.0
-    backward_op_s: float = 0.0
-    dispatch_counts: bool = False
-    """Count the operations as the reference trainer's block dispatches them (``dispatch_op_counts``:
-    every ATen call, the backward's several per autograd node); else ``block_op_counts``' structural
-    count, one per forward op and one per autograd node."""
-    checkpoint_s: float = 0.0
-    """Host seconds of one checkpointed region (``torch.utils.checkpoint``: saving and restoring the
-    RNG states, the saved-tensor hooks, re-entering the region in the backward), forward and
-    backward together; charged once per block under selective or full recomputation."""
+from autoconf.cost.attention import attention_core_times
+from autoconf.cost.fp8 import Fp8, fp8_gemm, quantize_times
+from autoconf.cost.roofline import LayerTimes, Roofline
+from autoconf.specs.frameworks import HostCost
+from autoconf.specs.model import ModelSpec
 
 
 def dispatch_op_counts(model: ModelSpec, tp: int, sp: bool) -> tuple[int, int]:
-    """ATen operations ``autoconf.nn.Block`` dispatches in its forward and in its backward (views
+    """ATen operations ``autoconf.trainer.layers.Block`` dispatches in its forward and in its backward (views
     and the gradient accumulation into ``.grad`` included), counted under a ``TorchDispatchMode``
     (tests/test_host_cost.py recounts them on the real module): 32 and 57 for a block with
     LayerNorm, GeLU, no biases, learned positions, no dropout and fused attention; each feature
@@ -216,23 +97,23 @@ def block_op_counts(model: ModelSpec, tp: int, sp: bool) -> tuple[int, int]:
 
 def eager_elementwise_bytes(model: ModelSpec, T_rep: float, T: float, tp: int, mlp_tokens_f: float
                             ) -> tuple[float, float, int, int]:
-    """Bytes and kernels that ``autoconf.nn.Block``'s eager element-wise code moves beyond the fused
+    """Bytes and kernels that ``autoconf.trainer.layers.Block``'s eager element-wise code moves beyond the fused
     kernels :func:`block_times` prices by default (forward extra, backward extra, forward kernels,
     backward kernels), tallied op by op from the code (read + write of every operand; per-token
     vectors such as 1/rms are negligible). ``e`` is the model's element size, fp32 is 4 bytes.
 
-    - RMSNorm (``_RMSNormFn``), per element of each norm's input: forward cast to fp32 (e + 4),
+    - RMSNorm (``RMSNormFn``), per element of each norm's input: forward cast to fp32 (e + 4),
       square (8), mean (4), scale by 1/rms (8), cast back (4 + e), times the weight (2e), against a
       fused kernel's 2e; backward (recompute x-hat: cast and scale, 4 + e + 8; cast the gradient,
       4 + e; g * x-hat, 12; its sum over tokens, 4; g * w, 8; (g w) * x-hat, 12; its mean, 4; x-hat
       times it, 8; the difference, 12; times 1/rms, 8; cast back, 4 + e) against 4e. Without a cast
       (fp32 models) the casts' kernels and bytes drop out.
-    - Rotary embedding (``_rope``) on Q and K, per rotated element: x cos (2e), the negated half
+    - Rotary embedding (``rope``) on Q and K, per rotated element: x cos (2e), the negated half
       (e), the concatenation (2e), x sin (2e), the sum (3e): 10e against 2e, and as many in the
       backward (the same products, the concatenation's split and the two gradients' sum) against
       4e; V is copied to a contiguous tensor (2e forward). Partial rotary concatenates the rotated
       part with the rest (2e per head element), and its backward zero-fills each slice's gradient to
-      full width and adds the two (6e). Not under multi-head latent attention (not in autoconf.nn).
+      full width and adds the two (6e). Not under multi-head latent attention (not in autoconf.trainer.layers).
     - Gated MLP: the activation (2e) and the product (3e) on views of the first linear's output,
       against 3e; backward: the product's two gradients (6e), the activation's (3e), and the two
       halves' concatenation into the linear's output gradient (4e per element of each half),
@@ -276,106 +157,6 @@ def eager_elementwise_bytes(model: ModelSpec, T_rep: float, T: float, tp: int, m
     return xf, xb, kf, kb
 
 
-@dataclass(frozen=True)
-class LayerTimes:
-    forward_s: float
-    backward_s: float
-    """Backward including any recomputed forward."""
-    recompute_s: float = 0.0
-    """The part of backward_s that is recomputation (reported separately)."""
-    host_forward_s: float = 0.0
-    """Seconds the host needs to issue the forward's operations (0: not modelled)."""
-    host_backward_s: float = 0.0
-    """Seconds the host needs to issue the backward's (and the recomputed forward's)."""
-
-
-@dataclass(frozen=True)
-class Fp8:
-    """How a block's linear layers run their GEMMs in FP8 (``config.ParallelConfig.precision``).
-
-    ``rf``: the roofline at the device's FP8 rate (MXFP8 on Blackwell) with its own efficiency.
-    Every quantised operand is first scaled and cast (memory-bound kernels, :data:`QUANT_BYTES`):
-    the input X and weight W of each linear in the forward, the output gradient dY in the backward
-    (and X again along the other axis where the recipe needs it). ``host_ops``: the operations the
-    framework issues from Python per linear for that (forward, backward).
-    """
-
-    rf: Roofline
-    recipe: str = "tensorwise"
-    host_ops: tuple = (0, 0)
-    recast: bool = False
-    """The backward casts X and W again (transposed) from the high-precision tensors it kept
-    (torchao, the reference trainer), instead of using transposed FP8 copies written in the
-    forward (Transformer Engine's cast-transpose)."""
-    eager: bool = False
-    """Every operand is quantised by eager torch operations, its amax recomputed before each GEMM
-    (``autoconf.fp8``, the reference trainer): :data:`EAGER_QUANT_BYTES` per element and
-    :data:`EAGER_QUANT_KERNELS` kernels, plus the layout copies cuBLASLt's TN-only FP8 kernels force,
-    in place of the fused kernels of :data:`QUANT_BYTES`."""
-
-
-# Bytes moved per element quantised (read the 16-bit source, write 1-byte FP8 copies), by recipe:
-# (X or W in the forward, dY in the backward, X again in the backward). tensorwise (current
-# scaling): an amax pass (read 2) then a fused cast + transpose (read 2, write 1 + 1: Hopper's FP8
-# tensor cores take only the TN layout, so the wgrad GEMM needs the transposed copy; Transformer
-# Engine's cast_transpose). delayed: the amax comes from the history, computed inside the cast
-# (read 2, write 2). rowwise (torchao): amax per row then cast (read 2 + 2, write 1), and in the
-# backward X and dY are cast again along the other axis. mxfp8: one pass writes both layouts with
-# an E8M0 scale per 32 elements (read 2, write 2 + 2/32).
-QUANT_BYTES = {"tensorwise": (6.0, 6.0, 0.0), "delayed": (4.0, 4.0, 0.0), "rowwise": (5.0, 10.0, 5.0),
-               "mxfp8": (4.0625, 4.0625, 0.0)}
-QUANT_KERNELS = {"tensorwise": (2, 2, 0), "delayed": (1, 1, 0), "rowwise": (2, 4, 2), "mxfp8": (1, 1, 0)}
-
-
-EAGER_QUANT_BYTES = 39.0
-"""Bytes ``autoconf.fp8.quantize`` moves per element of a 16-bit operand, either recipe: the fp32
-copy (2 + 4), abs (4 + 4), amax (4), divide by the scale (4 + 4), clamp (4 + 4), cast to FP8
-(4 + 1); tests/test_eager_elementwise.py tallies the dispatched operations. On an H100 the
-reference trainer's FP8 steps of a Llama-3-8B-shaped model took 1.7-2.1x its bf16 steps
-(bench/data/h100-2026-11-24/llama3-8l-fp8.json): the quantisation outweighs the faster GEMMs."""
-EAGER_QUANT_KERNELS = 8
-"""Kernels per quantised operand: cast, abs, amax, the scale's clamp and division, the operand's
-division, clamp, cast."""
-
-
-def fp8_gemm(rf: Roofline, m: float, n: float, k: float) -> float:
-    """One FP8 GEMM: 1-byte operands, 16-bit output."""
-    flops = 2.0 * m * n * k
-    eff = rf.gemm_eff(m, n, k) if rf.gemm_eff is not None else None
-    eff = eff or rf.gemm_efficiency * tile_efficiency(m, n, k, 1, rf.sm_count)
-    nbytes = m * k + k * n + 2 * m * n
-    return max(flops / (rf.peak_flop_per_s * eff),
-               nbytes / (rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency)) + rf.kernel_launch_s
-
-
-def quantize_times(gemms, fp8: Fp8, rf: Roofline, compiled: bool = False) -> tuple[float, float]:
-    """(forward, backward) seconds of the FP8 scaling and casting kernels of a block's linears
-    (``gemms``: their (m, n, k)), memory-bound at ``rf``'s bandwidth. Compiled (torch.compile),
-    the cast of an input produced by an element-wise kernel (the norms' outputs, the activation's)
-    is fused into it: only the FP8 writes remain (half the forward bytes of X), and no launch."""
-    if fp8.eager:
-        # forward: X and W; backward: dY twice (dgrad, then transposed for wgrad), W and X again;
-        # copies to the layouts _scaled_mm takes: W for dgrad, dY^T and X for wgrad (1 + 1 bytes)
-        q, qk = EAGER_QUANT_BYTES, EAGER_QUANT_KERNELS
-        fwd_bytes = sum((m * k + k * n) * q for m, n, k in gemms)
-        bwd_bytes = sum((2 * m * n + k * n + m * k) * q + 2.0 * (k * n + m * n + m * k) for m, n, k in gemms)
-        return (rf.elementwise(fwd_bytes, 2 * qk * len(gemms)),
-                rf.elementwise(bwd_bytes, (4 * qk + 3) * len(gemms)))
-    xb, dyb, xrb = QUANT_BYTES[fp8.recipe]
-    xk, dyk, xrk = QUANT_KERNELS[fp8.recipe]
-    if fp8.recast and fp8.recipe in ("tensorwise", "delayed"):
-        # no transposed copy in the forward (one write less); the backward casts X and W again
-        # along the other axis with the forward's scales (read 2, write 1)
-        xb, xrb, xrk = xb - 1.0, 3.0, 1
-    fwd_bytes = bwd_bytes = 0.0
-    kf = kb = 0
-    for i, (m, n, k) in enumerate(gemms):
-        fused = compiled and i != 1  # qkv (norm), fc1 (norm), fc2 (activation); not the projection
-        fwd_bytes += m * k * (xb / 2 if fused else xb) + k * n * xb
-        kf += (0 if fused else xk) + xk
-        bwd_bytes += m * n * dyb + m * k * xrb + (k * n * xrb if fp8.recast else 0.0)
-        kb += dyk + xrk * (2 if fp8.recast else 1)
-    return rf.elementwise(fwd_bytes, kf), rf.elementwise(bwd_bytes, kb)
 
 
 @dataclass(frozen=True)
@@ -397,163 +178,6 @@ class Moe:
     etp: int = 0
     """The experts' tensor-parallel split (0: tp; 1: whole experts on every tp rank)."""
 
-
-def windowed_blocks(model: ModelSpec) -> tuple[float, float]:
-    """(share of the blocks that attend over a sliding window, a windowed block's work relative to
-    full causal attention): (0, 1) without windows; a windowed block (window w < s) computes
-    s x w - w^2 / 2 query-key pairs against the causal s^2 / 2."""
-    if model.sliding_window is None or model.sliding_window >= model.seq_length:
-        return 0.0, 1.0
-    s, w = model.seq_length, model.sliding_window
-    return model.num_windowed_layers / model.num_layers, (s * w - w * w / 2) / (s * s / 2)
-
-
-def window_work(model: ModelSpec) -> float:
-    """The attention core's work per block relative to full causal attention, averaged over the
-    blocks (:func:`windowed_blocks`): 1 without sliding windows."""
-    share, frac = windowed_blocks(model)
-    return (1.0 - share) + share * frac
-
-
-ATTENTION_KEY_TILE = 128
-"""Keys per tile of the fused attention kernels (FlashAttention-2 and cuDNN's on A100 / Hopper)."""
-ATTENTION_TILE_OVERHEAD = (1.1, 3.15)
-"""Fixed work per query tile of fused attention (loading the queries, the final rescale and
-store; in the backward also the keys' and values' gradients and the dot(dO, O) pass), in units of
-one key tile's work, forward and backward. Fitted jointly over sequence lengths 512-16384
-of two kernel families (cuDNN's and FlashAttention-2), head dims 64 and 128,
-multi-head and grouped-query, on an H100 (bench/gpu_kernels.py: 34 points over 6 lengths): 3.2% /
-2.7% rms pooled, at most 5.1% for one curve, once each curve has its own long-sequence rate."""
-
-
-def attention_shape_efficiency(rf: "Roofline", eff_f: float, eff_b: float, head_dim: float, keys: float,
-                               window: float | None = None) -> tuple[float, float]:
-    """The fused attention kernel's fraction of peak at this shape, from its long-sequence rate at
-    head dim 128 (``eff_f``, ``eff_b``, the catalog's ``attention_efficiency``):
-
-    - tiles: each query tile of a causal pass computes the key tiles it sees, the diagonal one in
-      full (half of it masked), plus a fixed overhead (``ATTENTION_TILE_OVERHEAD``). Over s keys,
-      with n = s / 128 key tiles, the useful fraction is n / (n + 1 + 2 c0); under a sliding window
-      of w keys each query tile sees w / 128 useful tiles and about one masked at the band's edges:
-      (w / 128) / (w / 128 + 1 + c0).
-    - head dim: the softmax costs one exponential per score forward and two backward (recomputed
-      probabilities and their gradient) on the special-function units, against 4 d and 10 d
-      tensor-core FLOPs per score; a smaller d leaves more of the time there:
-      1 / eff(d) = 1 / eff(128) + peak / X * (k / (F d) - k / (F 128)), k = 1 and 2, F = 4 and 10.
-      On an H100 this predicts 0.49 and 0.43 at head dim 64 from 0.63 and 0.52 (measured 0.47, 0.43).
-      Head dims above 128 keep the catalog's rate (not measured).
-
-    The tile constants were measured on an H100 only; the A100's FlashAttention-2 takes the same
-    (its long-sequence rate is Dao's).
-    """
-    out = []
-    for eff, c0, k, F in ((eff_f, ATTENTION_TILE_OVERHEAD[0], 1, 4), (eff_b, ATTENTION_TILE_OVERHEAD[1], 2, 10)):
-        if rf.special_function_per_s and 0 < head_dim < 128:  # above 128: not measured, no gain taken
-            ratio = rf.peak_flop_per_s / rf.special_function_per_s
-            eff = 1.0 / max(1e-9, 1.0 / eff + ratio * (k / (F * head_dim) - k / (F * 128.0)))
-        if window is not None and window < keys:
-            n = window / ATTENTION_KEY_TILE
-            eff *= n / (n + 1 + c0)
-        else:
-            n = keys / ATTENTION_KEY_TILE
-            eff *= n / (n + 1 + 2 * c0)
-        out.append(eff)
-    return out[0], out[1]
-
-
-def fused_softmax_available(b: int, heads: float, s_q: float, s_k: float) -> bool:
-    """Whether Megatron's fused causal scale-mask-softmax kernel takes attention scores of ``b``
-    sequences x ``heads`` local heads x ``s_q`` queries x ``s_k`` keys
-    (``FusedScaleMaskSoftmax.is_kernel_available`` in Megatron-LM, Megatron-DeepSpeed and
-    megatron-core's local attention): keys in (16, 4096], both lengths multiples of 4, and the
-    attention batches (b x heads) a multiple of 4 and of the kernel's batches per block (128 threads
-    of warps as wide as the keys' next power of two up to 32, each warp taking 2 rows up to 128
-    keys, else 1: 8 for keys up to 128, 4 above). Elsewhere Megatron runs torch's softmax in fp32."""
-    batches = b * heads
-    if not (16 < s_k <= 4096 and s_q % 4 == 0 and s_k % 4 == 0 and batches == int(batches) and batches % 4 == 0):
-        return False
-    pow2 = 1 << max(0, math.ceil(math.log2(s_k)))
-    per_block = (128 // min(pow2, 32)) * (2 if pow2 <= 128 else 1)
-    return batches % per_block == 0
-
-
-UNFUSED_SOFTMAX_BYTES = (33, 37)
-"""Bytes per attention score that Megatron's unfused softmax moves beyond twice the model's element
-size e (``attention_core_times``), forward and backward. Forward: cast to fp32 (read e, write 4),
-scale (4 + 4), mask fill (4 + 4, the mask 1), softmax (4 + 4), cast back (4, write e). Backward:
-the cast's (read e, write 4), the softmax's (read the gradient and the saved output, write: 12),
-the mask fill's (4 + 4, the mask 1), the scale's (4 + 4), the first cast's (4, write e). Megatron-
-DeepSpeed and Megatron-LM with query-key layer scaling (their old default) run all five; without
-it, megatron-core skips the scale (8 bytes and one kernel less each way, not modelled)."""
-FUSED_SOFTMAX_BYTES = (2, 3)
-"""Multiples of e the fused kernel moves per score: read the scores, write the probabilities;
-backward read the gradient and the probabilities, write the gradient."""
-
-
-def attention_core_times(model: ModelSpec, b: int, tp: int, rf: Roofline, cp: int = 1,
-                         ring_math: bool = False, unfused_softmax: bool = False) -> tuple[float, float]:
-    """(forward, backward) seconds of one block's attention core on a rank: its heads (a/tp), its
-    s/cp queries against the keys they see (``block_times`` explains the context-parallel split),
-    the partial outputs merged where cp > 1. ``ring_math``: with cp > 1 the ring's blocks run as
-    explicit tensor operations (scores, softmax, weighted sum; the reference trainer's
-    ``ring_attention``), recomputed in the backward, whatever the model's attention kind.
-    ``unfused_softmax``: eager attention's softmax runs as torch's five fp32 kernels
-    (:data:`UNFUSED_SOFTMAX_BYTES`; Megatron where its fused kernel does not take the shape)."""
-    if ring_math and cp > 1 and model.attention == "flash":
-        import dataclasses
-        f, b_ = attention_core_times(dataclasses.replace(model, attention="eager", dropout=0.0), b, tp, rf, cp)
-        return f, b_ + f
-    s, q, B, a = model.seq_length, model.q_size, model.dtype_bytes, model.num_attention_heads
-    k_w, v_w, out_w = model.k_size, model.v_size, model.attn_out_size
-    s_loc = s / cp
-    T = b * s_loc
-    heads = a / tp
-    calls = 1 if cp == 1 else cp  # ring attention: one call per key/value chunk
-    if model.attention == "flash":
-        # causal blocks skipped; scores over the Q/K width, the weighted sum over V's (they differ
-        # under multi-head latent attention); windowed blocks see fewer keys (window_work)
-        full = 2.0 * b * s * s * (q + out_w) / tp * 0.5 / cp
-        io = (T * (q + k_w + v_w) / tp + T * out_w / tp) * B
-        mem = io / (rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency)
-        # the windowed layers' share of the blocks and their work relative to a full causal layer
-        # (window_work averages the two over the blocks): each kind at its own kernel efficiency
-        windowed, w_frac = windowed_blocks(model)
-        att_f = att_b = calls * rf.kernel_launch_s
-        for share, flops, window in ((1.0 - windowed, full, None), (windowed, full * w_frac, model.sliding_window)):
-            if share <= 0:
-                continue
-            eff_f, eff_b = rf.attention_efficiency or (rf.gemm_efficiency, rf.gemm_efficiency)
-            if rf.sm_count:  # a GPU's fused kernel: its tiles and softmax at this shape
-                eff_f, eff_b = attention_shape_efficiency(rf, eff_f, eff_b,
-                                                          (q + out_w) / (2 * model.num_attention_heads),
-                                                          s_loc if cp > 1 else s, window)
-            if rf.gemm_eff is not None:  # a profile measured this device: scale by its large-GEMM rate
-                eff_f, eff_b = (e * (rf.gemm_eff(8192, 8192, 8192) or rf.gemm_efficiency) / rf.gemm_efficiency
-                                for e in (eff_f, eff_b))
-            att_f += share * max(flops / (rf.peak_flop_per_s * eff_f), mem)
-            att_b += share * max(2.5 * flops / (rf.peak_flop_per_s * eff_b), 2.5 * mem)
-    else:
-        # each query chunk against the key chunks it sees: at cp > 1 the rank's two of 2cp chunks
-        # (i and 2cp-1-i) attend over i+1 and 2cp-i chunks, blocks wholly above the diagonal
-        # skipped: (2cp+1) blocks of (s/2cp)^2 scores per head; at cp = 1 all s x s are computed
-        s_kv = s if cp == 1 else s / 2 + s_loc / 4
-        s_kv *= window_work(model)
-        bmm = 2 * rf.gemm(s_loc, s_kv, model.head_size, B, batch=b * heads)
-        probs = b * heads * s_loc * s_kv * B
-        drop = 2 if model.dropout > 0 else 0
-        # scale, mask, max, exp, sum, divide: ~6 vector FLOPs per score (softmax backward ~4)
-        att_f = bmm + rf.elementwise(probs * (3 + drop), kernels=calls * (2 + drop // 2), flops=6 * probs / B)
-        att_b = 2 * bmm + rf.elementwise(probs * (4 + drop), kernels=calls * (2 + drop // 2), flops=4 * probs / B)
-        if unfused_softmax:  # torch's fp32 path instead of the one fused kernel, forward and backward
-            (uf, ub), (ff, fb) = UNFUSED_SOFTMAX_BYTES, FUSED_SOFTMAX_BYTES
-            scores = probs / B
-            att_f += rf.elementwise(scores * (uf + 2 * B) - probs * ff, kernels=calls * 4)
-            att_b += rf.elementwise(scores * (ub + 2 * B) - probs * fb, kernels=calls * 4)
-    if cp > 1:  # merge each chunk's partial output: read and write the fp32 output and its lse
-        merge = (cp - 1) * T * q / tp * 4 * 2
-        att_f += rf.elementwise(merge, kernels=2 * (cp - 1))
-        att_b += rf.elementwise(merge, kernels=2 * (cp - 1))
-    return att_f, att_b
 
 
 BF16_OPTIMIZER_UPDATE = (8.0, 1)
@@ -621,7 +245,7 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     all-to-alls are priced in ``cost.moe``. ``unfused_softmax``: eager attention's softmax as
     torch's fp32 kernels, four more forward operations and four more backward nodes than the fused
     kernel (``attention_core_times``). ``eager_elementwise``: the norms, rotary embedding, gated
-    activation and QKV split run as ``autoconf.nn``'s eager torch operations
+    activation and QKV split run as ``autoconf.trainer.layers``'s eager torch operations
     (:func:`eager_elementwise_bytes`), not as fused kernels (the reference trainer; not under
     ``compiled``). ``grad_accumulation``: each backward adds the block's weight gradients into the
     ones accumulated so far with a separate kernel per parameter (eager torch's ``.grad``
@@ -786,7 +410,7 @@ EDGE_OPS = {"embedding": (5, 4), "head": (14, 8)}
 
 
 DISPATCH_EDGE_OPS = {"embedding": (3, 6), "head": (24, 22)}
-"""As ``EDGE_OPS``, counted as ``dispatch_op_counts`` on ``autoconf.nn``'s Embedding and Head."""
+"""As ``EDGE_OPS``, counted as ``dispatch_op_counts`` on ``autoconf.trainer.layers``'s Embedding and Head."""
 
 
 def with_host(t: LayerTimes, which: str, host: HostCost | None) -> LayerTimes:

@@ -3,7 +3,7 @@
 With the load-balanced causal split (Megatron-LM / Transformer Engine, torch's
 ``context_parallel``; Liu et al., "Ring Attention", arXiv 2310.01889; Brandon et al., "Striped
 Attention", arXiv 2311.09431) each of the cp ranks holds two of 2 x cp sequence chunks, so every
-rank has 1/cp of the causal attention work (``compute.attention_core_times``) and of every other
+rank has 1/cp of the causal attention work (``cost.attention.attention_core_times``) and of every other
 layer's tokens. What attention needs from the others are their keys and values; the frameworks
 move them in one of two ways (``Framework.cp_comm``):
 
@@ -19,7 +19,7 @@ move them in one of two ways (``Framework.cp_comm``):
   backward only).
 
 Bytes per rank and layer: its s/cp tokens x (K and V: 2 x kv width / tp) x the activation's bytes.
-The links are those of the configuration's cp groups (``tensor_parallel.axis_links``), at the
+The links are those of the configuration's cp groups (``cost.groups.axis_links``), at the
 collective library's efficiency.
 """
 
@@ -27,11 +27,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ParallelConfig
-from . import comm
-from .compute import attention_core_times
-from .system import System
-from .tensor_parallel import axis_links, collective_s
+from autoconf.cost import comm
+from autoconf.cost.attention import attention_core_times
+from autoconf.cost.groups import axis_links, collective_s
+from autoconf.cost.system import System
+from autoconf.space.config import ParallelConfig
 
 
 @dataclass(frozen=True)

@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import math
 
-from ..config import ParallelConfig
-from . import comm
-from .compression import dp_compressed, exact_dp_links, powersgd_reduction_s
-from .layout import Layout
-from .memory import BUCKET_BYTES
-from .system import System
-from .tensor_parallel import axis_links, collective_s
-
-
-def grad_group(c: ParallelConfig) -> tuple:
-    """(ranks, axis) of the groups that reduce gradients and shard ZeRO's state together: the
-    data-parallel ranks, times the context-parallel ones (they hold the same parameters and
-    different tokens: Megatron-LM's and torchtitan's gradient groups are dp x cp)."""
-    return c.dp * c.cp, (("cp", "dp") if c.cp > 1 else "dp")
+from autoconf.cost import comm
+from autoconf.cost.groups import (
+    all_reduce_algorithms,
+    axis_links,
+    collective_s,
+    grad_group,
+    reduction_collective,
+    tied_params,
+)
+from autoconf.cost.layout import Layout
+from autoconf.cost.memory import BUCKET_BYTES
+from autoconf.cost.powersgd import dp_compressed, exact_dp_links, powersgd_reduction_s
+from autoconf.cost.system import System
+from autoconf.space.config import ParallelConfig
 
 
 def bucket_traffic(c: ParallelConfig) -> float:
@@ -47,37 +47,8 @@ def bucket_traffic(c: ParallelConfig) -> float:
     return 2.0 + (3.0 if c.zero_stage == 2 else 2.0) / grad_group(c)[0]
 
 
-def reduction_collective(zero_stage: int):
-    """The collective that reduces the step's gradients in this model: an all-reduce for ZeRO-0,
-    a reduce-scatter for ZeRO-1/2/3 (the ZeRO paper's volume). The reference trainer's ZeRO-1
-    all-reduces instead (and then broadcasts from the owners): the model does not follow it there."""
-    return comm.all_reduce_s if zero_stage == 0 else comm.reduce_scatter_s
 
-
-def all_reduce_algorithms(system: System, c: ParallelConfig, fn):
-    """For an all-reduce ``fn``, a function of a dp group's links giving the algorithms the
-    framework's runtime really runs there (``Framework.dp_all_reduce_algorithms``: the reference
-    trainer's gloo ring, its hierarchical all-reduce where ``dp_all_reduce`` asks and the hosts
-    split evenly, NCCL's ring or tree); None for the other collectives."""
-    if fn is not comm.all_reduce_s:
-        return None
-    fw, gloo = system.framework, system.gloo
-    return lambda g: fw.dp_all_reduce_algorithms(c, g, gloo)
-
-
-def tied_params(system: System, c: ParallelConfig, ci: int) -> float:
-    """Parameters of chunk ``ci`` that are a copy of the tied embedding (its first and last chunk,
-    pp > 1) where the framework sums them over the two stages and then reduces them after the
-    pipeline (``Framework.tied_sync_after_pipeline``, ``compression.embedding_sync_s``), not with
-    the chunk's buckets; 0 elsewhere."""
-    m = system.model
-    if (not m.tied_embeddings or c.pp == 1 or ci not in (0, c.num_chunks - 1)
-            or not system.framework.tied_sync_after_pipeline):
-        return 0.0
-    return -(-m.vocab_size // c.tp) * m.hidden_size
-
-
-def _reduction(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds, dev: int = 0) -> float:
+def dp_reduction_s(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds, dev: int = 0) -> float:
     """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic (PowerSGD's
     three all-reduces per bucket where pipeline rank ``dev`` compresses its gradients)."""
     g_bytes = system.grad_bytes
@@ -193,7 +164,7 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
         t_free = 0.0
         spans = []
         for ci in sorted(lay.chunks_of(c, dev), key=lambda ci: ends[ci]):
-            t = _reduction(system, c, lay, red, ci, lay.stage_kinds[dev], dev)
+            t = dp_reduction_s(system, c, lay, red, ci, lay.stage_kinds[dev], dev)
             if dp_compressed(c, dev):  # one bucket per chunk (the trainer's PowerSGD), once it is final
                 start = max(t_free, ends[ci] if lay.overlap_grad_reduce else makespan)
                 t_free = start + t

@@ -23,18 +23,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ParallelConfig, validate
-from ..errors import UserError
-from ..model import ModelSpec
-from .chunk_time import ChunkTimes, chunk_times, optimizer_step_s
-from .compression import embedding_sync_s, pipeline_compression
-from .context_parallel import cp_times
-from .data_parallel import post_all_gather_s, reduction_tail_s
-from .layout import Layout, layout
-from .schedule_time import chunk_p2p_times, pipeline_floor, posted_receives, sharing, simulate_step
-from .stage_memory import StageMemory, stage_memory
-from .system import System
-from .tensor_parallel import tp_times
+from autoconf.cost.chunk_time import ChunkTimes, chunk_times, optimizer_step_s
+from autoconf.cost.compression import embedding_sync_s, pipeline_compression
+from autoconf.cost.context_parallel import cp_times
+from autoconf.cost.data_parallel import post_all_gather_s, reduction_tail_s
+from autoconf.cost.groups import axis_links
+from autoconf.cost.layout import Layout, layout
+from autoconf.cost.schedule_time import chunk_p2p_times, pipeline_floor, posted_receives, sharing, simulate_step
+from autoconf.cost.stage_memory import StageMemory, stage_memory
+from autoconf.cost.system import System
+from autoconf.cost.tensor_parallel import tp_times
+from autoconf.errors import UserError
+from autoconf.space.config import ParallelConfig, validate
+from autoconf.specs.frameworks import hierarchical_runs
+from autoconf.specs.model import ModelSpec
 
 __all__ = ["Estimate", "StageMemory", "System", "TIME_TERMS", "MEMORY_TERMS", "estimate"]
 
@@ -88,10 +90,10 @@ def estimate(config: ParallelConfig, model: ModelSpec, cluster=None, profile=Non
     if config.world_size > ctx.num_devices:
         raise UserError(f"dp({config.dp}) x pp({config.pp}) x tp({config.tp}) = {config.world_size} devices, "
                         f"but the cluster has {ctx.num_devices}")
-    return _estimate(config, ctx)
+    return estimate_on(config, ctx)
 
 
-def _estimate(c: ParallelConfig, ctx: System, bound: float | None = None,
+def estimate_on(c: ParallelConfig, ctx: System, bound: float | None = None,
               time_if_oom: bool = True) -> Estimate | None:
     """The estimate; with ``bound``, None as soon as a lower bound on the step time reaches it;
     with ``time_if_oom=False``, a configuration that does not fit gets memory only (step time inf)."""
@@ -191,8 +193,6 @@ def _finish(c: ParallelConfig, ctx: System, breakdown: dict, memory: list, step:
         notes.append("dp_all_reduce=hierarchical with ZeRO-1: the reference trainer all-reduces hierarchically, but "
                      "this estimate prices ZeRO-1's reduction as a reduce-scatter, as for flat")
     if c.dp_all_reduce == "hierarchical":
-        from ..frameworks import hierarchical_runs
-        from .tensor_parallel import axis_links
         flat = [g for g in axis_links(ctx, c, "dp") if not hierarchical_runs(g)]
         if flat:
             notes.append("dp_all_reduce=hierarchical: a data-parallel group "

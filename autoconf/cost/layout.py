@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ParallelConfig
-from ..placement import Placement
-from .system import System
-from .tensor_parallel import stage_devices
+from autoconf.cost.groups import stage_devices
+from autoconf.cost.system import System
+from autoconf.space.config import ParallelConfig
+from autoconf.space.placement import Placement
 
 
 @dataclass(frozen=True)

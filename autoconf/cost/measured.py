@@ -4,7 +4,7 @@ Every function is pure (no torch, no I/O) and returns None when the profile has 
 so the caller can fall back to the catalog and the formulas. The rules:
 
 - **Layer times** (:func:`block_times`, :func:`embedding_times`, :func:`head_times`) apply only when
-  the profile's model has the same layer shapes (``autoconf.profile.COMPUTE_FIELDS``; the layer
+  the profile's model has the same layer shapes (``autoconf.specs.profile.COMPUTE_FIELDS``; the layer
   count and the name may differ). Over micro-batch size, time is affine in tokens: interpolate
   linearly between the measured sizes, extrapolate along the nearest two, or proportionally from
   a single size (and whenever the affine line would go non-positive). For a tp that was not
@@ -26,13 +26,15 @@ from __future__ import annotations
 import math
 import statistics
 
-from ..catalog import device_type
-from ..errors import UserError
-from ..model import ModelSpec
-from ..profile import Profile, compute_matches
+from autoconf.cost import activations as A
+from autoconf.cost.roofline import aligned_gemm
+from autoconf.errors import UserError
+from autoconf.specs.devices import device_type
+from autoconf.specs.model import ModelSpec
+from autoconf.specs.profile import Profile, compute_matches
 
 __all__ = ["block_times", "embedding_times", "head_times", "activation_bytes", "gemm_efficiency",
-           "topology_graph", "collective_efficiency", "tp_comm_times", "optimizer_seconds_per_param"]
+           "collective_efficiency", "tp_comm_times", "optimizer_seconds_per_param"]
 
 
 # -- layer times ------------------------------------------------------------------------------------
@@ -234,13 +236,12 @@ def gemm_efficiency(profile: Profile, m: int, n: int, k: int, dtype: str | None 
 
     An exact shape returns its measurement; otherwise the fraction is interpolated linearly in
     log(FLOPs) between the nearest smaller and larger measured GEMMs, clamped at the ends. On a GPU
-    only GEMMs of the query's 16-byte alignment take part (``compute.aligned_gemm``: an unaligned
+    only GEMMs of the query's 16-byte alignment take part (``cost.roofline.aligned_gemm``: an unaligned
     vocabulary projection runs several times slower than an aligned GEMM of its size); an
     unaligned query with only aligned GEMMs measured gets their rate times the catalog's
     ``unaligned_gemm_factor``. None when the table has no entry for the dtype and device (or the
     device is not in the catalog), or on a GPU only unaligned ones for an aligned query.
     """
-    from .compute import aligned_gemm
 
     dtype = dtype or profile.compute_dtype
     kind = device_kind if device_kind is not None else _default_kind(profile)
@@ -322,8 +323,7 @@ def activation_bytes(profile: Profile, model: ModelSpec, micro_batch_size: int, 
 
 def _formula_bytes(model: ModelSpec, layer: str, mbs: int, tp: int, sp: bool, recompute: str, mask: int) -> float:
     """The analytic bytes of autoconf.cost.activations (Korthikanti et al., arXiv 2205.05198,
-    generalised to autoconf.nn's layers); only ratios between two points are used here."""
-    from . import activations as A
+    generalised to autoconf.trainer.layers's layers); only ratios between two points are used here."""
 
     if layer == "block":
         return A.layer_activation_bytes(model, mbs, tp, sp, recompute, mask)["total"]
@@ -333,125 +333,6 @@ def _formula_bytes(model: ModelSpec, layer: str, mbs: int, tp: int, sp: bool, re
 
 
 # -- links --------------------------------------------------------------------------------------------------
-
-def topology_graph(profile: Profile):
-    """The measured cluster as a networkx graph in ClusterSpec.graph()'s schema.
-
-    Devices (int nodes = ranks; attrs node, group, device, memory_bytes, host, local_rank),
-    hosts (("host", n): group, nic_count, nic_bandwidth_bytes_per_s, nic_kind="measured",
-    intra_node_bandwidth_bytes_per_s), groups (("group", g): hosts of the same device kind and
-    size), device--host "nic" and host--group "uplink" edges, and one device--device edge per
-    measured pair (kind="measured", slower direction). Graph attrs intra_node_latency_s /
-    inter_node_latency_s are medians of the measured latencies (ClusterSpec's defaults, 2 us and
-    10 us, where no pair of that sort was measured). A device's NIC bandwidth is the fastest
-    measured link from it to another host, else its host's fastest interface speed
-    (/sys/class/net), else infinite (single host: nothing crosses it).
-    """
-    import networkx as nx
-
-    hosts = []
-    for r in sorted(profile.ranks, key=lambda r: r.rank):
-        if r.host not in hosts:
-            hosts.append(r.host)
-    host_index = {h: i for i, h in enumerate(hosts)}
-    by_host = {h: [r for r in profile.ranks if r.host == h] for h in hosts}
-    shape = {h: (tuple(sorted(str(r.device_kind) for r in rs)), len(rs)) for h, rs in by_host.items()}
-    shapes = []
-    for h in hosts:
-        if shape[h] not in shapes:
-            shapes.append(shape[h])
-    group_of = {h: shapes.index(shape[h]) for h in hosts}
-
-    pair = _undirected_links(profile)
-    intra = [v for (a, b), v in pair.items() if profile.rank(a).host == profile.rank(b).host]
-    inter = [v for (a, b), v in pair.items() if profile.rank(a).host != profile.rank(b).host]
-    intra_lat = statistics.median(v["latency_s"] for v in intra) if intra else 2e-6
-    inter_lat = statistics.median(v["latency_s"] for v in inter) if inter else 10e-6
-
-    g = nx.Graph(name=f"profile:{profile.model.name}", intra_node_latency_s=intra_lat,
-                 inter_node_latency_s=inter_lat, source="profile")
-    for gi in range(len(shapes)):
-        g.add_node(("group", gi))
-    for a in range(len(shapes)):
-        for b in range(a + 1, len(shapes)):
-            g.add_edge(("group", a), ("group", b), bandwidth_bytes_per_s=float("inf"), latency_s=0.0,
-                       kind="inter_group")
-    iface_speed = {h.name: max((i.get("speed_bytes_per_s") or 0.0 for i in h.interfaces), default=0.0)
-                   for h in profile.provenance.hosts}
-    for h in hosts:
-        n = host_index[h]
-        ranks = [r.rank for r in by_host[h]]
-        nics = [_nic_bandwidth(profile, r, pair, iface_speed.get(h, 0.0)) for r in ranks]
-        intra_bw = [v["bandwidth_bytes_per_s"] for (a, b), v in pair.items() if a in ranks and b in ranks]
-        g.add_node(("host", n), group=group_of[h], name=h, nic_count=1, domain=n,
-                   nic_bandwidth_bytes_per_s=max(nics), nic_kind="measured",
-                   intra_node_bandwidth_bytes_per_s=statistics.median(intra_bw) if intra_bw else float("inf"))
-        g.add_edge(("host", n), ("group", group_of[h]), bandwidth_bytes_per_s=max(nics),
-                   latency_s=inter_lat / 2, kind="uplink")
-        for r, nic in zip(ranks, nics):
-            info = profile.rank(r)
-            g.add_node(r, node=n, domain=n, group=group_of[h], device=info.device_kind or info.device_name,
-                       memory_bytes=info.memory_bytes, host=h, local_rank=info.local_rank)
-            g.add_edge(r, ("host", n), bandwidth_bytes_per_s=nic, latency_s=inter_lat / 2, kind="nic")
-    for (a, b), v in pair.items():
-        g.add_edge(a, b, kind="measured", **v)
-    return g
-
-
-def overlay_measured_links(graph, profile: Profile):
-    """A copy of a cluster file's graph with the profile's measured links over the declared ones.
-
-    The profile's hosts are matched to the cluster's in order (its i-th host, by first rank, is
-    the cluster's i-th host) and its ranks to the host's devices by local rank. Each measured pair
-    whose both ends map onto the cluster becomes a ``measured`` edge, which ``Topology.p2p``
-    prefers to the declared link; pairs the profile did not measure keep the declared figures (a
-    profile of one node measures its intra-node links, and the cluster file still declares the
-    network between nodes). Returns (graph, number of pairs overlaid).
-    """
-    hosts = []
-    for r in sorted(profile.ranks, key=lambda r: r.rank):
-        if r.host not in hosts:
-            hosts.append(r.host)
-    devices_of: dict[int, list[int]] = {}
-    for d, attrs in graph.nodes(data=True):
-        if isinstance(d, int):
-            devices_of.setdefault(attrs["node"], []).append(d)
-    to_device = {}
-    for hi, h in enumerate(hosts):
-        devs = sorted(devices_of.get(hi, []))
-        for r in profile.ranks:
-            if r.host == h and r.local_rank < len(devs):
-                to_device[r.rank] = devs[r.local_rank]
-    g = graph.copy()
-    n = 0
-    for (a, b), v in _undirected_links(profile).items():
-        if a in to_device and b in to_device and to_device[a] != to_device[b]:
-            g.add_edge(to_device[a], to_device[b], kind="measured", bandwidth_bytes_per_s=v["bandwidth_bytes_per_s"],
-                       latency_s=v["latency_s"])
-            n += 1
-    g.graph["measured_pairs"] = n
-    return g, n
-
-
-def _undirected_links(profile: Profile) -> dict:
-    out = {}
-    for e in profile.links:
-        a, b = min(e.src, e.dst), max(e.src, e.dst)
-        v = out.setdefault((a, b), {"bandwidth_bytes_per_s": float("inf"), "latency_s": 0.0,
-                                    "bandwidth_by_direction_bytes_per_s": {}})
-        v["bandwidth_bytes_per_s"] = min(v["bandwidth_bytes_per_s"], e.bandwidth_bytes_per_s)
-        v["latency_s"] = max(v["latency_s"], e.latency_s)
-        v["bandwidth_by_direction_bytes_per_s"][(e.src, e.dst)] = e.bandwidth_bytes_per_s
-    return out
-
-
-def _nic_bandwidth(profile, rank, pair, iface_speed) -> float:
-    host = profile.rank(rank).host
-    off = [v["bandwidth_bytes_per_s"] for (a, b), v in pair.items() if rank in (a, b)
-           and profile.rank(b if a == rank else a).host != host]
-    if off:
-        return max(off)
-    return iface_speed if iface_speed > 0 else float("inf")
 
 
 def collective_efficiency(profile: Profile, op: str, nranks: int, cross_host: bool | None = None) -> float | None:

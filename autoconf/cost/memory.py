@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..model import ModelSpec
+from autoconf.specs.model import ModelSpec
 
 BUCKET_BYTES = 25 * 2**20
 """Gradient bucket size: PyTorch DDP's default (bucket_cap_mb=25; Li et al., VLDB 2020)."""

@@ -33,14 +33,16 @@ folds it). Per MoE block and micro-batch, on each rank (T = b x s / cp tokens, k
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
-from ..config import ParallelConfig, recomputed_modules
-from . import comm
-from .activations import mlp_hidden_rows
-from .compute import Moe
-from .system import System
-from .tensor_parallel import axis_links
+from autoconf.cost import comm
+from autoconf.cost.activations import mlp_hidden_rows
+from autoconf.cost.compute import Moe
+from autoconf.cost.groups import axis_links
+from autoconf.cost.roofline import LayerTimes
+from autoconf.cost.system import System
+from autoconf.space.config import ParallelConfig, module_key, recomputed_modules
 
 
 def expert_dp(c: ParallelConfig) -> int:
@@ -96,7 +98,7 @@ def routing_spread(experts: int, k: int, groups: int, group_topk: int, ranks: in
     """(hosts, ranks) one token's k experts lie on, on average: the router simulated on seeded
     uniform scores (balanced routing) for a few thousand tokens, the experts in order over
     ``ranks`` ranks, the ranks in order over ``hosts`` hosts. Group-limited routing as the router
-    runs it (``autoconf.moe.route``): the ``group_topk`` groups with the highest sums of their top
+    runs it (``autoconf.trainer.moe.route``): the ``group_topk`` groups with the highest sums of their top
     k / group_topk scores, then the top k inside them. Deterministic (seed 0)."""
     import numpy as np
 
@@ -221,7 +223,7 @@ def paired_exposed_s(system: System, c: ParallelConfig, kind: str, one: float) -
     """All-to-all seconds one MoE layer's paired forward and backward (``paired_layer_s``) leave
     exposed on ``kind``, one all-to-all taking ``one``: the pair's time less the computation of
     both."""
-    whole, attn = system.block_for(kind, c, moe=True), system.block_for(kind, c, moe=True, routed=False)
+    whole, attn = block_for(system, kind, c, moe=True), block_for(system, kind, c, moe=True, routed=False)
     af, ab = attn.forward_s, attn.backward_s
     mf, mb = whole.forward_s - af, whole.backward_s - ab
     return max(0.0, paired_layer_s(af, mf, ab, mb, one) - (af + mf + ab + mb))
@@ -285,3 +287,20 @@ def moe_activation_bytes(system: System, c: ParallelConfig, mask: int) -> dict:
         freed += out.pop("mlp_input", 0.0)
     out["total"] = dense["total"] - dense_mlp + expert_mlp + extra - freed
     return out
+
+
+def block_for(system: System, kind: str, c, moe: bool = False, routed: bool = True) -> LayerTimes:
+    """``System.block`` for configuration ``c`` (its micro-batch, tp, cp, precision, compile);
+    ``moe``: a mixture-of-experts block (its experts over ``c.ep``, ``cost.moe``);
+    ``routed=False``: that block without its routed experts' work (what
+    ``moe.paired_exposed_s`` overlaps with their all-to-alls)."""
+    shape = None
+    if moe:
+        shape = moe_shape(system, c)
+        if not routed:
+            shape = dataclasses.replace(shape, rows=0.0)
+    return system.block(kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
+                        c.fp8_recipe if c.precision == "fp8" else None,
+                        system.framework.knob(c, "torch_compile"), shape, system.accumulates(c),
+                        system.bf16_optimizer(c),
+                        module_key(c))

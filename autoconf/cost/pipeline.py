@@ -49,10 +49,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
+from autoconf.space.compression import compressed_sends
+from autoconf.space.schedules import ORDERS, check_shape
 
-__all__ = ["PipelineResult", "simulate", "timeline", "Op", "Transfer", "Timeline", "device_orders",
-           "peak_activation", "peak_memory", "SCHEDULES", "Sharing"]
+__all__ = ["PipelineResult", "simulate", "Sharing"]
 
 
 @dataclass(frozen=True)
@@ -119,88 +119,6 @@ class Sharing:
 # Per-device orders. An op is (is_backward, micro_batch, global_chunk).
 
 
-def _order_gpipe(pp: int, m: int, v: int, rank: int) -> list[tuple[bool, int, int]]:
-    # ScheduleGPipe (v = 1): F 0..m-1, then B 0..m-1.
-    return [(False, mb, rank) for mb in range(m)] + [(True, mb, rank) for mb in range(m)]
-
-
-def _order_1f1b(pp: int, m: int, v: int, rank: int) -> list[tuple[bool, int, int]]:
-    # Schedule1F1B: warm-up forwards, 1F1B steady state, cool-down backwards.
-    warmup = min(pp - rank - 1, m)
-    ops = [(False, mb, rank) for mb in range(warmup)]
-    for i in range(m - warmup):
-        ops.append((False, warmup + i, rank))
-        ops.append((True, i, rank))
-    ops += [(True, mb, rank) for mb in range(m - warmup, m)]
-    return ops
-
-
-def _order_interleaved(pp: int, m: int, v: int, rank: int) -> list[tuple[bool, int, int]]:
-    # ScheduleInterleaved1F1B._calculate_single_rank_operations + _get_1f1b_rank_ops (no zero bubble).
-    per_round = m // max(1, m // pp)  # = pp, since m % pp == 0
-    total = m * v
-    warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), total)
-    fwd_next = [0] * v
-    bwd_next = [0] * v
-    ops: list[tuple[bool, int, int]] = []
-
-    def fwd(step: int) -> None:
-        local = (step // per_round) % v
-        ops.append((False, fwd_next[local], local * pp + rank))
-        fwd_next[local] += 1
-
-    def bwd(step: int) -> None:
-        local = v - 1 - ((step - warmup) // per_round) % v
-        ops.append((True, bwd_next[local], local * pp + rank))
-        bwd_next[local] += 1
-
-    for step in range(total + warmup):
-        if step < warmup:
-            fwd(step)
-        elif step < total:
-            fwd(step)
-            bwd(step)
-        else:
-            bwd(step)
-    return ops
-
-
-def _order_breadth_first(pp: int, m: int, v: int, rank: int) -> list[tuple[bool, int, int]]:
-    # ScheduleLoopedBFS: local chunks ascending, all forwards; then descending, backwards mb m-1..0.
-    chunks = range(rank, pp * v, pp)
-    ops = [(False, mb, c) for c in chunks for mb in range(m)]
-    ops += [(True, mb, c) for c in reversed(chunks) for mb in reversed(range(m))]
-    return ops
-
-
-_ORDERS = {
-    "gpipe": _order_gpipe,
-    "1f1b": _order_1f1b,
-    "interleaved": _order_interleaved,
-    "breadth_first": _order_breadth_first,
-}
-
-
-def _check_shape(schedule: str, pp: int, m: int, v: int) -> None:
-    if schedule not in _ORDERS:
-        raise ValueError(f"schedule={schedule!r}; valid: {', '.join(SCHEDULES)}")
-    for name, val in (("pp", pp), ("num_micro_batches", m), ("virtual_stages", v)):
-        if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-            raise ValueError(f"{name}={val!r} must be a positive integer")
-    if schedule in ("gpipe", "1f1b") and v != 1:
-        raise ValueError(f"schedule {schedule} has one chunk per device; virtual_stages={v} must be 1")
-    if schedule == "interleaved" and m % pp:
-        raise ValueError(f"interleaved: pp({pp}) does not divide num_micro_batches({m})")
-
-
-def device_orders(schedule: str, pp: int, num_micro_batches: int,
-                  virtual_stages: int = 1) -> tuple[tuple[tuple[str, int, int], ...], ...]:
-    """Per device, its ops in execution order as ``("F" | "B", micro_batch, global_chunk)``."""
-    _check_shape(schedule, pp, num_micro_batches, virtual_stages)
-    make = _ORDERS[schedule]
-    return tuple(tuple(("B" if b else "F", mb, c) for b, mb, c in make(pp, num_micro_batches, virtual_stages, r))
-                 for r in range(pp))
-
 
 # ---------------------------------------------------------------------------------------------
 # Compiled shape: a topological order of all ops with flat dependency indices.
@@ -248,7 +166,7 @@ def _compile(schedule: str, pp: int, m: int, v: int, compressed: frozenset = fro
     nc = pp * v
     n_f = nc * m
     n = 2 * n_f
-    orders = [_ORDERS[schedule](pp, m, v, r) for r in range(pp)]
+    orders = [ORDERS[schedule](pp, m, v, r) for r in range(pp)]
     # Op id: F(mb, c) = c*m + mb; B(mb, c) = n_f + c*m + mb.
     codes = [[(n_f if b else 0) + c * m + mb for b, mb, c in order] for order in orders]
     seen = bytearray(n)
@@ -524,7 +442,6 @@ def _durations(forward_s: tuple, backward_s: tuple, p2p_s: tuple, z: Compression
 def _compiled(schedule: str, pp: int, m: int, v: int, z: Compression | None) -> _Compiled:
     if z is None or z.mode == "none":
         return _compile(schedule, pp, m, v)
-    from .compression import compressed_sends
     return _compile(schedule, pp, m, v, compressed_sends(schedule, pp, m, v, z.mode))
 
 
@@ -600,7 +517,7 @@ def simulate(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int
     took). Raises ValueError for an invalid shape and RuntimeError if the schedule's order can
     never progress. Results are cached on the arguments.
     """
-    _check_shape(schedule, pp, num_micro_batches, virtual_stages)
+    check_shape(schedule, pp, num_micro_batches, virtual_stages)
     nc = pp * virtual_stages
     return _simulate(schedule, pp, num_micro_batches, virtual_stages,
                      _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc),
@@ -615,169 +532,3 @@ def _checked(z: Compression | None, nc: int) -> Compression | None:
                        _floats("recv_s", z.recv_s, nc))
 
 
-@dataclass(frozen=True)
-class Op:
-    """One forward or backward of one micro-batch through one chunk, as the simulation ran it."""
-
-    device: int
-    kind: str
-    """``"F"`` or ``"B"``."""
-    micro_batch: int
-    chunk: int
-    """Global chunk index (model order); ``chunk // pp`` is its virtual stage on the device."""
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """A point-to-point send between adjacent chunks: on its link from ``start_s`` (the data is
-    ready and the link free) to ``end_s``, delaying the op that needs it but occupying neither
-    device."""
-
-    src_device: int
-    dst_device: int
-    kind: str
-    """``"activation"`` (forward) or ``"gradient"`` (backward)."""
-    micro_batch: int
-    chunk: int
-    """The receiving op's chunk."""
-    start_s: float
-    end_s: float
-
-
-@dataclass(frozen=True)
-class Timeline:
-    """Every op and transfer of one simulated step, from the simulation ``simulate`` runs."""
-
-    makespan_s: float
-    ops: tuple[Op, ...]
-    """In a topological order of the dependencies (per device: its execution order)."""
-    transfers: tuple[Transfer, ...]
-    """The transfers that take time (p2p_s > 0)."""
-
-
-def timeline(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
-             forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: Sequence[float],
-             posted: bool = False, compression: Compression | None = None,
-             sharing: Sharing | None = None) -> Timeline:
-    """The events of the step ``simulate`` prices: the same compiled schedule and the same pass
-    (``_run``, or ``_run_shared`` under processor sharing); each op's start is read back from what
-    it waited for (its device's previous op, its input's arrival), so the events are exactly the
-    simulated ones."""
-    _check_shape(schedule, pp, num_micro_batches, virtual_stages)
-    m, nc = num_micro_batches, pp * virtual_stages
-    fwd, bwd = _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc)
-    z = _checked(compression, nc)
-    dur, P = _durations(fwd, bwd, _floats("p2p_s", p2p_s, nc - 1), z)
-    comp = _compiled(schedule, pp, m, virtual_stages, z)
-    E, sends, _busy, _starts = _pass(comp, dur, P, posted, _sharing(sharing, pp, nc))
-    sends = iter(sends)
-    n_f = nc * m
-    ops, transfers = [], []
-    for k, ((pv, dp, pi, _di, _li), code) in enumerate(zip(comp.ops, comp.codes)):
-        is_b = code >= n_f
-        c, mb = (code % n_f) // m, code % m
-        if pi and P[pi]:
-            sent = next(sends)
-            arrive = sent + P[pi]
-            transfers.append(Transfer((c + 1 if is_b else c - 1) % pp, c % pp, "gradient" if is_b else "activation",
-                                      mb, c, sent, arrive))
-        else:
-            arrive = E[dp]
-        ops.append(Op(c % pp, "B" if is_b else "F", mb, c, max(E[pv], arrive), E[k + 1]))
-    return Timeline(max(E[k] for k in comp.dev_last), tuple(ops), tuple(transfers))
-
-
-def peak_activation(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
-                    per_chunk: Sequence[float]) -> tuple[float, ...]:
-    """Per device: the peak of sum(per_chunk[c]) over the activation sets alive at once.
-
-    Use when chunks hold different activation sizes (e.g. the first chunk with the embedding, the
-    last with the logits), where the moment of the peak count is not the moment of the peak bytes.
-    """
-    _check_shape(schedule, pp, num_micro_batches, virtual_stages)
-    return _peak_activation(schedule, pp, num_micro_batches, virtual_stages,
-                            _floats("per_chunk", per_chunk, pp * virtual_stages))
-
-
-def peak_memory(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
-                per_chunk: Sequence[float], grads_per_chunk: Sequence[float],
-                act_scale: float = 1.0, backward_transient: Sequence[float] | None = None,
-                input_grads: Sequence[float] | None = None) -> tuple[tuple[float, float], ...]:
-    """Per device: (activations, gradients) alive at the moment their sum peaks.
-
-    Gradients are freed after every optimizer step (``zero_grad(set_to_none=True)``), so a chunk's
-    gradient (``grads_per_chunk[c]`` bytes) appears at its first backward and stays to the end of
-    the step; it is counted before that backward frees the micro-batch's activations. Activations
-    are weighted by ``act_scale`` (a schedule simulated with fewer micro-batches than it runs).
-    ``backward_transient[c]``: working memory chunk c's backward needs on top (e.g. the loss
-    gradient of the logits), counted with the activations at that moment. So GPipe / breadth-first / layered accumulation peak at the end of the forwards with (almost) no
-    gradient, and 1F1B with every gradient plus its in-flight micro-batches.
-    ``input_grads[c]``: bytes of the gradient w.r.t. chunk c's input, per micro-batch (see
-    ``_held_input_grad``), counted with the activations while it is held.
-    """
-    _check_shape(schedule, pp, num_micro_batches, virtual_stages)
-    nc = pp * virtual_stages
-    bt = _floats("backward_transient", backward_transient, nc) if backward_transient is not None else (0.0,) * nc
-    ig = _floats("input_grads", input_grads, nc) if input_grads is not None else (0.0,) * nc
-    return _peak_memory(schedule, pp, num_micro_batches, virtual_stages, _floats("per_chunk", per_chunk, nc),
-                        _floats("grads_per_chunk", grads_per_chunk, nc), float(act_scale), bt,
-                        tuple(_held_input_grad(pp, c, ig[c]) for c in range(nc)))
-
-
-def _held_input_grad(pp: int, c: int, nbytes: float) -> float:
-    """Bytes of chunk c's input gradient its device holds after B(mb, c), per micro-batch.
-
-    ``B(mb, c)`` ends with the gradient w.r.t. the chunk's input; ``B(mb, c-1)`` consumes it. When
-    chunk c-1 runs on another device (pp > 1) the gradient is sent and freed at once (the
-    receiver's buffer is the pipeline runtime's, counted apart). When it runs on the same device
-    (pp = 1: layered accumulation's unit-by-unit order) it stays until ``B(mb, c-1)`` ends, and
-    between two units that order runs every micro-batch: all m gradients at that boundary are
-    alive at once (Lamy-Poirier, arXiv 2106.02679, sec. 3 -- what layered accumulation trades for
-    its single pass over each unit's weights). Chunk 0's input is the token ids: no gradient.
-    """
-    return nbytes if (c > 0 and (c - 1) % pp == c % pp) else 0.0
-
-
-@lru_cache(maxsize=4096)
-def _peak_memory(schedule: str, pp: int, m: int, v: int, w: tuple[float, ...], g: tuple[float, ...],
-                 scale: float, bt: tuple[float, ...], ig: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
-    nc = len(w)
-    out = []
-    for r in range(pp):
-        acts = grads = 0.0
-        best = (0.0, 0.0)
-        seen = set()
-        for is_b, _mb, c in _ORDERS[schedule](pp, m, v, r):
-            if is_b:
-                if c not in seen:
-                    seen.add(c)
-                    grads += g[c]
-                if acts + bt[c] + grads > sum(best):
-                    best = (acts + bt[c], grads)
-                # the activations go; this chunk's input gradient stays (ig), the gradient it
-                # received from chunk c+1 (held here when c+1 is local) is consumed
-                acts += (ig[c] - w[c] - (ig[c + 1] if c + 1 < nc else 0.0)) * scale
-            else:
-                acts += w[c] * scale
-                if acts + grads > sum(best):
-                    best = (acts, grads)
-        out.append(best)
-    return tuple(out)
-
-
-@lru_cache(maxsize=4096)
-def _peak_activation(schedule: str, pp: int, m: int, v: int, w: tuple[float, ...]) -> tuple[float, ...]:
-    out = []
-    for r in range(pp):
-        live = peak = 0.0
-        for is_b, _mb, c in _ORDERS[schedule](pp, m, v, r):
-            if is_b:
-                live -= w[c]
-            else:
-                live += w[c]
-                if live > peak:
-                    peak = live
-        out.append(peak)
-    return tuple(out)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..config import ParallelConfig
-from ..placement import Placement
-from .pipeline import simulate
-from .system import System
+from autoconf.cost.pipeline import simulate
+from autoconf.cost.system import System
+from autoconf.space.config import ParallelConfig
+from autoconf.space.placement import Placement
 
 
 @dataclass(frozen=True)

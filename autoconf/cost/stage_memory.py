@@ -2,7 +2,7 @@
 
 Model states follow ZeRO (``memory.state_bytes_per_param``; Rajbhandari et al., arXiv
 1910.02054). Activations and gradients peak together over the schedule's order
-(``pipeline.peak_memory``): gradients exist from each chunk's first backward (they are set to None
+(``cost.pipeline_memory.peak_memory``): gradients exist from each chunk's first backward (they are set to None
 after each step; a framework's buffer allocated up front, Megatron-Core's, holds them all the
 time), the loss gradient and ZeRO-2/3's bucket in flight sit on top during a backward.
 The rest: the framework's overhead, ZeRO-3's gathered layers, the pipeline runtime's receive
@@ -14,14 +14,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from ..catalog import device_type
-from ..config import ParallelConfig, module_key
-from .activations import block_backward_temporary_bytes, embedding_activation_bytes, head_activation_bytes
-from .layout import Layout
-from .memory import BUCKET_BYTES, optimizer_temporary_bytes, state_bytes_per_param, zero3_working_bytes
-from . import schedule_time
-from .pipeline import peak_memory
-from .system import System
+from autoconf.cost import schedule_time
+from autoconf.cost.activations import block_backward_temporary_bytes, embedding_activation_bytes, head_activation_bytes
+from autoconf.cost.compression import memory_parts
+from autoconf.cost.context_parallel import kv_chunk_bytes
+from autoconf.cost.layout import Layout, chunk_params
+from autoconf.cost.memory import BUCKET_BYTES, optimizer_temporary_bytes, state_bytes_per_param, zero3_working_bytes
+from autoconf.cost.moe import moe_activation_bytes, paired_fraction
+from autoconf.cost.pipeline_memory import peak_memory
+from autoconf.cost.system import System
+from autoconf.space.config import ParallelConfig, module_key
+from autoconf.specs.devices import device_type
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
     zero = system.state_zero_stage(c)  # DeepSpeed's BF16 optimizer: ZeRO-1's layout without ZeRO
     st = state_bytes_per_param(m.dtype, zero, c.dp * c.cp,
                                fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
-    act_layer = system.layer_activations(c, _mask_bytes(system, lay))
+    act_layer = system.layer_activations(c, mask_bytes(system, lay))
     layered_pp1 = c.pp == 1 and c.layered_grad_accum
     # a gradient buffer allocated up front (Megatron-Core) is there at every moment: the peak is
     # the activations' own, with every gradient beside it
@@ -63,7 +66,7 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
     if layered_pp1:
         peaks = _layered_peak(system, c, lay, act_layer, 0.0 if up_front else st.gradients)
     else:
-        peaks = _activation_peaks(system, c, lay, act_layer["total"], 0.0 if up_front else st.gradients)
+        peaks = activation_peaks(system, c, lay, act_layer["total"], 0.0 if up_front else st.gradients)
     # a mixture of experts' routed experts: sharded by ZeRO over the ranks holding the same experts
     st_e = state_bytes_per_param(m.dtype, zero, max(1, c.dp * c.cp // c.ep),
                                  fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
@@ -105,8 +108,7 @@ def _moe_working(system: System, c: ParallelConfig, lay: Layout) -> float:
     """Under full recomputation, what one recomputed MoE block materialises (0 for dense models)."""
     if not lay.chunk_moe_layers or not any(lay.chunk_moe_layers):
         return 0.0
-    from .moe import moe_activation_bytes
-    return moe_activation_bytes(system, dataclasses.replace(c, recompute="none"), _mask_bytes(system, lay))["total"]
+    return moe_activation_bytes(system, dataclasses.replace(c, recompute="none"), mask_bytes(system, lay))["total"]
 
 
 def _block_kinds(c: ParallelConfig, lay: Layout, s: int) -> tuple[bool, bool]:
@@ -130,7 +132,7 @@ def _module_working(system: System, c: ParallelConfig, lay: Layout) -> tuple:
     activation), whichever is larger, since their hooks fire in different parts of the backward.
     The rebuilt outputs are the 16-bit originals, also under FP8 (the linears reading them keep
     the original, ``set_save_original_input``)."""
-    mask = _mask_bytes(system, lay)
+    mask = mask_bytes(system, lay)
     core = dataclasses.replace(c, recompute_modules=(), precision="bf16")
     mods = dataclasses.replace(c, precision="bf16")
 
@@ -141,14 +143,13 @@ def _module_working(system: System, c: ParallelConfig, lay: Layout) -> tuple:
     out_dense = side(system.layer_activations(core, mask), system.layer_activations(mods, mask))
     out_moe = 0.0
     if lay.chunk_moe_layers and any(lay.chunk_moe_layers):
-        from .moe import moe_activation_bytes
+        from autoconf.cost.moe import moe_activation_bytes
         out_moe = side(moe_activation_bytes(system, core, mask), moe_activation_bytes(system, mods, mask))
     return out_dense, out_moe
 
 
 def _pairs(system: System, c: ParallelConfig) -> bool:
     """Whether Megatron-Core's combined 1F1B pairs any passes (``moe.paired_fraction``)."""
-    from .moe import paired_fraction
     return any(paired_fraction(system, c, r) > 0 for r in range(c.pp))
 
 
@@ -158,15 +159,15 @@ def _paired_extra_bytes(system: System, c: ParallelConfig, lay: Layout, s: int) 
     the stage's largest chunk in flight); without, the forward of one MoE block running beside the
     backward that has not yet freed its own (forward and backward walk the layers in opposite
     directions, so the two micro-batches together hold one block more than one does)."""
-    mask = _mask_bytes(system, lay)
+    mask = mask_bytes(system, lay)
     if c.pp > 1:
         per_chunk = _chunk_activation_bytes(system, c, lay, system.layer_activations(c, mask)["total"])
         return max(per_chunk[ci] for ci in lay.chunks_of(c, s))
-    from .moe import moe_activation_bytes
+    from autoconf.cost.moe import moe_activation_bytes
     return moe_activation_bytes(system, c, mask)["total"]
 
 
-def _mask_bytes(system: System, lay: Layout) -> int:
+def mask_bytes(system: System, lay: Layout) -> int:
     """Dropout mask bytes per element: the widest among the devices of the layout."""
     kinds = sorted({k for ks in lay.stage_kinds for k in ks})
     return max(system.mask_bytes(k) for k in kinds)
@@ -175,10 +176,10 @@ def _mask_bytes(system: System, lay: Layout) -> int:
 def _chunk_activation_bytes(system: System, c: ParallelConfig, lay: Layout, layer_bytes: float) -> list[float]:
     """Activations each chunk saves per micro-batch: its blocks (``System.layer_activations``),
     plus the embedding's on the first chunk and the output layer's on the last (``activations``)."""
-    m, mask, n_chunks = system.model_at(c.tp, c.cp), _mask_bytes(system, lay), lay.num_chunks
+    m, mask, n_chunks = system.model_at(c.tp, c.cp), mask_bytes(system, lay), lay.num_chunks
     moe_bytes = 0.0
     if lay.chunk_moe_layers and any(lay.chunk_moe_layers):
-        from .moe import moe_activation_bytes
+        from autoconf.cost.moe import moe_activation_bytes
         moe_bytes = moe_activation_bytes(system, c, mask)["total"]
     per_chunk = []
     for ci in range(n_chunks):
@@ -192,7 +193,7 @@ def _chunk_activation_bytes(system: System, c: ParallelConfig, lay: Layout, laye
     return per_chunk
 
 
-def _activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_bytes: float, grad_bytes: float):
+def activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_bytes: float, grad_bytes: float):
     """(activations, gradients) at each stage's peak over the schedule's order.
 
     Liveness is structural (independent of durations): the steady-state size is simulated and
@@ -251,7 +252,7 @@ def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: di
     micro-batch's logits (``loss_grad_bytes``).
     Block and head inputs have a gradient (``schedule_time.boundary_bytes``), the token ids do not.
     """
-    m, mask = system.model_at(c.tp), _mask_bytes(system, lay)
+    m, mask = system.model_at(c.tp), mask_bytes(system, lay)
     local = system.model_at(c.tp, c.cp)  # the rank's s/cp tokens
     b, t, sp = c.micro_batch_size, c.tp, c.sequence_parallel
     ce_grad = loss_grad_bytes(system, c)
@@ -259,12 +260,12 @@ def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: di
     units = [(embedding_activation_bytes(local, b, t, sp, mask), m.embedding_params() / t * grad_bytes, 0.0, 0.0)]
     block_transient = act_layer.get("recompute_working_bytes", 0.0) + block_backward_temporary_bytes(local, b, t)
     if m.is_moe:  # its MoE blocks: their own activations, working set and E/ep experts' gradients
-        from .moe import moe_activation_bytes
+        from autoconf.cost.moe import moe_activation_bytes
         moe_act = moe_activation_bytes(system, c, mask)
         moe_transient = (max(act_layer.get("recompute_working_bytes", 0.0), _moe_working(system, c, lay))
                          if c.recompute == "full" else moe_act.get("recompute_working_bytes", 0.0))
         moe_transient += block_backward_temporary_bytes(local, b, t)
-        blocks = _block_params(system, c)
+        blocks = block_params(system, c)
         units += [(moe_act["total"], p * grad_bytes, moe_transient, dx) if m.is_moe_layer(i)
                   else (act_layer["total"], p * grad_bytes, block_transient, dx) for i, p in enumerate(blocks)]
     else:
@@ -274,10 +275,9 @@ def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: di
     return _with_reduction_in_flight(system, c, units)
 
 
-def _block_params(system: System, c: ParallelConfig) -> list:
+def block_params(system: System, c: ParallelConfig) -> list:
     """Each block's parameters on a rank (its tp shard; a mixture of experts' E/ep routed experts
     per MoE block), as ``layout.chunk_params`` counts them one block per chunk."""
-    from .layout import chunk_params
     m = system.model_at(c.tp)
     per = chunk_params(system, c, [1] * m.num_layers)
     per[0] -= m.embedding_params() / c.tp
@@ -294,7 +294,7 @@ def _with_reduction_in_flight(system: System, c: ParallelConfig, units: list) ->
     if c.dp * c.cp == 1 or c.zero_stage == 3:
         return units
     m = system.model_at(c.tp)
-    blocks = _block_params(system, c) if m.is_moe else [m.layer_params() / c.tp] * m.num_layers
+    blocks = block_params(system, c) if m.is_moe else [m.layer_params() / c.tp] * m.num_layers
     copy = [p * system.grad_bytes for p in [m.embedding_params() / c.tp] + blocks + [m.output_params() / c.tp]]
     return [(a, g, bt + (copy[i + 1] if i + 1 < len(units) else 0.0), ig)
             for i, (a, g, bt, ig) in enumerate(units)]
@@ -303,11 +303,11 @@ def _with_reduction_in_flight(system: System, c: ParallelConfig, units: list) ->
 def _layered_peak(system: System, c: ParallelConfig, lay: Layout, act_layer: dict, grad_bytes: float):
     """(activations, gradients) at the peak of layered accumulation with pp = 1.
 
-    ``pipeline.peak_memory`` over the units of ``_layered_units`` in breadth-first order (every
+    ``cost.pipeline_memory.peak_memory`` over the units of ``_layered_units`` in breadth-first order (every
     micro-batch through a unit, unit by unit): all micro-batches' saved activations at the end of
     the forwards; during the backward of a block, the checkpoints of the blocks below for every
     micro-batch, the recompute working set of one micro-batch, every micro-batch's gradient at the
-    unit boundary (``pipeline._held_input_grad``) and the parameter gradients of the units done.
+    unit boundary (``cost.pipeline_memory._held_input_grad``) and the parameter gradients of the units done.
     """
     units = _layered_units(system, c, lay, act_layer, grad_bytes)
     m_sim = schedule_time.sim_size("breadth_first", 1, c.num_micro_batches)
@@ -359,14 +359,13 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
     if c.zero_stage == 3 and c.dp * c.cp > 1:
         gathered = zero3_working_bytes(m, c.tp)
         if m.is_moe:  # an MoE block gathers its E/ep experts too: the largest block, twice
-            gathered = max(gathered, 2 * max(_block_params(system, c)) * m.dtype_bytes)
+            gathered = max(gathered, 2 * max(block_params(system, c)) * m.dtype_bytes)
         parts.append(("zero-3 gathered layers", gathered))
     fw = system.framework
     if c.precision == "fp8" and fw.fp8_weight_copy_bytes:
         linear = sum(_fp8_linear_params(system, c, lay, ci) for ci in chunks)
         parts.append(("fp8 weight copies", linear * fw.fp8_weight_copy_bytes))
     if c.cp > 1:
-        from .context_parallel import kv_chunk_bytes
         kv = kv_chunk_bytes(system, c)
         # ring: the chunk in hand and the one arriving, keys/values and (backward) their
         # gradients; all-gather: every rank's keys and values, and their gradients
@@ -378,7 +377,6 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
     if _pairs(system, c):  # (none without ep > 1 and the framework's ep_comm_overlap)
         parts.append(("ep-overlap paired micro-batch", _paired_extra_bytes(system, c, lay, s)))
     if c.compressed:
-        from .compression import memory_parts
         parts += memory_parts(system, c, lay, s)
     layered_pp1 = c.pp == 1 and c.layered_grad_accum  # its units carry their copies already
     after_backward = 0.0  # what the bucket copy already adds above the activations

@@ -16,16 +16,41 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from ..catalog import device_type
-from ..config import module_key
-from ..errors import UserError
-from ..model import ModelSpec
-from ..topology import Topology
-from . import comm
-from .activations import layer_activation_bytes
-from .compute import (BF16_OPTIMIZER_UPDATE, Fp8, LayerTimes, Roofline, adamw_bytes_per_param, block_times,
-                      embedding_times, fused_softmax_available, gradient_passes, head_times, optimizer_s,
-                      with_host)
+from autoconf.cost import comm, measured
+from autoconf.cost.activations import layer_activation_bytes
+from autoconf.cost.attention import fused_softmax_available
+from autoconf.cost.compute import (
+    BF16_OPTIMIZER_UPDATE,
+    adamw_bytes_per_param,
+    block_times,
+    embedding_times,
+    gradient_passes,
+    head_times,
+    optimizer_s,
+    with_host,
+)
+from autoconf.cost.fp8 import Fp8
+from autoconf.cost.measured import (
+    activation_bytes,
+    collective_efficiency,
+    fp8_gemm_efficiency,
+    gemm_efficiency,
+    memory_time,
+    optimizer_seconds_per_param,
+    pipeline_action_overhead,
+    tp_comm_times,
+)
+from autoconf.cost.measured import block_times as measured_block
+from autoconf.cost.memory import bytes_per_param
+from autoconf.cost.pipeline import Sharing
+from autoconf.cost.roofline import LayerTimes, Roofline
+from autoconf.errors import UserError
+from autoconf.space.config import module_key
+from autoconf.specs.devices import NEUTRAL, CollectiveTuning, device_type
+from autoconf.specs.frameworks import framework as framework_model
+from autoconf.specs.measured_graph import overlay_measured_links, topology_graph
+from autoconf.specs.model import ModelSpec
+from autoconf.specs.topology import Topology
 
 _OPS = {comm.all_reduce_s: "all_reduce", comm.all_gather_s: "all_gather", comm.reduce_scatter_s: "reduce_scatter"}
 """Profile name of each collective. ``comm.reduce_scatter_s`` *is* ``comm.all_gather_s`` (the same
@@ -56,7 +81,6 @@ class System:
     _cache: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        from ..frameworks import framework as framework_model
         if self.framework is None or isinstance(self.framework, str):
             self.framework = framework_model(self.framework)
         f = self.moe_imbalance
@@ -73,21 +97,18 @@ class System:
         if self.topology is None:
             if self.cluster is not None and self.profile is not None:
                 # the cluster file declares hosts and devices; what the profile measured overrides
-                from .measured import overlay_measured_links
                 self.topology = Topology(overlay_measured_links(self.cluster.graph(), self.profile)[0])
             elif self.cluster is not None:
                 self.topology = Topology(self.cluster.graph())
             elif self.profile is not None:
-                from .measured import topology_graph
                 self.topology = Topology(topology_graph(self.profile))
             else:
                 raise UserError("estimate needs a cluster file or a profile (--cluster or --profile)")
         self.num_devices = self.topology.num_devices
         self.profile_kind = None
         if self.profile is not None:
-            from .measured import gemm_efficiency
             kinds = {self.topology.kind_of[i] for i in range(self.num_devices)}
-            self.profile_kind = _profile_device_kind(self.profile) or (kinds.pop() if len(kinds) == 1 else None)
+            self.profile_kind = profile_device_kind(self.profile) or (kinds.pop() if len(kinds) == 1 else None)
             self._gemm_eff = lambda m, n, k: gemm_efficiency(self.profile, m, n, k)
 
     # -- where the profile applies ------------------------------------------------------------
@@ -136,8 +157,7 @@ class System:
         outside the catalog records no kind: its entries are the profiled kind's.)"""
         if not self.measured_for(kind):
             return None
-        from .measured import memory_time
-        return memory_time(self.profile, kind if _profile_device_kind(self.profile) else None,
+        return memory_time(self.profile, kind if profile_device_kind(self.profile) else None,
                            dtype or self.model.dtype)
 
     def cpu_share(self, kind: str) -> float:
@@ -178,7 +198,6 @@ class System:
             return None
 
         def make():
-            from .pipeline import Sharing
             topo, share = self.topology, self.cpu_share("cpu")
             hosts = {h.name: h for h in self.profile.provenance.hosts}
             machine_of, cores = {}, {}
@@ -222,7 +241,6 @@ class System:
         (``config.RECOMPUTE_MODULES``; empty: the attention core, as profiles measure it)."""
         def make():
             if self.measured_for(kind) and cp == 1 and fp8 is None and not compiled and moe is None and not modules:
-                from .measured import block_times as measured_block
                 got = measured_block(self.profile, self.model, b, tp, recompute)
                 if got:
                     rc = got[0] if recompute == "full" else 0.0
@@ -243,27 +261,10 @@ class System:
     def unfused_softmax(self, b: int, tp: int, cp: int = 1) -> bool:
         """Whether this framework's eager attention falls back from its fused softmax kernel to
         torch's fp32 path at micro-batch ``b`` on tp ranks (``Framework.megatron_softmax``,
-        ``compute.fused_softmax_available``)."""
+        ``cost.attention.fused_softmax_available``)."""
         m = self.model
         return (self.framework.megatron_softmax and m.attention == "eager" and m.dtype != "fp32"
                 and not fused_softmax_available(b, m.num_attention_heads / tp, m.seq_length / cp, m.seq_length / cp))
-
-    def block_for(self, kind: str, c, moe: bool = False, routed: bool = True) -> LayerTimes:
-        """:meth:`block` for configuration ``c`` (its micro-batch, tp, cp, precision, compile);
-        ``moe``: a mixture-of-experts block (its experts over ``c.ep``, ``cost.moe``);
-        ``routed=False``: that block without its routed experts' work (what
-        ``moe.paired_exposed_s`` overlaps with their all-to-alls)."""
-        shape = None
-        if moe:
-            from .moe import moe_shape
-            shape = moe_shape(self, c)
-            if not routed:
-                shape = dataclasses.replace(shape, rows=0.0)
-        return self.block(kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
-                          c.fp8_recipe if c.precision == "fp8" else None,
-                          self.framework.knob(c, "torch_compile"), shape, self.accumulates(c),
-                          self.bf16_optimizer(c),
-                          module_key(c))
 
     def accumulates(self, c) -> bool:
         """Whether autograd adds micro-batches' weight gradients into ``.grad``: more than one
@@ -324,7 +325,6 @@ class System:
                                 f"use precision bf16, or a device that has them")
             eff = None
             if self.measured_for(kind):
-                from .measured import fp8_gemm_efficiency
                 if fp8_gemm_efficiency(self.profile, recipe, 8192, 8192, 8192) is not None:
                     eff = lambda m, n, k: fp8_gemm_efficiency(self.profile, recipe, m, n, k)  # noqa: E731
             # the scaling and casts around FP8 GEMMs run in fp32 (the model's dtype where the
@@ -355,7 +355,6 @@ class System:
         the model's dtype also under FP8, as the frameworks keep it by default)."""
         def make():
             if self.measured_for(kind) and cp == 1:
-                from . import measured
                 fn = measured.embedding_times if which == "embedding" else measured.head_times
                 got = fn(self.profile, self.model, b, tp)
                 if got:
@@ -374,7 +373,6 @@ class System:
         def make():
             kw = {"cp": c.cp, "fp8_inputs": fp8_inputs, "fused_glu": self.framework.fused_glu, "modules": mods}
             if self.measured_for() and not mods:  # (profiles measure the attention core's recompute)
-                from .measured import activation_bytes
                 got = activation_bytes(self.profile, self.model, c.micro_batch_size, c.tp, c.sequence_parallel,
                                        c.recompute)
                 if got:  # measured over the whole sequence in the model's dtype: scaled as the formula is
@@ -395,7 +393,6 @@ class System:
         """The profile's measured AdamW seconds per parameter on ``kind``; -1.0 when not measured."""
         if not self.measured_for(kind):
             return -1.0
-        from .measured import optimizer_seconds_per_param
         return self.cached(("optrate", kind), lambda: optimizer_seconds_per_param(self.profile, kind) or -1.0)
 
     def optimizer_time(self, kind: str, num_params: float) -> float:
@@ -433,7 +430,6 @@ class System:
         library's overhead weighs differently on a fast intra-host link and a slow NIC)."""
         if not self.measured_for() or n < 2:
             return 1.0
-        from .measured import collective_efficiency
 
         def make():
             eff = collective_efficiency(self.profile, _OPS[fn], n, cross_host)
@@ -446,15 +442,15 @@ class System:
         return all(k == "cpu" for k in self.topology.kind_of)
 
     @property
-    def collective_tuning(self) -> comm.CollectiveTuning:
-        """What the collective library adds to the links (``comm.CollectiveTuning``): the device
+    def collective_tuning(self) -> CollectiveTuning:
+        """What the collective library adds to the links (``CollectiveTuning``): the device
         catalog's figures, the worst over the cluster's device kinds; neutral with a profile, whose
         measured collective efficiencies already hold them."""
         def make():
             if self.measured_for():
-                return comm.NEUTRAL
+                return NEUTRAL
             tunes = [device_type(k).collective_tuning() for k in set(self.topology.kind_of)]
-            return comm.CollectiveTuning(base_latency_s=max(t.base_latency_s for t in tunes),
+            return CollectiveTuning(base_latency_s=max(t.base_latency_s for t in tunes),
                                          intra_efficiency=min(t.intra_efficiency for t in tunes),
                                          inter_efficiency=min(t.inter_efficiency for t in tunes),
                                          short_ring_loss=max(t.short_ring_loss for t in tunes))
@@ -464,7 +460,6 @@ class System:
     def grad_bytes(self) -> int:
         """Bytes per gradient element as the framework keeps and reduces them: the parameters'
         precision, or fp32 where it accumulates bf16 gradients in an fp32 buffer (Megatron)."""
-        from .memory import bytes_per_param
         if self.framework.fp32_grad_buffer_bf16 and self.model.dtype == "bf16":
             return 4
         return bytes_per_param(self.model.dtype, self.framework.master_weights)[1]
@@ -481,7 +476,6 @@ class System:
         are of the profiled kind and the profile measured this tp in place."""
         if not self.measured_everywhere(stage_kinds) or getattr(c, "cp", 1) > 1:
             return None
-        from .measured import tp_comm_times
         return self.cached(("tpcomm", c.micro_batch_size, c.tp, c.sequence_parallel),
                            lambda: tp_comm_times(self.profile, self.model, c.micro_batch_size, c.tp,
                                                  c.sequence_parallel))
@@ -491,7 +485,6 @@ class System:
         the profile measured it on the devices every stage runs on; 0 otherwise."""
         if c.pp == 1 or not self.measured_everywhere(stage_kinds):
             return 0.0
-        from .measured import pipeline_action_overhead
         got = self.cached(("piperuntime", c.schedule),
                           lambda: pipeline_action_overhead(self.profile, c.schedule) or 0.0)
         return got * self.cpu_share(self.profile_kind)
@@ -510,7 +503,7 @@ def _shared(t: LayerTimes, k: float) -> LayerTimes:
                                          t.host_forward_s * k, t.host_backward_s * k)
 
 
-def _profile_device_kind(profile) -> str | None:
+def profile_device_kind(profile) -> str | None:
     ranks = getattr(profile, "ranks", None) or []
     kinds = {r.get("device_kind") if isinstance(r, dict) else getattr(r, "device_kind", None) for r in ranks}
     kinds.discard(None)

@@ -13,62 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ParallelConfig
-from ..placement import Placement
-from . import comm
-from .system import System
-
-
-def axis_links(system: System, c: ParallelConfig, axis: str):
-    """GroupLinks of every group along an axis (on the devices the placement gives its ranks), with
-    NIC sharing among groups running together."""
-    def make():
-        topo = system.topology
-        groups = Placement.of(c, 0).device_groups(axis)
-        active: dict = {}
-        for grp in groups:
-            hosts = {topo.host_of[d] for d in grp}
-            if len(hosts) > 1:
-                for d in grp:
-                    active[topo.host_of[d]] = active.get(topo.host_of[d], 0) + 1
-        distinct = {}
-        for grp in groups:
-            # groups with the same hosts, NIC sharing and link speeds have the same links: keep one
-            g = topo.group_links(grp, {h: active[h] for h in {topo.host_of[d] for d in grp} if h in active} or None)
-            distinct[g] = g
-        return list(distinct)
-    # the expert axes' groups depend on the expert-parallel degree too
-    ep = (c.ep,) if axis in ("ep", "edp") else ()
-    return system.cached(("axis", c.dp, c.pp, c.tp, c.cp, c.rank_order, c.device_order, axis) + ep, make)
-
-
-def worst(links, fn, nbytes: float, efficiency=1.0, tune: comm.CollectiveTuning = comm.NEUTRAL,
-          algorithms=None) -> float:
-    """The slowest group's time: all groups of an axis run the collective together.
-
-    ``efficiency`` (the profile's measured bus bandwidth over what the links predict; a number, or
-    a function of a group's links) stretches the bandwidth term only: steps x alpha + bytes /
-    (beta x efficiency). ``tune``: the collective library's fixed cost and bus efficiency per tier
-    (``comm.CollectiveTuning``). ``algorithms`` (all-reduce only): a function of a group's links
-    giving the algorithms the runtime runs on it.
-    """
-    eff = efficiency if callable(efficiency) else (lambda g: efficiency)
-    if algorithms is None:
-        return max(fn(nbytes / eff(g), g, tune) for g in links)
-    return max(fn(nbytes / eff(g), g, tune, algorithms=algorithms(g)) for g in links)
-
-
-def collective_s(system: System, links, fn, n: int, nbytes: float, algorithms=None) -> float:
-    """Collective ``fn`` of ``nbytes`` on every group of ``links`` (n ranks each), at the efficiency
-    measured on groups of that size over the same tier (inside a host or across hosts): the
-    slowest group's time. ``algorithms``: as :func:`worst`."""
-    return worst(links, fn, nbytes, lambda g: system.collective_efficiency(fn, n, g.num_hosts > 1),
-                 system.collective_tuning, algorithms)
-
-
-def stage_devices(c: ParallelConfig) -> list[list[int]]:
-    """The devices of each pipeline stage (``placement``)."""
-    return Placement.of(c, 0).stage_devices()
+from autoconf.cost import comm
+from autoconf.cost.compute import linear_gemms
+from autoconf.cost.fp8 import fp8_gemm
+from autoconf.cost.groups import axis_links, collective_s
+from autoconf.cost.system import System
+from autoconf.space.config import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -118,7 +68,7 @@ def tp_times(system: System, c: ParallelConfig, stage_kinds) -> TpTimes:
     return TpTimes(fwd, bwd, one)
 
 
-def _pipelined(comm_s: float, chunked_gemm_s: float, k: int) -> float:
+def pipelined(comm_s: float, chunked_gemm_s: float, k: int) -> float:
     """A collective split into k chunks pipelined with the GEMM it feeds or drains, the GEMM
     split the same way (Transformer Engine's ring-exchange all-gather and pipelined
     reduce-scatter, torch's micro-pipelined async TP): k - 1 steps of the longer of a GEMM chunk
@@ -145,7 +95,7 @@ def overlapped(system: System, c: ParallelConfig, stage_kinds, ag: float, rs: fl
       most of it hides.
     - ``tp_comm_overlap`` (Transformer Engine's userbuffers in Megatron-LM, torch's async TP):
       the forward's all-gather and reduce-scatter are split into tp chunks pipelined with the
-      GEMM they feed / drain (``_pipelined``; the chunked GEMMs at their own efficiency, M / tp
+      GEMM they feed / drain (``pipelined``; the chunked GEMMs at their own efficiency, M / tp
       rows each); in the backward the row-parallel layer's gather pipelines with its
       input-gradient GEMM too (and, without the asynchronous column backward, the column layer's
       reduce-scatter with its input-gradient GEMM).
@@ -159,7 +109,6 @@ def overlapped(system: System, c: ParallelConfig, stage_kinds, ag: float, rs: fl
 
 def _overlapped_on(system: System, c: ParallelConfig, kind: str, ag: float, rs: float, ar: float) -> tuple:
     """``overlapped`` with every GEMM on devices of ``kind``."""
-    from .compute import fp8_gemm, linear_gemms
     m, tp, b = system.model, c.tp, c.micro_batch_size
     fw = system.framework
     tpo = fw.knob(c, "tp_comm_overlap") and c.sequence_parallel
@@ -180,7 +129,7 @@ def _overlapped_on(system: System, c: ParallelConfig, kind: str, ag: float, rs: 
     def piped(comm_s: float, shapes, which: str) -> float:
         """What a collective pipelined with its GEMM adds to the GEMM alone (a measured GEMM table
         can rate the chunks faster than the whole: then the pipeline costs at least nothing)."""
-        return max(0.0, _pipelined(comm_s, gemm_s(shapes, which, tp), tp) - gemm_s(shapes, which))
+        return max(0.0, pipelined(comm_s, gemm_s(shapes, which, tp), tp) - gemm_s(shapes, which))
 
     lin = linear_gemms(m, b, tp, c.cp)
     subs = [("attention_in", "attention_out")] + ([] if m.is_moe else [("mlp_in", "mlp_out")])

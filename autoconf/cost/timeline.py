@@ -1,6 +1,6 @@
 """step_timeline(config, system) -> StepTimeline: the events of the step the estimate prices.
 
-The same recipe as ``estimate._estimate``, kept as events instead of sums: the chunk times
+The same recipe as ``estimate.estimate_on``, kept as events instead of sums: the chunk times
 (``chunk_time``), the transfers between chunks (``schedule_time.chunk_p2p_times``), the schedule's
 ops and transfers from the pipeline simulation itself (``pipeline.timeline``), each chunk's
 gradient reductions as they queue after its last backward (``data_parallel.reduction_spans``),
@@ -17,19 +17,105 @@ same simulation, to the last bit; elsewhere they agree to the extrapolation's to
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
-from ..config import ParallelConfig
-from .chunk_time import chunk_times, optimizer_step_s
-from .compression import embedding_sync_s, pipeline_compression
-from .data_parallel import post_all_gather_s, reduction_spans
-from .layout import layout
-from .pipeline import Timeline, simulate, timeline
-from .schedule_time import chunk_p2p_times, pipeline_floor, posted_receives, run_schedule, sharing
-from .system import System
-from .context_parallel import cp_times
-from .tensor_parallel import tp_times
+from autoconf.cost.chunk_time import chunk_times, optimizer_step_s
+from autoconf.cost.compression import embedding_sync_s, pipeline_compression
+from autoconf.cost.context_parallel import cp_times
+from autoconf.cost.data_parallel import post_all_gather_s, reduction_spans
+from autoconf.cost.layout import layout
+from autoconf.cost.pipeline import (
+    Compression,
+    Sharing,
+    _checked,
+    _compiled,
+    _durations,
+    _floats,
+    _pass,
+    _sharing,
+    simulate,
+)
+from autoconf.cost.schedule_time import chunk_p2p_times, pipeline_floor, posted_receives, run_schedule, sharing
+from autoconf.cost.system import System
+from autoconf.cost.tensor_parallel import tp_times
+from autoconf.space.config import ParallelConfig
+from autoconf.space.schedules import check_shape
 
-__all__ = ["StepTimeline", "step_timeline"]
+
+@dataclass(frozen=True)
+class Op:
+    """One forward or backward of one micro-batch through one chunk, as the simulation ran it."""
+
+    device: int
+    kind: str
+    """``"F"`` or ``"B"``."""
+    micro_batch: int
+    chunk: int
+    """Global chunk index (model order); ``chunk // pp`` is its virtual stage on the device."""
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """A point-to-point send between adjacent chunks: on its link from ``start_s`` (the data is
+    ready and the link free) to ``end_s``, delaying the op that needs it but occupying neither
+    device."""
+
+    src_device: int
+    dst_device: int
+    kind: str
+    """``"activation"`` (forward) or ``"gradient"`` (backward)."""
+    micro_batch: int
+    chunk: int
+    """The receiving op's chunk."""
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Every op and transfer of one simulated step, from the simulation ``simulate`` runs."""
+
+    makespan_s: float
+    ops: tuple[Op, ...]
+    """In a topological order of the dependencies (per device: its execution order)."""
+    transfers: tuple[Transfer, ...]
+    """The transfers that take time (p2p_s > 0)."""
+
+
+def timeline(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int,
+             forward_s: Sequence[float], backward_s: Sequence[float], p2p_s: Sequence[float],
+             posted: bool = False, compression: Compression | None = None,
+             sharing: Sharing | None = None) -> Timeline:
+    """The events of the step ``simulate`` prices: the same compiled schedule and the same pass
+    (``_run``, or ``_run_shared`` under processor sharing); each op's start is read back from what
+    it waited for (its device's previous op, its input's arrival), so the events are exactly the
+    simulated ones."""
+    check_shape(schedule, pp, num_micro_batches, virtual_stages)
+    m, nc = num_micro_batches, pp * virtual_stages
+    fwd, bwd = _floats("forward_s", forward_s, nc), _floats("backward_s", backward_s, nc)
+    z = _checked(compression, nc)
+    dur, P = _durations(fwd, bwd, _floats("p2p_s", p2p_s, nc - 1), z)
+    comp = _compiled(schedule, pp, m, virtual_stages, z)
+    E, sends, _busy, _starts = _pass(comp, dur, P, posted, _sharing(sharing, pp, nc))
+    sends = iter(sends)
+    n_f = nc * m
+    ops, transfers = [], []
+    for k, ((pv, dp, pi, _di, _li), code) in enumerate(zip(comp.ops, comp.codes)):
+        is_b = code >= n_f
+        c, mb = (code % n_f) // m, code % m
+        if pi and P[pi]:
+            sent = next(sends)
+            arrive = sent + P[pi]
+            transfers.append(Transfer((c + 1 if is_b else c - 1) % pp, c % pp, "gradient" if is_b else "activation",
+                                      mb, c, sent, arrive))
+        else:
+            arrive = E[dp]
+        ops.append(Op(c % pp, "B" if is_b else "F", mb, c, max(E[pv], arrive), E[k + 1]))
+    return Timeline(max(E[k] for k in comp.dev_last), tuple(ops), tuple(transfers))
+
+__all__ = ["Op", "StepTimeline", "Timeline", "Transfer", "step_timeline", "timeline"]
 
 
 @dataclass(frozen=True)
@@ -106,3 +192,11 @@ def step_timeline(config: ParallelConfig, system: System) -> StepTimeline:
                         backward_parts=bwd, dp_reductions=tuple(tuple(s) for s in spans), dp_tail_s=tail,
                         post_gather_s=post_all_gather_s(ctx, c, lay), optimizer_s=optimizer_step_s(ctx, c, lay),
                         priced_makespan_s=max(priced.makespan_s, floor), simulated_micro_batches=priced.m_sim)
+
+
+
+
+
+
+
+

@@ -9,7 +9,7 @@
   gradient's dtype (the power iteration itself runs in fp32 for 16-bit gradients: CPU QR has no
   bf16).
 - :func:`make_compressing_stage`: a ``PipelineStage`` subclass (of the trainer's reducing stage)
-  that sends P and Q (two isends) for the micro-batches ``cost.compression.compressed_sends``
+  that sends P and Q (two isends) for the micro-batches ``space.compression.compressed_sends``
   names, receives them into buffers of the shapes :func:`factor_shapes` gives, and multiplies
   ``P Q^T`` back into the gradient buffer before the backward; every isend's bytes are counted per
   peer global rank and direction (:class:`CommCounter`).
@@ -22,7 +22,7 @@ so the trainer runs what the cost model prices.
 
 from __future__ import annotations
 
-from ..cost.compression import compressed_sends, effective_rank
+from autoconf.space.compression import compressed_sends, effective_rank
 
 START_POWERSGD_ITER = 2
 """torch's PowerSGD runs plain all-reduces for this many steps first (it requires > 1 with error

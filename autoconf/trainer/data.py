@@ -58,6 +58,6 @@ def replica_batch(step: int, batch: int, seq_length: int, vocab_size: int, seed:
 def cp_shard(x, y, cp: int, cp_rank: int):
     """Context-parallel rank ``cp_rank``'s tokens and targets: chunks cp_rank and 2cp-1-cp_rank of
     2 x cp along the sequence (``ring_attention.split_load_balanced``); unchanged when cp = 1."""
-    from ..ring_attention import split_load_balanced
+    from autoconf.trainer.ring_attention import split_load_balanced
 
     return split_load_balanced(x, cp, cp_rank), split_load_balanced(y, cp, cp_rank)

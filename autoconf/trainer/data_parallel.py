@@ -138,7 +138,7 @@ class GradSync:
         adds to ``total_numel_after_compression``)."""
         from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import powerSGD_hook
 
-        from .compression import PowerSGDBucket
+        from autoconf.trainer.compression import PowerSGDBucket
 
         state = self.powersgd
         index = self._bucket_ids.setdefault(tuple(id(p) for p in params), len(self._bucket_ids))
@@ -234,7 +234,7 @@ class GradSync:
                 p.grad = None if acc is None else acc.div_(self.divisor * self.grad_scale)
         self._land_pending()
         if self.powersgd is not None and self._launched:  # the step's buckets have landed
-            from .compression import end_step
+            from autoconf.trainer.compression import end_step
 
             end_step(self.powersgd)
             self._launched = False
@@ -264,7 +264,7 @@ def grad_sync(params, config, groups):
         return ExpertGradSync(params, config.zero_stage, groups, all_reduce=groups.dp_all_reduce)
     powersgd = None
     if groups.pp_rank < getattr(config, "dp_compression_stages", 0) and len(groups.grad_ranks) > 1:
-        from .compression import powersgd_state
+        from autoconf.trainer.compression import powersgd_state
 
         powersgd = powersgd_state(groups.grad, config.dp_compression_rank)
     return GradSync(params, config.zero_stage, groups.grad, groups.grad_ranks, groups.grad_rank,

@@ -1,6 +1,6 @@
 """The reference trainer: ``torchrun ... -m autoconf.trainer --config config.json --out DIR``.
 
-It builds the project's GPT (autoconf.nn) for this rank's share of a ParallelConfig, trains a few
+It builds the project's GPT (autoconf.trainer.layers) for this rank's share of a ParallelConfig, trains a few
 steps on synthetic tokens (the same global batch for any split) with AdamW, and writes
 ``DIR/rank_<K>.json`` (step times, peak memory, losses) and, on rank 0, ``DIR/summary.json``.
 
@@ -15,13 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import threading
 import traceback
-
-ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
-"""Optimizer settings (the tests' single-process reference uses the same)."""
 
 
 def parse_args(argv=None):
@@ -85,7 +81,7 @@ def main(argv=None) -> None:
     rank = int(os.environ.get("RANK", "0"))
     watchdog = Watchdog(args.out, rank, args.step_timeout)
     try:
-        from .run import train
+        from autoconf.trainer.run import train
 
         result = train(args, rank, watchdog)
     except BaseException as e:  # noqa: BLE001 - every failure becomes a result
@@ -125,6 +121,3 @@ def _finish(out_dir: str, rank: int, result: dict, watchdog: Watchdog) -> None:
     os._exit(0)
 
 
-def median_after_warmup(step_times: list[float], timed: list[bool]) -> float | None:
-    xs = [t for t, keep in zip(step_times, timed) if keep]
-    return statistics.median(xs) if xs else None

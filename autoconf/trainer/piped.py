@@ -14,10 +14,10 @@ class Piped:
     def __init__(self, model, config, groups, device, layers, common):
         import torch
 
-        from .. import nn as gpt
-        from . import data_parallel
-        from .pipeline import build_schedule, chunk_ids
-        from .tensor_parallel import SequenceParallelGrads
+        from autoconf.trainer import data_parallel
+        from autoconf.trainer import layers as gpt
+        from autoconf.trainer.pipeline import build_schedule, chunk_ids
+        from autoconf.trainer.tensor_parallel import SequenceParallelGrads
 
         self.config, self.groups = config, groups
         n = config.num_chunks
@@ -49,7 +49,7 @@ class Piped:
         def loss_fn(logits, target):
             return gpt.vocab_parallel_cross_entropy(logits, target, model, tp_group)
 
-        from .compression import CommCounter, stage_compression
+        from autoconf.trainer.compression import CommCounter, stage_compression
 
         self.comm = CommCounter()
         self.fused = config.fused_embedding_sync and bool(self.tied)
@@ -86,7 +86,7 @@ class Piped:
     def step(self, x, y) -> list[float]:
         import torch.distributed as dist
 
-        from .pipeline import run_step
+        from autoconf.trainer.pipeline import run_step
 
         losses = run_step(self.sched, self.is_first, self.is_last, x, y)
         for p in self.tied:  # embedding (first stage) + output layer (last stage): one weight

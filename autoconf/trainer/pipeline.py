@@ -20,8 +20,7 @@ def chunk_ids(pp_rank: int, pp: int, v: int) -> list[int]:
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import (Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleLoopedBFS)
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleLoopedBFS
 
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B,
             "breadth_first": ScheduleLoopedBFS}[name]
@@ -80,7 +79,7 @@ def build_schedule(chunks: dict, schedule: str, num_chunks: int, num_micro_batch
 
     The stages count their sends and can compress their backward sends
     (``compression.make_compressing_stage``): ``configure(stage)`` sets that up per stage."""
-    from .compression import make_compressing_stage
+    from autoconf.trainer.compression import make_compressing_stage
 
     post_receives_first()
     stage_cls = make_compressing_stage(make_stage_class())

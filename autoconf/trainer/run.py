@@ -12,11 +12,10 @@ import socket
 import statistics
 import time
 
-from ..config import ParallelConfig
-from ..model import ModelSpec
-from ..placement import Placement
-from ..plan import load as load_plan
-from .main import ADAMW, median_after_warmup
+from autoconf.launch.plan import load as load_plan
+from autoconf.space.config import ParallelConfig
+from autoconf.space.placement import Placement
+from autoconf.specs.model import ModelSpec
 
 
 class TrainerError(RuntimeError):
@@ -34,7 +33,7 @@ def setup(config: ParallelConfig, timeout_s: float):
     import torch
     import torch.distributed as dist
 
-    from .parallel_dims import ParallelDims, build_groups
+    from autoconf.trainer.parallel_dims import ParallelDims, build_groups
 
     timeout = datetime.timedelta(seconds=timeout_s)
     if torch.cuda.is_available():
@@ -70,7 +69,7 @@ def add_hierarchical(groups, rank: int, timeout, host_mapping=None) -> None:
     it stays flat and the rank says so on stderr."""
     import sys
 
-    from . import collectives
+    from autoconf.trainer import collectives
 
     try:
         host_of = collectives.rank_hosts(host_mapping)
@@ -97,10 +96,10 @@ def _store(world: int, timeout):
 
 def fp8_recipe(config: ParallelConfig) -> str | None:
     """The FP8 recipe of the blocks' linear layers (None: every GEMM in the model's dtype); a recipe
-    ``autoconf.fp8`` does not implement is a TrainerError naming the valid ones."""
+    ``autoconf.trainer.fp8`` does not implement is a TrainerError naming the valid ones."""
     if config.precision != "fp8":
         return None
-    from ..fp8 import RECIPES
+    from autoconf.trainer.fp8 import RECIPES
 
     if config.fp8_recipe not in RECIPES:
         raise TrainerError(f"fp8_recipe={config.fp8_recipe!r} is not implemented by the reference trainer; "
@@ -128,7 +127,7 @@ def token_data(args, model: ModelSpec):
     path = getattr(args, "data_file", None)
     if path is None:
         return None
-    from . import data
+    from autoconf.trainer import data
 
     if model.vocab_size < 256:
         raise TrainerError(f"--data-file: token ids are bytes (0..255): vocab_size={model.vocab_size} must be >= 256")
@@ -151,8 +150,8 @@ def chunk_layers(model: ModelSpec, config: ParallelConfig) -> list[list[int]]:
 def train(args, rank: int, watchdog) -> dict:
     import torch
 
-    from .. import nn as gpt
-    from . import data, data_parallel, memory
+    from autoconf.trainer import data, data_parallel, memory
+    from autoconf.trainer import layers as gpt
 
     plan = load_plan(args.config)  # checked: a bad plan is a one-line reason
     model, config, seed = plan.model, plan.config, plan.seed
@@ -175,13 +174,13 @@ def train(args, rank: int, watchdog) -> dict:
 
     layers = chunk_layers(model, config)
     if config.pp == 1:
-        from .single import SingleStage as Runner
+        from autoconf.trainer.single import SingleStage as Runner
     else:
-        from .piped import Piped as Runner
+        from autoconf.trainer.piped import Piped as Runner
     runner = Runner(model, config, groups, device, layers, common)
     optimizer, tracked_opt = _make_optimizer(runner, config, groups, data_parallel)
 
-    a2a = []  # per step: the MoE all-to-all bytes this rank sent (autoconf.moe.A2A_BYTES)
+    a2a = []  # per step: the MoE all-to-all bytes this rank sent (autoconf.trainer.moe.A2A_BYTES)
     comm = []  # per step: runner.comm_bytes()
     steps, warmup = args.steps, args.warmup
     mem_step = min(1, steps - 1) if warmup >= 2 or steps == 1 else steps - 1
@@ -202,7 +201,7 @@ def train(args, rank: int, watchdog) -> dict:
             return local
 
         if model.is_moe:
-            from .. import moe
+            from autoconf.trainer import moe
 
             moe.reset_a2a_bytes()
         t0 = time.perf_counter()
@@ -236,7 +235,7 @@ def train(args, rank: int, watchdog) -> dict:
         "speed_probe_s": statistics.median(probes) if probes else None,
         "local_parameters": sum(_numel_local(p) for m in runner.modules() for p in m.parameters()),
         # hidden-vector bytes this rank sent to other ranks in the MoE all-to-alls, per kind
-        # (autoconf.moe.A2A_BYTES): the last step's, and every step's (under pp the first step's also
+        # (autoconf.trainer.moe.A2A_BYTES): the last step's, and every step's (under pp the first step's also
         # hold torch.distributed.pipelining's metadata inference through each stage)
         "moe_a2a_bytes": a2a[-1] if a2a else None, "moe_a2a_bytes_per_step": a2a or None,
         # bytes this rank handed to communication in a step (trainer.compression.CommCounter): "pp_send":
@@ -257,7 +256,7 @@ def speed_probe(model: ModelSpec, device, dtype, repeats: int = 3) -> float:
     import torch
     import torch.distributed as dist
 
-    from .. import nn as gpt
+    from autoconf.trainer import layers as gpt
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     mine = None
@@ -318,3 +317,12 @@ def _global_loss(local: list, runner, groups, config, device) -> float:
     t = torch.tensor([sum(local) / len(local) if mine else 0.0], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return float(t.item()) / (config.dp * config.cp)
+
+
+ADAMW = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "eps": 1e-8}
+"""Optimizer settings (the tests' single-process reference uses the same)."""
+
+
+def median_after_warmup(step_times: list[float], timed: list[bool]) -> float | None:
+    xs = [t for t, keep in zip(step_times, timed) if keep]
+    return statistics.median(xs) if xs else None

@@ -8,16 +8,16 @@ of the step."""
 
 from __future__ import annotations
 
-from .accumulation import Hooks, layered_step, standard_step
+from autoconf.trainer.accumulation import Hooks, layered_step, standard_step
 
 
 class SingleStage:
     """One stage holding embedding, every block and the head."""
 
     def __init__(self, model, config, groups, device, layers, common):
-        from .. import nn as gpt
-        from . import data_parallel
-        from .tensor_parallel import SequenceParallelGrads
+        from autoconf.trainer import data_parallel
+        from autoconf.trainer import layers as gpt
+        from autoconf.trainer.tensor_parallel import SequenceParallelGrads
 
         self.config = config
         self.chunk_ids, self.is_first, self.is_last = [0], True, True
@@ -67,7 +67,7 @@ class SingleStage:
     def comm_bytes(self) -> dict:
         """This step's bytes (``compression.CommCounter.take``: no pipeline sends, no embedding
         sync here), then the counts restart."""
-        from .compression import CommCounter
+        from autoconf.trainer.compression import CommCounter
 
         return CommCounter().take(self.grad_sync)
 

@@ -1,5 +1,5 @@
 """A user's own training script, as the emitted node scripts run it (``--emit DIR --script
-user_train.py -- --steps 3``): it reads the launch plan with ``autoconf.plan.load()`` (the node
+user_train.py -- --steps 3``): it reads the launch plan with ``autoconf.load_plan()`` (the node
 script sets AUTOCONF_PLAN), builds a tiny model, trains it data-parallel with gloo over the plan's
 data-parallel groups and the plan's micro-batching, and writes ``user-results/rank_<RANK>.json``
 with its coordinates, losses and final weights."""
@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-import autoconf.plan
+import autoconf
 
 
 def main() -> None:
@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("--out", default="user-results")
     args = ap.parse_args()
 
-    plan = autoconf.plan.load()
+    plan = autoconf.load_plan()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     assert world == plan.world_size, (world, plan.world_size)
     dist.init_process_group("gloo")

@@ -1,0 +1,370 @@
+"""ClusterSpec: node groups, devices, links; and the networkx graph the cost model reads.
+
+A YAML cluster file (see ``examples/clusters/``) becomes a :class:`ClusterSpec`; ``graph()`` turns
+it into a graph whose nodes are devices (ints, with ``node``/``group``/``device`` attributes) and
+hosts (``("host", n)``) and whose edges carry ``bandwidth_bytes_per_s`` and ``latency_s``:
+
+- device -- device inside a host: the intra-node fabric (NVLink/NVSwitch; shared memory on CPU);
+- device -- host: one NIC's bandwidth, the most a single device can push off the host;
+- host -- ("group", g): all the host's NICs together;
+- ("group", g) -- ("group", g'): the optional inter-group cap;
+- device -- ("nvlink", k): where a node group's ``nvlink_domain`` joins several consecutive hosts
+  on one NVLink fabric (a GB200 NVL72 rack: 18 hosts of 4 GPUs), the intra-node fabric between
+  the devices of different hosts of domain k (k its first host); devices and hosts carry
+  ``domain`` = k. Devices of one domain talk at the intra-node bandwidth and latency, as inside a
+  host; between domains the NICs carry the traffic as between hosts. ``topology.Topology`` treats a
+  domain as one host for every bandwidth question; the launch files still see the real hosts.
+
+A profile replaces device--device edges with measured ones (``kind="measured"``).
+
+A node group may name its hosts (``hosts: [gpu-a1, gpu-a2]``, one per node, in rank order); the
+others are ``node-K`` (K the host's index in the cluster). The launch files (``autoconf.launch.emit``)
+write the names into each host's script; a name may not appear twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from autoconf.errors import UserError
+from autoconf.specs.devices import device_type
+from autoconf.specs.measured_graph import topology_graph
+from autoconf.specs.schema import Dict, Int, List, Null, Num, Quantity, Str, check_kind, load_yaml
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    count: int
+    """Number of identical nodes (hosts)."""
+    device: str
+    """Catalog name of the accelerator (or 'cpu')."""
+    gpus_per_node: int
+    intra_node_bandwidth_bytes_per_s: float
+    """Per device, per direction."""
+    nic_count: int = 1
+    nic_bandwidth_bytes_per_s: float = 12.5e9
+    """Per NIC, per direction."""
+    nic_kind: str = "infiniband"
+    memory_bytes: float | None = None
+    """Overrides the catalog's device memory (e.g. a share of host RAM for CPU processes)."""
+    hosts: tuple | None = None
+    """Host names of the group's nodes, in rank order (``count`` of them); None: ``node-K``."""
+    nvlink_domain: int = 1
+    """Consecutive hosts of the group that share one NVLink fabric (18 in a GB200 NVL72 rack);
+    1: each host's fabric is its own. Divides ``count``."""
+
+    @property
+    def device_memory_bytes(self) -> float:
+        return self.memory_bytes if self.memory_bytes is not None else device_type(self.device).memory_bytes
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    node_groups: tuple
+    intra_node_latency_s: float = 2e-6
+    inter_node_latency_s: float = 10e-6
+    inter_group_bandwidth_bytes_per_s: float | None = None
+    """Optional cap on any path between two node groups."""
+    _graph_cache: dict = field(default_factory=dict, init=False, compare=False, repr=False, hash=False)
+
+    @property
+    def num_nodes(self) -> int:
+        return sum(g.count for g in self.node_groups)
+
+    @property
+    def num_devices(self) -> int:
+        return sum(g.count * g.gpus_per_node for g in self.node_groups)
+
+    def device_kinds(self) -> list[str]:
+        return sorted({g.device for g in self.node_groups})
+
+    def nodes(self) -> list[tuple[int, NodeGroup]]:
+        """(group index, group) for each host, in rank order."""
+        return [(gi, g) for gi, g in enumerate(self.node_groups) for _ in range(g.count)]
+
+    def host_names(self) -> list[str]:
+        """Each host's name in rank order: the group's ``hosts`` where given, else ``node-K``
+        (K the host's index in the cluster)."""
+        out = []
+        for grp in self.node_groups:
+            k = len(out)
+            out += list(grp.hosts) if grp.hosts else [f"node-{k + i}" for i in range(grp.count)]
+        return out
+
+    def domains(self) -> list[int]:
+        """Each host's NVLink domain in rank order, numbered by the domain's first host (the host
+        itself where its group's ``nvlink_domain`` is 1)."""
+        out = []
+        for grp in self.node_groups:
+            k = len(out)
+            out += [k + i // grp.nvlink_domain * grp.nvlink_domain for i in range(grp.count)]
+        return out
+
+    def graph(self):
+        """The cluster as a networkx graph (built once per spec)."""
+        if "g" not in self._graph_cache:
+            self._graph_cache["g"] = _build_graph(self)
+        return self._graph_cache["g"]
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.pop("_graph_cache")
+        for g in d["node_groups"]:  # written only where given (files without hosts stay as they were)
+            if g["hosts"] is None:
+                g.pop("hosts")
+            else:
+                g["hosts"] = list(g["hosts"])
+            if g["nvlink_domain"] == 1:
+                g.pop("nvlink_domain")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ClusterSpec":
+        """From :meth:`to_dict`'s form (SI numbers), checked against ``SI_CLUSTER_SCHEMA``."""
+        try:
+            d = SI_CLUSTER_SCHEMA(d)
+            _check_devices(d["node_groups"])
+            _check_hosts(d["node_groups"])
+            _check_domains(d["node_groups"])
+        except UserError as e:
+            raise UserError(f"cluster: {e}") from None
+        d["node_groups"] = tuple(NodeGroup(**{**g, "hosts": tuple(g["hosts"]) if g.get("hosts") else None})
+                                 for g in d["node_groups"])
+        return cls(**d)
+
+
+def _build_graph(spec: ClusterSpec):
+    import networkx as nx
+
+    g = nx.Graph(name=spec.name, intra_node_latency_s=spec.intra_node_latency_s,
+                 inter_node_latency_s=spec.inter_node_latency_s)
+    dev = 0
+    for gi, _ in enumerate(spec.node_groups):
+        g.add_node(("group", gi))
+    for a in range(len(spec.node_groups)):
+        for b in range(a + 1, len(spec.node_groups)):
+            cap = spec.inter_group_bandwidth_bytes_per_s or float("inf")
+            g.add_edge(("group", a), ("group", b), bandwidth_bytes_per_s=cap, latency_s=0.0, kind="inter_group")
+    names = spec.host_names()
+    domains = spec.domains()
+    for n, (gi, grp) in enumerate(spec.nodes()):
+        domain = domains[n]
+        host = ("host", n)
+        g.add_node(host, group=gi, name=names[n], nic_count=grp.nic_count, nic_bandwidth_bytes_per_s=grp.nic_bandwidth_bytes_per_s,
+                   nic_kind=grp.nic_kind, intra_node_bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s,
+                   domain=domain)
+        g.add_edge(host, ("group", gi), bandwidth_bytes_per_s=grp.nic_count * grp.nic_bandwidth_bytes_per_s,
+                   latency_s=spec.inter_node_latency_s / 2, kind="uplink")
+        local = list(range(dev, dev + grp.gpus_per_node))
+        for i in local:
+            g.add_node(i, node=n, group=gi, device=grp.device, memory_bytes=grp.device_memory_bytes, domain=domain)
+            g.add_edge(i, host, bandwidth_bytes_per_s=grp.nic_bandwidth_bytes_per_s,
+                       latency_s=spec.inter_node_latency_s / 2, kind="nic")
+            if grp.nvlink_domain > 1:  # the domain's switch fabric (one edge per device, not per pair)
+                g.add_edge(i, ("nvlink", domain), bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s,
+                           latency_s=spec.intra_node_latency_s / 2, kind="nvlink")
+        for x in local:
+            for y in local:
+                if x < y:
+                    g.add_edge(x, y, bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s,
+                               latency_s=spec.intra_node_latency_s, kind="intra")
+        dev += grp.gpus_per_node
+    return g
+
+
+# -- the YAML schema (quantities written with units) and the SI one (ClusterSpec.to_dict) -----------
+
+MAX_DEVICES = 1 << 16
+"""Devices in one cluster (the largest training runs published use ~16k-100k; the graph and the
+search over this many stay within seconds and a few GB)."""
+BANDWIDTH = ("bytes_per_s", 1e3, 1e15)     # 1 kB/s .. 1 PB/s, per direction
+LATENCY = ("seconds", 0.0, 1.0)            # 0 .. 1 s
+MEMORY = ("bytes", float(1 << 20), float(1 << 50))  # 1 MiB .. 1 PiB per device
+
+
+def _quantity(kind, lo, hi):
+    """A person writes it with a unit ("300 GB/s")."""
+    return Quantity(kind, lo, hi)
+
+
+def _si(kind, lo, hi):
+    """A machine wrote it in SI (the field name carries the unit: ``*_bytes_per_s``)."""
+    return Num(lo, hi)
+
+
+NIC_SCHEMA = Dict(optional={"count": Int(1, 256), "bandwidth": _quantity(*BANDWIDTH), "kind": Str(max_len=64)},
+                  what="nics, like {count: 8, bandwidth: 200 Gbit/s, kind: infiniband}")
+HOSTS_SCHEMA = List(Str(max_len=253, nonempty=True), min_len=1, max_len=MAX_DEVICES)
+"""Host names of a group's nodes (one per node, in rank order), e.g. [gpu-a1, gpu-a2]."""
+GROUP_SCHEMA = Dict(
+    required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=64), "gpus_per_node": Int(1, 1024),
+              "intra_node_bandwidth": _quantity(*BANDWIDTH)},
+    optional={"nics": Null(NIC_SCHEMA), "memory": _quantity(*MEMORY), "hosts": Null(HOSTS_SCHEMA),
+              "nvlink_domain": Int(1, MAX_DEVICES)},
+    what="a node group")
+LATENCY_SCHEMA = Dict(optional={"intra_node": _quantity(*LATENCY), "inter_node": _quantity(*LATENCY)},
+                      what="latency, like {intra_node: 2 us, inter_node: 10 us}")
+CLUSTER_SCHEMA = Dict(
+    required={"node_groups": List(GROUP_SCHEMA, min_len=1, max_len=256)},
+    optional={"name": Str(max_len=200), "inter_group_bandwidth": Null(_quantity(*BANDWIDTH)),
+              "latency": Null(LATENCY_SCHEMA)},
+    what="a cluster")
+
+SI_GROUP_SCHEMA = Dict(
+    required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=64), "gpus_per_node": Int(1, 1024),
+              "intra_node_bandwidth_bytes_per_s": _si(*BANDWIDTH)},
+    optional={"nic_count": Int(1, 256), "nic_bandwidth_bytes_per_s": _si(*BANDWIDTH), "nic_kind": Str(max_len=64),
+              "memory_bytes": Null(_si(*MEMORY)), "hosts": Null(HOSTS_SCHEMA), "nvlink_domain": Int(1, MAX_DEVICES)},
+    what="a node group")
+SI_CLUSTER_SCHEMA = Dict(
+    required={"name": Str(max_len=200), "node_groups": List(SI_GROUP_SCHEMA, min_len=1, max_len=256)},
+    optional={"intra_node_latency_s": _si(*LATENCY), "inter_node_latency_s": _si(*LATENCY),
+              "inter_group_bandwidth_bytes_per_s": Null(_si(*BANDWIDTH))},
+    what="a cluster")
+
+
+def _check_devices(groups) -> None:
+    for g in groups:
+        device_type(g["device"])  # a UserError naming the valid devices
+    total = sum(g["count"] * g["gpus_per_node"] for g in groups)
+    if total > MAX_DEVICES:
+        raise UserError(f"{total:,} devices in all; at most {MAX_DEVICES:,}")
+
+
+HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+
+
+def _check_hosts(groups) -> None:
+    """Each group's ``hosts``: one name per node, a host name or address (letters, digits, '.',
+    '-', '_', ':'; they go into shell scripts), no name twice in the cluster (defaults included)."""
+    seen: dict = {}
+    k = 0
+    for gi, g in enumerate(groups):
+        hosts = g.get("hosts")
+        if hosts is not None and len(hosts) != g["count"]:
+            raise UserError(f"node_groups[{gi}].hosts: {len(hosts)} name(s) for count {g['count']}; "
+                            "give one host name per node")
+        for i in range(g["count"]):
+            name = hosts[i] if hosts else f"node-{k + i}"
+            if hosts and not HOST_RE.match(name):
+                raise UserError(f"node_groups[{gi}].hosts[{i}]={name!r} is not a host name or address; use "
+                                "letters, digits, '.', '-', '_' and ':' (starting with a letter or digit)")
+            if name in seen:
+                raise UserError(f"node_groups[{gi}].hosts: host {name!r} appears twice (also {seen[name]}); "
+                                "each node needs its own name")
+            seen[name] = f"node_groups[{gi}]" + (f".hosts[{i}]" if hosts else f", default name of node {k + i}")
+        k += g["count"]
+
+
+def _check_domains(groups) -> None:
+    """Each group's ``nvlink_domain``: hosts per NVLink fabric, dividing the group's ``count``;
+    only for accelerators (CPU processes of two hosts share no fabric)."""
+    for gi, g in enumerate(groups):
+        k = g.get("nvlink_domain", 1)
+        if g["count"] % k:
+            raise UserError(f"node_groups[{gi}].nvlink_domain={k} does not divide count {g['count']}; give a "
+                            "positive integer that divides it (hosts per NVLink fabric, e.g. 18 for GB200 NVL72; "
+                            "1: each host alone)")
+        if k > 1 and device_type(g["device"]).sm_count == 0:
+            raise UserError(f"node_groups[{gi}].nvlink_domain={k} on device {g['device']!r}: only GPUs share an "
+                            "NVLink fabric across hosts; use 1")
+
+
+def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
+    """Build a ClusterSpec from the YAML schema (quantities with units), checked strictly."""
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: expected a mapping with 'node_groups', got {type(data).__name__}")
+    if "node_groups" in data and isinstance(data["node_groups"], list) and not data["node_groups"]:
+        raise UserError(f"{where}: 'node_groups' must be a non-empty list")
+    try:
+        d = CLUSTER_SCHEMA(data)
+        _check_devices(d["node_groups"])
+        _check_hosts(d["node_groups"])
+        _check_domains(d["node_groups"])
+    except UserError as e:
+        raise UserError(f"{where}: {e}") from None
+    out = []
+    for g in d["node_groups"]:
+        nics = g.get("nics") or {}
+        out.append(NodeGroup(
+            count=g["count"], device=g["device"], gpus_per_node=g["gpus_per_node"],
+            intra_node_bandwidth_bytes_per_s=g["intra_node_bandwidth"],
+            nic_count=nics.get("count", 1),
+            nic_bandwidth_bytes_per_s=nics.get("bandwidth", 100e9 / 8),
+            nic_kind=nics.get("kind", "infiniband"),
+            memory_bytes=g.get("memory"),
+            hosts=tuple(g["hosts"]) if g.get("hosts") else None,
+            nvlink_domain=g.get("nvlink_domain", 1),
+        ))
+    lat = d.get("latency") or {}
+    return ClusterSpec(
+        name=d.get("name", "cluster"),
+        node_groups=tuple(out),
+        intra_node_latency_s=lat.get("intra_node", 2e-6),
+        inter_node_latency_s=lat.get("inter_node", 10e-6),
+        inter_group_bandwidth_bytes_per_s=d.get("inter_group_bandwidth"),
+    )
+
+
+def load_cluster(path: str) -> ClusterSpec:
+    import os
+
+
+    if not os.path.exists(path):
+        raise UserError(f"cluster file {path!r} does not exist (see examples/clusters/ for the format)")
+    data = load_yaml(path, "cluster file")
+    check_kind(data, path, ("cluster",))
+    return cluster_from_mapping(data, where=os.path.basename(path))
+
+
+def cluster_from_profile(profile) -> ClusterSpec:
+    """The cluster a profile measured, as a ClusterSpec: its hosts in rank order (named as the
+    profile recorded them), each host's ranks as its devices, consecutive hosts of the same device
+    kind and size in one node group, and the measured links' figures (median intra-node bandwidth,
+    each host's fastest link off it as its NIC). What the launch files need; the cost model reads
+    the profile's own graph."""
+    import statistics
+
+
+    g = topology_graph(profile)
+    hosts = []
+    for r in sorted(profile.ranks, key=lambda r: r.rank):
+        if r.host not in hosts:
+            hosts.append(r.host)
+    groups: list[dict] = []
+    for i, h in enumerate(hosts):
+        ranks = sorted((r for r in profile.ranks if r.host == h), key=lambda r: r.local_rank)
+        kind = ranks[0].device_kind
+        if kind is None or any(r.device_kind != kind for r in ranks):
+            raise UserError(f"profile host {h!r} has devices outside the catalog or of several kinds "
+                            f"({', '.join(sorted({str(r.device_kind or r.device_name) for r in ranks}))}): "
+                            "give --cluster FILE to describe it")
+        if not HOST_RE.match(h):
+            raise UserError(f"profile host name {h!r} cannot go into a launch script (letters, digits, '.', '_', "
+                            "'-' and ':' only): give --cluster FILE with its hosts named")
+        a = g.nodes[("host", i)]
+        intra = a["intra_node_bandwidth_bytes_per_s"]
+        nic = a["nic_bandwidth_bytes_per_s"]
+        key = (kind, len(ranks))
+        if groups and groups[-1]["key"] == key:
+            groups[-1]["hosts"].append(h)
+            groups[-1]["memory"] = min(groups[-1]["memory"], min(r.memory_bytes for r in ranks))
+            groups[-1]["intra"].append(intra)
+            groups[-1]["nic"].append(nic)
+            continue
+        groups.append({"key": key, "hosts": [h], "intra": [intra], "nic": [nic],
+                       "memory": min(r.memory_bytes for r in ranks)})
+    finite = lambda xs, default: statistics.median(x for x in xs if x != float("inf")) \
+        if any(x != float("inf") for x in xs) else default  # noqa: E731
+    node_groups = tuple(NodeGroup(
+        count=len(gr["hosts"]), device=gr["key"][0], gpus_per_node=gr["key"][1],
+        intra_node_bandwidth_bytes_per_s=finite(gr["intra"], 1e12), nic_count=1,
+        nic_bandwidth_bytes_per_s=finite(gr["nic"], 12.5e9), nic_kind="measured",
+        memory_bytes=gr["memory"] or None, hosts=tuple(gr["hosts"])) for gr in groups)
+    return ClusterSpec(name=f"profiled-{len(hosts)}-hosts", node_groups=node_groups,
+                       intra_node_latency_s=g.graph["intra_node_latency_s"],
+                       inter_node_latency_s=g.graph["inter_node_latency_s"])
+

@@ -1,0 +1,145 @@
+"""Device catalog: datasheet figures per device kind (data in ``data/devices.json``)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+from autoconf.errors import UserError
+
+
+@dataclass(frozen=True)
+class CollectiveTuning:
+    """What a collective library adds to the links: a fixed cost per call and the fraction of each
+    tier's bandwidth it reaches. Neutral (0 s, 1.0, 1.0) is the bare alpha-beta model."""
+
+    base_latency_s: float = 0.0
+    """Fixed cost of one collective call (launch, set-up, handshake), on top of per-step latency."""
+    intra_efficiency: float = 1.0
+    """Bus bandwidth reached over the intra-node fabric, as a fraction of its link bandwidth."""
+    inter_efficiency: float = 1.0
+    """Bus bandwidth reached across hosts (NICs), as a fraction of their bandwidth."""
+    short_ring_loss: float = 0.0
+    """How much of ``intra_efficiency`` a short ring inside a host gives up: a ring of k members
+    there reaches ``intra_efficiency - short_ring_loss / k`` of the fabric. On an NVSwitch node a
+    2-GPU ring's large all-reduce reaches 0.67 of NVLink's rate and an 8-GPU ring 0.76 (nccl-tests,
+    8 x A100): fewer peers leave more of the switch's ports idle."""
+
+    def intra(self, local_members: int) -> float:
+        """Fraction of the intra-node fabric a collective with ``local_members`` per host reaches."""
+        return self.intra_efficiency - self.short_ring_loss / max(local_members, 1)
+
+
+NEUTRAL = CollectiveTuning()
+
+
+@dataclass(frozen=True)
+class DeviceType:
+    name: str
+    peak_flop_per_s: dict
+    """Dense peak per dtype: bf16, fp16, fp32; fp8 where the device has FP8 tensor cores (Hopper,
+    Ada, Blackwell), mxfp8 and fp4 where it has microscaling ones (Blackwell)."""
+    memory_bytes: float
+    memory_bandwidth_bytes_per_s: float
+    gemm_efficiency: float
+    """Fraction of peak a large GEMM reaches; a profile replaces it with a measurement."""
+    memory_efficiency: float
+    """Fraction of memory bandwidth a streaming kernel reaches."""
+    kernel_launch_s: float
+    """Fixed cost per kernel launch."""
+    framework_overhead_bytes: float = 0.0
+    """Device memory held outside the allocator's count (CUDA context, workspaces, comm buffers)."""
+    sm_count: int = 0
+    """Streaming multiprocessors (GPU): GEMM tiles are scheduled over them in waves. 0: no wave
+    quantization (CPU)."""
+    collective: dict = None
+    """What the collective library reaches on this device's links: ``base_latency_s`` per call,
+    ``intra_efficiency`` and ``inter_efficiency`` of the intra-node fabric's and the NICs'
+    bandwidth, ``short_ring_loss`` of short rings inside a host (see ``specs.devices.CollectiveTuning``). None: the bare alpha-beta model."""
+
+    attention_efficiency: dict = None
+    """Fraction of peak the fused (flash) attention kernel the frameworks run by default reaches,
+    ``forward`` and ``backward``, causal, at head dim 128 over long sequences (FlashAttention-2 on
+    A100, cuDNN's on Hopper; ``cost.attention.attention_shape_efficiency`` scales it to the shape).
+    None: the GEMM efficiency."""
+
+    special_function_per_s: float = 0.0
+    """Exponentials per second of the special-function units (GPUs): the softmax's share of fused
+    attention, which makes a small head dimension slower per FLOP. 0: not modelled."""
+
+    unaligned_gemm_factor: float = 0.17
+    """A GEMM with a dimension that is not a multiple of 16 bytes (``cost.roofline.aligned_gemm``)
+    runs at this fraction of the aligned rate. Measured on an H100 SXM (torch 2.11, cuBLAS of CUDA
+    13.0): a 50257-wide vocabulary projection reached 0.12-0.14 of the rate padded to a multiple
+    of 8 in the forward and 0.17-0.22 in the two backward GEMMs (bench/gpu_host_device.py). Other
+    GPUs take the same figure until measured: their cuBLAS kernels need the same 16-byte vectors."""
+
+    dtype_gemm_efficiency: dict = None
+    """Fraction of a dtype's peak a large GEMM reaches where it differs from ``gemm_efficiency``
+    (FP8 GEMMs reach less of their doubled peak). None: ``gemm_efficiency`` for every dtype."""
+
+    def gemm_efficiency_of(self, dtype: str) -> float:
+        """The large-GEMM efficiency of ``dtype`` (FP8 and MXFP8 may differ from 16-bit)."""
+        eff = (self.dtype_gemm_efficiency or {}).get(dtype)
+        if eff is None and dtype == "mxfp8":
+            eff = (self.dtype_gemm_efficiency or {}).get("fp8")
+        return self.gemm_efficiency if eff is None else eff
+
+    def collective_tuning(self):
+        return CollectiveTuning(**self.collective) if self.collective else NEUTRAL
+
+    def supports(self, dtype: str) -> bool:
+        """Whether :meth:`peak` serves ``dtype`` (bf16 on a device without bf16 units, V100, counts:
+        PyTorch runs it there at fp32 speed)."""
+        return dtype in self.peak_flop_per_s or (dtype == "bf16" and "fp16" in self.peak_flop_per_s)
+
+    def peak(self, dtype: str) -> float:
+        """Dense peak FLOP/s of ``dtype``; a UserError naming the valid ones where the device has none."""
+        if dtype in self.peak_flop_per_s:
+            return self.peak_flop_per_s[dtype]
+        if dtype == "bf16" and "fp16" in self.peak_flop_per_s:
+            # no bf16 units (V100): PyTorch runs bf16 at fp32 speed there
+            return self.peak_flop_per_s["fp32"]
+        raise UserError(f"device {self.name} has no {dtype} figure; valid: {', '.join(self.peak_flop_per_s)}")
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@lru_cache(maxsize=1)
+def _catalog() -> dict:
+    text = resources.files("autoconf").joinpath("data/devices.json").read_text()
+    return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+
+
+@lru_cache(maxsize=1)
+def _accuracy_text() -> str | None:
+    try:
+        return resources.files("autoconf").joinpath("data/accuracy.json").read_text()
+    except OSError:
+        return None
+
+
+def stated_accuracy() -> dict | None:
+    """The cost model's stated step-time accuracy: ``step_time`` of ``autoconf/data/accuracy.json``
+    (median and max relative error, what it was measured on, the bench that measured it; written
+    by ``bench/gpu_devset.py --write-accuracy``), a fresh dict; None where the file is missing."""
+    text = _accuracy_text()
+    return None if text is None else json.loads(text).get("step_time")
+
+
+def device_names() -> list[str]:
+    return list(_catalog())
+
+
+def device_type(name: str) -> DeviceType:
+    cat = _catalog()
+    if name not in cat:
+        raise UserError(f"unknown device {name!r}; valid: {', '.join(cat)}")
+    return DeviceType(name=name, **cat[name])
+
+
+
+

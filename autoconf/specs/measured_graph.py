@@ -1,0 +1,129 @@
+"""The measured cluster as a graph: a profile's ranks and links in ``ClusterSpec.graph()``'s
+schema (``topology_graph``), or laid over a cluster file's declared one (``overlay_measured_links``).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from autoconf.specs.profile import Profile
+
+
+def topology_graph(profile: Profile):
+    """The measured cluster as a networkx graph in ClusterSpec.graph()'s schema.
+
+    Devices (int nodes = ranks; attrs node, group, device, memory_bytes, host, local_rank),
+    hosts (("host", n): group, nic_count, nic_bandwidth_bytes_per_s, nic_kind="measured",
+    intra_node_bandwidth_bytes_per_s), groups (("group", g): hosts of the same device kind and
+    size), device--host "nic" and host--group "uplink" edges, and one device--device edge per
+    measured pair (kind="measured", slower direction). Graph attrs intra_node_latency_s /
+    inter_node_latency_s are medians of the measured latencies (ClusterSpec's defaults, 2 us and
+    10 us, where no pair of that sort was measured). A device's NIC bandwidth is the fastest
+    measured link from it to another host, else its host's fastest interface speed
+    (/sys/class/net), else infinite (single host: nothing crosses it).
+    """
+    import networkx as nx
+
+    hosts = []
+    for r in sorted(profile.ranks, key=lambda r: r.rank):
+        if r.host not in hosts:
+            hosts.append(r.host)
+    host_index = {h: i for i, h in enumerate(hosts)}
+    by_host = {h: [r for r in profile.ranks if r.host == h] for h in hosts}
+    shape = {h: (tuple(sorted(str(r.device_kind) for r in rs)), len(rs)) for h, rs in by_host.items()}
+    shapes = []
+    for h in hosts:
+        if shape[h] not in shapes:
+            shapes.append(shape[h])
+    group_of = {h: shapes.index(shape[h]) for h in hosts}
+
+    pair = _undirected_links(profile)
+    intra = [v for (a, b), v in pair.items() if profile.rank(a).host == profile.rank(b).host]
+    inter = [v for (a, b), v in pair.items() if profile.rank(a).host != profile.rank(b).host]
+    intra_lat = statistics.median(v["latency_s"] for v in intra) if intra else 2e-6
+    inter_lat = statistics.median(v["latency_s"] for v in inter) if inter else 10e-6
+
+    g = nx.Graph(name=f"profile:{profile.model.name}", intra_node_latency_s=intra_lat,
+                 inter_node_latency_s=inter_lat, source="profile")
+    for gi in range(len(shapes)):
+        g.add_node(("group", gi))
+    for a in range(len(shapes)):
+        for b in range(a + 1, len(shapes)):
+            g.add_edge(("group", a), ("group", b), bandwidth_bytes_per_s=float("inf"), latency_s=0.0,
+                       kind="inter_group")
+    iface_speed = {h.name: max((i.get("speed_bytes_per_s") or 0.0 for i in h.interfaces), default=0.0)
+                   for h in profile.provenance.hosts}
+    for h in hosts:
+        n = host_index[h]
+        ranks = [r.rank for r in by_host[h]]
+        nics = [_nic_bandwidth(profile, r, pair, iface_speed.get(h, 0.0)) for r in ranks]
+        intra_bw = [v["bandwidth_bytes_per_s"] for (a, b), v in pair.items() if a in ranks and b in ranks]
+        g.add_node(("host", n), group=group_of[h], name=h, nic_count=1, domain=n,
+                   nic_bandwidth_bytes_per_s=max(nics), nic_kind="measured",
+                   intra_node_bandwidth_bytes_per_s=statistics.median(intra_bw) if intra_bw else float("inf"))
+        g.add_edge(("host", n), ("group", group_of[h]), bandwidth_bytes_per_s=max(nics),
+                   latency_s=inter_lat / 2, kind="uplink")
+        for r, nic in zip(ranks, nics):
+            info = profile.rank(r)
+            g.add_node(r, node=n, domain=n, group=group_of[h], device=info.device_kind or info.device_name,
+                       memory_bytes=info.memory_bytes, host=h, local_rank=info.local_rank)
+            g.add_edge(r, ("host", n), bandwidth_bytes_per_s=nic, latency_s=inter_lat / 2, kind="nic")
+    for (a, b), v in pair.items():
+        g.add_edge(a, b, kind="measured", **v)
+    return g
+
+
+def overlay_measured_links(graph, profile: Profile):
+    """A copy of a cluster file's graph with the profile's measured links over the declared ones.
+
+    The profile's hosts are matched to the cluster's in order (its i-th host, by first rank, is
+    the cluster's i-th host) and its ranks to the host's devices by local rank. Each measured pair
+    whose both ends map onto the cluster becomes a ``measured`` edge, which ``Topology.p2p``
+    prefers to the declared link; pairs the profile did not measure keep the declared figures (a
+    profile of one node measures its intra-node links, and the cluster file still declares the
+    network between nodes). Returns (graph, number of pairs overlaid).
+    """
+    hosts = []
+    for r in sorted(profile.ranks, key=lambda r: r.rank):
+        if r.host not in hosts:
+            hosts.append(r.host)
+    devices_of: dict[int, list[int]] = {}
+    for d, attrs in graph.nodes(data=True):
+        if isinstance(d, int):
+            devices_of.setdefault(attrs["node"], []).append(d)
+    to_device = {}
+    for hi, h in enumerate(hosts):
+        devs = sorted(devices_of.get(hi, []))
+        for r in profile.ranks:
+            if r.host == h and r.local_rank < len(devs):
+                to_device[r.rank] = devs[r.local_rank]
+    g = graph.copy()
+    n = 0
+    for (a, b), v in _undirected_links(profile).items():
+        if a in to_device and b in to_device and to_device[a] != to_device[b]:
+            g.add_edge(to_device[a], to_device[b], kind="measured", bandwidth_bytes_per_s=v["bandwidth_bytes_per_s"],
+                       latency_s=v["latency_s"])
+            n += 1
+    g.graph["measured_pairs"] = n
+    return g, n
+
+
+def _undirected_links(profile: Profile) -> dict:
+    out = {}
+    for e in profile.links:
+        a, b = min(e.src, e.dst), max(e.src, e.dst)
+        v = out.setdefault((a, b), {"bandwidth_bytes_per_s": float("inf"), "latency_s": 0.0,
+                                    "bandwidth_by_direction_bytes_per_s": {}})
+        v["bandwidth_bytes_per_s"] = min(v["bandwidth_bytes_per_s"], e.bandwidth_bytes_per_s)
+        v["latency_s"] = max(v["latency_s"], e.latency_s)
+        v["bandwidth_by_direction_bytes_per_s"][(e.src, e.dst)] = e.bandwidth_bytes_per_s
+    return out
+
+
+def _nic_bandwidth(profile, rank, pair, iface_speed) -> float:
+    host = profile.rank(rank).host
+    off = [v["bandwidth_bytes_per_s"] for (a, b), v in pair.items() if rank in (a, b)
+           and profile.rank(b if a == rank else a).host != host]
+    if off:
+        return max(off)
+    return iface_speed if iface_speed > 0 else float("inf")

@@ -1,0 +1,152 @@
+"""Topology: fast link queries over the cluster graph (a ClusterSpec's, or a profile's measured one).
+
+The cost model asks three things of the links: the bandwidth and latency between two devices
+(point-to-point), the bandwidth a device gets off its host when ``k`` devices of that host cross
+the network at once (NIC sharing), and the slowest link a collective group's ring would use.
+Everything is read from the networkx graph once, into flat lists, so the search's hot path never
+walks the graph.
+
+NVLink domains: where consecutive hosts share one NVLink fabric (a GB200 NVL72 rack: 18 hosts of 4
+GPUs; the cluster file's ``nvlink_domain``, the graph's ``domain`` attribute), the domain is one
+*host* for every bandwidth question: ``host_of`` gives the domain (numbered by its first host),
+so two devices of one domain talk at the intra-node bandwidth and latency, a collective inside it
+runs at NVLink speed (``GroupLinks.num_hosts`` counts domains), and flows leaving it share all
+its hosts' NICs (``host_nic_total``). The real host stays in ``node_of`` (and ``host_name`` is
+keyed by it): where a device runs, not how fast it talks. Without domains both are the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["GroupLinks", "Topology"]
+
+
+@dataclass(frozen=True)
+class GroupLinks:  # hashable: equal links dedupe
+    """What a collective over one group of devices sees."""
+
+    size: int
+    """Devices in the group, n."""
+    num_hosts: int
+    """Hosts the group spans (an NVLink domain spanning hosts counts once: see the module doc)."""
+    local_size: int
+    """Most group members on one host (domain), k."""
+    intra_bandwidth_bytes_per_s: float
+    """Slowest link between members on the same host (inf if no two share a host)."""
+    inter_bandwidth_bytes_per_s: float
+    """Per-device bandwidth across hosts when every active device of a host sends at once (the
+    hierarchical algorithm's k flows per group), after NIC sharing and caps (inf if one host)."""
+    ring_inter_bandwidth_bytes_per_s: float
+    """Per-flow bandwidth across hosts for a flat ring (one flow per group leaves each host)."""
+    intra_latency_s: float
+    inter_latency_s: float
+
+
+class Topology:
+    def __init__(self, graph):
+        devices = sorted(n for n in graph.nodes if isinstance(n, int))
+        if devices != list(range(len(devices))):
+            raise ValueError("device nodes must be numbered 0..N-1")
+        attrs = graph.nodes
+        self.num_devices = len(devices)
+        self.node_of = [attrs[i]["node"] for i in devices]
+        """The device's host (its index in the cluster)."""
+        self.host_of = [attrs[i].get("domain", attrs[i]["node"]) for i in devices]
+        """The device's host for bandwidth: its NVLink domain, numbered by the domain's first host
+        (the host itself where no domain spans hosts)."""
+        self.group_of = [attrs[i]["group"] for i in devices]
+        self.kind_of = [attrs[i]["device"] for i in devices]
+        self.memory_of = [float(attrs[i]["memory_bytes"]) for i in devices]
+        self.intra_latency_s = float(graph.graph.get("intra_node_latency_s", 2e-6))
+        self.inter_latency_s = float(graph.graph.get("inter_node_latency_s", 10e-6))
+        self.host_nic_bw = {}
+        self.host_nic_total = {}
+        self.host_intra_bw = {}
+        self.host_nic_kind = {}
+        self.host_name = {}
+        """A host's name (by ``node_of``): the graph's ``hostname`` or ``name`` (a profile's host),
+        else node-K."""
+        for n, h in sorted(set(zip(self.node_of, self.host_of))):
+            a = attrs.get(("host", n), {})
+            self.host_name[n] = str(a.get("hostname") or a.get("name") or f"node-{n}")
+            nic_bw = float(a.get("nic_bandwidth_bytes_per_s", float("inf")))
+            intra = float(a.get("intra_node_bandwidth_bytes_per_s", float("inf")))
+            if h not in self.host_nic_bw:  # the domain's first host
+                self.host_nic_kind[h] = str(a.get("nic_kind", ""))
+                self.host_nic_bw[h], self.host_nic_total[h], self.host_intra_bw[h] = nic_bw, 0.0, intra
+            # a domain: its slowest NIC and fabric figures, and all its hosts' NICs together
+            self.host_nic_bw[h] = min(self.host_nic_bw[h], nic_bw)
+            self.host_intra_bw[h] = min(self.host_intra_bw[h], intra)
+            self.host_nic_total[h] += nic_bw * a.get("nic_count", 1)
+        self.group_cap = {}
+        for u, v, d in graph.edges(data=True):
+            if d.get("kind") == "inter_group":
+                self.group_cap[(u[1], v[1])] = self.group_cap[(v[1], u[1])] = float(d["bandwidth_bytes_per_s"])
+        self.measured = {}
+        for u, v, d in graph.edges(data=True):
+            if d.get("kind") == "measured":
+                pair = (float(d["bandwidth_bytes_per_s"]), float(d["latency_s"]))
+                self.measured[(u, v)] = self.measured[(v, u)] = pair
+        self._group_cache: dict = {}
+
+    # -- point to point -------------------------------------------------------------------------
+    def p2p(self, i: int, j: int) -> tuple[float, float]:
+        """(bandwidth_bytes_per_s, latency_s) from device i to device j, one flow alone."""
+        if (i, j) in self.measured:
+            return self.measured[(i, j)]
+        hi, hj = self.host_of[i], self.host_of[j]
+        if hi == hj:
+            return self.host_intra_bw[hi], self.intra_latency_s
+        bw = min(self.host_nic_bw[hi], self.host_nic_bw[hj])
+        gi, gj = self.group_of[i], self.group_of[j]
+        if gi != gj:
+            bw = min(bw, self.group_cap.get((gi, gj), float("inf")))
+        return bw, self.inter_latency_s
+
+    def nic_share(self, host: int, flows: int) -> float:
+        """Bandwidth per flow when ``flows`` flows leave ``host`` at once (NICs shared evenly)."""
+        return min(self.host_nic_bw[host], self.host_nic_total[host] / max(flows, 1))
+
+    # -- collective groups ----------------------------------------------------------------------
+    def group_links(self, members: tuple, active_per_host: dict | None = None) -> GroupLinks:
+        """Link summary for a collective over ``members`` (device ids, in ring order).
+
+        ``active_per_host`` maps a host to how many of its devices take part in cross-host
+        collectives of this axis at the same time (all groups of an axis run together); by default
+        only this group's members. NICs are shared evenly among them.
+        """
+        key = (members, tuple(sorted(active_per_host.items())) if active_per_host else None)
+        hit = self._group_cache.get(key)
+        if hit is not None:
+            return hit
+        per_host: dict = {}
+        for d in members:
+            per_host.setdefault(self.host_of[d], []).append(d)
+        intra_bw, intra_lat = float("inf"), 0.0
+        for devs in per_host.values():
+            for a, b in zip(devs, devs[1:] + devs[:1]):
+                if a != b:
+                    bw, lat = self.p2p(a, b)
+                    intra_bw, intra_lat = min(intra_bw, bw), max(intra_lat, lat)
+        inter_bw, inter_lat = float("inf"), 0.0
+        ring_bw = float("inf")
+        if len(per_host) > 1:
+            heads = [devs[0] for devs in per_host.values()]
+            for a, b in zip(heads, heads[1:] + heads[:1]):
+                bw, lat = self.p2p(a, b)
+                inter_bw, inter_lat = min(inter_bw, bw), max(inter_lat, lat)
+            ring_bw = inter_bw
+            for h, devs in per_host.items():
+                active = active_per_host.get(h, len(devs)) if active_per_host else len(devs)
+                inter_bw = min(inter_bw, self.nic_share(h, active))
+                ring_bw = min(ring_bw, self.nic_share(h, max(1, active // len(devs))))
+        out = GroupLinks(size=len(members), num_hosts=len(per_host),
+                         local_size=max(len(v) for v in per_host.values()),
+                         intra_bandwidth_bytes_per_s=intra_bw, inter_bandwidth_bytes_per_s=inter_bw,
+                         ring_inter_bandwidth_bytes_per_s=ring_bw,
+                         intra_latency_s=intra_lat or self.intra_latency_s,
+                         inter_latency_s=inter_lat or self.inter_latency_s)
+        if len(self._group_cache) < 200_000:
+            self._group_cache[key] = out
+        return out

@@ -1,0 +1,147 @@
+"""The study's storage: SQLite paths and locks, study names and the digests that decide whether a
+stored study was made by the same inputs and cost model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+from autoconf.errors import UserError
+from autoconf.space.config import ParallelConfig
+
+_COST_MODEL_SOURCES = ("cost", "space", "specs/frameworks.py", "specs/devices.py", "specs/model.py", "trainer/moe.py",
+                       "trainer/fp8.py", "data/devices.json", "data/models.json")
+
+
+_SIGNATURE_WHAT = {"model": "model", "cost_model": "cost model (autoconf was updated since)",
+                   "global_batch": "global batch", "devices": "devices", "framework": "framework",
+                   "max_micro_batch": "max micro-batch", "cluster": "cluster file", "profile": "profile",
+                   "calibration": "calibration", "placement": "placement search",
+                   "cp": "context-parallel degrees", "precisions": "precisions"}
+
+
+def _digest(d: dict) -> str:
+    import hashlib
+    import json
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def sqlite_path(storage: str | None) -> str | None:
+    """The database file of a ``sqlite:///`` storage URL (None for other storages or in memory)."""
+    if not storage or not storage.startswith("sqlite:///"):
+        return None
+    path = storage[len("sqlite:///"):].split("?", 1)[0]
+    return None if path in ("", ":memory:") else path
+
+
+@contextlib.contextmanager
+def study_lock(storage: str | None, name: str):
+    """Hold a study for this process: a second search on the same SQLite study (another process)
+    is refused in one line instead of storing every trial twice. The lock is a byte-range lock on
+    ``<database>.lock`` (released by the kernel when the process ends, however it ends); creating
+    the database's tables is serialised through the same file. Other storages are not locked."""
+    path = sqlite_path(storage)
+    if path is None or (path, name) in _held_locks:
+        yield
+        return
+    import fcntl
+    import hashlib
+
+    try:
+        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise UserError(f"--storage {storage!r}: cannot open the study (cannot create {path + '.lock'!r}: "
+                        f"{e.strerror})") from None
+    offset = 1 + int(hashlib.sha256(name.encode()).hexdigest()[:12], 16) % (2**40)
+    try:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
+        except OSError:
+            raise UserError(f"study {name!r} in {storage} is in use by another search; wait for it to finish "
+                            "or pass another --study-name") from None
+        _held_locks[(path, name)] = fd
+        try:
+            yield
+        finally:
+            del _held_locks[(path, name)]
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def _schema_lock(storage: str | None):
+    """Serialise creating a new SQLite database's tables between processes (optuna's table
+    creation races: 'table studies already exists')."""
+    path = sqlite_path(storage)
+    held = next((fd for (p, _), fd in _held_locks.items() if p == path), None)
+    if held is None:
+        yield
+        return
+    import fcntl
+
+    fcntl.lockf(held, fcntl.LOCK_EX, 1, 0)
+    try:
+        yield
+    finally:
+        fcntl.lockf(held, fcntl.LOCK_UN, 1, 0)
+
+
+def default_study_name(model, world: int, global_batch: int, cluster_name: str, framework: str = "reference",
+                       signature: dict | None = None) -> str:
+    """The study name a search uses when none is given: readable parts, then a fingerprint of
+    everything the stored values depend on (``signature``: model, cluster, profile content,
+    calibration, framework, batch, devices, space options), so the same inputs resume the same
+    study and changed ones (a new profile) start a fresh one."""
+    name = f"{model.name}-{cluster_name}-{world}gpus-gb{global_batch}"
+    name = name if framework == "reference" else f"{name}-{framework}"
+    return f"{name}-{_digest(signature)[:8]}" if signature is not None else name
+
+
+@functools.lru_cache(maxsize=1)
+def cost_model_digest() -> str:
+    """A digest of the code and data that price a configuration (``_COST_MODEL_SOURCES``): a study
+    stored by another version of the cost model is not resumed as if its times still held (the
+    default study name changes with it)."""
+    import hashlib
+    from importlib import resources
+    h = hashlib.sha256()
+    root = resources.files("autoconf")
+    for name in _COST_MODEL_SOURCES:
+        node = root.joinpath(name)
+        files = sorted((f for f in node.iterdir() if f.name.endswith(".py")), key=lambda f: f.name) \
+            if node.is_dir() else [node]
+        for f in files:
+            h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def _difference(stored: dict, now: dict) -> str:
+    """What differs between a study's inputs and this search's, in a few words each."""
+    out = []
+    for k in sorted(set(stored) | set(now)):
+        a, b = stored.get(k), now.get(k)
+        if a == b:
+            continue
+        what = _SIGNATURE_WHAT.get(k, k)
+        if k == "model" and isinstance(a, dict) and isinstance(b, dict) and a.get("name") != b.get("name"):
+            out.append(f"model ({a.get('name')} in the study, {b.get('name')} now)")
+        elif k in ("cluster", "profile", "calibration", "model", "cost_model"):
+            out.append(f"{what} ({'none' if a is None else 'other content' if b is not None else 'one'} in the study, "
+                       f"{'none' if b is None else 'this one'} now)")
+        else:
+            out.append(f"{what} ({a if a is not None else 'none'} in the study, {b if b is not None else 'none'} now)")
+    return "; ".join(out)
+
+
+def config_digest(c: ParallelConfig) -> str:
+    """A configuration's identity in the study's records."""
+    return _digest(c.to_dict())
+
+
+_held_locks: dict = {}
+
+
+
+

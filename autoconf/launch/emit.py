@@ -29,7 +29,7 @@ from autoconf.launch.hosts import host_roles, node_plan, visible_devices
 from autoconf.launch.plan import PLAN_ENV, LaunchPlan
 from autoconf.launch.plan_md import plan_markdown
 from autoconf.launch.shell import DEFAULT_PORT, Raw, comment, join, quote, torchrun_argv
-from autoconf.specs.cluster import HOST_RE
+from autoconf.specs.cluster import is_host_name
 
 __all__ = ["DEFAULT_PORT", "emit", "host_roles", "node_plan", "visible_devices"]
 
@@ -167,7 +167,7 @@ def _sbatch(plan, out_dir: str, hosts: list[dict], visible) -> str:
              "#SBATCH --ntasks-per-node=1"]
     if gpus:
         lines.append(f"#SBATCH --gpus-per-node={max(gpus)}")
-    if named and all(HOST_RE.match(p["host"]) for p in hosts):  # sbatch reads this line itself, unquoted
+    if named and all(is_host_name(p["host"]) for p in hosts):  # sbatch reads this line itself, unquoted
         lines.append("#SBATCH --nodelist=" + ",".join(p["host"] for p in hosts))
     lines += [f"# {_header(plan)}".rstrip("\n"),
               "# sbatch sbatch.sh: srun starts one task per node; each runs node-K.sh for its node, K from the "

@@ -234,7 +234,16 @@ def _check_devices(groups) -> None:
         raise UserError(f"{total:,} devices in all; at most {MAX_DEVICES:,}")
 
 
-HOST_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+HOST_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,252}")
+"""A host name or address as launch scripts may carry it; always matched whole
+(:func:`is_host_name`: ``re.match`` with ``$`` would let a trailing newline through)."""
+
+
+def is_host_name(name) -> bool:
+    """Whether ``name`` is a host name or address of letters, digits, '.', '-', '_' and ':' (at most
+    253 characters, starting with a letter or digit), matched whole: no control character, no
+    trailing newline, nothing a shell would read."""
+    return isinstance(name, str) and HOST_RE.fullmatch(name) is not None
 
 
 def _check_hosts(groups) -> None:
@@ -249,7 +258,7 @@ def _check_hosts(groups) -> None:
                             "give one host name per node")
         for i in range(g["count"]):
             name = hosts[i] if hosts else f"node-{k + i}"
-            if hosts and not HOST_RE.match(name):
+            if hosts and not is_host_name(name):
                 raise UserError(f"node_groups[{gi}].hosts[{i}]={name!r} is not a host name or address; use "
                                 "letters, digits, '.', '-', '_' and ':' (starting with a letter or digit)")
             if name in seen:
@@ -342,7 +351,7 @@ def cluster_from_profile(profile) -> ClusterSpec:
             raise UserError(f"profile host {h!r} has devices outside the catalog or of several kinds "
                             f"({', '.join(sorted({str(r.device_kind or r.device_name) for r in ranks}))}): "
                             "give --cluster FILE to describe it")
-        if not HOST_RE.match(h):
+        if not is_host_name(h):
             raise UserError(f"profile host name {h!r} cannot go into a launch script (letters, digits, '.', '_', "
                             "'-' and ':' only): give --cluster FILE with its hosts named")
         a = g.nodes[("host", i)]

@@ -7,11 +7,11 @@ import subprocess
 import sys
 
 import pytest
-from tests.specs.test_profile import make_profile
 
 from autoconf.cost import measured
 from autoconf.errors import UserError
 from autoconf.specs.profile import GemmEntry, load_profile, save_profile
+from tests.specs.test_profile import make_profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -16,6 +16,7 @@ from autoconf.errors import UserError
 from autoconf.runs.trial import TrialResult
 from autoconf.specs.cluster import load_cluster
 from autoconf.specs.model import preset
+from autoconf.study.evaluator import Evaluator
 from autoconf.study.search import search
 from autoconf.study.storage import study_lock
 
@@ -219,20 +220,55 @@ def test_bad_verify_settings_are_one_line_exit_2(tmp_path, args, needle):
     assert "Traceback" not in p.stderr
 
 
-def test_an_interrupt_during_the_last_write_still_keeps_everything(tmp_path, monkeypatch):
-    """Ctrl-C lands while the final batch is being written: the rest is written, nothing twice."""
-    url = f"sqlite:///{tmp_path}/s.db"
-    real, calls = optuna.Study.add_trial, []
+def _counting(monkeypatch):
+    """Counts the evaluations the search finishes (each becomes one trial of the study)."""
+    done = [0]
+    real = Evaluator.__call__
+
+    def evaluate(self, *a, **k):
+        out = real(self, *a, **k)
+        done[0] += 1
+        return out
+    monkeypatch.setattr(Evaluator, "__call__", evaluate)
+    return done
+
+
+def _interrupt_write(monkeypatch, when):
+    """add_trial raises KeyboardInterrupt, before writing, on the first call for which ``when()``."""
+    real, fired = optuna.Study.add_trial, []
 
     def add_trial(self, trial):
-        calls.append(1)
-        if len(calls) == 5:
-            raise KeyboardInterrupt  # before this one is written
+        if not fired and when():
+            fired.append(1)
+            raise KeyboardInterrupt
         return real(self, trial)
     monkeypatch.setattr(optuna.Study, "add_trial", add_trial)
+    return fired
+
+
+def test_an_interrupt_during_the_last_write_still_keeps_everything(tmp_path, monkeypatch):
+    """Ctrl-C lands while the final batch is being written (after the last evaluation, however long
+    the search took on this machine): the rest is written, nothing twice."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    fresh = search(GPT, A100, 64, gpus=8, storage=None, trials=10_000)
+    done = _counting(monkeypatch)
+    fired = _interrupt_write(monkeypatch, lambda: done[0] == fresh.trials_run)
     with pytest.raises(KeyboardInterrupt):
         search(GPT, A100, 64, gpus=8, storage=url, study_name="s", trials=10_000)
-    monkeypatch.setattr(optuna.Study, "add_trial", real)
+    assert fired and done[0] == fresh.trials_run
     keys = _keys(_trials(url, "s"))
-    fresh = search(GPT, A100, 64, gpus=8, storage=None, trials=10_000)
     assert len(keys) == len(set(keys)) == fresh.trials_run
+
+
+def test_an_interrupt_at_any_write_keeps_every_finished_evaluation(tmp_path, monkeypatch):
+    """Ctrl-C lands during the fifth write, whenever the search makes it (a batch in the middle on a
+    busy machine, the last one on a quiet one): every evaluation finished by then is stored, once."""
+    url = f"sqlite:///{tmp_path}/s.db"
+    done = _counting(monkeypatch)
+    writes = []
+    fired = _interrupt_write(monkeypatch, lambda: writes.append(1) or len(writes) == 5)
+    with pytest.raises(KeyboardInterrupt):
+        search(GPT, A100, 64, gpus=8, storage=url, study_name="s", trials=10_000)
+    assert fired
+    keys = _keys(_trials(url, "s"))
+    assert len(keys) == len(set(keys)) == done[0] > 0

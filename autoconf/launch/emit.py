@@ -121,13 +121,17 @@ def _framework_files(plan, out_dir: str) -> list[str]:
     return written
 
 
+_CD_HERE = 'case "$0" in */*) CDPATH= cd -- "${0%/*}/" ;; esac'
+"""Into the script's directory ($(dirname ...) would drop a trailing newline of its name)."""
+
+
 def _node_script(plan, k: int, hosts: list[dict], vis, master_port: int, script, script_args) -> str:
     p, nnodes = hosts[k], len(hosts)
     named = bool(plan.cluster.node_groups[0].hosts)  # host 0 has a real name to rendezvous at
     ranks = (f"processes {p['first_rank']}..{p['first_rank'] + p['nproc'] - 1}"
              f"{host_roles(plan.config, plan.model.num_layers, p['first_rank'], p['nproc'])}")
     lines = ["#!/usr/bin/env bash", comment_line(f"node {k} of {nnodes}: run on host {p['host']}; {ranks}"),
-             comment_line(_header(plan)), "set -euo pipefail", 'cd "$(dirname "$0")"',
+             comment_line(_header(plan)), "set -euo pipefail", _CD_HERE,
              assign(PLAN_ENV, Raw('"$PWD/config.json"'), export=True)]
     if nnodes > 1:
         lines.append(default("MASTER_ADDR", hosts[0]["host"]) + "  # host 0, the rendezvous" if named else
@@ -162,7 +166,7 @@ if [ "${AUTOCONF_NAMED_HOSTS:-0}" = 1 ]; then
   done
   if [ "$rank" -lt 0 ]; then echo "sbatch.sh: node ${SLURMD_NODENAME:-?} is not a host of the plan" >&2; exit 1; fi
 fi
-exec bash "$AUTOCONF_LAUNCH_DIR/node-$rank.sh"
+exec bash -- "$AUTOCONF_LAUNCH_DIR/node-$rank.sh"
 """
 
 

@@ -204,8 +204,8 @@ def _toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)  # a TOML basic string
+    if isinstance(v, str):  # a TOML basic string: JSON's escapes, and DEL, which TOML refuses raw
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     return "[" + ", ".join(_toml_value(x) for x in v) + "]"
 
 

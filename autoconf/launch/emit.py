@@ -34,6 +34,7 @@ from autoconf.launch.shell import (
     DEFAULT_PORT,
     Raw,
     assign,
+    comment,
     comment_line,
     default,
     join,
@@ -91,7 +92,7 @@ def check_script(script: str | None, script_args=()) -> str | None:
     UserError if it is missing, or if arguments come without it."""
     if script is None:
         if script_args:
-            raise UserError(f"script arguments {' '.join(map(quote, script_args))[:80]} need --script FILE")
+            raise UserError(f"script arguments {comment(' '.join(map(quote, script_args)))[:80]} need --script FILE")
         return None
     if not os.path.isfile(script):
         raise UserError(f"--script {script!r} is not a file (give the path of your training script)")

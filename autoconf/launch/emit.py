@@ -12,8 +12,9 @@
 - ``sbatch.sh``: the same node scripts under SLURM, one per allocated node;
 - ``PLAN.md``: the choice, why (the estimate's terms), the runners-up, and how to run it.
 
-Every value a script interpolates is quoted (``launch.shell.join``, ``launch.shell.comment``); all files are
-written atomically.
+Every line that carries a value is built by ``launch.shell`` (``join``, ``assign``, ``default``,
+``array``, ``comment_line``; ``sbatch_line`` for what sbatch reads unquoted), so each value is quoted
+or escaped where it is written; all files are written atomically.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 
 from autoconf.errors import UserError
 from autoconf.files import write_text
@@ -28,7 +30,18 @@ from autoconf.launch import deepspeed, megatron, torchtitan
 from autoconf.launch.hosts import host_roles, node_plan, visible_devices
 from autoconf.launch.plan import PLAN_ENV, LaunchPlan
 from autoconf.launch.plan_md import plan_markdown
-from autoconf.launch.shell import DEFAULT_PORT, Raw, comment, join, quote, torchrun_argv
+from autoconf.launch.shell import (
+    DEFAULT_PORT,
+    Raw,
+    assign,
+    comment,
+    comment_line,
+    default,
+    join,
+    quote,
+    sbatch_line,
+    torchrun_argv,
+)
 from autoconf.specs.cluster import is_host_name
 
 __all__ = ["DEFAULT_PORT", "emit", "host_roles", "node_plan", "visible_devices"]
@@ -79,23 +92,22 @@ def check_script(script: str | None, script_args=()) -> str | None:
     UserError if it is missing, or if arguments come without it."""
     if script is None:
         if script_args:
-            raise UserError(f"script arguments {' '.join(map(quote, script_args))[:80]} need --script FILE")
+            raise UserError(f"script arguments {comment(' '.join(map(quote, script_args)))[:80]} need --script FILE")
         return None
     if not os.path.isfile(script):
         raise UserError(f"--script {script!r} is not a file (give the path of your training script)")
     return os.path.abspath(script)
 
 
-
 def _header(plan) -> str:
+    """The plan in words, for a comment line (:func:`~autoconf.launch.shell.comment_line` makes it
+    safe there: names may hold anything)."""
     e = plan.expected
     pred = f"; predicted {e.step_time_s:.4g} s/step, {e.peak_memory_bytes / 2**30:.2f} GiB peak" if e else ""
-    return (f"{comment(plan.model.name)} on {comment(plan.cluster.name)}: {comment(plan.config.short())}"
-            f"{pred} (autoconf plan, config.json)\n")
+    return f"{plan.model.name} on {plan.cluster.name}: {plan.config.short()}{pred} (autoconf plan, config.json)"
 
 
 def _framework_files(plan, out_dir: str) -> list[str]:
-
     header = _header(plan)
     files = {"megatron": {"megatron_args.sh": lambda: megatron.megatron_file(plan, header)},
              "torchtitan": {"torchtitan_args.sh": lambda: torchtitan.torchtitan_args_file(plan, header),
@@ -110,38 +122,38 @@ def _framework_files(plan, out_dir: str) -> list[str]:
     return written
 
 
+_CD_HERE = 'case "$0" in */*) CDPATH= cd -- "${0%/*}/" ;; esac'
+"""Into the script's directory ($(dirname ...) would drop a trailing newline of its name)."""
+
+
 def _node_script(plan, k: int, hosts: list[dict], vis, master_port: int, script, script_args) -> str:
     p, nnodes = hosts[k], len(hosts)
     named = bool(plan.cluster.node_groups[0].hosts)  # host 0 has a real name to rendezvous at
     ranks = (f"processes {p['first_rank']}..{p['first_rank'] + p['nproc'] - 1}"
              f"{host_roles(plan.config, plan.model.num_layers, p['first_rank'], p['nproc'])}")
-    lines = ["#!/usr/bin/env bash",
-             f"# node {k} of {nnodes}: run on host {comment(p['host'])}; {comment(ranks)}",
-             f"# {_header(plan)}".rstrip("\n"),
-             "set -euo pipefail", 'cd "$(dirname "$0")"', f'export {PLAN_ENV}="$PWD/config.json"']
+    lines = ["#!/usr/bin/env bash", comment_line(f"node {k} of {nnodes}: run on host {p['host']}; {ranks}"),
+             comment_line(_header(plan)), "set -euo pipefail", _CD_HERE,
+             assign(PLAN_ENV, Raw('"$PWD/config.json"'), export=True)]
     if nnodes > 1:
-        if named:
-            lines += [f'if [ -z "${{MASTER_ADDR:-}}" ]; then MASTER_ADDR={quote(hosts[0]["host"])}; fi  '
-                      "# host 0, the rendezvous"]
-        else:
-            lines.append(': "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"')
+        lines.append(default("MASTER_ADDR", hosts[0]["host"]) + "  # host 0, the rendezvous" if named else
+                     ': "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"')
     if vis is not None:
-        lines.append(f"export CUDA_VISIBLE_DEVICES={quote(vis)}  # local rank i runs on the i-th of these")
+        lines.append(assign("CUDA_VISIBLE_DEVICES", vis, export=True) + "  # local rank i runs on the i-th of these")
     if script is None and plan.framework == "megatron" and plan.config.tp > 1:
         # Megatron-LM's column-parallel backward issues its collectives asynchronously beside its
         # GEMMs (the cost model prices them so: cost/tensor_parallel.overlapped); one hardware
         # queue keeps them in issue order (its own example scripts set it; sequence parallelism
         # requires it)
-        lines.append("export CUDA_DEVICE_MAX_CONNECTIONS=1")
+        lines.append(assign("CUDA_DEVICE_MAX_CONNECTIONS", 1, export=True))
     if script is not None:
         target = [script, *script_args, Raw('"$@"')]
     else:
         target = _TARGETS[plan.framework]
         if plan.framework in _SOURCED:
-            lines.append(f"source ./{_SOURCED[plan.framework]}")
+            lines.append(join(["source", "./" + _SOURCED[plan.framework]]))
     argv = torchrun_argv(target, p["nproc"], nnodes, k, Raw('"$MASTER_ADDR"') if nnodes > 1 else None,
                          master_port if nnodes > 1 or master_port != DEFAULT_PORT else None)
-    lines.append("exec " + join(argv))
+    lines.append(join(["exec", *argv]))
     return "\n".join(lines) + "\n"
 
 
@@ -155,38 +167,49 @@ if [ "${AUTOCONF_NAMED_HOSTS:-0}" = 1 ]; then
   done
   if [ "$rank" -lt 0 ]; then echo "sbatch.sh: node ${SLURMD_NODENAME:-?} is not a host of the plan" >&2; exit 1; fi
 fi
-exec bash "$AUTOCONF_LAUNCH_DIR/node-$rank.sh"
+exec bash -- "$AUTOCONF_LAUNCH_DIR/node-$rank.sh"
 """
+
+
+def _nodelist(hosts: list[dict]) -> str:
+    """``#SBATCH --nodelist``: sbatch reads it unquoted, so each name is checked again here, whole."""
+    bad = [p["host"] for p in hosts if not is_host_name(p["host"])]
+    if bad:
+        return comment_line(f"no #SBATCH --nodelist: host {bad[0]!r} is not a plain host name (letters, digits, "
+                            "'.', '_', '-', ':'); sbatch would read it unquoted")
+    return sbatch_line("nodelist", ",".join(p["host"] for p in hosts))
 
 
 def _sbatch(plan, out_dir: str, hosts: list[dict], visible) -> str:
     nnodes = len(hosts)
     named = bool(plan.cluster.node_groups[0].hosts)
     gpus = [p["nproc"] for p, v in zip(hosts, visible) if v is not None]
-    lines = ["#!/usr/bin/env bash", "#SBATCH --job-name=autoconf", f"#SBATCH --nodes={nnodes}",
-             "#SBATCH --ntasks-per-node=1"]
+    lines = ["#!/usr/bin/env bash", sbatch_line("job-name", "autoconf"), sbatch_line("nodes", nnodes),
+             sbatch_line("ntasks-per-node", 1)]
     if gpus:
-        lines.append(f"#SBATCH --gpus-per-node={max(gpus)}")
-    if named and all(is_host_name(p["host"]) for p in hosts):  # sbatch reads this line itself, unquoted
-        lines.append("#SBATCH --nodelist=" + ",".join(p["host"] for p in hosts))
-    lines += [f"# {_header(plan)}".rstrip("\n"),
+        lines.append(sbatch_line("gpus-per-node", max(gpus)))
+    if named:
+        lines.append(_nodelist(hosts))
+    lines += [comment_line(_header(plan)),
               "# sbatch sbatch.sh: srun starts one task per node; each runs node-K.sh for its node, K from the "
               "plan's host names" if named else
               "# sbatch sbatch.sh: srun starts one task per node; each runs node-$SLURM_NODEID.sh",
               "# (torchrun's static rendezvous, so every node keeps its ranks and GPU order).",
               "set -euo pipefail",
               # where node-K.sh are, on a file system every node shares (sbatch runs a copy of this file)
-              f'if [ -z "${{AUTOCONF_LAUNCH_DIR:-}}" ]; then AUTOCONF_LAUNCH_DIR={quote(os.path.abspath(out_dir))}; fi',
-              f"export AUTOCONF_LAUNCH_DIR AUTOCONF_NNODES={nnodes} AUTOCONF_NAMED_HOSTS={int(named)}"]
+              default("AUTOCONF_LAUNCH_DIR", os.path.abspath(out_dir)),
+              "export AUTOCONF_LAUNCH_DIR " + assign("AUTOCONF_NNODES", nnodes) + " "
+              + assign("AUTOCONF_NAMED_HOSTS", int(named))]
     if named:
-        lines += [f"export AUTOCONF_HOST_{k}={quote(p['host'])}" for k, p in enumerate(hosts)]
-        lines.append(f'if [ -z "${{MASTER_ADDR:-}}" ]; then MASTER_ADDR={quote(hosts[0]["host"])}; fi')
+        lines += [assign(f"AUTOCONF_HOST_{k}", p["host"], export=True) for k, p in enumerate(hosts)]
+        lines.append(default("MASTER_ADDR", hosts[0]["host"]))
     else:
         lines.append('if [ -z "${MASTER_ADDR:-}" ]; then '
                      # the first node of the allocation (sed reads all: no SIGPIPE under pipefail, as head -n1 could)
                      'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)"; fi')
-    lines += ["export MASTER_ADDR",
-              f"srun --nodes={nnodes} --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c {quote(_ON_NODE)}"]
+    srun = ["srun", f"--nodes={nnodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "bash", "-c",
+            Raw(shlex.quote(_ON_NODE))]  # a constant, kept readable over its lines
+    lines += ["export MASTER_ADDR", join(srun)]
     return "\n".join(lines) + "\n"
 
 

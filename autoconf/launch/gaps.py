@@ -6,7 +6,7 @@ No import of any of these libraries here.
 
 from __future__ import annotations
 
-from autoconf.launch.shell import comment, quote
+from autoconf.launch.shell import comment_line
 from autoconf.space.placement import full_order
 from autoconf.specs.frameworks import framework as framework_model
 
@@ -199,38 +199,19 @@ def _layout(plan) -> str:
     return "|".join(parts)
 
 
-
 def _notes(plan, name: str) -> str:
+    """The comment lines that say what framework ``name`` cannot express of the plan."""
     missing = gaps(plan, name)
     if not missing:
-        return f"# {name} expresses the whole plan.\n"
-    return (f"# {name} cannot express, so the run will differ from the plan there:\n"
-            + "".join(f"#   - {comment(g)}\n" for g in missing))
-
+        return comment_line(f"{name} expresses the whole plan.") + "\n"
+    return "".join(comment_line(t) + "\n" for t in [f"{name} cannot express, so the run will differ from the plan "
+                                                     "there:", *(f"  - {g}" for g in missing)])
 
 
 # -- torchtitan -----------------------------------------------------------------------------------
 
 
-
 # -- DeepSpeed ------------------------------------------------------------------------------------
-
-
-
-
-def _array(name: str, words: list) -> str:
-    """A bash array assignment, one option (with its values) per line, every word quoted."""
-    lines, cur = [], []
-    for w in words:
-        if isinstance(w, str) and w.startswith("--") and cur:
-            lines.append(cur)
-            cur = []
-        cur.append(w)
-    if cur:
-        lines.append(cur)
-    return f"{name}=(\n" + "".join("  " + " ".join(quote(w) for w in ln) + "\n" for ln in lines) + ")\n"
-
-
 
 
 def _shape(plan) -> str:

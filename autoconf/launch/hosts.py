@@ -45,7 +45,7 @@ def visible_devices(plan: list[dict], local_devices: list[int] | None = None) ->
         first, n = p["first_rank"], p["nproc"]
         devs = list(range(n)) if local_devices is None else list(local_devices[first:first + n])
         if local_devices is not None and (len(set(devs)) != n or not all(0 <= d < p["gpus_per_node"] for d in devs)):
-            raise UserError(f"local_devices for host {p['host']} (ranks {first}..{first + n - 1}): {devs} must be "
+            raise UserError(f"local_devices for host {p['host']!r} (ranks {first}..{first + n - 1}): {devs} must be "
                             f"distinct device indices in 0..{p['gpus_per_node'] - 1}")
         out.append(None if p["device"] == "cpu" else ",".join(str(d) for d in devs))
     return out

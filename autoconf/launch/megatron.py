@@ -21,7 +21,8 @@ No import of the framework here.
 
 from __future__ import annotations
 
-from autoconf.launch.gaps import MEGATRON_FP8_RECIPES, MEGATRON_RANK_ORDERS, _array, _knob, _layout, _notes, _order
+from autoconf.launch.gaps import MEGATRON_FP8_RECIPES, MEGATRON_RANK_ORDERS, _knob, _layout, _notes, _order
+from autoconf.launch.shell import array, comment_line
 
 
 def megatron_args(plan) -> list:
@@ -141,18 +142,18 @@ def megatron_attention_args(plan) -> list:
     return a
 
 
-
 def megatron_file(plan, header: str) -> str:
-    return (f"# Megatron-LM pretrain_gpt.py arguments. {header}"
-            "# Sourced by node-K.sh, which runs\n"
-            '#   torchrun ... "$MEGATRON_LM/pretrain_gpt.py" "${MEGATRON_ARGS[@]}" "$@"\n'
-            "# Give your data, tokenizer (vocabulary "
-            f"{plan.model.vocab_size}), optimizer, schedule and checkpoint arguments after the script: "
-            "bash node-0.sh --data-path ... --tokenizer-type ... --lr ... --train-iters ...\n"
-            + ("# --tp-comm-overlap runs on Transformer Engine's userbuffers: install transformer-engine.\n"
-               if "--tp-comm-overlap" in megatron_args(plan) else "")
-            + ("# Context parallelism and FP8 run in Transformer Engine's layers: install transformer-engine.\n"
-               if {"--context-parallel-size", "--fp8-format"} & set(megatron_args(plan)) else "")
-            + ("# --moe-grouped-gemm runs the experts in Transformer Engine's grouped linear layers: install "
-               "transformer-engine.\n" if plan.model.is_moe else "")
-            + _notes(plan, "megatron") + _array("MEGATRON_ARGS", megatron_args(plan)))
+    """``megatron_args.sh``: comment lines (``header``: the plan in words), then ``MEGATRON_ARGS``."""
+    args = megatron_args(plan)
+    te = "Transformer Engine's"
+    lines = [f"Megatron-LM pretrain_gpt.py arguments. {header}", "Sourced by node-K.sh, which runs",
+             '  torchrun ... "$MEGATRON_LM/pretrain_gpt.py" "${MEGATRON_ARGS[@]}" "$@"',
+             f"Give your data, tokenizer (vocabulary {plan.model.vocab_size}), optimizer, schedule and checkpoint "
+             "arguments after the script: bash node-0.sh --data-path ... --tokenizer-type ... --lr ... --train-iters ..."]
+    if "--tp-comm-overlap" in args:
+        lines.append(f"--tp-comm-overlap runs on {te} userbuffers: install transformer-engine.")
+    if {"--context-parallel-size", "--fp8-format"} & set(args):
+        lines.append(f"Context parallelism and FP8 run in {te} layers: install transformer-engine.")
+    if plan.model.is_moe:
+        lines.append(f"--moe-grouped-gemm runs the experts in {te} grouped linear layers: install transformer-engine.")
+    return "".join(comment_line(t) + "\n" for t in lines) + _notes(plan, "megatron") + array("MEGATRON_ARGS", args)

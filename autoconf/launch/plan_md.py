@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from autoconf.launch.gaps import gaps
 from autoconf.launch.hosts import host_roles
 from autoconf.launch.shell import comment
@@ -23,6 +25,16 @@ _FRAMEWORK_RUNS = {
     "deepspeed": "your DeepSpeed training script (`DEEPSPEED_SCRIPT`) with `--deepspeed --deepspeed_config "
                  "ds_config.json`",
 }
+
+
+def _code(text) -> str:
+    """``text`` as one Markdown code span that shows it whole: control characters escaped
+    (:func:`comment`), fenced by more backticks than its longest run of them, and padded with a
+    space where it starts or ends with a backtick or a space (CommonMark strips one such space)."""
+    t = comment(text)
+    fence = "`" * (max(map(len, re.findall("`+", t)), default=0) + 1)
+    pad = " " if t[:1] in ("`", " ") or t[-1:] in ("`", " ") else ""
+    return f"{fence}{pad}{t}{pad}{fence}"
 
 
 def _gib(b: float) -> str:
@@ -63,7 +75,7 @@ def _runners_up(best, runners_up) -> list[str]:
 def _run(plan, hosts, visible, script) -> list[str]:
     nnodes = len(hosts)
     named = bool(plan.cluster.node_groups[0].hosts)
-    what = (f"your script `{comment(script)}` (it reads the plan with `autoconf.load_plan()`; `AUTOCONF_PLAN` "
+    what = (f"your script {_code(script)} (it reads the plan with `autoconf.load_plan()`; `AUTOCONF_PLAN` "
             "points to `config.json`)" if script else _FRAMEWORK_RUNS[plan.framework])
     out = ["", "## Run", "", f"Each node script starts this host's processes under torchrun and runs {what}. "
            "Arguments given to a node script are passed on."]
@@ -71,7 +83,7 @@ def _run(plan, hosts, visible, script) -> list[str]:
         out.append("")
     elif named:
         out += ["", f"Run each script on its host (any order; each waits for the others). MASTER_ADDR defaults to "
-                    f"`{comment(hosts[0]['host'])}` (host 0); set it where that name does not resolve to host 0 on "
+                    f"{_code(hosts[0]['host'])} (host 0); set it where that name does not resolve to host 0 on "
                     "every host. The static rendezvous gives each host the ranks below, so every host runs the "
                     "stages the plan gave it:", ""]
     else:
@@ -81,7 +93,7 @@ def _run(plan, hosts, visible, script) -> list[str]:
     for k, (p, vis) in enumerate(zip(hosts, visible)):
         roles = host_roles(plan.config, plan.model.num_layers, p["first_rank"], p["nproc"])
         gpus = f", GPUs {vis}" if vis is not None else ""
-        out.append(f"- host `{comment(p['host'])}` (processes {p['first_rank']}..{p['first_rank'] + p['nproc'] - 1}"
+        out.append(f"- host {_code(p['host'])} (processes {p['first_rank']}..{p['first_rank'] + p['nproc'] - 1}"
                    f"{roles}{gpus}): `bash node-{k}.sh`")
     out += ["", "Under SLURM: `sbatch sbatch.sh` (one task per node, each running its node script; the launch "
                 "directory must be on a file system the nodes share, or set `AUTOCONF_LAUNCH_DIR`).",

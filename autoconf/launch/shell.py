@@ -10,14 +10,20 @@ sum of the local world sizes before it as its base rank). So host K holds exactl
 plan gave it. One host: ``--standalone`` (torchrun picks a free port), or a local c10d rendezvous
 on a chosen port.
 
-Quoting: :func:`join` quotes every argument with ``shlex.quote`` except :class:`Raw` ones, which
-the emitter builds from constants only (``"$MASTER_ADDR"``, ``"${MEGATRON_ARGS[@]}"``); no value
-from a model, cluster, path or user argument is ever Raw. :func:`comment` makes any text safe
-inside a ``#`` comment (a newline would end it).
+Quoting, by construction: every line of an emitted script that carries a value is built here.
+:func:`join` (a command), :func:`assign` (``NAME=value``), :func:`default` (a value unless the
+environment gives one) and :func:`array` (a bash array) quote every value (:func:`quote`:
+``shlex.quote``, or bash's ``$'...'`` for control characters, so a value never spans lines)
+except :class:`Raw` ones, which the emitters build from constants only (``"$MASTER_ADDR"``,
+``"${MEGATRON_ARGS[@]}"``); no value from a model, cluster, path or user argument is ever Raw.
+:func:`comment_line` writes any text as one ``#`` comment line (:func:`comment`: a newline would
+end it). Lines sbatch reads itself (``#SBATCH``) are no shell, so nothing can be quoted there:
+:func:`sbatch_line` writes only values that match a strict pattern whole, and a comment otherwise.
 """
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 
@@ -38,7 +44,30 @@ class Raw(str):
 
 
 def quote(arg) -> str:
-    return str(arg) if isinstance(arg, Raw) else shlex.quote(str(arg))
+    """One shell word holding ``arg`` (a :class:`Raw` one as it is): ``shlex.quote`` where every
+    character is printable, else bash's ``$'...'`` with the others as ``\\xHH`` bytes, so that no
+    value spans lines of a script (its second line could read as a command or an ``#SBATCH`` line
+    to whatever reads the file by lines). UserError for a NUL, which no shell word can hold."""
+    if isinstance(arg, Raw):
+        return str(arg)
+    text = str(arg)
+    if "\0" in text:
+        raise UserError(f"{text!r:.80}: a NUL character cannot go into a shell script; give the value without it")
+    return shlex.quote(text) if text.isprintable() else "$'" + "".join(map(_ansi_c, text)) + "'"
+
+
+def _ansi_c(c: str) -> str:
+    """One character inside bash's ``$'...'``: quote and backslash escaped, control characters as
+    their UTF-8 bytes (a path's undecodable bytes, held as surrogates, as those bytes)."""
+    if c in "\\'":
+        return "\\" + c
+    if c.isprintable():
+        return c
+    try:
+        raw = c.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        raw = c.encode("utf-8", "surrogatepass")
+    return "".join(f"\\x{b:02x}" for b in raw)
 
 
 def join(args) -> str:
@@ -50,6 +79,58 @@ def comment(text: str) -> str:
     """``text`` made safe for the rest of a ``#`` comment line: control characters (newlines
     included) shown as escapes, so nothing after them can become a command."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+
+
+def comment_line(text: str) -> str:
+    """One ``#`` comment line holding ``text`` (:func:`comment`), without its line break."""
+    return "# " + comment(text)
+
+
+_VAR = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _var(name: str) -> str:
+    if not isinstance(name, str) or not _VAR.fullmatch(name):
+        raise ValueError(f"not a shell variable name: {name!r}")  # an emitter's constant, never user input
+    return name
+
+
+def assign(name: str, value, export: bool = False) -> str:
+    """``NAME=value`` (``export NAME=value``), the value quoted (a :class:`Raw` one as it is)."""
+    return ("export " if export else "") + f"{_var(name)}={quote(value)}"
+
+
+def default(name: str, value) -> str:
+    """``NAME=value`` unless the environment already sets ``NAME`` (to something non-empty)."""
+    return f'if [ -z "${{{_var(name)}:-}}" ]; then {assign(name, value)}; fi'
+
+
+def array(name: str, words: list) -> str:
+    """A bash array assignment, one option (with its values) per line, every word quoted."""
+    lines, cur = [], []
+    for w in words:
+        if isinstance(w, str) and w.startswith("--") and cur:
+            lines.append(cur)
+            cur = []
+        cur.append(w)
+    if cur:
+        lines.append(cur)
+    return f"{_var(name)}=(\n" + "".join("  " + join(ln) + "\n" for ln in lines) + ")\n"
+
+
+_SBATCH_OPTION = re.compile(r"[a-z][a-z-]*")
+_SBATCH_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:,-]{0,4095}")
+"""What an ``#SBATCH`` value may be: sbatch splits the line itself, with no shell quoting."""
+
+
+def sbatch_line(option: str, value) -> str:
+    """``#SBATCH --option=value``, written only where ``value`` matches :data:`_SBATCH_VALUE` whole
+    (letters, digits, '.', '_', ':', ',', '-'); else a comment saying the line was left out."""
+    text = str(value)
+    if _SBATCH_OPTION.fullmatch(option) and _SBATCH_VALUE.fullmatch(text):
+        return f"#SBATCH --{option}={text}"
+    return comment_line(f"no #SBATCH --{option}: {text!r} is not a plain word for sbatch (letters, digits, "
+                        "'.', '_', ':', ',', '-')")
 
 
 def torchrun_argv(target, nproc: int, nnodes: int = 1, node_rank: int = 0, master_addr=None,

@@ -24,7 +24,6 @@ import json
 
 from autoconf.launch.gaps import (
     TORCHTITAN_FP8_RECIPES,
-    _array,
     _knob,
     _moe_blocks,
     _notes,
@@ -32,7 +31,7 @@ from autoconf.launch.gaps import (
     _titan_compile,
     gaps,
 )
-from autoconf.launch.shell import comment, quote
+from autoconf.launch.shell import array, assign, comment_line
 
 TORCHTITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B",
                         "breadth_first": "LoopedBFS"}
@@ -181,20 +180,23 @@ def torchtitan_args(plan) -> tuple[list, str]:
 
 
 def torchtitan_args_file(plan, header: str) -> str:
+    """``torchtitan_args.sh``: comment lines (``header``: the plan in words), ``TORCHTITAN_ARGS``
+    and ``TORCHTITAN_AC``."""
     words, ac = torchtitan_args(plan)
-    return (f"# torchtitan 0.3 command-line overrides. {header}"
-            "# Sourced by node-K.sh, which runs\n"
-            '#   torchrun ... -m torchtitan.train --module "$TORCHTITAN_MODULE" --config "$TORCHTITAN_CONFIG" '
-            '"${TORCHTITAN_ARGS[@]}" "$@" "$TORCHTITAN_AC"\n'
-            f"# TORCHTITAN_CONFIG: a config function of the module with this model's shape ({comment(_shape(plan))}); "
-            "the layer names below are torchtitan's Llama ones.\n"
-            + (f"# {comment(torchtitan_moe_text(plan))}\n" if plan.model.is_moe else "")
-            + (f"# FP8 ({plan.config.fp8_recipe}): torchtitan 0.3 takes it from the config function, not the command "
-               "line: TORCHTITAN_CONFIG's model_registry(..., converters=[...]) must hold "
-               f"torchtitan.components.quantization.{_converter_text(torchtitan_converter(plan))}\n"
-               if torchtitan_converter(plan) else "")
-            + _notes(plan, "torchtitan") + _array("TORCHTITAN_ARGS", words)
-            + f"TORCHTITAN_AC={quote(ac)}\n")
+    conv = torchtitan_converter(plan)
+    lines = [f"torchtitan 0.3 command-line overrides. {header}", "Sourced by node-K.sh, which runs",
+             '  torchrun ... -m torchtitan.train --module "$TORCHTITAN_MODULE" --config "$TORCHTITAN_CONFIG" '
+             '"${TORCHTITAN_ARGS[@]}" "$@" "$TORCHTITAN_AC"',
+             f"TORCHTITAN_CONFIG: a config function of the module with this model's shape ({_shape(plan)}); "
+             "the layer names below are torchtitan's Llama ones."]
+    if plan.model.is_moe:
+        lines.append(torchtitan_moe_text(plan))
+    if conv:
+        lines.append(f"FP8 ({plan.config.fp8_recipe}): torchtitan 0.3 takes it from the config function, not the "
+                     "command line: TORCHTITAN_CONFIG's model_registry(..., converters=[...]) must hold "
+                     f"torchtitan.components.quantization.{_converter_text(conv)}")
+    return ("".join(comment_line(t) + "\n" for t in lines) + _notes(plan, "torchtitan")
+            + array("TORCHTITAN_ARGS", words) + assign("TORCHTITAN_AC", ac) + "\n")
 
 
 def _toml_value(v) -> str:
@@ -202,22 +204,24 @@ def _toml_value(v) -> str:
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False)  # a TOML basic string
+    if isinstance(v, str):  # a TOML basic string: JSON's escapes, and DEL, which TOML refuses raw
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
     return "[" + ", ".join(_toml_value(x) for x in v) + "]"
 
 
 def torchtitan_toml(plan, header: str) -> str:
+    """``torchtitan.toml``, torchtitan 0.2's job config: comment lines, then its sections."""
     notes = gaps(plan, "torchtitan", "0.2")
     if plan.config.tp > 1 and not plan.config.sequence_parallel:
         notes.append("tensor parallelism without sequence parallelism: torchtitan 0.2 always shards the sequence "
                      "with tp (0.3 has parallelism.enable_sequence_parallel)")
-    text = (f"# torchtitan 0.2 job config (--job.config_file torchtitan.toml). {header}"
-            "# torchtitan 0.3 reads no TOML: use torchtitan_args.sh (the node scripts do).\n"
-            f"# [model] name / flavor: a torchtitan model with this shape ({comment(_shape(plan))}).\n"
-            + (f"# {comment(torchtitan_moe_text(plan, '0.2'))}\n" if plan.model.is_moe else "")
-            + ("".join(f"# cannot express: {comment(n)}\n" for n in notes) if notes else
-               "# torchtitan expresses the whole plan.\n"))
+    lines = [f"torchtitan 0.2 job config (--job.config_file torchtitan.toml). {header}",
+             "torchtitan 0.3 reads no TOML: use torchtitan_args.sh (the node scripts do).",
+             f"[model] name / flavor: a torchtitan model with this shape ({_shape(plan)})."]
+    if plan.model.is_moe:
+        lines.append(torchtitan_moe_text(plan, "0.2"))
+    lines += [f"cannot express: {n}" for n in notes] or ["torchtitan expresses the whole plan."]
+    text = "".join(comment_line(t) + "\n" for t in lines)
     for section, keys in torchtitan_settings(plan, "0.2").items():
         text += f"\n[{section}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in keys.items())
     return text

@@ -53,6 +53,7 @@ from autoconf.study.placer import Placer
 from autoconf.timetotrain import laws as scaling
 from autoconf.timetotrain.budget import DEFAULT_FACTORS, Budget, make_budget
 from autoconf.timetotrain.optimiser import PointOptimizer
+from autoconf.timetotrain.options import MAX_MICRO_BATCH, PlanOptions
 from autoconf.timetotrain.points import PointStats
 from autoconf.timetotrain.synthetic import METHODS, NETWORKS, NODES, planning_system, synthetic_cluster
 
@@ -72,12 +73,8 @@ METHOD_NAMES = tuple(m.name for m in METHODS)
 
 # -- the sweep ------------------------------------------------------------------------------------
 
-
-
 BATCH_FACTORS_DEFAULT = ",".join(f"{f:g}" for f in DEFAULT_FACTORS)
 """``--batch-factors`` as the command line gives it by default."""
-MAX_MICRO_BATCH = 64
-"""The largest micro-batch tried by default (``--max-micro-batch``, as ``search``'s)."""
 
 
 
@@ -322,16 +319,7 @@ def _seq_of(model_ref: str) -> int | None:
         return None
 
 
-def plan(model, *, device: str | None = None, max_gpus: int | None = None, network: str = "ib",
-         cluster=None, framework: str | None = None, tokens: float | None = None, batch_law: str = "kaplan",
-         loss_law: str = "kaplan", global_batch: int | None = None, batch_factors=DEFAULT_FACTORS,
-         price_per_gpu_hour: float | None = None, deadline_days: float | None = None,
-         budget: float | None = None, compare_networks=("25gbe",), methods=METHODS,
-         mtbf_per_gpu_h: float | None = None, checkpoint_s: float = 120.0, restart_s: float = 600.0,
-         max_days: float = 365.0, max_micro_batch: int = MAX_MICRO_BATCH, progress=None, profile=None,
-         precision: str = "bf16", fp8_recipe: str | None = None, max_cp: int | None = None,
-         place: bool = False, place_budget_s: float = 30.0, moe_imbalance: float = 1.0,
-         moe_dispatcher: str = "alltoall") -> PlanResult:
+def plan(model, options: PlanOptions | None = None, *, progress=None, **overrides) -> PlanResult:
     """Sweep GPU counts x batches x methods x networks; see the module docstring. ``profile``: a
     profile from ``autoconf profile`` taken on the cluster's device kind (``planning_system``);
     ``precision``: the matmul precision of every plan, bf16 (the model's dtype) or fp8 with
@@ -341,7 +329,18 @@ def plan(model, *, device: str | None = None, max_gpus: int | None = None, netwo
     ``search``'s placement (the graph heuristic, then its local search over device order and
     uneven layer splits; the reference trainer only), within ``place_budget_s`` in all.
     ``moe_imbalance``: a mixture of experts' load imbalance (``System.moe_imbalance``, as ``search``);
-    ``moe_dispatcher``: its token dispatcher (``System.moe_dispatcher``, as ``search``)."""
+    ``moe_dispatcher``: its token dispatcher (``System.moe_dispatcher``, as ``search``).
+    ``options``: a :class:`~autoconf.timetotrain.options.PlanOptions` (each field documented
+    there); keyword ``overrides`` replace its fields. ``progress``: a progress callback."""
+    o = dataclasses.replace(options or PlanOptions(), **overrides)
+    device, max_gpus, network, cluster, framework = o.device, o.max_gpus, o.network, o.cluster, o.framework
+    tokens, batch_law, loss_law, global_batch, batch_factors = (o.tokens, o.batch_law, o.loss_law, o.global_batch,
+                                                                 o.batch_factors)
+    price_per_gpu_hour, deadline_days, budget = o.price_per_gpu_hour, o.deadline_days, o.budget
+    compare_networks, methods, mtbf_per_gpu_h = o.compare_networks, o.methods, o.mtbf_per_gpu_h
+    checkpoint_s, restart_s, max_days, max_micro_batch = o.checkpoint_s, o.restart_s, o.max_days, o.max_micro_batch
+    profile, precision, fp8_recipe, max_cp = o.profile, o.precision, o.fp8_recipe, o.max_cp
+    place, place_budget_s, moe_imbalance, moe_dispatcher = o.place, o.place_budget_s, o.moe_imbalance, o.moe_dispatcher
     t0 = time.perf_counter()
     fw = framework_model(framework)
     bud = make_budget(model, tokens, batch_law, loss_law, global_batch, batch_factors)

@@ -9,6 +9,7 @@ the modules that define them; none of them imports torch until it runs.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import threading
@@ -210,6 +211,20 @@ def _no_empty_paths(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} '': expected a path")
 
 
+_INPUT_FLAGS = ("model", "cluster", "profile", "calibration", "config")
+
+
+def _inputs_are_files(args) -> None:
+    """Every input path given (a --model that names a path, not a preset) is a file to read: a
+    FIFO, a device, a socket, a directory or a symlink loop is one line naming the flag, before
+    anything runs (the loaders check again on the descriptor they read)."""
+    from autoconf.files import check_input
+    for name in _INPUT_FLAGS:
+        path = getattr(args, name, None)
+        if isinstance(path, str) and os.path.lexists(path):
+            check_input(path, f"--{name}")
+
+
 def main(argv=None) -> int:
     from autoconf import procs
 
@@ -219,6 +234,7 @@ def main(argv=None) -> int:
         procs.install_terminate_handler()  # SIGTERM / SIGHUP clean up like Ctrl-C
     try:
         _no_empty_paths(args)
+        _inputs_are_files(args)
         return args.func(args) or 0
     except UserError as e:
         sys.stderr.write(f"autoconf: error: {' '.join(str(e).split())}\n")  # always one line

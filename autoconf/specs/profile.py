@@ -448,7 +448,7 @@ def _check_consistency(d: dict) -> None:
 
 def load_profile(path: str) -> Profile:
     """Read a profile; a missing, unreadable, malformed or other-version file raises UserError."""
-    if not os.path.exists(path):
+    if not os.path.lexists(path):  # a symlink loop or a dangling link: read_text names it
         raise UserError(f"profile {path!r} does not exist (create one with `autoconf profile --model M --out {path}`)")
     text = read_text(path, "profile", MAX_PROFILE_BYTES)
     data = parse_json(text, path, "profile", ("profile",))

@@ -10,8 +10,11 @@ swapped in after the check cannot block the read either; at most ``max_bytes + 1
 
 Outputs: ``check_file`` / ``check_dir`` run before a search, a verify or a profile starts, so an
 unwritable ``--emit``, ``--calibrate``, ``--out`` or ``--storage`` is one line at once, not after
-every trial ran. ``write_text`` writes a temp file beside the target and renames it over; on any
-failure (a full disk, an interrupt) the temp file is removed and the previous file, if any, stays.
+every trial ran. An output file must be absent, a regular file or a symlink to one: ``os.replace``
+would otherwise swap a FIFO or a device (``--cluster-out /dev/null``, as root) for a regular file.
+A directory output must not be one of :data:`SYSTEM_DIRS`. ``write_text`` writes a temp file beside
+the target and renames it over, after checking the target again; on any failure (a full disk, an
+interrupt) the temp file is removed and the previous file, if any, stays.
 """
 
 from __future__ import annotations
@@ -22,6 +25,16 @@ import stat
 import tempfile
 
 from autoconf.errors import UserError
+
+SYSTEM_DIRS = ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/libx32", "/opt",
+               "/proc", "/run", "/sbin", "/srv", "/sys", "/usr", "/usr/bin", "/usr/lib", "/usr/lib32",
+               "/usr/lib64", "/usr/libexec", "/usr/local", "/usr/sbin", "/usr/share", "/var", "/var/lib",
+               "/var/log")
+"""Directories a directory output (``--emit DIR``, ``--plot DIR``) may not be: the root and the
+directories the system's own files live in (FHS), where launch scripts or pictures would land among
+them. Compared on the real path (symlinks and '..' resolved); their subdirectories are the user's
+choice. Left out: /tmp, /mnt, /media (scratch space) and /root (a home directory, often the working
+directory in a container)."""
 
 _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (a named pipe)"),
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
@@ -122,20 +135,48 @@ def _writable_dir(directory: str, flag: str, shown: str) -> None:
         raise UserError(f"{flag} {shown!r}: directory {directory!r} is not writable")
 
 
-def check_file(path: str, flag: str) -> None:
-    """The file can be created or replaced (its directory exists and is writable; it is not a
-    directory itself)."""
-    if os.path.isdir(path):
+def _check_target(path: str, flag: str) -> None:
+    """An output file may be replaced: it is absent, a regular file, or a symlink to one."""
+    try:
+        st = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return  # a new file (its directory is checked by the caller, or by mkstemp)
+    except OSError as e:
+        raise UserError(_unreachable(path, flag, e, "write")) from None
+    if stat.S_ISLNK(st.st_mode):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise UserError(_unreachable(path, flag, e, "write")) from None
+    kind = _kind(st)
+    if kind == "a directory":
         raise UserError(f"{flag} {path!r} is a directory; expected a file name")
+    if kind:
+        raise UserError(f"{flag} {path!r} is {kind}, not a regular file: it is not replaced; name a regular "
+                        "file or a new one")
+
+
+def check_file(path: str, flag: str) -> None:
+    """The file can be created or replaced: it is absent, a regular file or a symlink to one (not a
+    FIFO, a device, a socket or a directory), and its directory exists and is writable."""
+    _check_target(path, flag)
     _writable_dir(os.path.dirname(os.path.abspath(path)), flag, path)
 
 
 def check_dir(path: str, flag: str) -> None:
     """The directory exists and is writable, or can be created (its nearest existing parent is a
-    writable directory)."""
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            raise UserError(f"{flag} {path!r} exists and is not a directory")
+    writable directory); it is not one of :data:`SYSTEM_DIRS`."""
+    real = os.path.realpath(path)
+    if real in {os.path.realpath(d) for d in SYSTEM_DIRS}:
+        shown = f" ({real})" if real != os.path.normpath(os.path.abspath(path)) else ""
+        raise UserError(f"{flag} {path!r}{shown} is a system directory; name a directory of your own, e.g. ./launch")
+    if os.path.lexists(path):
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise UserError(_unreachable(path, flag, e, "write")) from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise UserError(f"{flag} {path!r} exists and is {_kind(st) or 'a file'}, not a directory")
         _writable_dir(path, flag, path)
         return
     parent = os.path.dirname(os.path.abspath(path))
@@ -153,7 +194,10 @@ def write_text(path: str, text: str, mode: int | None = None) -> None:
 def write_atomic(path: str, write, binary: bool = False, mode: int | None = None) -> None:
     """``write(f)`` into a temp file in ``path``'s directory, then rename it to ``path``: readers see
     the old file or the whole new one, and no temp file is left behind on failure. ``mode``:
-    permission bits (default: as a new file, by the umask)."""
+    permission bits (default: as a new file, by the umask). A target that exists and is not a
+    regular file (or a symlink to one) is refused before anything is written and again right
+    before the rename: a FIFO or a device is never replaced."""
+    _check_target(path, "output file")
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
@@ -166,6 +210,7 @@ def write_atomic(path: str, write, binary: bool = False, mode: int | None = None
             os.umask(umask)
             mode = 0o666 & ~umask  # mkstemp creates 0600
         os.chmod(tmp, mode)
+        _check_target(path, "output file")  # what may have appeared while writing
         os.replace(tmp, path)
     except BaseException:
         try:

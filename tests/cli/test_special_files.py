@@ -1,8 +1,10 @@
-"""Special files as inputs: refused in one line, never read from.
+"""Special files as inputs and outputs: refused in one line, never read from, never replaced.
 
 Every input flag given a FIFO, a character device, a socket, a directory or a symlink loop is one
 line on stderr and exit 2, at once (a FIFO used to block the command forever: the subprocess
-timeouts here are the safety net that turns such a hang into a failure).
+timeouts here are the safety net that turns such a hang into a failure). Every output given a FIFO
+or a character device is refused before anything is written, and the special file is left as it
+was; a directory output is never ``/`` or a system directory.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from hypothesis import strategies as st
 
 from autoconf.cost.calibration import load_calibration
 from autoconf.errors import UserError
-from autoconf.files import check_input, read_input
+from autoconf.files import check_dir, check_file, check_input, read_input, write_atomic, write_text
 from autoconf.launch.plan import LaunchPlan
 from autoconf.launch.plan import load as load_plan
 from autoconf.space.config import ParallelConfig
@@ -228,3 +230,97 @@ def test_every_loader_refuses_every_special_file_in_one_line(loader, kind, name,
         assert "does not exist" in msg, msg
     if kind == "fifo":
         assert stat.S_ISFIFO(os.stat(target).st_mode)
+
+
+# -- outputs ------------------------------------------------------------------------------------------
+
+def _null_device(d) -> str:
+    """A character device to write to: a null device made in ``d`` (as root), else a symlink to
+    /dev/null. Never /dev/null itself: were the check to regress, os.replace would swap the
+    machine's /dev/null for a regular file; here it swaps only the test's own node or link."""
+    path = os.path.join(d, "null")
+    try:
+        os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    except OSError:
+        os.symlink("/dev/null", path)
+    return path
+
+
+def _still_a_device(path: str) -> None:
+    st = os.stat(path)
+    assert stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(1, 3)
+
+
+def test_plan_cluster_out_to_a_fifo_or_a_null_device_is_refused_before_any_work(tmp_path):
+    fifo = str(tmp_path / "cluster.yaml")
+    os.mkfifo(fifo)
+    base = ["plan", "--model", "tiny", "--device", "a100-80gb", "--max-gpus", "8", "--quiet"]
+    _refused(_cli(*base, "--cluster-out", fifo, cwd=tmp_path), "--cluster-out", "is a FIFO")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    null = _null_device(tmp_path)
+    _refused(_cli(*base, "--cluster-out", null, cwd=tmp_path), "is a character device")
+    _still_a_device(null)
+
+
+def test_profile_out_calibrate_and_storage_refuse_special_files(tmp_path):
+    fifo = str(tmp_path / "out.json")
+    os.mkfifo(fifo)
+    null = _null_device(tmp_path)
+    _refused(_cli("profile", "--model", "tiny", "--out", fifo, cwd=tmp_path), "--out", "is a FIFO")
+    _refused(_cli("profile", "--model", "tiny", "--out", null, cwd=tmp_path), "is a character device")
+    _still_a_device(null)
+    search = ["search", "--model", "tiny", "--cluster", CPU, "--global-batch", "8", "--trials", "5"]
+    _refused(_cli(*search, "--storage", "none", "--verify", "1", "--calibrate", fifo, cwd=tmp_path),
+             "--calibrate", "is a FIFO")
+    _refused(_cli(*search, "--storage", f"sqlite:///{fifo}", cwd=tmp_path), "--storage", "is a FIFO")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["null", "out.json"]
+
+
+@pytest.mark.parametrize("target", ["/", "/etc", "/usr/../var", "link-to-usr", "a-fifo"])
+def test_emit_into_a_system_directory_or_a_non_directory_is_refused(target, tmp_path):
+    if target == "link-to-usr":
+        os.symlink("/usr", tmp_path / target)
+    elif target == "a-fifo":
+        os.mkfifo(tmp_path / target)
+    p = _cli("search", "--model", "tiny", "--cluster", CPU, "--global-batch", "8", "--storage", "none",
+             "--trials", "5", "--emit", target, cwd=tmp_path)
+    _refused(p, "--emit", "is a FIFO" if target == "a-fifo" else "is a system directory")
+
+
+def test_a_fifo_inside_the_emit_directory_is_not_replaced(tmp_path):
+    out = tmp_path / "launch"
+    out.mkdir()
+    os.mkfifo(out / "config.json")
+    p = _cli("search", "--model", "tiny", "--cluster", CPU, "--global-batch", "8", "--storage", "none",
+             "--trials", "5", "--emit", str(out), cwd=tmp_path)
+    _refused(p, "config.json", "is a FIFO")
+    assert stat.S_ISFIFO(os.lstat(out / "config.json").st_mode)
+    assert [n for n in os.listdir(out) if n.endswith(".tmp")] == []
+
+
+def test_write_text_refuses_a_fifo_or_a_device_before_writing_and_before_the_rename(tmp_path):
+    devices = tmp_path / "dev"
+    devices.mkdir()
+    null = _null_device(devices)
+    with pytest.raises(UserError, match="is a character device"):
+        write_text(null, "x")  # refused before its temp file is made beside it
+    _still_a_device(null)
+    assert os.listdir(devices) == ["null"]
+    path = str(tmp_path / "out.txt")
+    write_text(path, "old")
+
+    def swap_in_a_fifo(f):  # a FIFO takes the target's place while the new text is written
+        os.unlink(path)
+        os.mkfifo(path)
+        f.write("new")
+    with pytest.raises(UserError, match="is a FIFO"):
+        write_atomic(path, swap_in_a_fifo)
+    assert stat.S_ISFIFO(os.lstat(path).st_mode)
+    assert sorted(os.listdir(tmp_path)) == ["dev", "out.txt"], "the temp file was left behind"
+    os.unlink(path)
+    os.symlink("/dev/null", path)  # a symlink to a device: its target is checked
+    with pytest.raises(UserError, match="is a character device"):
+        check_file(path, "--out")
+    with pytest.raises(UserError, match="is a system directory"):
+        check_dir("//", "--emit")

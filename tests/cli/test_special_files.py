@@ -260,6 +260,9 @@ def test_plan_cluster_out_to_a_fifo_or_a_null_device_is_refused_before_any_work(
     null = _null_device(tmp_path)
     _refused(_cli(*base, "--cluster-out", null, cwd=tmp_path), "is a character device")
     _still_a_device(null)
+    written = _cli(*base, "--cluster-out", "c.yaml", cwd=tmp_path)  # a regular file: written, and loads
+    assert written.returncode == 0, written.stderr[-2000:]
+    assert load_cluster(str(tmp_path / "c.yaml")).device_kinds() == ["a100-80gb"]
 
 
 def test_profile_out_calibrate_and_storage_refuse_special_files(tmp_path):

@@ -70,6 +70,16 @@ def _add_plot(p, what: str):
                    "pip install 'autoconf-parallel[plot]')")
 
 
+def _add_estimate_views(p):
+    p.add_argument("--wide", action="store_true",
+                   help="every memory term and the formula of each time term (needs more than 80 columns)")
+    p.add_argument("--allow-other-devices", action="store_true",
+                   help="with --profile and --cluster: accept a profile measured on a device kind the cluster "
+                   "lacks (refused by default, as `plan` refuses it): its measured links then replace the "
+                   "cluster's between the devices it measured (a CPU profile's loopback for NVLink) and its "
+                   "compute prices none of them")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="autoconf", description="Plan data/pipeline/tensor-parallel training: "
                  "measure, search, verify, launch.", epilog=EPILOG)
@@ -87,8 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimate", help="explain the time and memory of one configuration")
     _add_target(p)
     p.set_defaults(func=cmd_estimate)
-    p.add_argument("--wide", action="store_true",
-                   help="every memory term and the formula of each time term (needs more than 80 columns)")
+    _add_estimate_views(p)
     p.add_argument("--dp", type=positive_int, required=True)
     p.add_argument("--pp", type=positive_int, default=1)
     p.add_argument("--tp", type=positive_int, default=1)

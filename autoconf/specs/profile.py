@@ -511,6 +511,23 @@ def check_profile_matches(profile: Profile, model: ModelSpec, need_compute: bool
     return warnings
 
 
+def measured_device_kind(profile: Profile) -> str | None:
+    """The one catalog device kind the profile's ranks ran on; None for several, or none known."""
+    kinds = {r.device_kind for r in profile.ranks} - {None}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def check_profile_devices(profile: Profile, device_kinds, how: str = "a cluster file of it", allow: str = "") -> None:
+    """Refuse a profile of a device kind the cluster lacks (its links would replace the cluster's,
+    e.g. loopback for NVLink). ``how``: how to plan on its kind; ``allow``: the flag accepting it."""
+    kind = measured_device_kind(profile)
+    if kind in device_kinds:
+        return
+    msg = (f"--profile was measured on {kind or 'several device kinds'}; the cluster's devices are "
+           f"{', '.join(device_kinds)}: profile that device kind, or plan on it ({how})")
+    raise UserError(msg + (f"; or pass {allow} to use its links on these devices anyway" if allow else ""))
+
+
 # -- helpers shared with the profiler --------------------------------------------------------------
 
 _CUDA_NAMES = (  # (substring of torch.cuda.get_device_name, catalog name); first match wins

@@ -4,7 +4,8 @@ Every input flag given a FIFO, a character device, a socket, a directory or a sy
 line on stderr and exit 2, at once (a FIFO used to block the command forever: the subprocess
 timeouts here are the safety net that turns such a hang into a failure). Every output given a FIFO
 or a character device is refused before anything is written, and the special file is left as it
-was; a directory output is never ``/`` or a system directory.
+was; a directory output is never ``/`` or a system directory. ``estimate`` refuses a profile of
+another device kind than the cluster's, with ``plan``'s message, unless ``--allow-other-devices``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from autoconf.specs.profile import load_profile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EX = os.path.join(ROOT, "examples")
 CPU = os.path.join(EX, "clusters/localhost-cpu.yaml")
+A100 = os.path.join(EX, "clusters/a100-4x8.yaml")
 H256 = os.path.join(EX, "models/bench-h256.yaml")
+CPU_PROFILE = os.path.join(EX, "profiles/bench-h256-cpu2.json")
 LIMIT_S = 120  # a safety net: a command that blocks on a FIFO fails here instead of hanging the suite
 
 
@@ -327,3 +330,21 @@ def test_write_text_refuses_a_fifo_or_a_device_before_writing_and_before_the_ren
         check_file(path, "--out")
     with pytest.raises(UserError, match="is a system directory"):
         check_dir("//", "--emit")
+
+
+# -- profile and cluster of other devices ---------------------------------------------------------
+
+def test_estimate_refuses_a_profile_of_other_devices_with_plans_message(tmp_path):
+    est = ["estimate", "--model", H256, "--profile", CPU_PROFILE, "--cluster", A100, "--global-batch", "8",
+           "--dp", "2"]
+    line = _refused(_cli(*est, cwd=tmp_path), "--profile was measured on cpu", "a100-80gb",
+                    "--allow-other-devices")
+    planned = _refused(_cli("plan", "--model", H256, "--profile", CPU_PROFILE, "--cluster", A100, "--quiet",
+                            cwd=tmp_path))
+    assert line.startswith(planned), (line, planned)
+    ok = _cli(*est, "--allow-other-devices", "--json", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads(ok.stdout)["step_time_s"] > 0
+    same = _cli("estimate", "--model", H256, "--profile", CPU_PROFILE, "--cluster", CPU, "--global-batch", "8",
+                "--dp", "2", "--json", cwd=tmp_path)
+    assert same.returncode == 0, same.stderr[-2000:]

@@ -503,12 +503,17 @@ def check_profile_matches(profile: Profile, model: ModelSpec, need_compute: bool
         warnings.append(f"profile measured {profile.model.num_layers} layers, model has {model.num_layers} "
                         "(per-layer data still applies)")
     if wrong:
-        msg = (f"profile was measured for model {profile.model.name!r}, not {model.name!r}: "
-               + "; ".join(wrong))
+        msg = _shape_mismatch(profile.model.name, model.name, wrong)
         if need_compute:
             raise UserError(msg + " (profile this model with `autoconf profile`, or use only its link data)")
         warnings.append(msg + " (only link and collective data are used)")
     return warnings
+
+
+def _shape_mismatch(measured: str, wanted: str, wrong: list[str]) -> str:
+    fields = ", ".join(w.split(":")[0] for w in wrong) + (" differs" if len(wrong) == 1 else " differ")
+    which = f"model {measured!r}, not {wanted!r}" if measured != wanted else f"another shape of model {measured!r} ({fields})"
+    return f"profile was measured for {which}: " + "; ".join(wrong) + " (profile -> model)"
 
 
 def measured_device_kind(profile: Profile) -> str | None:

@@ -32,7 +32,7 @@ from autoconf.space.config import ParallelConfig
 from autoconf.specs.cluster import load_cluster
 from autoconf.specs.hf import load_model
 from autoconf.specs.model import preset
-from autoconf.specs.profile import load_profile
+from autoconf.specs.profile import check_profile_matches, load_profile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EX = os.path.join(ROOT, "examples")
@@ -348,3 +348,16 @@ def test_estimate_refuses_a_profile_of_other_devices_with_plans_message(tmp_path
     same = _cli("estimate", "--model", H256, "--profile", CPU_PROFILE, "--cluster", CPU, "--global-batch", "8",
                 "--dp", "2", "--json", cwd=tmp_path)
     assert same.returncode == 0, same.stderr[-2000:]
+
+
+def test_a_profile_of_another_shape_with_the_same_name_says_what_differs():
+    import dataclasses
+    profile = load_profile(CPU_PROFILE)
+    wider = dataclasses.replace(profile.model, hidden_size=2 * profile.model.hidden_size)
+    with pytest.raises(UserError) as e:
+        check_profile_matches(profile, wider)
+    msg = str(e.value)
+    name = profile.model.name
+    assert f"not {name!r}" not in msg
+    assert f"another shape of model {name!r} (hidden_size differs)" in msg
+    assert f"hidden_size: {profile.model.hidden_size} -> {wider.hidden_size}" in msg

@@ -9,6 +9,7 @@ the modules that define them; none of them imports torch until it runs.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import threading
@@ -69,6 +70,16 @@ def _add_plot(p, what: str):
                    "pip install 'autoconf-parallel[plot]')")
 
 
+def _add_estimate_views(p):
+    p.add_argument("--wide", action="store_true",
+                   help="every memory term and the formula of each time term (needs more than 80 columns)")
+    p.add_argument("--allow-other-devices", action="store_true",
+                   help="with --profile and --cluster: accept a profile measured on a device kind the cluster "
+                   "lacks (refused by default, as `plan` refuses it): its measured links then replace the "
+                   "cluster's between the devices it measured (a CPU profile's loopback for NVLink) and its "
+                   "compute prices none of them")
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = _Parser(prog="autoconf", description="Plan data/pipeline/tensor-parallel training: "
                  "measure, search, verify, launch.", epilog=EPILOG)
@@ -86,8 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("estimate", help="explain the time and memory of one configuration")
     _add_target(p)
     p.set_defaults(func=cmd_estimate)
-    p.add_argument("--wide", action="store_true",
-                   help="every memory term and the formula of each time term (needs more than 80 columns)")
+    _add_estimate_views(p)
     p.add_argument("--dp", type=positive_int, required=True)
     p.add_argument("--pp", type=positive_int, default=1)
     p.add_argument("--tp", type=positive_int, default=1)
@@ -210,6 +220,20 @@ def _no_empty_paths(args) -> None:
             raise UserError(f"--{name.replace('_', '-')} '': expected a path")
 
 
+_INPUT_FLAGS = ("model", "cluster", "profile", "calibration", "config")
+
+
+def _inputs_are_files(args) -> None:
+    """Every input path given (a --model that names a path, not a preset) is a file to read: a
+    FIFO, a device, a socket, a directory or a symlink loop is one line naming the flag, before
+    anything runs (the loaders check again on the descriptor they read)."""
+    from autoconf.files import check_input
+    for name in _INPUT_FLAGS:
+        path = getattr(args, name, None)
+        if isinstance(path, str) and os.path.lexists(path):
+            check_input(path, f"--{name}")
+
+
 def main(argv=None) -> int:
     from autoconf import procs
 
@@ -219,6 +243,7 @@ def main(argv=None) -> int:
         procs.install_terminate_handler()  # SIGTERM / SIGHUP clean up like Ctrl-C
     try:
         _no_empty_paths(args)
+        _inputs_are_files(args)
         return args.func(args) or 0
     except UserError as e:
         sys.stderr.write(f"autoconf: error: {' '.join(str(e).split())}\n")  # always one line

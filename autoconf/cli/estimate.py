@@ -11,6 +11,9 @@ def cmd_estimate(args) -> int:
     from autoconf.cost.estimate import estimate
     from autoconf.space.config import ParallelConfig
     model, cluster, profile, calibration = _load_inputs(args)
+    if cluster is not None and profile is not None and not args.allow_other_devices:
+        from autoconf.specs.profile import check_profile_devices
+        check_profile_devices(profile, cluster.device_kinds(), allow="--allow-other-devices")
     if args.plot:
         from autoconf.output.plots import check_plotting
         check_plotting(args.plot)

@@ -7,11 +7,10 @@ import math
 
 from autoconf.errors import UserError
 from autoconf.output.plots import write_plots
-from autoconf.runs.testbed_plan import cluster_yaml
 from autoconf.space.config import MOE_DISPATCHERS
 from autoconf.timetotrain.budget import float_list, parse_count, parse_duration
 from autoconf.timetotrain.planner import BATCH_FACTORS_DEFAULT, MAX_MICRO_BATCH, plan
-from autoconf.timetotrain.synthetic import NETWORKS, NODES
+from autoconf.timetotrain.synthetic import NETWORKS, NODES, cluster_yaml
 
 
 def add_plan_parser(sub):
@@ -71,6 +70,18 @@ def add_plan_parser(sub):
     return p
 
 
+def _load_profile(path: str, cluster, device):
+    """The --profile, measured on the cluster's (or --device's) kind: estimate's check and message."""
+    from autoconf.specs.profile import check_profile_devices, load_profile, measured_device_kind
+    profile = load_profile(path)
+    kinds = cluster.device_kinds() if cluster is not None else [device] if device in NODES else None
+    if kinds:
+        kind = measured_device_kind(profile)
+        check_profile_devices(profile, kinds, f"--device {kind} or a cluster file of it" if kind in NODES
+                              else "a cluster file of it")
+    return profile
+
+
 def cmd_plan(args) -> int:
     import json
     import sys
@@ -84,10 +95,7 @@ def cmd_plan(args) -> int:
     if args.cluster:
         from autoconf.specs.cluster import load_cluster
         cluster = load_cluster(args.cluster)
-    profile = None
-    if args.profile:
-        from autoconf.specs.profile import load_profile
-        profile = load_profile(args.profile)
+    profile = _load_profile(args.profile, cluster, args.device) if args.profile else None
     if args.max_gpus is not None and args.max_gpus <= 0:
         raise UserError(f"--max-gpus {args.max_gpus}: must be a positive integer")
     if args.global_batch is not None and args.global_batch <= 0:

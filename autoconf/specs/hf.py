@@ -352,7 +352,7 @@ def load_model(ref: str, seq_length: int | None = None) -> ModelSpec:
     """A preset name, a YAML model file, or a Hugging Face config.json; optional seq override."""
     if not isinstance(ref, str) or not ref:
         raise UserError(f"--model {ref!r}: give a preset name or a model file")
-    if os.path.exists(ref):
+    if os.path.lexists(ref):  # a symlink loop or a dangling link is named as such by read_text
         spec = _load_model_file(ref, seq_length)
     elif ref.endswith((".yaml", ".yml", ".json")) or os.sep in ref:
         raise UserError(f"model file {ref!r} does not exist")

@@ -448,7 +448,7 @@ def _check_consistency(d: dict) -> None:
 
 def load_profile(path: str) -> Profile:
     """Read a profile; a missing, unreadable, malformed or other-version file raises UserError."""
-    if not os.path.exists(path):
+    if not os.path.lexists(path):  # a symlink loop or a dangling link: read_text names it
         raise UserError(f"profile {path!r} does not exist (create one with `autoconf profile --model M --out {path}`)")
     text = read_text(path, "profile", MAX_PROFILE_BYTES)
     data = parse_json(text, path, "profile", ("profile",))
@@ -503,12 +503,34 @@ def check_profile_matches(profile: Profile, model: ModelSpec, need_compute: bool
         warnings.append(f"profile measured {profile.model.num_layers} layers, model has {model.num_layers} "
                         "(per-layer data still applies)")
     if wrong:
-        msg = (f"profile was measured for model {profile.model.name!r}, not {model.name!r}: "
-               + "; ".join(wrong))
+        msg = _shape_mismatch(profile.model.name, model.name, wrong)
         if need_compute:
             raise UserError(msg + " (profile this model with `autoconf profile`, or use only its link data)")
         warnings.append(msg + " (only link and collective data are used)")
     return warnings
+
+
+def _shape_mismatch(measured: str, wanted: str, wrong: list[str]) -> str:
+    fields = ", ".join(w.split(":")[0] for w in wrong) + (" differs" if len(wrong) == 1 else " differ")
+    which = f"model {measured!r}, not {wanted!r}" if measured != wanted else f"another shape of model {measured!r} ({fields})"
+    return f"profile was measured for {which}: " + "; ".join(wrong) + " (profile -> model)"
+
+
+def measured_device_kind(profile: Profile) -> str | None:
+    """The one catalog device kind the profile's ranks ran on; None for several, or none known."""
+    kinds = {r.device_kind for r in profile.ranks} - {None}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def check_profile_devices(profile: Profile, device_kinds, how: str = "a cluster file of it", allow: str = "") -> None:
+    """Refuse a profile of a device kind the cluster lacks (its links would replace the cluster's,
+    e.g. loopback for NVLink). ``how``: how to plan on its kind; ``allow``: the flag accepting it."""
+    kind = measured_device_kind(profile)
+    if kind in device_kinds:
+        return
+    msg = (f"--profile was measured on {kind or 'several device kinds'}; the cluster's devices are "
+           f"{', '.join(device_kinds)}: profile that device kind, or plan on it ({how})")
+    raise UserError(msg + (f"; or pass {allow} to use its links on these devices anyway" if allow else ""))
 
 
 # -- helpers shared with the profiler --------------------------------------------------------------

@@ -32,6 +32,7 @@ import math
 import os
 
 from autoconf.errors import UserError
+from autoconf.files import read_input
 from autoconf.specs.units import fmt_quantity, parse_quantity
 
 MAX_TEXT_BYTES = 1 << 20          # model, cluster and calibration files
@@ -260,25 +261,9 @@ def _did_you_mean(word: str, options) -> str:
 # -- reading files ----------------------------------------------------------------------------------
 
 def read_text(path: str, what: str, max_bytes: int = MAX_TEXT_BYTES) -> str:
-    """The file's text; UserError if missing, unreadable, too large or binary."""
-    try:
-        size = os.path.getsize(path)
-    except OSError as e:
-        if not os.path.exists(path):
-            raise UserError(f"{what} {path!r} does not exist") from None
-        raise UserError(f"cannot read {what} {path!r}: {e.strerror}") from None
-    if os.path.isdir(path):
-        raise UserError(f"{what} {path!r} is a directory, not a file")
-    if size > max_bytes:
-        raise UserError(f"{what} {path!r} is {size:,} bytes; at most {max_bytes:,} are read "
-                        "(is this the right file?)")
-    try:
-        with open(path, "rb") as f:
-            data = f.read(max_bytes + 1)
-    except OSError as e:
-        raise UserError(f"cannot read {what} {path!r}: {e.strerror}") from None
-    if len(data) > max_bytes:  # grew, or a device/FIFO that getsize did not measure
-        raise UserError(f"{what} {path!r} is larger than {max_bytes:,} bytes (is this the right file?)")
+    """The file's text; UserError if missing, not a regular file (a FIFO, a device, a directory,
+    a symlink loop: :func:`autoconf.files.read_input`), unreadable, too large or binary."""
+    data = read_input(path, what, max_bytes)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError:

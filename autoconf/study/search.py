@@ -417,21 +417,15 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     signature = {"model": model.to_dict(), "global_batch": global_batch, "devices": world,
                  "framework": ctx.framework.name, "cost_model": cost_model_digest(),
                  "max_micro_batch": max_micro_batch,
-                 "cluster": _digest(cluster.to_dict()) if cluster is not None else None,
-                 "profile": _digest(profile.to_dict()) if profile is not None else None,
-                 "calibration": _digest(calibration.to_dict()) if calibration is not None else None}
-    if place:  # the stored step times are those of the placed configurations
-        signature["placement"] = "searched"
-    if cps != (1,):  # (absent when the space has neither, so earlier studies keep their names)
-        signature["cp"] = list(cps)
-    if precisions != (("bf16", "tensorwise"),):
-        signature["precisions"] = [list(p) for p in precisions]
-    if moe_imbalance != 1.0:
-        signature["moe_imbalance"] = moe_imbalance
-    if moe_dispatcher != "alltoall":
-        signature["moe_dispatcher"] = moe_dispatcher
-    if compression is not None:
-        signature["compression"] = list(compression)
+                 **{k: _digest(v.to_dict()) if v is not None else None
+                    for k, v in (("cluster", cluster), ("profile", profile), ("calibration", calibration))}}
+    # (each absent at its default, so earlier studies keep their names; placed: the stored step
+    # times are those of the placed configurations)
+    signature.update({k: v for k, v, default in (
+        ("placement", "searched" if place else None, None), ("cp", list(cps), [1]),
+        ("precisions", [list(p) for p in precisions], [["bf16", "tensorwise"]]),
+        ("moe_imbalance", moe_imbalance, 1.0), ("moe_dispatcher", moe_dispatcher, "alltoall"),
+        ("compression", list(compression) if compression is not None else None, None)) if v != default})
     name = study_name or default_study_name(model, world, global_batch,
                                             cluster.name if cluster is not None else "profile",
                                             ctx.framework.name, signature)

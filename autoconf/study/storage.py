@@ -36,56 +36,99 @@ def sqlite_path(storage: str | None) -> str | None:
     return None if path in ("", ":memory:") else path
 
 
+def _lock_file(storage: str) -> tuple[str, str]:
+    """(the database's resolved path, its lock file): every spelling of a database (a symbolic
+    link, a relative path) shares one lock file."""
+    real = os.path.realpath(sqlite_path(storage))
+    return real, real + ".lock"
+
+
+def _open_lock(storage: str, lock: str) -> tuple[int, tuple]:
+    """(fd, (device, inode) of the lock file). The process keeps
+    every fd it opens on a lock file until its last study there is released: closing one would
+    drop all of the process's locks on the file (POSIX record locks belong to the process)."""
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise UserError(f"--storage {storage!r}: cannot open the study (cannot create {lock!r}: "
+                        f"{e.strerror})") from None
+    st = os.fstat(fd)
+    entry = _lock_fds.setdefault((st.st_dev, st.st_ino), {"fds": [], "users": 0})
+    entry["fds"].append(fd)
+    entry["users"] += 1
+    return fd, (st.st_dev, st.st_ino)
+
+
+def _close_lock(key: tuple) -> None:
+    entry = _lock_fds[key]
+    entry["users"] -= 1
+    if entry["users"] == 0:
+        del _lock_fds[key]
+        for fd in entry["fds"]:
+            os.close(fd)  # releases the locks
+
+
 @contextlib.contextmanager
 def study_lock(storage: str | None, name: str):
     """Hold a study for this process: a second search on the same SQLite study (another process)
     is refused in one line instead of storing every trial twice. The lock is a byte-range lock on
-    ``<database>.lock`` (released by the kernel when the process ends, however it ends); creating
-    the database's tables is serialised through the same file. Other storages are not locked."""
-    path = sqlite_path(storage)
-    if path is None or (path, name) in _held_locks:
+    ``<database>.lock`` beside the database's resolved path (so ``link.db`` -> ``s.db`` is the same
+    study; released by the kernel when the process ends, however it ends); creating the
+    database's tables is serialised through the same file. Other storages are not locked."""
+    if sqlite_path(storage) is None:
         yield
         return
     import fcntl
     import hashlib
 
+    fd, key = _open_lock(storage, _lock_file(storage)[1])
     try:
-        fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as e:
-        raise UserError(f"--storage {storage!r}: cannot open the study (cannot create {path + '.lock'!r}: "
-                        f"{e.strerror})") from None
-    offset = 1 + int(hashlib.sha256(name.encode()).hexdigest()[:12], 16) % (2**40)
-    try:
+        if (*key, name) in _held_locks:  # this process holds it already
+            yield
+            return
+        offset = 1 + int(hashlib.sha256(name.encode()).hexdigest()[:12], 16) % (2**40)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
         except OSError:
             raise UserError(f"study {name!r} in {storage} is in use by another search; wait for it to finish "
                             "or pass another --study-name") from None
-        _held_locks[(path, name)] = fd
+        _held_locks.add((*key, name))
         try:
             yield
         finally:
-            del _held_locks[(path, name)]
+            _held_locks.discard((*key, name))
+            fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset)
     finally:
-        os.close(fd)  # releases the lock
+        _close_lock(key)
+
+
+def _held_fd(storage: str | None) -> tuple[int, tuple] | None:
+    """(an fd on the lock file of a database this process holds a study of, its key), or None."""
+    if sqlite_path(storage) is None:
+        return None
+    try:
+        st = os.stat(_lock_file(storage)[1])
+    except OSError:
+        return None
+    key = (st.st_dev, st.st_ino)
+    return (_lock_fds[key]["fds"][0], key) if key in _lock_fds else None
 
 
 @contextlib.contextmanager
 def _schema_lock(storage: str | None):
     """Serialise creating a new SQLite database's tables between processes (optuna's table
     creation races: 'table studies already exists')."""
-    path = sqlite_path(storage)
-    held = next((fd for (p, _), fd in _held_locks.items() if p == path), None)
+    held = _held_fd(storage)
     if held is None:
         yield
         return
     import fcntl
 
-    fcntl.lockf(held, fcntl.LOCK_EX, 1, 0)
+    fcntl.lockf(held[0], fcntl.LOCK_EX, 1, 0)
     try:
         yield
     finally:
-        fcntl.lockf(held, fcntl.LOCK_UN, 1, 0)
+        fcntl.lockf(held[0], fcntl.LOCK_UN, 1, 0)
 
 
 def default_study_name(model, world: int, global_batch: int, cluster_name: str, framework: str = "reference",
@@ -140,8 +183,7 @@ def config_digest(c: ParallelConfig) -> str:
     return _digest(c.to_dict())
 
 
-_held_locks: dict = {}
-
-
-
-
+_held_locks: set = set()
+"""(device, inode of the lock file, study name) of each study this process holds"""
+_lock_fds: dict = {}
+"""(device, inode) of a lock file -> {"fds": this process's fds on it, "users": study_lock calls}"""

@@ -1,0 +1,86 @@
+"""The study's storage: one lock per database file however it is spelled."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autoconf.specs.cluster import load_cluster
+from autoconf.specs.model import preset
+from autoconf.study.search import search
+from autoconf.study.storage import study_lock
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CPU_YAML = os.path.join(ROOT, "examples/clusters/localhost-cpu.yaml")
+CPU = load_cluster(CPU_YAML)
+TINY = preset("tiny")
+ENV = dict(os.environ, PYTHONPATH=ROOT)
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "autoconf", *args], capture_output=True, text=True, env=ENV,
+                          cwd=cwd, timeout=600)
+
+
+def _search_args(storage, *extra):
+    return ["search", "--model", "tiny", "--cluster", CPU_YAML, "--global-batch", "8", "--storage", storage, *extra]
+
+
+def _one_line_error(p, needle):
+    assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert needle in p.stderr, p.stderr
+
+
+_TRY_LOCK = ("import sys\nfrom autoconf.errors import UserError\nfrom autoconf.study.storage import study_lock\n"
+             "try:\n    with study_lock(sys.argv[1], sys.argv[2]):\n        print('took it')\n"
+             "except UserError as e:\n    print(e)\n    sys.exit(2)\n")
+
+
+def _another_process_takes(url: str, name: str, cwd) -> bool:
+    p = subprocess.run([sys.executable, "-c", _TRY_LOCK, url, name], capture_output=True, text=True, env=ENV,
+                       cwd=cwd, timeout=120)
+    assert p.returncode in (0, 2), p.stderr
+    assert (p.returncode == 2) == ("in use by another search" in p.stdout), p.stdout
+    return p.returncode == 0
+
+
+# -- 1. one lock per database file ---------------------------------------------------------------
+
+@pytest.mark.parametrize("exists", [True, False], ids=["database", "not-yet-created"])
+def test_a_symbolic_link_to_the_database_shares_its_study_lock(tmp_path, exists):
+    db = tmp_path / "s.db"
+    if exists:
+        search(TINY, CPU, 8, storage=f"sqlite:///{db}", study_name="other", trials=5, exhaustive=False)
+    (tmp_path / "link.db").symlink_to("s.db")
+    with study_lock(f"sqlite:///{db}", "held"):
+        # relative, through the link: the same database, so the same study
+        assert not _another_process_takes("sqlite:///link.db", "held", cwd=tmp_path)
+        assert not _another_process_takes(f"sqlite:///{tmp_path}/./link.db", "held", cwd=tmp_path)
+        assert _another_process_takes("sqlite:///link.db", "free", cwd=tmp_path)
+    assert _another_process_takes("sqlite:///link.db", "held", cwd=tmp_path)
+
+
+def test_a_search_through_a_link_beside_one_on_the_database_is_refused(tmp_path):
+    (tmp_path / "link.db").symlink_to("s.db")
+    with study_lock(f"sqlite:///{tmp_path}/s.db", "held"):
+        p = _cli(*_search_args("sqlite:///link.db", "--study-name", "held"), cwd=tmp_path)
+    _one_line_error(p, "in use by another search")
+    assert not os.path.exists(tmp_path / "s.db")  # refused before the study was created
+
+
+def test_releasing_one_study_keeps_the_others_of_the_database_held(tmp_path):
+    # POSIX record locks belong to the process: closing any fd of the lock file would drop them all
+    url, link = f"sqlite:///{tmp_path}/s.db", f"sqlite:///{tmp_path}/link.db"
+    (tmp_path / "link.db").symlink_to("s.db")
+    with study_lock(url, "a"):
+        with study_lock(link, "b"):
+            with study_lock(url, "b"):  # held already by this process: entered again
+                pass
+        with study_lock(url, "c"):
+            pass
+        assert not _another_process_takes(url, "a", cwd=tmp_path)
+        assert _another_process_takes(url, "b", cwd=tmp_path)

@@ -10,10 +10,12 @@ from autoconf.cli.common import _PHASES, _load_inputs, _print_json
 from autoconf.errors import UserError
 
 
-def _preflight(args, storage) -> None:
-    """Every output path is checked before any work: one line now, not after the trials ran."""
+def _preflight(args, storage) -> str | None:
+    """Every output path is checked before any work: one line now, not after the trials ran.
+    Returns the storage the search writes to (None: in memory)."""
     from autoconf.files import check_dir, check_file
-    from autoconf.study.storage import sqlite_path
+    from autoconf.study.storage import check_storage, sqlite_path
+    storage = check_storage(storage)
     if args.emit:
         if args.cluster is None and not getattr(args, "profile", None):
             raise UserError("--emit needs --cluster or --profile (the launch files name hosts and devices per host)")
@@ -33,6 +35,7 @@ def _preflight(args, storage) -> None:
             check_file(db, "--storage")
         except UserError as e:
             raise UserError(f"{e} (cannot open the study)") from None
+    return storage
 
 
 def cmd_search(args) -> int:
@@ -53,7 +56,7 @@ def cmd_search(args) -> int:
     if args.emit:
         from autoconf.launch.emit import check_script
         check_script(args.script, args.script_args)
-    _preflight(args, storage)
+    storage = _preflight(args, storage)
     devices = verify_args.verify_devices(args, cluster) if args.verify > 0 else None
     with Bars(wanted(args.quiet), transient=True) as bars:
         task = bars.task("search")

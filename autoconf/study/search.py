@@ -38,7 +38,15 @@ from autoconf.study.choices import compression_savings, count_space, dp_hierarch
 from autoconf.study.evaluator import Evaluator, _bound_s, _Repair
 from autoconf.study.placer import Placer
 from autoconf.study.result import SearchResult, _pipeline_label
-from autoconf.study.storage import _difference, _digest, _schema_lock, cost_model_digest, default_study_name, study_lock
+from autoconf.study.storage import (
+    _difference,
+    _digest,
+    _schema_lock,
+    check_storage,
+    cost_model_digest,
+    default_study_name,
+    study_lock,
+)
 
 PARAMS = ("tp", "pp", "dp", "micro_batch_size", "pipeline", "cp")
 
@@ -362,8 +370,9 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
            moe_dispatcher: str = "alltoall") -> SearchResult:
     """Search the space for the ``top`` fastest configurations that fit (exactly the model's
     ``top`` fastest, unless ``exhaustive=False``). ``storage``: an Optuna storage URL to keep the
-    trials in (``sqlite:///file.db``; resumable), or None to keep them in memory only (no file
-    is written). ``study_name`` defaults to one derived from the inputs (see
+    trials in (``sqlite:///file.db``, optionally ``?timeout=SECONDS``; resumable), or None (or
+    ``sqlite://``, ``sqlite:///:memory:``) to keep them in memory only (:func:`check_storage`).
+    ``study_name`` defaults to one derived from the inputs (see
     :func:`default_study_name`). ``progress(done, total)`` is called as trials finish, and
     ``phase(name)`` as each phase starts ("brute force", "sampling", "sweep", "earlier trials",
     "placement"). ``framework``: the runtime that will run the plan (a name from
@@ -379,6 +388,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     ``moe_dispatcher``: the token dispatcher of a mixture of experts' configurations
     (``config.MOE_DISPATCHERS``, one the framework runs)."""
     t0 = time.perf_counter()
+    storage = check_storage(storage)
     if top < 1:
         raise UserError(f"--top {top}: must be a positive number of configurations")
     ctx = System(model, cluster, profile, calibration, framework=framework, moe_imbalance=moe_imbalance,

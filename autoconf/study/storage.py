@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 
 from autoconf.errors import UserError
 from autoconf.space.config import ParallelConfig
@@ -28,12 +29,51 @@ def _digest(d: dict) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+_SQLITE = re.compile(r"sqlite(\+\w+)?://")
+_MEMORY = ("", ":memory:", "file::memory:")
+
+
 def sqlite_path(storage: str | None) -> str | None:
     """The database file of a ``sqlite:///`` storage URL (None for other storages or in memory)."""
-    if not storage or not storage.startswith("sqlite:///"):
+    m = _SQLITE.match(storage or "")
+    if m is None or not storage[m.end():].startswith("/"):
         return None
-    path = storage[len("sqlite:///"):].split("?", 1)[0]
-    return None if path in ("", ":memory:") else path
+    path = storage[m.end() + 1:].split("?", 1)[0]
+    return None if path in _MEMORY else path
+
+
+def check_storage(storage: str | None) -> str | None:
+    """The storage a search writes to, or None to keep the trials in memory: ``sqlite://``,
+    ``sqlite:///:memory:`` and ``sqlite:///file::memory:`` are in memory (nothing written). A SQLite
+    URL's only option is ``timeout=SECONDS``; one that cannot hold a search (read-only, a URI
+    filename) or that SQLite would ignore is refused in one line."""
+    m = _SQLITE.match(storage or "")
+    if m is None:
+        return storage
+    path, _, query = storage[m.end():].partition("?")
+    if (not path.startswith("/") and path) or path == "/":
+        raise UserError(f"--storage {storage!r}: expected sqlite:///FILE.db (relative), sqlite:////PATH.db "
+                        "(absolute) or sqlite:// (in memory)")
+    if path.startswith("/file:") and path != "/file::memory:":
+        raise UserError(f"--storage {storage!r}: SQLite URI filenames are not supported (give the file path: "
+                        "sqlite:///FILE.db, or sqlite:// to keep the study in memory)")
+    for option in filter(None, query.split("&")):
+        key, _, value = option.partition("=")
+        if key == "mode" and value in ("ro", "memory"):
+            why = ("read-only: a search writes its trials" if value == "ro" else
+                   "use sqlite:// to keep the study in memory")
+            raise UserError(f"--storage {storage!r}: mode={value} is refused ({why})")
+        if key != "timeout" or not _positive(value):
+            raise UserError(f"--storage {storage!r}: option {option!r} is not supported (the only SQLite option "
+                            "is timeout=SECONDS, a positive number)")
+    return None if path[1:] in _MEMORY else storage
+
+
+def _positive(text: str) -> bool:
+    try:
+        return 0 < float(text) < float("inf")
+    except ValueError:
+        return False
 
 
 def _lock_file(storage: str) -> tuple[str, str]:

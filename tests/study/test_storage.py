@@ -1,13 +1,17 @@
-"""The study's storage: one lock per database file however it is spelled."""
+"""The study's storage: one lock per database file however it is spelled, SQLite URL options honoured
+or refused."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
+import optuna
 import pytest
 
+from autoconf.cli import app as cli
 from autoconf.specs.cluster import load_cluster
 from autoconf.specs.model import preset
 from autoconf.study.search import search
@@ -84,3 +88,38 @@ def test_releasing_one_study_keeps_the_others_of_the_database_held(tmp_path):
             pass
         assert not _another_process_takes(url, "a", cwd=tmp_path)
         assert _another_process_takes(url, "b", cwd=tmp_path)
+
+
+# -- 2. SQLite URL options -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("url,needle", [
+    ("sqlite:///s.db?mode=ro", "mode=ro is refused (read-only"),
+    ("sqlite:///s.db?foo=1", "option 'foo=1' is not supported"),
+    ("sqlite:///s.db?timeout=soon", "option 'timeout=soon' is not supported"),
+    ("sqlite:///file:s.db?mode=ro&uri=true", "URI filenames are not supported"),
+    ("sqlite:///file::memory:?cache=shared", "option 'cache=shared' is not supported"),
+    ("sqlite:///", "expected sqlite:///FILE.db"),
+    ("sqlite://host/s.db", "expected sqlite:///FILE.db"),
+])
+def test_sqlite_options_that_cannot_hold_a_search_are_refused_before_any_file(tmp_path, url, needle):
+    p = _cli(*_search_args(url), cwd=tmp_path)
+    _one_line_error(p, needle)
+    assert os.listdir(tmp_path) == []  # no database, no lock file
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:", "sqlite:///file::memory:"])
+def test_in_memory_sqlite_urls_keep_the_study_in_memory(tmp_path, url, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(_search_args(url, "--json")) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["storage"] is None and doc["best"]
+    assert os.listdir(tmp_path) == []  # "file::memory:" is not a file name
+
+
+def test_the_timeout_option_is_honoured(tmp_path):
+    from autoconf.study.storage import check_storage
+    url = f"sqlite:///{tmp_path}/s.db?timeout=7.5"
+    assert check_storage(url) == url
+    r = search(TINY, CPU, 8, storage=url, study_name="t", trials=5, exhaustive=False)
+    assert len(optuna.load_study(study_name="t", storage=url).trials) == r.trials_run > 0
+    assert sorted(os.listdir(tmp_path)) == ["s.db", "s.db.lock"]

@@ -14,8 +14,9 @@ def _preflight(args, storage) -> str | None:
     """Every output path is checked before any work: one line now, not after the trials ran.
     Returns the storage the search writes to (None: in memory)."""
     from autoconf.files import check_dir, check_file
-    from autoconf.study.storage import check_storage, sqlite_path
+    from autoconf.study.storage import check_storage, check_study_name, sqlite_path
     storage = check_storage(storage)
+    check_study_name(args.study_name)
     if args.emit:
         if args.cluster is None and not getattr(args, "profile", None):
             raise UserError("--emit needs --cluster or --profile (the launch files name hosts and devices per host)")

@@ -43,6 +43,7 @@ from autoconf.study.storage import (
     _digest,
     _schema_lock,
     check_storage,
+    check_study_name,
     cost_model_digest,
     default_study_name,
     study_lock,
@@ -372,8 +373,8 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     ``top`` fastest, unless ``exhaustive=False``). ``storage``: an Optuna storage URL to keep the
     trials in (``sqlite:///file.db``, optionally ``?timeout=SECONDS``; resumable), or None (or
     ``sqlite://``, ``sqlite:///:memory:``) to keep them in memory only (:func:`check_storage`).
-    ``study_name`` defaults to one derived from the inputs (see
-    :func:`default_study_name`). ``progress(done, total)`` is called as trials finish, and
+    ``study_name`` (at most 200 printable characters) defaults to one derived from the inputs
+    (see :func:`default_study_name`). ``progress(done, total)`` is called as trials finish, and
     ``phase(name)`` as each phase starts ("brute force", "sampling", "sweep", "earlier trials",
     "placement"). ``framework``: the runtime that will run the plan (a name from
     ``frameworks.FRAMEWORK_NAMES``; default the reference trainer): only what it can run is
@@ -389,6 +390,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     (``config.MOE_DISPATCHERS``, one the framework runs)."""
     t0 = time.perf_counter()
     storage = check_storage(storage)
+    check_study_name(study_name)
     if top < 1:
         raise UserError(f"--top {top}: must be a positive number of configurations")
     ctx = System(model, cluster, profile, calibration, framework=framework, moe_imbalance=moe_imbalance,

@@ -31,6 +31,7 @@ def _digest(d: dict) -> str:
 
 _SQLITE = re.compile(r"sqlite(\+\w+)?://")
 _MEMORY = ("", ":memory:", "file::memory:")
+_NAME_MAX = 200
 
 
 def sqlite_path(storage: str | None) -> str | None:
@@ -74,6 +75,16 @@ def _positive(text: str) -> bool:
         return 0 < float(text) < float("inf")
     except ValueError:
         return False
+
+
+def check_study_name(name: str | None) -> None:
+    """A study name is at most ``_NAME_MAX`` printable characters (no control characters)."""
+    if name is None:
+        return
+    if not name or len(name) > _NAME_MAX or not name.isprintable():
+        shown = repr(name[:40]) + ("..." if len(name) > 40 else "")
+        raise UserError(f"--study-name {shown} ({len(name)} characters): expected 1 to {_NAME_MAX} printable "
+                        "characters (no control characters)")
 
 
 def _lock_file(storage: str) -> tuple[str, str]:

@@ -1,5 +1,5 @@
 """The study's storage: one lock per database file however it is spelled, SQLite URL options honoured
-or refused."""
+or refused, study names bounded."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import optuna
 import pytest
 
 from autoconf.cli import app as cli
+from autoconf.errors import UserError
 from autoconf.specs.cluster import load_cluster
 from autoconf.specs.model import preset
 from autoconf.study.search import search
@@ -123,3 +124,23 @@ def test_the_timeout_option_is_honoured(tmp_path):
     r = search(TINY, CPU, 8, storage=url, study_name="t", trials=5, exhaustive=False)
     assert len(optuna.load_study(study_name="t", storage=url).trials) == r.trials_run > 0
     assert sorted(os.listdir(tmp_path)) == ["s.db", "s.db.lock"]
+
+
+# -- 3. study names ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,needle", [("x" * 100_000, "(100000 characters)"), ("a\nb", "no control characters"),
+                                         ("tab\there", "no control characters"), ("", "expected 1 to 200")])
+def test_a_study_name_is_bounded_and_printable(tmp_path, name, needle):
+    p = _cli(*_search_args(f"sqlite:///{tmp_path}/s.db", "--study-name", name), cwd=tmp_path)
+    _one_line_error(p, "--study-name")
+    assert needle in p.stderr and len(p.stderr) < 400
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(UserError, match="--study-name"):
+        search(TINY, CPU, 8, storage=None, study_name=name)
+
+
+def test_a_study_name_of_200_printable_characters_is_taken(tmp_path):
+    name = "é" + "n" * 199
+    url = f"sqlite:///{tmp_path}/s.db"
+    r = search(TINY, CPU, 8, storage=url, study_name=name, trials=5, exhaustive=False)
+    assert r.study_name == name and optuna.load_study(study_name=name, storage=url).trials

@@ -5,6 +5,7 @@ stored study was made by the same inputs and cost model.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import re
@@ -87,6 +88,21 @@ def check_study_name(name: str | None) -> None:
                         "characters (no control characters)")
 
 
+def storage_failure(e: BaseException) -> str:
+    """Why a storage write or open failed, in a few words: "the disk is full" where that is the
+    cause at the bottom of the SQLAlchemy / Optuna chain, else the innermost error's first line."""
+    chain, cur = [], e
+    while cur is not None and len(chain) < 12:
+        chain.append(cur)
+        cur = getattr(cur, "orig", None) or cur.__cause__ or cur.__context__
+    for c in chain:
+        if (isinstance(c, OSError) and c.errno == errno.ENOSPC) or getattr(c, "sqlite_errorcode", None) == 13 \
+                or "disk is full" in str(c):
+            return "the disk is full"
+    root = chain[-1]
+    return f"{type(root).__name__}: {(str(root).splitlines() or [''])[0][:160]}"
+
+
 def _lock_file(storage: str) -> tuple[str, str]:
     """(the database's resolved path, its lock file): every spelling of a database (a symbolic
     link, a relative path) shares one lock file."""
@@ -94,12 +110,15 @@ def _lock_file(storage: str) -> tuple[str, str]:
     return real, real + ".lock"
 
 
-def _open_lock(storage: str, lock: str) -> tuple[int, tuple]:
-    """(fd, (device, inode) of the lock file). The process keeps
+def _open_lock(storage: str, lock: str) -> tuple[int, tuple, bool]:
+    """(fd, (device, inode) of the lock file, whether this call created it). The process keeps
     every fd it opens on a lock file until its last study there is released: closing one would
     drop all of the process's locks on the file (POSIX record locks belong to the process)."""
     try:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fd, made = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), True
+        except FileExistsError:
+            fd, made = os.open(lock, os.O_RDWR), False
     except OSError as e:
         raise UserError(f"--storage {storage!r}: cannot open the study (cannot create {lock!r}: "
                         f"{e.strerror})") from None
@@ -107,7 +126,7 @@ def _open_lock(storage: str, lock: str) -> tuple[int, tuple]:
     entry = _lock_fds.setdefault((st.st_dev, st.st_ino), {"fds": [], "users": 0})
     entry["fds"].append(fd)
     entry["users"] += 1
-    return fd, (st.st_dev, st.st_ino)
+    return fd, (st.st_dev, st.st_ino), made
 
 
 def _close_lock(key: tuple) -> None:
@@ -132,7 +151,8 @@ def study_lock(storage: str | None, name: str):
     import fcntl
     import hashlib
 
-    fd, key = _open_lock(storage, _lock_file(storage)[1])
+    real, lock = _lock_file(storage)
+    fd, key, made = _open_lock(storage, lock)
     try:
         if (*key, name) in _held_locks:  # this process holds it already
             yield
@@ -143,11 +163,11 @@ def study_lock(storage: str | None, name: str):
         except OSError:
             raise UserError(f"study {name!r} in {storage} is in use by another search; wait for it to finish "
                             "or pass another --study-name") from None
-        _held_locks.add((*key, name))
+        _held_locks[(*key, name)] = {"created": not os.path.exists(real), "lock_made": made}
         try:
             yield
         finally:
-            _held_locks.discard((*key, name))
+            del _held_locks[(*key, name)]
             fcntl.lockf(fd, fcntl.LOCK_UN, 1, offset)
     finally:
         _close_lock(key)
@@ -180,6 +200,28 @@ def _schema_lock(storage: str | None):
         yield
     finally:
         fcntl.lockf(held[0], fcntl.LOCK_UN, 1, 0)
+
+
+def _discard_new_database(storage: str | None) -> None:
+    """Remove what a failed creation of a SQLite study left (the database, its journal, the lock
+    file), only where this run created them and no other process holds a study of the database."""
+    import fcntl
+
+    held = _held_fd(storage)
+    if held is None:
+        return
+    mine = [h for (d, i, _), h in _held_locks.items() if (d, i) == held[1]]
+    if not mine or not all(h["created"] for h in mine):
+        return
+    try:  # the whole file: refused while another process holds any study there
+        fcntl.lockf(held[0], fcntl.LOCK_EX | fcntl.LOCK_NB, 0, 0)
+    except OSError:
+        return
+    real, lock = _lock_file(storage)
+    made = (lock,) if any(h["lock_made"] for h in mine) else ()
+    for path in (real, real + "-journal", real + "-wal", real + "-shm", *made):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def default_study_name(model, world: int, global_batch: int, cluster_name: str, framework: str = "reference",
@@ -234,7 +276,8 @@ def config_digest(c: ParallelConfig) -> str:
     return _digest(c.to_dict())
 
 
-_held_locks: set = set()
-"""(device, inode of the lock file, study name) of each study this process holds"""
+_held_locks: dict = {}
+"""(device, inode of the lock file, study name) -> {"created": the database did not exist when the
+study was taken, "lock_made": this process created the lock file}"""
 _lock_fds: dict = {}
 """(device, inode) of a lock file -> {"fds": this process's fds on it, "users": study_lock calls}"""

@@ -1,10 +1,12 @@
 """The study's storage: one lock per database file however it is spelled, SQLite URL options honoured
-or refused, study names bounded."""
+or refused, study names bounded, a full disk (a real tmpfs) as one line with nothing finished lost."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -144,3 +146,105 @@ def test_a_study_name_of_200_printable_characters_is_taken(tmp_path):
     url = f"sqlite:///{tmp_path}/s.db"
     r = search(TINY, CPU, 8, storage=url, study_name=name, trials=5, exhaustive=False)
     assert r.study_name == name and optuna.load_study(study_name=name, storage=url).trials
+
+
+# -- 4. a full disk (a real tmpfs) ---------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``mount(kib)``: a directory on a tmpfs of that size, unmounted after the test (mounting needs
+    root; the test is skipped where it cannot mount)."""
+    mounted = []
+
+    def mount(kib: int):
+        d = tmp_path / f"disk{len(mounted)}"
+        d.mkdir()
+        if shutil.which("mount") is None:
+            pytest.skip("no mount command: the full-disk tests mount a small tmpfs")
+        p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(d)], capture_output=True,
+                           text=True)
+        if p.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({p.stderr.strip()}): the full-disk tests need root")
+        mounted.append(d)
+        return d
+
+    try:
+        yield mount
+    finally:
+        for d in mounted:  # lazily: a database this process opened may still be open
+            subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def _fill(d, leave: int = 0) -> None:
+    """Fill the file system of ``d`` but ``leave`` bytes, with the file ``d/fill``."""
+    st = os.statvfs(d)
+    room = st.f_bavail * st.f_frsize - leave
+    fd = os.open(d / "fill", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        while room > 0:
+            try:
+                room -= os.write(fd, b"\0" * min(room, 1 << 16))
+            except OSError as e:
+                assert e.errno == errno.ENOSPC
+                break
+    finally:
+        os.close(fd)
+
+
+def test_a_new_study_on_a_full_disk_is_one_line_and_leaves_nothing(small_disk):
+    d = small_disk(256)
+    _fill(d)
+    p = _cli(*_search_args("sqlite:///s.db"), cwd=d)
+    _one_line_error(p, "cannot open the study (the disk is full)")
+    assert os.listdir(d) == ["fill"]  # no empty database, no lock file
+
+
+def test_a_full_disk_leaves_a_database_this_run_did_not_create(small_disk):
+    d = small_disk(1024)
+    url = "sqlite:///s.db"
+    assert _cli(*_search_args(url, "--study-name", "a", "--trials", "5", "--sample-only"), cwd=d).returncode == 0
+    _fill(d)
+    p = _cli(*_search_args(url, "--study-name", "b"), cwd=d)
+    _one_line_error(p, "(the disk is full)")
+    assert sorted(os.listdir(d)) == ["fill", "s.db", "s.db.lock"]
+    assert len(optuna.load_study(study_name="a", storage=f"sqlite:///{d}/s.db").trials) == 5
+
+
+def _half_stored(d) -> str:
+    """A study of 5 sampled trials in ``d/s.db``, then the disk filled but 12 KiB: a search of the
+    remaining points (34 in all) fills it mid-search."""
+    url = f"sqlite:///{d}/s.db"
+    search(TINY, CPU, 8, storage=url, study_name="s", trials=5, exhaustive=False)
+    _fill(d, leave=12 * 1024)
+    return url
+
+
+def test_a_disk_that_fills_mid_search_keeps_every_finished_trial(small_disk):
+    d = small_disk(1024)
+    url = _half_stored(d)
+    with pytest.raises(UserError) as e:
+        search(TINY, CPU, 8, storage=url, study_name="s", trials=400)
+    msg = str(e.value)
+    assert "(the disk is full)" in msg and len(msg.splitlines()) == 1 and "stay in it" in msg
+    # the whole result, in memory: the same as a search that stores nothing
+    straight = search(TINY, CPU, 8, storage=None, trials=400)
+    assert [x.config for x in e.value.result.top] == [x.config for x in straight.top]
+    # what was written stays: the 5 earlier trials and those this run wrote before the disk filled
+    written = int(msg.split("cannot write to study 's' (the disk is full); the ")[1].split()[0])
+    stored = optuna.load_study(study_name="s", storage=url).trials
+    assert len(stored) == 5 + written
+    # with room again, the same search resumes: nothing stored twice, the same answer
+    os.unlink(d / "fill")
+    again = search(TINY, CPU, 8, storage=url, study_name="s", trials=400)
+    keys = [tuple(sorted(t.params.items())) for t in optuna.load_study(study_name="s", storage=url).trials]
+    assert len(keys) == len(set(keys)) == again.trials_total
+    assert again.earlier_trials == 5 + written and again.top[0].config == straight.top[0].config
+
+
+def test_the_cli_prints_the_result_of_a_search_whose_disk_filled(small_disk):
+    d = small_disk(1024)
+    _half_stored(d)
+    p = _cli(*_search_args("sqlite:///s.db", "--study-name", "s", "--json", "--no-place"), cwd=d)
+    _one_line_error(p, "(the disk is full)")
+    doc = json.loads(p.stdout)
+    assert doc["best"] and doc["top"] and doc["trials_total"] == 34

@@ -102,7 +102,8 @@ def cmd_search(args) -> int:
     best, failed = result.top[0], [stored_why]
     if args.verify > 0:
         with Bars(wanted(args.quiet)) as bars:
-            verified, cal_report = verify.run_verification(args, model, cluster, profile, result, devices, bars)
+            verified, cal_report, why = verify.run_verification(args, model, cluster, profile, result, devices, bars)
+        failed.append(why)
         doc["verified"] = verified
         if cal_report is not None:
             doc["calibration"] = cal_report

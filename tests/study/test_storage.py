@@ -1,5 +1,6 @@
 """The study's storage: one lock per database file however it is spelled, SQLite URL options honoured
-or refused, study names bounded, a full disk (a real tmpfs) as one line with nothing finished lost."""
+or refused, study names bounded, a full disk (a real tmpfs) as one line with nothing finished lost,
+and verifying trials kept before the calibration file is tried."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from autoconf.cli import app as cli
 from autoconf.errors import UserError
+from autoconf.runs.trial import TrialResult
 from autoconf.specs.cluster import load_cluster
 from autoconf.specs.model import preset
 from autoconf.study.search import search
@@ -248,3 +250,75 @@ def test_the_cli_prints_the_result_of_a_search_whose_disk_filled(small_disk):
     _one_line_error(p, "(the disk is full)")
     doc = json.loads(p.stdout)
     assert doc["best"] and doc["top"] and doc["trials_total"] == 34
+
+
+# -- 5. verifying trials are kept before the calibration file is tried ---------------------------
+
+@pytest.fixture
+def fake_trials(monkeypatch):
+    """run_trial replaced by a stand-in: each call runs ``hooks`` (what happens meanwhile), then
+    returns (ok, step time, peak bytes) from ``runs``, in order."""
+    runs, hooks = [], []
+
+    def fake(plan, steps=6, warmup=2, timeout_s=300.0, **kw):
+        for hook in hooks:
+            hook()
+        ok, t, peak = runs.pop(0)
+        return TrialResult(ok=ok, reason="" if ok else "rank 1: killed by SIGKILL", step_time_s=t,
+                           peak_memory_bytes=peak, config=plan.config.to_dict())
+    monkeypatch.setattr("autoconf.runs.trial.run_trial", fake)
+    monkeypatch.setattr("autoconf.runs.trial.local_device_kind", lambda: "cpu")
+    return runs, hooks
+
+
+def _verify_args(storage, cal, *extra):
+    return _search_args(storage, "--verify", "2", "--calibrate", str(cal), "--json", *extra)
+
+
+def test_a_calibration_that_cannot_be_written_keeps_the_measurements_beside_it(tmp_path, fake_trials, capsys):
+    runs, hooks = fake_trials
+    runs += [(True, 0.011, 2**20), (True, 0.013, 2**20)]
+    cal = tmp_path / "cal.json"
+    hooks.append(lambda: cal.mkdir(exist_ok=True))  # meanwhile the calibration's name became a directory
+    assert cli.main(_verify_args("none", cal)) == 2
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and f"--calibrate {str(cal)!r}: cannot write" in err
+    fallback = f"{cal}.trials.json"
+    assert f"the 2 measured trial(s) are kept in {fallback!r}" in err
+    kept = json.loads(open(fallback).read())["verified"]
+    assert [v["trial"]["step_time_s"] for v in kept] == [0.011, 0.013]
+    doc = json.loads(out)  # and the result is printed, the measurements with it
+    assert [v["trial"]["step_time_s"] for v in doc["verified"]] == [0.011, 0.013] and "calibration" not in doc
+
+
+def test_with_a_study_the_measurements_are_in_it_before_the_calibration(tmp_path, fake_trials, capsys):
+    runs, hooks = fake_trials
+    runs += [(True, 0.011, 2**20), (True, 0.013, 2**20)]
+    cal, url = tmp_path / "cal.json", f"sqlite:///{tmp_path}/s.db"
+    hooks.append(lambda: cal.mkdir(exist_ok=True))
+    assert cli.main(_verify_args(url, cal, "--study-name", "v")) == 2
+    err = capsys.readouterr().err
+    assert "kept in study 'v'" in err and not os.path.exists(f"{cal}.trials.json")
+    measured = [t for t in optuna.load_study(study_name="v", storage=url).trials if t.user_attrs.get("verified")]
+    assert sorted(t.user_attrs["measured_step_time_s"] for t in measured) == [0.011, 0.013]
+
+
+def test_a_written_calibration_leaves_no_fallback_file(tmp_path, fake_trials, capsys):
+    runs, _ = fake_trials
+    runs += [(True, 0.011, 2**20), (True, 0.013, 2**20)]
+    cal = tmp_path / "cal.json"
+    assert cli.main(_verify_args("none", cal)) == 0
+    assert json.loads(capsys.readouterr().out)["calibration"] and os.listdir(tmp_path) == ["cal.json"]
+
+
+def test_a_full_disk_at_calibration_keeps_the_measurements_in_the_output(small_disk, fake_trials, capsys):
+    d = small_disk(256)
+    runs, hooks = fake_trials
+    runs += [(True, 0.011, 2**20), (True, 0.013, 2**20)]
+    hooks.append(lambda: os.path.exists(d / "fill") or _fill(d))  # the disk fills while the trials run
+    assert cli.main(_verify_args("none", d / "cal.json")) == 2
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1
+    assert "cannot write (No space left on device)" in err and "kept in the output above" in err
+    assert [v["trial"]["step_time_s"] for v in json.loads(out)["verified"]] == [0.011, 0.013]
+    assert os.listdir(d) == ["fill"]  # no temp file left

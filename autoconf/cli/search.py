@@ -10,10 +10,13 @@ from autoconf.cli.common import _PHASES, _load_inputs, _print_json
 from autoconf.errors import UserError
 
 
-def _preflight(args, storage) -> None:
-    """Every output path is checked before any work: one line now, not after the trials ran."""
+def _preflight(args, storage) -> str | None:
+    """Every output path is checked before any work: one line now, not after the trials ran.
+    Returns the storage the search writes to (None: in memory)."""
     from autoconf.files import check_dir, check_file
-    from autoconf.study.storage import sqlite_path
+    from autoconf.study.storage import check_storage, check_study_name, sqlite_path
+    storage = check_storage(storage)
+    check_study_name(args.study_name)
     if args.emit:
         if args.cluster is None and not getattr(args, "profile", None):
             raise UserError("--emit needs --cluster or --profile (the launch files name hosts and devices per host)")
@@ -33,13 +36,39 @@ def _preflight(args, storage) -> None:
             check_file(db, "--storage")
         except UserError as e:
             raise UserError(f"{e} (cannot open the study)") from None
+    return storage
+
+
+def _search(args, model, cluster, profile, calibration, storage):
+    """(the search's result, why its storage failed or None): a storage that fails mid-search (a
+    full disk) keeps what it took, and the search's result is still printed, then the reason."""
+    from autoconf.output.progress import Bars, wanted
+    from autoconf.study.search import search
+    with Bars(wanted(args.quiet), transient=True) as bars:
+        task = bars.task("search")
+        try:
+            return search(model, cluster, args.global_batch, gpus=args.gpus, top=max(args.top, args.verify),
+                          trials=args.trials, exhaustive=not args.sample_only, storage=storage,
+                          study_name=args.study_name, profile=profile, calibration=calibration,
+                          max_micro_batch=args.max_micro_batch, framework=args.framework, place=not args.no_place,
+                          max_cp=args.max_cp, precision=args.precision, fp8_recipe=args.fp8_recipe,
+                          moe_imbalance=args.moe_imbalance, moe_dispatcher=args.moe_dispatcher,
+                          allow_compression=args.allow_compression,
+                          pp_compression_rank=args.pp_compression_rank or 16,
+                          dp_compression_rank=args.dp_compression_rank or 128,
+                          progress=lambda done, total: bars.update(task, completed=done, total=total),
+                          phase=lambda name: bars.update(task, completed=0,
+                                                         description=_PHASES.get(name, name))), None
+        except UserError as e:
+            if getattr(e, "result", None) is None:
+                raise
+            return e.result, str(e)
 
 
 def cmd_search(args) -> int:
     from autoconf.cli import verify as verify_args
     from autoconf.output.progress import Bars, wanted
     from autoconf.runs import verify
-    from autoconf.study.search import search
     model, cluster, profile, calibration = _load_inputs(args)
     storage = None if args.storage.lower() in ("none", "memory", "") else args.storage
     verify_args.check_arguments(args)
@@ -53,45 +82,38 @@ def cmd_search(args) -> int:
     if args.emit:
         from autoconf.launch.emit import check_script
         check_script(args.script, args.script_args)
-    _preflight(args, storage)
+    storage = _preflight(args, storage)
     devices = verify_args.verify_devices(args, cluster) if args.verify > 0 else None
-    with Bars(wanted(args.quiet), transient=True) as bars:
-        task = bars.task("search")
-        result = search(model, cluster, args.global_batch, gpus=args.gpus, top=max(args.top, args.verify),
-                        trials=args.trials, exhaustive=not args.sample_only, storage=storage,
-                        study_name=args.study_name, profile=profile, calibration=calibration,
-                        max_micro_batch=args.max_micro_batch, framework=args.framework, place=not args.no_place,
-                        max_cp=args.max_cp, precision=args.precision, fp8_recipe=args.fp8_recipe,
-                        moe_imbalance=args.moe_imbalance, moe_dispatcher=args.moe_dispatcher,
-                        allow_compression=args.allow_compression,
-                        pp_compression_rank=args.pp_compression_rank or 16,
-                        dp_compression_rank=args.dp_compression_rank or 128,
-                        progress=lambda done, total: bars.update(task, completed=done, total=total),
-                        phase=lambda name: bars.update(task, completed=0, description=_PHASES.get(name, name)))
+    result, stored_why = _search(args, model, cluster, profile, calibration, storage)
     if not result.top:
         e = result.smallest_memory
         need = f"; the least memory-hungry configuration ({e.config.short()}) needs {e.peak_memory_bytes / 2**30:.2f} GiB per device" if e else ""
-        raise UserError(f"no configuration of {model.name} fits in the devices' memory{need}")
+        raise UserError(f"no configuration of {model.name} fits in the devices' memory{need}"
+                        + (f"; {stored_why}" if stored_why else ""))
     if cluster is not None and profile is not None:
         from autoconf.specs.measured_graph import overlay_measured_links
         pairs = overlay_measured_links(cluster.graph(), profile)[1]
         result = dataclasses.replace(result, notes=result.notes + (
             f"links: {pairs} device pair(s) measured by the profile replace the cluster file's declared "
             "figures; the rest are as declared",))
+    from autoconf.files import fail_after, side_output
     doc = result.to_dict()
     verified = cal_report = None
-    best = result.top[0]
+    best, failed = result.top[0], [stored_why]
     if args.verify > 0:
         with Bars(wanted(args.quiet)) as bars:
-            verified, cal_report = verify.run_verification(args, model, cluster, profile, result, devices, bars)
+            verified, cal_report, why = verify.run_verification(args, model, cluster, profile, result, devices, bars)
+        failed.append(why)
         doc["verified"] = verified
         if cal_report is not None:
             doc["calibration"] = cal_report
         best, why = verify.pick(result, verified)
         if best is None:
-            sys.stderr.write(f"autoconf: {why}\n")
             if args.json:
                 _print_json(doc)
+            if any(failed):  # one line: what could not be kept, then why nothing was picked
+                fail_after(failed + [why])
+            sys.stderr.write(f"autoconf: {why}\n")
             return 1
     doc["top"] = doc["top"][:args.top]
     doc["best"] = best.to_dict()
@@ -100,8 +122,6 @@ def cmd_search(args) -> int:
         doc["near_ties"] = near_ties(result.top[:args.top])
     # the launch files and plots are written beside the result: where one cannot be, the result is
     # still printed, then the reason (exit 2)
-    from autoconf.files import fail_after, side_output
-    failed = []
     if args.emit:
         from autoconf.launch.emit import DEFAULT_PORT, emit
         if cluster is None:  # the hosts and devices the profile measured

@@ -11,8 +11,10 @@ No torch here: the trials run under torchrun (``trial.verify``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 
 from autoconf.errors import UserError
 from autoconf.runs import trial
@@ -51,13 +53,17 @@ def capacity_refusal(estimate, result, margin: float) -> str | None:
             f"{capacity / 2**20:.1f} MiB" + (f" minus a {margin:.0%} margin)" if margin else ")"))
 
 
-def run_verification(args, model, cluster, profile, result, devices=None, bars=None) -> tuple[list[dict], dict | None]:
+def run_verification(args, model, cluster, profile, result, devices=None, bars=None) \
+        -> tuple[list[dict], dict | None, str | None]:
     """Run the top ``args.verify`` as real trials, recording each in the study as soon as it
     finishes (an interrupt keeps the finished ones and says so); refuse those measured above the
     device memory; with ``args.calibrate``, fit and save a calibration and report the prediction
-    error before and after. ``bars``: a ``progress.Bars`` (one step per trial)."""
+    error before and after. ``bars``: a ``progress.Bars`` (one step per trial). Returns (the
+    verifying trials, the calibration report or None, why a measurement or the calibration was not
+    written, one line, or None): the caller prints the trials, then fails with the reason."""
     cands = list(result.top[:args.verify])
     out: list = []
+    unrecorded: list = []  # why the study stopped taking the measurements
     task = bars.task(f"verifying trial 1/{len(cands)}", len(cands)) if bars is not None else None
 
     def started(i, config):
@@ -71,8 +77,8 @@ def run_verification(args, model, cluster, profile, result, devices=None, bars=N
              "speed_vs_profile": trial.speed_vs_profile(t, profile, model) if t.ok else None,
              "refused": capacity_refusal(e, t, args.memory_margin)}
         out.append(v)
-        if result.storage:
-            record_verified(result, [v])
+        if result.storage and not unrecorded:
+            unrecorded.extend(_record(result, v))
         if bars is not None:
             bars.advance(task)
 
@@ -80,23 +86,68 @@ def run_verification(args, model, cluster, profile, result, devices=None, bars=N
         trials = trial.verify([e.config for e in cands], model, cluster, steps=args.steps, timeout_s=args.trial_timeout,
                               speed_probe=profile is not None, on_result=finished, progress=started)
     except KeyboardInterrupt as e:
-        if result.storage:
-            e.autoconf_kept = (f"the search's trials and {len(out)} finished verifying trial(s) are kept in "
-                               f"study {result.study_name!r} in {result.storage}")
+        where = _keep(args, result, out, unrecorded)
+        if where:
+            e.autoconf_kept = f"the search's trials and {len(out)} finished verifying trial(s) are kept in {where}"
         raise
-    report = None
-    if args.calibrate:
-        from autoconf.cost.calibration import calibration_report, fit_calibration, save_calibration
-        pairs = [(e, t) for e, t in zip(cands, trials) if t.ok]
-        if not pairs:
-            raise UserError("--calibrate: no verifying trial succeeded, nothing to fit")
-        calibration = dataclasses.replace(fit_calibration(pairs), devices=tuple(devices) if devices else None)
-        try:
-            save_calibration(calibration, args.calibrate)
-        except OSError as e:
-            raise UserError(f"--calibrate {args.calibrate!r}: cannot write ({e.strerror})") from None
-        report = calibration_report(pairs, calibration)
-    return out, report
+    where = _keep(args, result, out, unrecorded)  # with --calibrate: before the calibration file is tried
+    report, why = _calibrate(args, cands, trials, devices) if args.calibrate else (None, None)
+    if unrecorded:
+        why = "; ".join(filter(None, [why, f"cannot record the verifying trials in study {result.study_name!r} "
+                                           f"({unrecorded[0]})"]))
+    if why:
+        return out, report, f"{why}; the {len(out)} measured trial(s) are kept in {where or 'the output above'}"
+    if args.calibrate and not result.storage and where is not None:  # saved: the fallback is not needed
+        with contextlib.suppress(OSError):
+            os.unlink(_fallback(args))
+    return out, report, None
+
+
+def _fallback(args) -> str:
+    """The file the measurements go to where the study does not take them: beside the calibration."""
+    return args.calibrate + ".trials.json"
+
+
+def _record(result, v: dict) -> list[str]:
+    """Record one verifying trial in the study: [] where it was, else [why not] (a full disk, the
+    study taken by another search since)."""
+    from autoconf.study.storage import storage_failure
+    try:
+        record_verified(result, [v])
+    except UserError as e:
+        return [str(e)]
+    except Exception as e:  # the storage's own error: its cause in a few words
+        return [storage_failure(e)]
+    return []
+
+
+def _keep(args, result, out: list, unrecorded: list) -> str | None:
+    """Where the measured trials are kept: the study, else (with ``--calibrate FILE``) FILE.trials.json,
+    written now; None where neither holds them."""
+    if result.storage and not unrecorded:
+        return f"study {result.study_name!r} in {result.storage}"
+    if not args.calibrate or not out:
+        return None
+    from autoconf.files import write_text
+    try:
+        write_text(_fallback(args), json.dumps({"verified": out}, indent=1))
+    except OSError:
+        return None
+    return repr(_fallback(args))
+
+
+def _calibrate(args, cands, trials, devices) -> tuple[dict | None, str | None]:
+    """Fit the calibration to the trials that ran and save it: (its report, None), or (None, why not)."""
+    from autoconf.cost.calibration import calibration_report, fit_calibration, save_calibration
+    pairs = [(e, t) for e, t in zip(cands, trials) if t.ok]
+    if not pairs:
+        return None, "--calibrate: no verifying trial succeeded, nothing to fit"
+    calibration = dataclasses.replace(fit_calibration(pairs), devices=tuple(devices) if devices else None)
+    try:
+        save_calibration(calibration, args.calibrate)
+    except OSError as e:
+        return None, f"--calibrate {args.calibrate!r}: cannot write ({e.strerror or e})"
+    return calibration_report(pairs, calibration), None
 
 
 def pick(result, verified: list[dict]):

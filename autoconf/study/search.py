@@ -28,6 +28,7 @@ asking for more evaluates those points again."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from autoconf.cost.system import System
@@ -38,14 +39,36 @@ from autoconf.study.choices import compression_savings, count_space, dp_hierarch
 from autoconf.study.evaluator import Evaluator, _bound_s, _Repair
 from autoconf.study.placer import Placer
 from autoconf.study.result import SearchResult, _pipeline_label
-from autoconf.study.storage import _difference, _digest, _schema_lock, cost_model_digest, default_study_name, study_lock
+from autoconf.study.storage import (
+    _difference,
+    _digest,
+    _discard_new_database,
+    _schema_lock,
+    check_storage,
+    check_study_name,
+    cost_model_digest,
+    default_study_name,
+    storage_failure,
+    study_lock,
+)
 
 PARAMS = ("tp", "pp", "dp", "micro_batch_size", "pipeline", "cp")
 
 
-
-
-
+def _write(study) -> None:
+    """Write a ``_Study``'s pending trials, then its attributes where they changed; one trial at a
+    time, each whole (an interrupt lands between two), each popped once written."""
+    while study.pending:
+        with deferred_signals():
+            study.persistent.add_trial(study.pending[0])
+            study.pending.pop(0)
+            study.written += 1
+    state = study._attrs()
+    if state != study._attrs_written:
+        with deferred_signals():
+            for name, value in zip(("swept_nofit", "swept_dominated", "top_times"), state):
+                study.persistent.set_user_attr(name, value)
+            study._attrs_written = state
 
 
 class _Study:
@@ -96,6 +119,8 @@ class _Study:
         self.resumed = False
         """Whether the study existed before this run (made by an earlier search with the same inputs)."""
         optuna.logging.set_verbosity(optuna.logging.WARNING)
+        self.where, self.failure = (storage, name), None
+        """(storage, study name); why the storage stopped taking trials (None while it takes them)"""
         self.persistent = self._open(storage, name, signature) if storage else None
         self.seed, self.budget = seed, budget
         self.memory = None
@@ -124,15 +149,10 @@ class _Study:
         """Open (or create) the study; refuse one made for another search. ``signature`` holds
         everything the stored values depend on: model, cluster, profile, calibration, batch,
         devices and the space's bounds."""
-        optuna = self.optuna
         try:
             with _schema_lock(storage):
-                study = optuna.create_study(storage=storage, study_name=name, direction="minimize",
-                                            load_if_exists=True)
-        except Exception as e:  # a bad URL or an unwritable file: say so in one line
-            raise UserError(f"--storage {storage!r}: cannot open the study "
-                            f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
-        try:
+                study = self.optuna.create_study(storage=storage, study_name=name, direction="minimize",
+                                                 load_if_exists=True)
             return self._load(study, storage, name, signature)
         except UserError:
             raise
@@ -140,6 +160,9 @@ class _Study:
             why = (str(e).splitlines() or [""])[0][:120]
             raise UserError(f"study {name!r} in {storage} is unreadable ({type(e).__name__}: {why}); "
                             "pass another --study-name or --storage") from None
+        except Exception as e:  # a bad URL, an unwritable file, a full disk: one line, nothing left behind
+            _discard_new_database(storage)
+            raise UserError(f"--storage {storage!r}: cannot open the study ({storage_failure(e)})") from None
 
     def _load(self, study, storage, name, signature: dict):
         """What the study's stored trials and attributes tell this search (``_open``)."""
@@ -250,23 +273,15 @@ class _Study:
         """Write pending trials to the storage (at most every ``every_s`` seconds)."""
         if time.perf_counter() - self.last_flush < every_s:
             return
-        if self.persistent is None:
-            self.pending.clear()
-        while self.pending:  # one at a time, each write whole: an interrupt lands between two
-            with deferred_signals():
-                try:
-                    self.persistent.add_trial(self.pending[0])
-                except Exception as e:  # the storage went away or disagrees: one line, trials kept so far
-                    raise UserError(f"cannot write trials to the study ({type(e).__name__}: "
-                                    f"{str(e).splitlines()[0]})") from None
-                self.pending.pop(0)
-                self.written += 1
-        state = self._attrs() if self.persistent is not None else None
-        if state is not None and state != self._attrs_written:
-            with deferred_signals():
-                for name, value in zip(("swept_nofit", "swept_dominated", "top_times"), state):
-                    self.persistent.set_user_attr(name, value)
-                self._attrs_written = state
+        if self.persistent is not None:
+            try:
+                _write(self)
+            except Exception as e:  # a full disk, a storage gone: stop writing, the search goes on in memory
+                self.failure = (f"--storage {self.where[0]!r}: cannot write to study {self.where[1]!r} "
+                                f"({storage_failure(e)}); the {self.written} trials of this run written before "
+                                "stay in it, the rest of the search ran in memory")
+                self.persistent = None
+        self.pending.clear()
         self.last_flush = time.perf_counter()
 
     def brute_force(self, todo, progress) -> None:
@@ -362,9 +377,11 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
            moe_dispatcher: str = "alltoall") -> SearchResult:
     """Search the space for the ``top`` fastest configurations that fit (exactly the model's
     ``top`` fastest, unless ``exhaustive=False``). ``storage``: an Optuna storage URL to keep the
-    trials in (``sqlite:///file.db``; resumable), or None to keep them in memory only (no file
-    is written). ``study_name`` defaults to one derived from the inputs (see
-    :func:`default_study_name`). ``progress(done, total)`` is called as trials finish, and
+    trials in (``sqlite:///file.db``, optionally ``?timeout=SECONDS``; resumable), or None (or
+    ``sqlite://``, ``sqlite:///:memory:``) to keep them in memory only (:func:`check_storage`);
+    where it fails mid-search (a full disk) the search finishes in memory and raises a UserError
+    whose ``result`` is the whole result. ``study_name`` (at most 200 printable characters)
+    defaults to one derived from the inputs (see :func:`default_study_name`). ``progress(done, total)`` is called as trials finish, and
     ``phase(name)`` as each phase starts ("brute force", "sampling", "sweep", "earlier trials",
     "placement"). ``framework``: the runtime that will run the plan (a name from
     ``frameworks.FRAMEWORK_NAMES``; default the reference trainer): only what it can run is
@@ -379,6 +396,8 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     ``moe_dispatcher``: the token dispatcher of a mixture of experts' configurations
     (``config.MOE_DISPATCHERS``, one the framework runs)."""
     t0 = time.perf_counter()
+    storage = check_storage(storage)
+    check_study_name(study_name)
     if top < 1:
         raise UserError(f"--top {top}: must be a positive number of configurations")
     ctx = System(model, cluster, profile, calibration, framework=framework, moe_imbalance=moe_imbalance,
@@ -417,21 +436,15 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     signature = {"model": model.to_dict(), "global_batch": global_batch, "devices": world,
                  "framework": ctx.framework.name, "cost_model": cost_model_digest(),
                  "max_micro_batch": max_micro_batch,
-                 "cluster": _digest(cluster.to_dict()) if cluster is not None else None,
-                 "profile": _digest(profile.to_dict()) if profile is not None else None,
-                 "calibration": _digest(calibration.to_dict()) if calibration is not None else None}
-    if place:  # the stored step times are those of the placed configurations
-        signature["placement"] = "searched"
-    if cps != (1,):  # (absent when the space has neither, so earlier studies keep their names)
-        signature["cp"] = list(cps)
-    if precisions != (("bf16", "tensorwise"),):
-        signature["precisions"] = [list(p) for p in precisions]
-    if moe_imbalance != 1.0:
-        signature["moe_imbalance"] = moe_imbalance
-    if moe_dispatcher != "alltoall":
-        signature["moe_dispatcher"] = moe_dispatcher
-    if compression is not None:
-        signature["compression"] = list(compression)
+                 **{k: _digest(v.to_dict()) if v is not None else None
+                    for k, v in (("cluster", cluster), ("profile", profile), ("calibration", calibration))}}
+    # (each absent at its default, so earlier studies keep their names; placed: the stored step
+    # times are those of the placed configurations)
+    signature.update({k: v for k, v, default in (
+        ("placement", "searched" if place else None, None), ("cp", list(cps), [1]),
+        ("precisions", [list(p) for p in precisions], [["bf16", "tensorwise"]]),
+        ("moe_imbalance", moe_imbalance, 1.0), ("moe_dispatcher", moe_dispatcher, "alltoall"),
+        ("compression", list(compression) if compression is not None else None, None)) if v != default})
     name = study_name or default_study_name(model, world, global_batch,
                                             cluster.name if cluster is not None else "profile",
                                             ctx.framework.name, signature)
@@ -511,19 +524,29 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                      "numerics of training (low-rank pipeline gradients, PowerSGD with error feedback); "
                      "check the loss before a long run")
         notes.extend(compression_savings(fitting[:top], ctx))
-    return SearchResult(top=tuple(fitting[:top]), rejected=rejected, space_size=total, valid=valid,
-                        outer_points=len(points), trials_run=study.stored,
-                        trials_total=len(study.earlier) + study.stored, estimates=evaluate.estimates,
-                        sampler=sampler_name, study_name=name, storage=storage,
-                        elapsed_s=time.perf_counter() - t0,
-                        smallest_memory=evaluate.smallest if not fitting else None, notes=tuple(notes),
-                        placement=placement, placement_s=t_place if placement else 0.0,
-                        evaluated=tuple(evaluate.points) + tuple(
-                            (ParallelConfig.from_dict(t.user_attrs["config"]), t.user_attrs["step_time_s"],
-                             t.user_attrs["peak_memory_gib"] * 2**30, t.user_attrs["fits"])
-                            for t in study.earlier.values()
-                            if {"config", "step_time_s", "peak_memory_gib", "fits"} <= t.user_attrs.keys()),
-                        resumed=study.resumed, earlier_trials=len(study.earlier))
+    result = SearchResult(top=tuple(fitting[:top]), rejected=rejected, space_size=total, valid=valid,
+                          outer_points=len(points), trials_run=study.stored,
+                          trials_total=len(study.earlier) + study.stored, estimates=evaluate.estimates,
+                          sampler=sampler_name, study_name=name, storage=storage,
+                          elapsed_s=time.perf_counter() - t0,
+                          smallest_memory=evaluate.smallest if not fitting else None, notes=tuple(notes),
+                          placement=placement, placement_s=t_place if placement else 0.0,
+                          evaluated=tuple(evaluate.points) + tuple(
+                              (ParallelConfig.from_dict(t.user_attrs["config"]), t.user_attrs["step_time_s"],
+                               t.user_attrs["peak_memory_gib"] * 2**30, t.user_attrs["fits"])
+                              for t in study.earlier.values()
+                              if {"config", "step_time_s", "peak_memory_gib", "fits"} <= t.user_attrs.keys()),
+                          resumed=study.resumed, earlier_trials=len(study.earlier))
+    if study.failure is not None:  # the storage failed mid-search: the whole result rides on the error
+        raise _with_result(UserError(study.failure), result)
+    return result
+
+
+def _with_result(e: UserError, result: SearchResult) -> UserError:
+    """``e`` carrying the in-memory ``result`` (``e.result``, its storage None: the study holds only
+    part of it) so that a caller prints it before the error."""
+    e.result = dataclasses.replace(result, storage=None)
+    return e
 
 
 def _nth_best(n: int) -> str:

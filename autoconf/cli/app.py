@@ -63,6 +63,11 @@ def _add_target(p, cluster_required: bool = False):
                         "pair) or deepep (DeepEP: once per host over the NICs, once per GPU over NVLink; Megatron's "
                         "flex dispatcher, torchtitan 0.3) (default: alltoall)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--allow-other-devices", action="store_true",
+                   help="with --profile and --cluster: accept a profile measured on a device kind the cluster "
+                   "lacks (refused by default, as `plan` refuses it): its measured links then replace the "
+                   "cluster's between the devices it measured (a CPU profile's loopback for NVLink) and its "
+                   "compute prices none of them")
 
 
 def _add_plot(p, what: str):
@@ -73,11 +78,6 @@ def _add_plot(p, what: str):
 def _add_estimate_views(p):
     p.add_argument("--wide", action="store_true",
                    help="every memory term and the formula of each time term (needs more than 80 columns)")
-    p.add_argument("--allow-other-devices", action="store_true",
-                   help="with --profile and --cluster: accept a profile measured on a device kind the cluster "
-                   "lacks (refused by default, as `plan` refuses it): its measured links then replace the "
-                   "cluster's between the devices it measured (a CPU profile's loopback for NVLink) and its "
-                   "compute prices none of them")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop after the sampled trials (no exhaustive sweep)")
     p.add_argument("--storage", default="sqlite:///autoconf-study.db",
                    help="Optuna storage URL where the trials are kept, so the same command resumes (default: "
-                   "sqlite:///autoconf-study.db); 'none' keeps them in memory only")
+                   "sqlite:///autoconf-study.db); 'none', `sqlite://` or `sqlite:///:memory:` keep them in memory only; "
+                   "the one URL option is ?timeout=SECONDS")
     p.add_argument("--study-name", help="resume or share a study by name (default: one named after the inputs, "
                    "with a fingerprint of them: the same inputs resume it, changed ones start a new study)")
     p.add_argument("--max-micro-batch", type=positive_int, default=64)

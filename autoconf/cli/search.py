@@ -8,6 +8,7 @@ import sys
 
 from autoconf.cli.common import _PHASES, _load_inputs, _print_json
 from autoconf.errors import UserError
+from autoconf.specs.profile import check_profile_devices
 
 
 def _preflight(args, storage) -> str | None:
@@ -70,6 +71,8 @@ def cmd_search(args) -> int:
     from autoconf.output.progress import Bars, wanted
     from autoconf.runs import verify
     model, cluster, profile, calibration = _load_inputs(args)
+    if cluster is not None and profile is not None and not args.allow_other_devices:
+        check_profile_devices(profile, cluster.device_kinds(), allow="--allow-other-devices")
     storage = None if args.storage.lower() in ("none", "memory", "") else args.storage
     verify_args.check_arguments(args)
     if not args.allow_compression and (args.pp_compression_rank or args.dp_compression_rank):

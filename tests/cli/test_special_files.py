@@ -350,6 +350,16 @@ def test_estimate_refuses_a_profile_of_other_devices_with_plans_message(tmp_path
     assert same.returncode == 0, same.stderr[-2000:]
 
 
+def test_search_refuses_a_profile_of_other_devices_with_the_same_message(tmp_path):
+    base = ["--model", H256, "--profile", CPU_PROFILE, "--cluster", A100, "--global-batch", "8"]
+    est = _refused(_cli("estimate", *base, "--dp", "2", cwd=tmp_path))
+    found = _refused(_cli("search", *base, "--storage", "none", "--quiet", cwd=tmp_path))
+    assert found == est, (found, est)
+    ok = _cli("search", *base, "--storage", "none", "--quiet", "--json", "--allow-other-devices", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert json.loads(ok.stdout)["best"]
+
+
 def test_a_profile_of_another_shape_with_the_same_name_says_what_differs():
     import dataclasses
     profile = load_profile(CPU_PROFILE)

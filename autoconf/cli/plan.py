@@ -8,7 +8,7 @@ import math
 from autoconf.errors import UserError
 from autoconf.output.plots import write_plots
 from autoconf.space.config import MOE_DISPATCHERS
-from autoconf.timetotrain.budget import float_list, parse_count, parse_duration
+from autoconf.specs.units import float_list, parse_count, parse_duration
 from autoconf.timetotrain.planner import BATCH_FACTORS_DEFAULT, MAX_MICRO_BATCH, plan
 from autoconf.timetotrain.synthetic import NETWORKS, NODES, cluster_yaml
 

@@ -11,6 +11,7 @@ import secrets
 from dataclasses import dataclass
 
 from autoconf.errors import UserError
+from autoconf.specs.units import MAX_RATE_BIT_S, MIN_RATE_BIT_S, fmt_rate, parse_rate
 
 IFACE = "tb0"
 """The NIC's name inside every node (names are per namespace)."""
@@ -18,37 +19,11 @@ BRIDGE = "br0"
 DEFAULT_SUBNET = "10.200.0"
 DEFAULT_PORT = 29540
 MAX_NODES = 64
-MIN_RATE_BIT_S, MAX_RATE_BIT_S = 1e6, 100e9
 NETNS_ETC = "/etc/netns"
 PREFIX_RE = re.compile(r"^actb(\d+)x[0-9a-f]{4}$")
 TOOLS = ("ip", "tc", "unshare")
 PLACEHOLDERS = ("node_rank", "nnodes", "master_addr", "master_port", "nproc_per_node", "host")
 
-
-_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(bit|Bit)(?:/s)?\s*$")
-
-
-_RATE_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
-
-
-def parse_rate(text: str) -> float:
-    """A NIC rate in bits per second, from tc's spelling ("200mbit", "10gbit") or the cluster
-    files' ("1 Gbit/s"); bytes per second ("mbps" means megabytes to tc) are refused as ambiguous."""
-    m = _RATE_RE.match(str(text))
-    if not m:
-        raise UserError(f"rate {text!r}: expected bits per second, e.g. 200mbit, 10gbit or '1 Gbit/s'")
-    v = float(m.group(1)) * _RATE_PREFIX[m.group(2).lower()]
-    if not MIN_RATE_BIT_S <= v <= MAX_RATE_BIT_S:
-        raise UserError(f"rate {text!r}: expected 1mbit to 100gbit")
-    return v
-
-
-def fmt_rate(bit_s: float) -> str:
-    """'200 Mbit/s', '10 Gbit/s' (the cluster files' spelling)."""
-    for div, unit in ((1e9, "Gbit/s"), (1e6, "Mbit/s"), (1e3, "kbit/s")):
-        if bit_s >= div:
-            return f"{bit_s / div:g} {unit}"
-    return f"{bit_s:g} bit/s"
 
 
 def tbf_params(bit_s: float) -> tuple[int, int]:

@@ -115,3 +115,75 @@ def fmt_seconds(t: float) -> str:
     if t >= 1e-3:
         return f"{t * 1e3:.2f} ms"
     return f"{t * 1e6:.1f} us"
+
+
+_COUNT = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
+
+
+_DURATION = {"s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0,
+             "y": 365 * 86400.0}
+
+
+def parse_count(text: str, what: str) -> float:
+    """``2T``, ``1.4e12``, ``300B``, ``10M``: a positive number with an optional K/M/B/T/P suffix."""
+    import re
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([kKMBGTP]?)\s*", str(text))
+    if not m:
+        raise UserError(f"{what} {text!r}: expected a number with an optional suffix K, M, B, T or P (e.g. 2T)")
+    v = float(m.group(1)) * _COUNT[m.group(2)]
+    if not (math.isfinite(v) and v > 0):
+        raise UserError(f"{what} {text!r}: must be a positive finite number")
+    return v
+
+
+def parse_duration(text: str, what: str, default_unit: str = "d", allow_zero: bool = False) -> float:
+    """``60d``, ``8w``, ``1440h``, ``2min``, ``90s``, ``1.5y``; a bare number is in ``default_unit``.
+    Seconds; positive, or zero too with ``allow_zero``."""
+    import re
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*", str(text))
+    if not m or (m.group(2) or default_unit) not in _DURATION:
+        raise UserError(f"{what} {text!r}: expected a duration like 60d, 8w, 1440h, 10min or 90s "
+                        f"(units: {', '.join(_DURATION)})")
+    v = float(m.group(1)) * _DURATION[m.group(2) or default_unit]
+    if not (math.isfinite(v) and (v > 0 or (allow_zero and v == 0))):
+        want = "finite duration of 0 or more" if allow_zero else "positive finite duration"
+        raise UserError(f"{what} {text!r}: must be a {want}")
+    return v
+
+
+def float_list(text: str, what: str) -> tuple:
+    try:
+        out = tuple(float(x) for x in str(text).split(","))
+    except ValueError:
+        raise UserError(f"{what} {text!r}: expected numbers separated by commas, like 0.25,0.5,1,2") from None
+    if not out or any(not (math.isfinite(x) and x > 0) for x in out):
+        raise UserError(f"{what} {text!r}: every factor must be a positive number")
+    return out
+
+
+MIN_RATE_BIT_S, MAX_RATE_BIT_S = 1e6, 100e9
+"""The link rates the testbed shapes (tc's tbf: 1 Mbit/s to 100 Gbit/s)."""
+_RATE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(bit|Bit)(?:/s)?\s*$")
+
+
+_RATE_PREFIX = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(text: str) -> float:
+    """A NIC rate in bits per second, from tc's spelling ("200mbit", "10gbit") or the cluster
+    files' ("1 Gbit/s"); bytes per second ("mbps" means megabytes to tc) are refused as ambiguous."""
+    m = _RATE_RE.match(str(text))
+    if not m:
+        raise UserError(f"rate {text!r}: expected bits per second, e.g. 200mbit, 10gbit or '1 Gbit/s'")
+    v = float(m.group(1)) * _RATE_PREFIX[m.group(2).lower()]
+    if not MIN_RATE_BIT_S <= v <= MAX_RATE_BIT_S:
+        raise UserError(f"rate {text!r}: expected 1mbit to 100gbit")
+    return v
+
+
+def fmt_rate(bit_s: float) -> str:
+    """'200 Mbit/s', '10 Gbit/s' (the cluster files' spelling)."""
+    for div, unit in ((1e9, "Gbit/s"), (1e6, "Mbit/s"), (1e3, "kbit/s")):
+        if bit_s >= div:
+            return f"{bit_s / div:g} {unit}"
+    return f"{bit_s:g} bit/s"

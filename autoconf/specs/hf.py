@@ -9,7 +9,7 @@ import json
 import os
 
 from autoconf.errors import UserError
-from autoconf.specs.model import ROUTERS, ModelSpec, groups_hold_experts, preset
+from autoconf.specs.model import MODEL_SCHEMA, ROUTERS, ModelSpec, groups_hold_experts, preset
 from autoconf.specs.schema import Bool, Int, List, Null, Num, Str, check_kind, parse_json, parse_yaml, read_text
 
 _HF_GELU = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python", "gelu_accurate", "quick_gelu")
@@ -106,6 +106,20 @@ def _check_hf(cfg: dict, name: str) -> None:
             raise UserError(f"model {name}: unknown key {k!r} in config.json (did you mean {close[0]!r}?)")
 
 
+def _check_fields(fields: dict, name: str) -> None:
+    """Each of ``fields`` that the model schema knows (``model.MODEL_SCHEMA``: the ranges of
+    ``model.LIMITS`` and the others), held to its type and range now, in the line
+    ``ModelSpec.from_dict`` would give: so that a count out of range (16,777,216 layers) is
+    refused before a per-layer or per-expert structure is built from it."""
+    for k, v in fields.items():
+        spec = MODEL_SCHEMA.required.get(k) or MODEL_SCHEMA.optional.get(k)
+        if spec is not None:
+            try:
+                spec(v, k)
+            except UserError as e:
+                raise UserError(f"model {name if len(name) <= 60 else name[:57] + '...'}: {e}") from None
+
+
 def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (as a dict) without importing transformers.
 
@@ -178,6 +192,7 @@ def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -
     layers = pick("num_hidden_layers", "n_layer") if family in ("gpt2", "falcon") else pick("num_hidden_layers")
     spec = dict(name=name, hidden_size=hidden, num_attention_heads=heads, num_layers=layers,
                 vocab_size=pick("vocab_size"), dtype=_HF_DTYPE[pick("torch_dtype", "dtype", default="bfloat16")])
+    _check_fields(spec, name)  # the shape's ranges first: the blocks and experts below are built per layer
     seq = None
     if family == "gpt2":
         act = get("activation_function", "gelu_new")
@@ -239,8 +254,9 @@ def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -
                     activation=activation, tied_embeddings=get("tie_word_embeddings", gemma), norm="rmsnorm",
                     position_embedding="rope", bias=attn_bias, qkv_bias=qkv_bias,
                     rotary_fraction=get("partial_rotary_factor", 1.0), qk_norm=model_type in ("qwen3", "qwen3_moe"))
+        _check_fields(spec, name)
         if model_type in HF_MOE:
-            spec.update(_hf_moe(cfg, model_type, layers, get, pick, refuse))
+            spec.update(_hf_moe(cfg, model_type, layers, get, pick, refuse, lambda d: _check_fields(d, name)))
         seq = pick("max_position_embeddings")
     if model_type == "gpt_oss":  # sliding windows in alternate blocks: a field of the spec, not a bound on s
         spec.update(_hf_windows(get("sliding_window", 128), get("layer_types"), layers, refuse))
@@ -271,9 +287,10 @@ def _fit_moe_layers(moe: list[bool], key: str, refuse) -> dict:
     return dict(first_dense_layers=first, moe_layer_freq=freq)
 
 
-def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse) -> dict:
+def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse, check) -> dict:
     """The mixture-of-experts fields of a Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 or GPT-OSS config,
-    with the defaults of transformers' config classes."""
+    with the defaults of transformers' config classes. ``check``: holds the counts to their ranges
+    (:func:`_check_fields`) before the blocks are laid out one by one."""
     if model_type in ("mixtral", "gpt_oss"):
         experts = pick("num_local_experts", default=8 if model_type == "mixtral" else 128)
         k = pick("num_experts_per_tok", "experts_per_token", default=2 if model_type == "mixtral" else 4)
@@ -282,27 +299,24 @@ def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse) -> dict:
                     attention_sinks=model_type == "gpt_oss")
     if model_type in ("qwen2_moe", "qwen3_moe"):
         qwen2 = model_type == "qwen2_moe"
-        experts = pick("num_experts", default=60 if qwen2 else 128)
-        k = pick("num_experts_per_tok", default=4 if qwen2 else 8)
-        step = get("decoder_sparse_step", 1)
-        dense = set(get("mlp_only_layers", []))
-        # transformers: block i is sparse when i is not in mlp_only_layers and (i + 1) % step == 0
-        fit = _fit_moe_layers([i not in dense and (i + 1) % step == 0 for i in range(layers)],
-                              "mlp_only_layers" if dense else "decoder_sparse_step", refuse)
-        out = dict(num_experts=experts, experts_per_token=k,
-                   expert_ffn_hidden_size=pick("moe_intermediate_size", default=1408 if qwen2 else 768), **fit)
+        out = dict(num_experts=pick("num_experts", default=60 if qwen2 else 128),
+                   experts_per_token=pick("num_experts_per_tok", default=4 if qwen2 else 8),
+                   expert_ffn_hidden_size=pick("moe_intermediate_size", default=1408 if qwen2 else 768))
         shared = get("shared_expert_intermediate_size", 5632) if qwen2 else 0
         if shared:  # one shared expert, scaled by sigmoid(x . g)
             out.update(num_shared_experts=1, shared_expert_ffn_hidden_size=shared, shared_expert_gate=True)
+        check(out)
+        step = get("decoder_sparse_step", 1)
+        dense = set(get("mlp_only_layers", []))
+        # transformers: block i is sparse when i is not in mlp_only_layers and (i + 1) % step == 0
+        out.update(_fit_moe_layers([i not in dense and (i + 1) % step == 0 for i in range(layers)],
+                                   "mlp_only_layers" if dense else "decoder_sparse_step", refuse))
         return out
     # deepseek_v3: multi-head latent attention; sigmoid scores with a correction bias (selection only).
     # The multi-token-prediction module (num_nextn_predict_layers) is not part of the model counted.
     scoring = get("scoring_func", "sigmoid")
     if scoring not in ROUTERS:
         refuse("scoring_func", "routers score experts with a softmax or a sigmoid", ", ".join(ROUTERS))
-    freq, first_k = get("moe_layer_freq", 1), get("first_k_dense_replace", 3)
-    # transformers: block i is sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
-    fit = _fit_moe_layers([i >= first_k and i % freq == 0 for i in range(layers)], "first_k_dense_replace", refuse)
     shared = get("n_shared_experts", 1)
     # group-limited routing: transformers' DeepseekV3Config defaults, 8 groups, the best 4; one
     # group, or every group allowed, limits nothing
@@ -320,12 +334,17 @@ def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse) -> dict:
     out = dict(num_experts=pick("n_routed_experts", default=256), experts_per_token=pick("num_experts_per_tok",
                                                                                          default=8),
                expert_ffn_hidden_size=pick("moe_intermediate_size", default=2048), num_shared_experts=shared,
-               router=scoring, router_bias=True, **fit,
+               router=scoring, router_bias=True,
                router_groups=groups, router_group_topk=allowed,
                # q_lora_rank null: one query projection (DeepSeek-V2-Lite); absent: transformers' 1536
                q_lora_rank=cfg["q_lora_rank"] if "q_lora_rank" in cfg else 1536,
                kv_lora_rank=pick("kv_lora_rank", default=512), qk_rope_head_dim=pick("qk_rope_head_dim", default=64),
                qk_nope_head_dim=pick("qk_nope_head_dim", default=128), v_head_dim=pick("v_head_dim", default=128))
+    check(out)
+    freq, first_k = get("moe_layer_freq", 1), get("first_k_dense_replace", 3)
+    # transformers: block i is sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
+    out.update(_fit_moe_layers([i >= first_k and i % freq == 0 for i in range(layers)], "first_k_dense_replace",
+                               refuse))
     return out
 
 

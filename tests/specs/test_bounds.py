@@ -1,17 +1,26 @@
-"""Size limits: what is out of range is refused before anything is built from it.
+"""Size limits: what is out of range is refused before anything is built from it, and what is in
+range (up to MAX_DEVICES devices, any shape) is priced with structures linear in its size.
 
 Before (issue "Hardening, second round"): a Hugging Face config of 16,777,216 layers was refused
-after 9-15 s and 0.5-0.8 GB (a per-layer list came before the range check).
+after 9-15 s and 0.5-0.8 GB (a per-layer list came before the range check); one estimate on 64
+hosts of 1,024 devices took 200 s and 8.8 GB (``ClusterSpec.graph()`` held a device clique per
+host, 33.5 million edges, and the cost model read it). The speed itself is measured by
+``bench/big_cluster.py``; these tests pin the structure: refusal before building, no clique, the
+cost model's topology read from the spec with the same answers as from the graph.
 """
 
+import glob
+import itertools
 import json
 import tracemalloc
 
 import pytest
 
 from autoconf.errors import UserError
+from autoconf.specs.cluster import cluster_from_mapping, load_cluster
 from autoconf.specs.hf import from_hf_config, load_model
 from autoconf.specs.model import LIMITS
+from autoconf.specs.topology import Topology
 
 HF_MAX = 1 << 24
 """The largest integer a config.json key may hold (``hf.HF_KEYS``): 16,777,216."""
@@ -75,3 +84,42 @@ def test_hf_models_in_range_still_load():
     for model_type in ("qwen2_moe", "deepseek_v3", "gpt_oss"):
         m = from_hf_config(dict(BASE, model_type=model_type, num_hidden_layers=4096))
         assert m.num_layers == 4096 and m.is_moe
+
+
+# -- clusters: the graph ----------------------------------------------------------------------------
+
+def h100(count: int, per: int, **kw):
+    return {"count": count, "device": "h100-sxm", "gpus_per_node": per, "intra_node_bandwidth": "450 GB/s",
+            "nics": {"count": 8, "bandwidth": "400 Gbit/s"}, **kw}
+
+
+def clusters():
+    """Every example cluster, and shapes with NVLink domains, several node groups and a cap."""
+    out = [load_cluster(f) for f in sorted(glob.glob("examples/clusters/*.yaml"))]
+    out.append(cluster_from_mapping({"name": "mixed", "inter_group_bandwidth": "20 GB/s", "node_groups": [
+        h100(2, 8, hosts=["a-1", "a-2"]),
+        {"count": 3, "device": "a100-80gb", "gpus_per_node": 4, "intra_node_bandwidth": "300 GB/s",
+         "nics": {"count": 2, "bandwidth": "200 Gbit/s", "kind": "ethernet"}},
+        h100(4, 4, nvlink_domain=2)]}))
+    return out
+
+
+def test_graph_has_no_device_clique():
+    cl = cluster_from_mapping({"name": "two", "node_groups": [h100(2, 1024)]})
+    g = cl.graph()
+    devices = [n for n in g.nodes if isinstance(n, int)]
+    assert len(devices) == 2048
+    assert not any(isinstance(u, int) and isinstance(v, int) for u, v in g.edges)  # was 2 x 523,776 edges
+    assert g.number_of_edges() == 2048 + 2  # one NIC edge per device, one uplink per host
+    assert g.nodes[("host", 1)]["intra_node_bandwidth_bytes_per_s"] == 450e9  # the fabric: the host's
+
+
+@pytest.mark.parametrize("cluster", clusters(), ids=lambda c: c.name)
+def test_same_host_answers_are_the_fabric_as_the_clique_gave(cluster):
+    # what each device--device edge of the clique said: the group's fabric and the intra-node latency
+    topo = Topology(cluster.graph())
+    dev = 0
+    for _, grp in cluster.nodes():
+        for a, b in itertools.combinations(range(dev, dev + grp.gpus_per_node), 2):
+            assert topo.p2p(a, b) == (grp.intra_node_bandwidth_bytes_per_s, cluster.intra_node_latency_s)
+        dev += grp.gpus_per_node

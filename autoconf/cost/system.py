@@ -48,7 +48,7 @@ from autoconf.errors import UserError
 from autoconf.space.config import module_key
 from autoconf.specs.devices import NEUTRAL, CollectiveTuning, device_type
 from autoconf.specs.frameworks import framework as framework_model
-from autoconf.specs.measured_graph import overlay_measured_links, topology_graph
+from autoconf.specs.measured_graph import measured_device_links, topology_graph
 from autoconf.specs.model import ModelSpec
 from autoconf.specs.topology import Topology
 
@@ -95,11 +95,15 @@ class System:
             raise UserError(f"--moe-dispatcher {self.moe_dispatcher}: framework {self.framework.name} has no "
                             f"{self.moe_dispatcher} token dispatcher; valid: {valid}")
         if self.topology is None:
-            if self.cluster is not None and self.profile is not None:
-                # the cluster file declares hosts and devices; what the profile measured overrides
-                self.topology = Topology(overlay_measured_links(self.cluster.graph(), self.profile)[0])
-            elif self.cluster is not None:
-                self.topology = Topology(self.cluster.graph())
+            if self.cluster is not None:  # (the spec's own figures: no graph to build, O(devices))
+                self.topology = Topology.of_cluster(self.cluster)
+                if self.profile is not None:
+                    # the cluster file declares hosts and devices; what the profile measured overrides
+                    # (as measured_graph.overlay_measured_links lays it on the cluster's graph)
+                    devices_of: dict = {}
+                    for d, n in enumerate(self.topology.node_of):
+                        devices_of.setdefault(n, []).append(d)
+                    self.topology.with_measured(measured_device_links(devices_of, self.profile)[0])
             elif self.profile is not None:
                 self.topology = Topology(topology_graph(self.profile))
             else:

@@ -20,6 +20,8 @@ hosts (``("host", n)``) and whose edges carry ``bandwidth_bytes_per_s`` and ``la
   domain as one host for every bandwidth question; the launch files still see the real hosts.
 
 A profile adds measured device--device edges (``kind="measured"``), which ``Topology`` prefers.
+The cost model reads the spec without this graph (``Topology.of_cluster``: the same answers in
+O(devices)); the graph is for the profile overlay and for tools that walk links.
 
 A node group may name its hosts (``hosts: [gpu-a1, gpu-a2]``, one per node, in rank order); the
 others are ``node-K`` (K the host's index in the cluster). The launch files (``autoconf.launch.emit``)
@@ -108,8 +110,8 @@ class ClusterSpec:
         return out
 
     def host_attrs(self) -> list[dict]:
-        """Each host's attributes in rank order, as ``graph()`` puts them on ``("host", n)``:
-        group, name, NICs, intra-node fabric, domain."""
+        """Each host's attributes in rank order, as ``graph()`` puts them on ``("host", n)`` and
+        ``Topology.of_cluster`` reads them: group, name, NICs, intra-node fabric, domain."""
         names, domains = self.host_names(), self.domains()
         return [dict(group=gi, name=names[n], nic_count=grp.nic_count, nic_bandwidth_bytes_per_s=grp.nic_bandwidth_bytes_per_s,
                      nic_kind=grp.nic_kind, intra_node_bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s,

@@ -77,35 +77,49 @@ def overlay_measured_links(graph, profile: Profile):
     """A copy of a cluster file's graph with the profile's measured links over the declared ones.
 
     The profile's hosts are matched to the cluster's in order (its i-th host, by first rank, is
-    the cluster's i-th host) and its ranks to the host's devices by local rank. Each measured pair
-    whose both ends map onto the cluster becomes a ``measured`` edge, which ``Topology.p2p``
-    prefers to the declared link; pairs the profile did not measure keep the declared figures (a
-    profile of one node measures its intra-node links, and the cluster file still declares the
-    network between nodes). Returns (graph, number of pairs overlaid).
+    the cluster's i-th host) and its ranks to the host's devices by local rank
+    (:func:`measured_device_links`). Each measured pair whose both ends map onto the cluster
+    becomes a ``measured`` edge, which ``Topology.p2p`` prefers to the declared link; pairs the
+    profile did not measure keep the declared figures (a profile of one node measures its
+    intra-node links, and the cluster file still declares the network between nodes). Returns
+    (graph, number of pairs overlaid).
     """
-    hosts = []
-    for r in sorted(profile.ranks, key=lambda r: r.rank):
-        if r.host not in hosts:
-            hosts.append(r.host)
     devices_of: dict[int, list[int]] = {}
     for d, attrs in graph.nodes(data=True):
         if isinstance(d, int):
             devices_of.setdefault(attrs["node"], []).append(d)
+    links, n = measured_device_links(devices_of, profile)
+    g = graph.copy()
+    for (a, b), v in links.items():
+        g.add_edge(a, b, kind="measured", **v)
+    g.graph["measured_pairs"] = n
+    return g, n
+
+
+def measured_device_links(devices_of: dict, profile: Profile) -> tuple[dict, int]:
+    """The profile's measured pairs on a cluster's devices, as :func:`overlay_measured_links` lays
+    them: ({(device, device): {"bandwidth_bytes_per_s", "latency_s"}}, pairs mapped).
+    ``devices_of``: each host's devices (by the host's index in the cluster); the profile's i-th
+    host (by first rank) is the cluster's i-th, its ranks the host's devices by local rank.
+    Linear in the profile and the hosts it names (``Topology.with_measured`` takes the result
+    without a graph)."""
+    ranks_of: dict = {}
+    for r in profile.ranks:
+        ranks_of.setdefault(r.host, []).append(r)
+    hosts = list(dict.fromkeys(r.host for r in sorted(profile.ranks, key=lambda r: r.rank)))
     to_device = {}
     for hi, h in enumerate(hosts):
         devs = sorted(devices_of.get(hi, []))
-        for r in profile.ranks:
-            if r.host == h and r.local_rank < len(devs):
+        for r in ranks_of[h]:
+            if r.local_rank < len(devs):
                 to_device[r.rank] = devs[r.local_rank]
-    g = graph.copy()
-    n = 0
+    out, n = {}, 0
     for (a, b), v in _undirected_links(profile).items():
         if a in to_device and b in to_device and to_device[a] != to_device[b]:
-            g.add_edge(to_device[a], to_device[b], kind="measured", bandwidth_bytes_per_s=v["bandwidth_bytes_per_s"],
-                       latency_s=v["latency_s"])
+            out[(to_device[a], to_device[b])] = {"bandwidth_bytes_per_s": v["bandwidth_bytes_per_s"],
+                                                 "latency_s": v["latency_s"]}
             n += 1
-    g.graph["measured_pairs"] = n
-    return g, n
+    return out, n
 
 
 def _undirected_links(profile: Profile) -> dict:

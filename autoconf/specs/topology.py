@@ -60,35 +60,77 @@ class Topology:
         self.memory_of = [float(attrs[i]["memory_bytes"]) for i in devices]
         self.intra_latency_s = float(graph.graph.get("intra_node_latency_s", 2e-6))
         self.inter_latency_s = float(graph.graph.get("inter_node_latency_s", 10e-6))
-        self.host_nic_bw = {}
-        self.host_nic_total = {}
-        self.host_intra_bw = {}
-        self.host_nic_kind = {}
-        self.host_name = {}
-        """A host's name (by ``node_of``): the graph's ``hostname`` or ``name`` (a profile's host),
-        else node-K."""
-        for n, h in sorted(set(zip(self.node_of, self.host_of))):
-            a = attrs.get(("host", n), {})
-            self.host_name[n] = str(a.get("hostname") or a.get("name") or f"node-{n}")
-            nic_bw = float(a.get("nic_bandwidth_bytes_per_s", float("inf")))
-            intra = float(a.get("intra_node_bandwidth_bytes_per_s", float("inf")))
-            if h not in self.host_nic_bw:  # the domain's first host
-                self.host_nic_kind[h] = str(a.get("nic_kind", ""))
-                self.host_nic_bw[h], self.host_nic_total[h], self.host_intra_bw[h] = nic_bw, 0.0, intra
-            # a domain: its slowest NIC and fabric figures, and all its hosts' NICs together
-            self.host_nic_bw[h] = min(self.host_nic_bw[h], nic_bw)
-            self.host_intra_bw[h] = min(self.host_intra_bw[h], intra)
-            self.host_nic_total[h] += nic_bw * a.get("nic_count", 1)
+        self._read_hosts(lambda n: attrs.get(("host", n), {}))
         self.group_cap = {}
         for u, v, d in graph.edges(data=True):
             if d.get("kind") == "inter_group":
                 self.group_cap[(u[1], v[1])] = self.group_cap[(v[1], u[1])] = float(d["bandwidth_bytes_per_s"])
         self.measured = {}
-        for u, v, d in graph.edges(data=True):
-            if d.get("kind") == "measured":
-                pair = (float(d["bandwidth_bytes_per_s"]), float(d["latency_s"]))
-                self.measured[(u, v)] = self.measured[(v, u)] = pair
         self._group_cache: dict = {}
+        self.with_measured({(u, v): d for u, v, d in graph.edges(data=True) if d.get("kind") == "measured"})
+
+    @classmethod
+    def of_cluster(cls, spec) -> "Topology":
+        """The topology of a ``ClusterSpec`` read from its node groups, without building its graph:
+        the same fields as ``Topology(spec.graph())`` (``tests/specs/test_bounds.py`` compares
+        them), in time and memory linear in the devices, and without importing networkx."""
+        self = cls.__new__(cls)
+        hosts = spec.host_attrs()
+        self.node_of, self.host_of, self.group_of, self.kind_of, self.memory_of = [], [], [], [], []
+        memory = [float(g.device_memory_bytes) for g in spec.node_groups]  # a catalog look-up: once per group
+        for n, (gi, grp) in enumerate(spec.nodes()):
+            k = grp.gpus_per_node
+            self.node_of += [n] * k
+            self.host_of += [hosts[n]["domain"]] * k
+            self.group_of += [gi] * k
+            self.kind_of += [grp.device] * k
+            self.memory_of += [memory[gi]] * k
+        self.num_devices = len(self.node_of)
+        self.intra_latency_s = float(spec.intra_node_latency_s)
+        self.inter_latency_s = float(spec.inter_node_latency_s)
+        self._read_hosts(hosts.__getitem__)
+        cap = float(spec.inter_group_bandwidth_bytes_per_s or float("inf"))
+        groups = range(len(spec.node_groups))
+        self.group_cap = {(a, b): cap for a in groups for b in groups if a != b}
+        self.measured = {}
+        self._group_cache = {}
+        return self
+
+    def with_measured(self, links: dict) -> "Topology":
+        """This topology with measured device pairs, ``{(a, b): {"bandwidth_bytes_per_s": ..,
+        "latency_s": ..}}`` (a graph's ``measured`` edges, ``measured_graph.measured_device_links``),
+        which :meth:`p2p` prefers to the declared links, in both directions."""
+        for (u, v), d in links.items():
+            pair = (float(d["bandwidth_bytes_per_s"]), float(d["latency_s"]))
+            self.measured[(u, v)] = self.measured[(v, u)] = pair
+        if links:
+            self._group_cache.clear()
+        return self
+
+    def _read_hosts(self, host_attrs) -> None:
+        """Per host (``host_attrs(n)``: the host's attributes, as ``ClusterSpec.host_attrs`` gives
+        them) its name; per host for bandwidth (its domain) the slowest NIC and fabric figures and
+        all its hosts' NICs together."""
+        self.host_nic_bw = nic_bw = {}
+        self.host_nic_total = total = {}
+        self.host_intra_bw = intra = {}
+        self.host_nic_kind = {}
+        self.host_name = {}
+        """A host's name (by ``node_of``): the graph's ``hostname`` or ``name`` (a profile's host),
+        else node-K."""
+        inf = float("inf")
+        for n, h in sorted(dict(zip(self.node_of, self.host_of)).items()):  # (a host's devices: one domain)
+            a = host_attrs(n)
+            self.host_name[n] = str(a.get("hostname") or a.get("name") or f"node-{n}")
+            bw = float(a.get("nic_bandwidth_bytes_per_s", inf))
+            fabric = float(a.get("intra_node_bandwidth_bytes_per_s", inf))
+            if h not in nic_bw:  # the domain's first host
+                self.host_nic_kind[h] = str(a.get("nic_kind", ""))
+                nic_bw[h], total[h], intra[h] = bw, 0.0, fabric
+            # a domain: its slowest NIC and fabric figures, and all its hosts' NICs together
+            nic_bw[h] = min(nic_bw[h], bw)
+            intra[h] = min(intra[h], fabric)
+            total[h] += bw * a.get("nic_count", 1)
 
     # -- point to point -------------------------------------------------------------------------
     def p2p(self, i: int, j: int) -> tuple[float, float]:

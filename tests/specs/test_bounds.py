@@ -16,10 +16,13 @@ import tracemalloc
 
 import pytest
 
+from autoconf.cost.system import System
 from autoconf.errors import UserError
 from autoconf.specs.cluster import cluster_from_mapping, load_cluster
 from autoconf.specs.hf import from_hf_config, load_model
-from autoconf.specs.model import LIMITS
+from autoconf.specs.measured_graph import overlay_measured_links
+from autoconf.specs.model import LIMITS, preset
+from autoconf.specs.profile import load_profile
 from autoconf.specs.topology import Topology
 
 HF_MAX = 1 << 24
@@ -123,3 +126,32 @@ def test_same_host_answers_are_the_fabric_as_the_clique_gave(cluster):
         for a, b in itertools.combinations(range(dev, dev + grp.gpus_per_node), 2):
             assert topo.p2p(a, b) == (grp.intra_node_bandwidth_bytes_per_s, cluster.intra_node_latency_s)
         dev += grp.gpus_per_node
+
+
+@pytest.mark.parametrize("cluster", clusters(), ids=lambda c: c.name)
+def test_topology_of_the_spec_is_the_graphs(cluster):
+    a, b = vars(Topology(cluster.graph())), vars(Topology.of_cluster(cluster))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k] == b[k], k
+        assert type(a[k]) is type(b[k]), k
+        if isinstance(a[k], (list, dict)):  # floats stay floats (a 1e12 read as an int prices the same, but)
+            va, vb = (a[k], b[k]) if isinstance(a[k], list) else (list(a[k].values()), [b[k][x] for x in a[k]])
+            assert [type(x) for x in va] == [type(x) for x in vb], k
+
+
+# -- clusters: the cost model's answers --------------------------------------------------------------
+
+
+def test_measured_links_read_without_the_graph_are_the_overlays():
+    profile = load_profile("examples/profiles/bench-h256-cpu2.json")
+    cl = cluster_from_mapping({"name": "two", "node_groups": [{
+        "count": 2, "device": "cpu", "gpus_per_node": 2, "intra_node_bandwidth": "9 GB/s", "memory": "4 GiB",
+        "nics": {"count": 1, "bandwidth": "1 Gbit/s", "kind": "ethernet"}}]})
+    via_graph = vars(Topology(overlay_measured_links(cl.graph(), profile)[0]))
+    direct = vars(System(preset("tiny"), cl, profile).topology)
+    assert via_graph["measured"] and direct["measured"] == via_graph["measured"]
+    assert {k: v for k, v in direct.items() if k != "_group_cache"} == \
+        {k: v for k, v in via_graph.items() if k != "_group_cache"}
+
+

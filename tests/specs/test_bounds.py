@@ -18,6 +18,7 @@ import pytest
 
 from autoconf.cost.system import System
 from autoconf.errors import UserError
+from autoconf.space import placement
 from autoconf.specs.cluster import cluster_from_mapping, load_cluster
 from autoconf.specs.hf import from_hf_config, load_model
 from autoconf.specs.measured_graph import overlay_measured_links
@@ -155,3 +156,21 @@ def test_measured_links_read_without_the_graph_are_the_overlays():
         {k: v for k, v in via_graph.items() if k != "_group_cache"}
 
 
+def reference_groups(dp, pp, tp, order, axes, cp):
+    """Ranks that differ only in ``axes``, found by decoding every rank's coordinates."""
+    by_key: dict = {}
+    for r in range(dp * pp * tp * cp):
+        c = placement.rank_coords(r, dp, pp, tp, order, cp)
+        by_key.setdefault(tuple(c[a] for a in placement.AXES if a not in axes), []).append(r)
+    return sorted(tuple(g) for g in by_key.values())
+
+
+def test_groups_by_arithmetic_are_the_coordinates_groups():
+    for dp, pp, tp, cp in itertools.product((1, 2, 3), (1, 2, 4), (1, 2), (1, 3)):
+        for order in ("tp-dp-pp", "tp-cp-dp-pp", "dp-tp-pp", "pp-dp-tp", "cp-pp-dp-tp"):
+            for axis in placement.AXES:
+                assert placement.axis_groups(dp, pp, tp, order, axis, cp) == \
+                    reference_groups(dp, pp, tp, order, (axis,), cp)
+            for axes in itertools.combinations(placement.AXES, 2):
+                assert placement.merged_groups(dp, pp, tp, order, axes, cp) == \
+                    reference_groups(dp, pp, tp, order, axes, cp)

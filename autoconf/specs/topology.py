@@ -17,6 +17,8 @@ keyed by it): where a device runs, not how fast it talks. Without domains both a
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
 
 __all__ = ["GroupLinks", "Topology"]
@@ -155,34 +157,28 @@ class Topology:
         """Link summary for a collective over ``members`` (device ids, in ring order).
 
         ``active_per_host`` maps a host to how many of its devices take part in cross-host
-        collectives of this axis at the same time (all groups of an axis run together); by default
-        only this group's members. NICs are shared evenly among them.
+        collectives of this axis at the same time (all groups of an axis run together); a host it
+        leaves out (or None): only this group's members. NICs are shared evenly among them.
         """
-        key = (members, tuple(sorted(active_per_host.items())) if active_per_host else None)
+        key = self._group_key(members, active_per_host)
         hit = self._group_cache.get(key)
         if hit is not None:
             return hit
         per_host: dict = {}
+        host_of = self.host_of
         for d in members:
-            per_host.setdefault(self.host_of[d], []).append(d)
-        intra_bw, intra_lat = float("inf"), 0.0
-        for devs in per_host.values():
-            for a, b in zip(devs, devs[1:] + devs[:1]):
-                if a != b:
-                    bw, lat = self.p2p(a, b)
-                    intra_bw, intra_lat = min(intra_bw, bw), max(intra_lat, lat)
+            per_host.setdefault(host_of[d], []).append(d)
+        intra_bw, intra_lat = _ring(self, [devs for devs in per_host.values() if len(devs) > 1])
         inter_bw, inter_lat = float("inf"), 0.0
         ring_bw = float("inf")
         if len(per_host) > 1:
-            heads = [devs[0] for devs in per_host.values()]
-            for a, b in zip(heads, heads[1:] + heads[:1]):
-                bw, lat = self.p2p(a, b)
-                inter_bw, inter_lat = min(inter_bw, bw), max(inter_lat, lat)
+            inter_bw, inter_lat = _ring(self, [[devs[0] for devs in per_host.values()]])
             ring_bw = inter_bw
-            for h, devs in per_host.items():
+            nic, total = self.host_nic_bw, self.host_nic_total
+            for h, devs in per_host.items():  # nic_share, inline: a dp group may span thousands of hosts
                 active = active_per_host.get(h, len(devs)) if active_per_host else len(devs)
-                inter_bw = min(inter_bw, self.nic_share(h, active))
-                ring_bw = min(ring_bw, self.nic_share(h, max(1, active // len(devs))))
+                inter_bw = min(inter_bw, nic[h], total[h] / max(active, 1))
+                ring_bw = min(ring_bw, nic[h], total[h] / max(1, active // len(devs)))
         out = GroupLinks(size=len(members), num_hosts=len(per_host),
                          local_size=max(len(v) for v in per_host.values()),
                          intra_bandwidth_bytes_per_s=intra_bw, inter_bandwidth_bytes_per_s=inter_bw,
@@ -192,3 +188,60 @@ class Topology:
         if len(self._group_cache) < 200_000:
             self._group_cache[key] = out
         return out
+
+    def _group_key(self, members: tuple, active_per_host: dict | None) -> tuple:
+        """What :meth:`group_links` answers from, as its cache key. Without measured links: which
+        members share a host (host numbers less the first member's), each member's host figures
+        and node group (:meth:`device_classes`) and the active flows on its host, so that the
+        thousands of groups of an axis that sit alike on alike hosts (32,768 tp pairs on 65,536
+        devices) share one entry. With measured links, which are per device pair: the members."""
+        hosts = tuple(map(self.host_of.__getitem__, members))
+        if self.measured or not members:  # (the flows on the group's own hosts: all the answer reads)
+            active = sorted((h, active_per_host[h]) for h in set(hosts) if h in active_per_host) \
+                if active_per_host else None
+            return members, tuple(active) if active else None
+        return (tuple(map(operator.sub, hosts, itertools.repeat(hosts[0]))),
+                tuple(map(self.device_classes().__getitem__, members)),
+                tuple(map(active_per_host.get, hosts)) if active_per_host else None)
+
+    def device_classes(self) -> list:
+        """Per device, a number for its host's bandwidth figures (NIC, all NICs, fabric) and its
+        node group. Without measured links, devices with equal numbers are alike to :meth:`p2p`,
+        :meth:`nic_share` and :meth:`group_links` but for which of them share a host. Built on
+        first use."""
+        classes = self.__dict__.get("_classes")
+        if classes is None:
+            ids: dict = {}
+            figures = {h: (self.host_nic_bw[h], self.host_nic_total[h], self.host_intra_bw[h]) for h in self.host_nic_bw}
+            classes = self._classes = [ids.setdefault((figures[h], g), len(ids))
+                                       for h, g in zip(self.host_of, self.group_of)]
+        return classes
+
+
+def _ring(topo: Topology, rings: list) -> tuple[float, float]:
+    """(slowest bandwidth, largest latency) of the links between consecutive devices of each ring
+    (device lists, closed: the last back to the first); (inf, 0.0) with no link. Without measured
+    links, p2p's answers from host membership directly, with no call per pair: a ring inside one
+    host runs at its fabric, one across hosts at their slowest NIC (and the cap between node groups
+    it crosses): every host of a ring is an end of two of its links."""
+    bw, lat = float("inf"), 0.0
+    if topo.measured:
+        for devs in rings:
+            for a, b in zip(devs, devs[1:] + devs[:1]):
+                if a != b:
+                    pbw, plat = topo.p2p(a, b)
+                    bw, lat = min(bw, pbw), max(lat, plat)
+        return bw, lat
+    host_of, group_of = topo.host_of, topo.group_of
+    for devs in rings:
+        hosts = [host_of[d] for d in devs]
+        if hosts[0] == hosts[-1]:  # (p2p: one host -- a ring is inside a host or across distinct ones)
+            bw, lat = min(bw, topo.host_intra_bw[hosts[0]]), max(lat, topo.intra_latency_s)
+            continue
+        bw, lat = min(bw, min(topo.host_nic_bw[h] for h in hosts)), max(lat, topo.inter_latency_s)
+        if topo.group_cap:
+            groups = [group_of[d] for d in devs]
+            for ga, gb in zip(groups, groups[1:] + groups[:1]):
+                if ga != gb:
+                    bw = min(bw, topo.group_cap.get((ga, gb), float("inf")))
+    return bw, lat

@@ -12,14 +12,17 @@ cost model's topology read from the spec with the same answers as from the graph
 import glob
 import itertools
 import json
+import random
 import tracemalloc
 
 import pytest
 
+from autoconf.cost.estimate import estimate
 from autoconf.cost.system import System
 from autoconf.errors import UserError
 from autoconf.space import placement
-from autoconf.specs.cluster import cluster_from_mapping, load_cluster
+from autoconf.space.config import ParallelConfig
+from autoconf.specs.cluster import MAX_DEVICES, cluster_from_mapping, load_cluster
 from autoconf.specs.hf import from_hf_config, load_model
 from autoconf.specs.measured_graph import overlay_measured_links
 from autoconf.specs.model import LIMITS, preset
@@ -141,7 +144,40 @@ def test_topology_of_the_spec_is_the_graphs(cluster):
             assert [type(x) for x in va] == [type(x) for x in vb], k
 
 
+def test_the_cost_model_builds_no_graph_and_no_clique_at_max_devices():
+    cl = cluster_from_mapping({"name": "max", "node_groups": [h100(64, 1024)]})
+    assert cl.num_devices == MAX_DEVICES
+    tracemalloc.start()
+    try:
+        topo = Topology.of_cluster(cl)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"{peak:,} bytes"  # the graph with its cliques held 8.8 GB
+    assert len(topo.host_of) == MAX_DEVICES and len(topo.host_nic_bw) == 64
+    m = preset("llama-3-70b")
+    ctx = System(m, cl)
+    e = estimate(ParallelConfig(dp=1024, pp=8, tp=8, micro_batch_size=1, num_micro_batches=8), m, ctx=ctx)
+    assert e.step_time_s > 0
+    assert cl._graph_cache == {}  # System read the spec, not its networkx graph
+    # 8,192 tp groups and 64 dp groups, alike on alike hosts: a few cache entries, not one per group
+    assert len(ctx.topology._group_cache) <= 8
+
+
 # -- clusters: the cost model's answers --------------------------------------------------------------
+
+def test_group_links_shared_between_alike_groups_are_the_groups_own():
+    """Groups alike on alike hosts share one cache entry (``Topology._group_key``); each answer
+    is the one a fresh topology computes for that group alone."""
+    rng = random.Random(3)
+    for cluster in clusters():
+        shared = Topology.of_cluster(cluster)
+        n = shared.num_devices
+        for _ in range(60):
+            members = tuple(rng.sample(range(n), rng.randint(1, min(n, 12))))
+            hosts = {shared.host_of[d] for d in members}
+            active = {h: rng.randint(1, 16) for h in hosts if rng.random() < 0.5} or None
+            assert shared.group_links(members, active) == Topology.of_cluster(cluster).group_links(members, active)
 
 
 def test_measured_links_read_without_the_graph_are_the_overlays():

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from autoconf.errors import UserError
 from autoconf.specs.devices import device_type
-from autoconf.specs.measured_graph import topology_graph
+from autoconf.specs.measured_graph import ranks_by_host, topology_graph
 from autoconf.specs.schema import Dict, Int, List, Null, Num, Quantity, Str, check_kind, load_yaml
 
 
@@ -345,13 +345,10 @@ def cluster_from_profile(profile) -> ClusterSpec:
 
 
     g = topology_graph(profile)
-    hosts = []
-    for r in sorted(profile.ranks, key=lambda r: r.rank):
-        if r.host not in hosts:
-            hosts.append(r.host)
+    by_host = ranks_by_host(profile)
     groups: list[dict] = []
-    for i, h in enumerate(hosts):
-        ranks = sorted((r for r in profile.ranks if r.host == h), key=lambda r: r.local_rank)
+    for i, (h, ranks) in enumerate(by_host.items()):
+        ranks = sorted(ranks, key=lambda r: r.local_rank)
         kind = ranks[0].device_kind
         if kind is None or any(r.device_kind != kind for r in ranks):
             raise UserError(f"profile host {h!r} has devices outside the catalog or of several kinds "
@@ -379,7 +376,7 @@ def cluster_from_profile(profile) -> ClusterSpec:
         intra_node_bandwidth_bytes_per_s=finite(gr["intra"], 1e12), nic_count=1,
         nic_bandwidth_bytes_per_s=finite(gr["nic"], 12.5e9), nic_kind="measured",
         memory_bytes=gr["memory"] or None, hosts=tuple(gr["hosts"])) for gr in groups)
-    return ClusterSpec(name=f"profiled-{len(hosts)}-hosts", node_groups=node_groups,
+    return ClusterSpec(name=f"profiled-{len(by_host)}-hosts", node_groups=node_groups,
                        intra_node_latency_s=g.graph["intra_node_latency_s"],
                        inter_node_latency_s=g.graph["inter_node_latency_s"])
 

@@ -9,10 +9,12 @@ host, 33.5 million edges, and the cost model read it). The speed itself is measu
 cost model's topology read from the spec with the same answers as from the graph.
 """
 
+import dataclasses
 import glob
 import itertools
 import json
 import random
+import time
 import tracemalloc
 
 import pytest
@@ -24,10 +26,11 @@ from autoconf.space import placement
 from autoconf.space.config import ParallelConfig
 from autoconf.specs.cluster import MAX_DEVICES, cluster_from_mapping, load_cluster
 from autoconf.specs.hf import from_hf_config, load_model
-from autoconf.specs.measured_graph import overlay_measured_links
+from autoconf.specs.measured_graph import overlay_measured_links, topology_graph
 from autoconf.specs.model import LIMITS, preset
-from autoconf.specs.profile import load_profile
+from autoconf.specs.profile import HostInfo, RankInfo, load_profile
 from autoconf.specs.topology import Topology
+from tests.specs.test_profile import _link, make_profile
 
 HF_MAX = 1 << 24
 """The largest integer a config.json key may hold (``hf.HF_KEYS``): 16,777,216."""
@@ -210,3 +213,35 @@ def test_groups_by_arithmetic_are_the_coordinates_groups():
             for axes in itertools.combinations(placement.AXES, 2):
                 assert placement.merged_groups(dp, pp, tp, order, axes, cp) == \
                     reference_groups(dp, pp, tp, order, axes, cp)
+
+
+def ring_profile(hosts: int, per_host: int):
+    """A profile of hosts x per_host CPU ranks whose measured links form a ring, rank r to r + 1:
+    4 GB/s inside a host, 1 GB/s + r across hosts, every host's interface at 0.5 GB/s (so each
+    host's NIC, its ranks' fastest link off the host, is known)."""
+    n = hosts * per_host
+    ranks = tuple(RankInfo(rank=r, host=f"h{r // per_host}", local_rank=r % per_host, device_name="cpu",
+                           device_kind="cpu", memory_bytes=4e9) for r in range(n))
+    links = tuple(_link(r, (r + 1) % n, 4e9 if r // per_host == (r + 1) % n // per_host else 1e9 + r)
+                  for r in range(n))
+    p = make_profile(hosts=("h0",), per_host=1)
+    nic = ({"name": "eth0", "speed_bytes_per_s": 0.5e9},)
+    prov = dataclasses.replace(p.provenance, hosts=tuple(HostInfo(name=f"h{h}", interfaces=nic) for h in range(hosts)))
+    return dataclasses.replace(p, ranks=ranks, links=links, provenance=prov)
+
+
+def test_a_profile_of_16384_ranks_is_read_in_one_pass_over_its_links():
+    """topology_graph scanned every link for every rank, and looked each end up by a scan of the
+    ranks (Profile.rank): hours at 16,384 ranks. The bound is a generous safety net (it takes
+    about a second); the figures are checked exactly."""
+    hosts, per = 2048, 8
+    p = ring_profile(hosts, per)
+    t0 = time.perf_counter()
+    g = topology_graph(p)
+    assert time.perf_counter() - t0 < 60
+    assert sum(isinstance(v, int) for v in g.nodes) == hosts * per
+    for h in (1, 2, hosts - 1):  # its fastest link off the host: its last rank's, to the next host
+        assert g.nodes[("host", h)]["nic_bandwidth_bytes_per_s"] == 1e9 + h * per + per - 1
+        assert g.nodes[("host", h)]["intra_node_bandwidth_bytes_per_s"] == 4e9
+    assert g.nodes[("host", 0)]["nic_bandwidth_bytes_per_s"] == 1e9 + hosts * per - 1  # the ring's closing link
+    assert g.nodes[0]["node"] == 0 and g.nodes[hosts * per - 1]["node"] == hosts - 1

@@ -110,8 +110,9 @@ class ClusterSpec:
         return out
 
     def host_attrs(self) -> list[dict]:
-        """Each host's attributes in rank order, as ``graph()`` puts them on ``("host", n)`` and
-        ``Topology.of_cluster`` reads them: group, name, NICs, intra-node fabric, domain."""
+        """Each host's attributes in rank order, as ``graph()`` puts them on ``("host", n)``:
+        group, name, NICs, intra-node fabric, domain (``Topology.of_cluster`` reads the same
+        figures off the node groups, a group at a time)."""
         names, domains = self.host_names(), self.domains()
         return [dict(group=gi, name=names[n], nic_count=grp.nic_count, nic_bandwidth_bytes_per_s=grp.nic_bandwidth_bytes_per_s,
                      nic_kind=grp.nic_kind, intra_node_bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s,

@@ -4,6 +4,9 @@ collective time, and which collective each data-parallel reduction runs.
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
+
 from autoconf.cost import comm
 from autoconf.cost.system import System
 from autoconf.space.config import ParallelConfig
@@ -17,16 +20,14 @@ def axis_links(system: System, c: ParallelConfig, axis: str):
     def make():
         topo = system.topology
         groups = Placement.of(c, 0).device_groups(axis)
-        active: dict = {}
-        for grp in groups:
-            hosts = {topo.host_of[d] for d in grp}
-            if len(hosts) > 1:
-                for d in grp:
-                    active[topo.host_of[d]] = active.get(topo.host_of[d], 0) + 1
+        # the devices of each host that cross hosts at once: those of every group spanning hosts
+        on_host = topo.host_of.__getitem__
+        spanning = (grp for grp in groups if len(set(map(on_host, grp))) > 1)
+        active = Counter(map(on_host, itertools.chain.from_iterable(spanning)))
         distinct = {}
         for grp in groups:
             # groups with the same hosts, NIC sharing and link speeds have the same links: keep one
-            g = topo.group_links(grp, {h: active[h] for h in {topo.host_of[d] for d in grp} if h in active} or None)
+            g = topo.group_links(grp, active or None)
             distinct[g] = g
         return list(distinct)
     # the expert axes' groups depend on the expert-parallel degree too

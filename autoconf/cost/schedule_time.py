@@ -10,6 +10,7 @@ alpha-beta: latency + bytes / bandwidth, on the slowest replica's link).
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 
 from autoconf.cost.pipeline import simulate
@@ -123,23 +124,23 @@ def p2p_times(system: System, c: ParallelConfig, nbytes: float) -> list[float]:
 
     def make():
         topo = system.topology
-        place = Placement.of(c, 0)
-        by_stage: dict = {}
-        for r in range(c.world_size):
-            co = place.coords(r)
-            by_stage[(co["pp"], co["dp"], co["tp"], co["cp"])] = place.device(r)
+        # each replica's pipeline: its devices by stage (a pp group), read off the rank order
+        # rather than decoding every rank's coordinates
+        chains = Placement.of(c, 0).device_groups("pp")
+        on_host = topo.host_of.__getitem__
         links = []
         for s in range(c.pp):
             nxt = (s + 1) % c.pp
-            pairs = [(by_stage[(s, d, t, k)], by_stage[(nxt, d, t, k)])
-                     for d in range(c.dp) for t in range(c.tp) for k in range(c.cp)]
+            pairs = [(g[s], g[nxt]) for g in chains]
+            hosts = [(on_host(a), on_host(b)) for a, b in pairs]
             # every replica's pipeline crosses this boundary at the same time: the flows leaving
             # (entering) a host share its NICs
-            out_of, into = {}, {}
-            for a, b in pairs:
-                if topo.host_of[a] != topo.host_of[b]:
-                    out_of[topo.host_of[a]] = out_of.get(topo.host_of[a], 0) + 1
-                    into[topo.host_of[b]] = into.get(topo.host_of[b], 0) + 1
+            out_of = Counter(ha for ha, hb in hosts if ha != hb)
+            into = Counter(hb for ha, hb in hosts if ha != hb)
+            if not topo.measured:  # one pair of each kind: its link and flows are its hosts' (p2p, nic_share)
+                alike = topo.device_classes()
+                pairs = list({(alike[a], alike[b], ha == hb, out_of[ha], into[hb]): (a, b)
+                              for (a, b), (ha, hb) in zip(pairs, hosts)}.values())
             worst = (0.0, 0.0)
             for a, b in pairs:
                 bw, lat = topo.p2p(a, b)

@@ -100,8 +100,16 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         out.append(StageMemory(parameters=dense * st.parameters + experts * st_e.parameters, gradients=grads,
                                optimizer=optimizer, activations=acts,
                                other=sum(v for _, v in other), other_parts=other,
-                               capacity=min(system.capacity_bytes(d) for d in lay.stage_devices[s])))
+                               capacity=_capacity(system, lay.stage_devices[s])))
     return out
+
+
+def _capacity(system: System, devices) -> float:
+    """The smallest usable memory of a stage's devices (``System.capacity_bytes``, a function of
+    the device's memory and kind): one device of each (memory, kind), not every device."""
+    topo = system.topology
+    alike = {(topo.memory_of[d], topo.kind_of[d]): d for d in devices}
+    return min(system.capacity_bytes(d) for d in alike.values())
 
 
 def _moe_working(system: System, c: ParallelConfig, lay: Layout) -> float:

@@ -14,6 +14,7 @@ Pure: no torch, no I/O; the only state is a cache of pure results.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass, field
 
 from autoconf.cost import comm, measured
@@ -48,7 +49,7 @@ from autoconf.errors import UserError
 from autoconf.space.config import module_key
 from autoconf.specs.devices import NEUTRAL, CollectiveTuning, device_type
 from autoconf.specs.frameworks import framework as framework_model
-from autoconf.specs.measured_graph import overlay_measured_links, topology_graph
+from autoconf.specs.measured_graph import measured_device_links, topology_graph
 from autoconf.specs.model import ModelSpec
 from autoconf.specs.topology import Topology
 
@@ -95,11 +96,15 @@ class System:
             raise UserError(f"--moe-dispatcher {self.moe_dispatcher}: framework {self.framework.name} has no "
                             f"{self.moe_dispatcher} token dispatcher; valid: {valid}")
         if self.topology is None:
-            if self.cluster is not None and self.profile is not None:
-                # the cluster file declares hosts and devices; what the profile measured overrides
-                self.topology = Topology(overlay_measured_links(self.cluster.graph(), self.profile)[0])
-            elif self.cluster is not None:
-                self.topology = Topology(self.cluster.graph())
+            if self.cluster is not None:  # (the spec's own figures: no graph to build, O(devices))
+                self.topology = Topology.of_cluster(self.cluster)
+                if self.profile is not None:
+                    # the cluster file declares hosts and devices; what the profile measured overrides
+                    # (as measured_graph.overlay_measured_links lays it on the cluster's graph)
+                    devices_of: dict = {}
+                    for d, n in enumerate(self.topology.node_of):
+                        devices_of.setdefault(n, []).append(d)
+                    self.topology.with_measured(measured_device_links(devices_of, self.profile)[0])
             elif self.profile is not None:
                 self.topology = Topology(topology_graph(self.profile))
             else:
@@ -173,7 +178,7 @@ class System:
             cores = [h.cpu_count for h in hosts if h.cpu_count]
             if not cores:
                 return 1.0
-            per_host = max(self.topology.host_of.count(h) for h in set(self.topology.host_of))
+            per_host = max(Counter(self.topology.host_of).values())
             # hosts of one machine (emulated nodes, containers: the same boot id) share its cores
             machines: dict = {}
             for h in hosts:
@@ -201,6 +206,7 @@ class System:
             topo, share = self.topology, self.cpu_share("cpu")
             hosts = {h.name: h for h in self.profile.provenance.hosts}
             machine_of, cores = {}, {}
+            on_host = Counter(topo.node_of)  # (one count per host, not one pass over the devices per device)
             for d in {d for devs in stage_devs for d in devs}:
                 if topo.kind_of[d] != "cpu":
                     continue
@@ -210,13 +216,14 @@ class System:
                     key, n = h.machine or name, float(h.cpu_count)
                 else:
                     key = ("host", topo.node_of[d])
-                    n = topo.node_of.count(topo.node_of[d]) / share
+                    n = on_host[topo.node_of[d]] / share
                 machine_of[d] = key
                 cores[key] = min(cores.get(key, n), n)
             if not cores:
                 return None
             keys = sorted(cores, key=str)
-            weights = tuple(tuple(sum(machine_of.get(d) == key for d in devs) for devs in stage_devs) for key in keys)
+            per_stage = [Counter(machine_of.get(d) for d in devs) for devs in stage_devs]
+            weights = tuple(tuple(n[key] for n in per_stage) for key in keys)
             shares = tuple(share if any(d in machine_of for d in devs) else 1.0 for devs in stage_devs)
             return Sharing(shares, weights, tuple(cores[k] for k in keys))
         return self.cached(("cpusharing", tuple(map(tuple, stage_devs))), make)
@@ -491,9 +498,11 @@ class System:
 
     def peak_flop_per_s(self, world_size: int) -> float:
         """Sum of the datasheet peaks of the first ``world_size`` devices (for MFU)."""
-        topo = self.topology
-        return self.cached(("peak", world_size),
-                           lambda: sum(device_type(topo.kind_of[d]).peak(self.model.dtype) for d in range(world_size)))
+        def make():  # the catalog once per kind; summed device by device, in order, as ever
+            kinds = self.topology.kind_of[:world_size]
+            peak = {k: device_type(k).peak(self.model.dtype) for k in set(kinds)}
+            return sum(peak[k] for k in kinds)
+        return self.cached(("peak", world_size), make)
 
 
 

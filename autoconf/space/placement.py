@@ -77,19 +77,32 @@ def axis_groups(dp: int, pp: int, tp: int, order: str, axis: str, cp: int = 1) -
             break
         stride *= sizes[a]
     n = sizes[axis]
-    return [tuple(r + i * stride for i in range(n)) for r in range(dp * pp * tp * cp) if (r // stride) % n == 0]
+    # the first rank of each group: coordinate 0 on the axis, i.e. the first ``stride`` ranks of
+    # every block of stride x n
+    firsts = [b + j for b in range(0, dp * pp * tp * cp, stride * n) for j in range(stride)]
+    return [tuple(range(r, r + n * stride, stride)) for r in firsts]
 
 
 def merged_groups(dp: int, pp: int, tp: int, order: str, axes: tuple, cp: int = 1) -> list[tuple]:
     """Ranks of every group spanning several axes (e.g. ("cp", "dp"): the ranks that reduce
     gradients together when the sequence is split): ranks that differ only in those coordinates,
     ordered by rank."""
-    world = dp * pp * tp * cp
-    by_key: dict = {}
-    for r in range(world):
-        c = rank_coords(r, dp, pp, tp, order, cp)
-        by_key.setdefault(tuple(c[a] for a in AXES if a not in axes), []).append(r)
-    return sorted(tuple(g) for g in by_key.values())
+    sizes, strides = {"dp": dp, "pp": pp, "tp": tp, "cp": cp}, {}
+    stride = 1
+    for a in full_order(order):
+        strides[a] = stride
+        stride *= sizes[a]
+    # a group: its first rank (every merged coordinate 0) plus the offsets of the merged
+    # coordinates, in rank order; groups ordered by their first rank (arithmetic, not a pass that
+    # decodes every rank's coordinates: a world of 65,536 ranks)
+    offsets, firsts = [0], [0]
+    for a in AXES:
+        if a in axes:
+            offsets = [o + i * strides[a] for o in offsets for i in range(sizes[a])]
+        else:
+            firsts = [f + i * strides[a] for f in firsts for i in range(sizes[a])]
+    offsets.sort()
+    return [tuple(f + o for o in offsets) for f in sorted(firsts)]
 
 
 def expert_groups(dp: int, pp: int, tp: int, order: str, ep: int, cp: int = 1) -> tuple[list[tuple], list[tuple]]:

@@ -4,8 +4,12 @@ A YAML cluster file (see ``examples/clusters/``) becomes a :class:`ClusterSpec`;
 it into a graph whose nodes are devices (ints, with ``node``/``group``/``device`` attributes) and
 hosts (``("host", n)``) and whose edges carry ``bandwidth_bytes_per_s`` and ``latency_s``:
 
-- device -- device inside a host: the intra-node fabric (NVLink/NVSwitch; shared memory on CPU);
-- device -- host: one NIC's bandwidth, the most a single device can push off the host;
+- device -- host: one NIC's bandwidth, the most a single device can push off the host. The
+  intra-node fabric (NVLink/NVSwitch; shared memory on CPU) is the host's
+  ``intra_node_bandwidth_bytes_per_s`` (per device, per direction) and the graph's
+  ``intra_node_latency_s``: two devices of one host talk at those figures (``Topology.p2p``),
+  with no device--device edge (a clique would hold N x (N - 1) / 2 edges per host: 33.5 million
+  for 64 hosts of 1,024 devices);
 - host -- ("group", g): all the host's NICs together;
 - ("group", g) -- ("group", g'): the optional inter-group cap;
 - device -- ("nvlink", k): where a node group's ``nvlink_domain`` joins several consecutive hosts
@@ -15,7 +19,9 @@ hosts (``("host", n)``) and whose edges carry ``bandwidth_bytes_per_s`` and ``la
   host; between domains the NICs carry the traffic as between hosts. ``topology.Topology`` treats a
   domain as one host for every bandwidth question; the launch files still see the real hosts.
 
-A profile replaces device--device edges with measured ones (``kind="measured"``).
+A profile adds measured device--device edges (``kind="measured"``), which ``Topology`` prefers.
+The cost model reads the spec without this graph (``Topology.of_cluster``: the same answers in
+O(devices)); the graph is for the profile overlay and for tools that walk links.
 
 A node group may name its hosts (``hosts: [gpu-a1, gpu-a2]``, one per node, in rank order); the
 others are ``node-K`` (K the host's index in the cluster). The launch files (``autoconf.launch.emit``)
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 
 from autoconf.errors import UserError
 from autoconf.specs.devices import device_type
-from autoconf.specs.measured_graph import topology_graph
+from autoconf.specs.measured_graph import ranks_by_host, topology_graph
 from autoconf.specs.schema import Dict, Int, List, Null, Num, Quantity, Str, check_kind, load_yaml
 
 
@@ -103,6 +109,16 @@ class ClusterSpec:
             out += [k + i // grp.nvlink_domain * grp.nvlink_domain for i in range(grp.count)]
         return out
 
+    def host_attrs(self) -> list[dict]:
+        """Each host's attributes in rank order, as ``graph()`` puts them on ``("host", n)``:
+        group, name, NICs, intra-node fabric, domain (``Topology.of_cluster`` reads the same
+        figures off the node groups, a group at a time)."""
+        names, domains = self.host_names(), self.domains()
+        return [dict(group=gi, name=names[n], nic_count=grp.nic_count, nic_bandwidth_bytes_per_s=grp.nic_bandwidth_bytes_per_s,
+                     nic_kind=grp.nic_kind, intra_node_bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s,
+                     domain=domains[n])
+                for n, (gi, grp) in enumerate(self.nodes())]
+
     def graph(self):
         """The cluster as a networkx graph (built once per spec)."""
         if "g" not in self._graph_cache:
@@ -148,29 +164,20 @@ def _build_graph(spec: ClusterSpec):
         for b in range(a + 1, len(spec.node_groups)):
             cap = spec.inter_group_bandwidth_bytes_per_s or float("inf")
             g.add_edge(("group", a), ("group", b), bandwidth_bytes_per_s=cap, latency_s=0.0, kind="inter_group")
-    names = spec.host_names()
-    domains = spec.domains()
-    for n, (gi, grp) in enumerate(spec.nodes()):
-        domain = domains[n]
+    memory = [grp.device_memory_bytes for grp in spec.node_groups]  # (a catalog look-up: once per group)
+    for n, ((gi, grp), attrs) in enumerate(zip(spec.nodes(), spec.host_attrs())):
+        domain = attrs["domain"]
         host = ("host", n)
-        g.add_node(host, group=gi, name=names[n], nic_count=grp.nic_count, nic_bandwidth_bytes_per_s=grp.nic_bandwidth_bytes_per_s,
-                   nic_kind=grp.nic_kind, intra_node_bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s,
-                   domain=domain)
+        g.add_node(host, **attrs)
         g.add_edge(host, ("group", gi), bandwidth_bytes_per_s=grp.nic_count * grp.nic_bandwidth_bytes_per_s,
                    latency_s=spec.inter_node_latency_s / 2, kind="uplink")
-        local = list(range(dev, dev + grp.gpus_per_node))
-        for i in local:
-            g.add_node(i, node=n, group=gi, device=grp.device, memory_bytes=grp.device_memory_bytes, domain=domain)
+        for i in range(dev, dev + grp.gpus_per_node):
+            g.add_node(i, node=n, group=gi, device=grp.device, memory_bytes=memory[gi], domain=domain)
             g.add_edge(i, host, bandwidth_bytes_per_s=grp.nic_bandwidth_bytes_per_s,
                        latency_s=spec.inter_node_latency_s / 2, kind="nic")
             if grp.nvlink_domain > 1:  # the domain's switch fabric (one edge per device, not per pair)
                 g.add_edge(i, ("nvlink", domain), bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s,
                            latency_s=spec.intra_node_latency_s / 2, kind="nvlink")
-        for x in local:
-            for y in local:
-                if x < y:
-                    g.add_edge(x, y, bandwidth_bytes_per_s=grp.intra_node_bandwidth_bytes_per_s,
-                               latency_s=spec.intra_node_latency_s, kind="intra")
         dev += grp.gpus_per_node
     return g
 
@@ -339,13 +346,10 @@ def cluster_from_profile(profile) -> ClusterSpec:
 
 
     g = topology_graph(profile)
-    hosts = []
-    for r in sorted(profile.ranks, key=lambda r: r.rank):
-        if r.host not in hosts:
-            hosts.append(r.host)
+    by_host = ranks_by_host(profile)
     groups: list[dict] = []
-    for i, h in enumerate(hosts):
-        ranks = sorted((r for r in profile.ranks if r.host == h), key=lambda r: r.local_rank)
+    for i, (h, ranks) in enumerate(by_host.items()):
+        ranks = sorted(ranks, key=lambda r: r.local_rank)
         kind = ranks[0].device_kind
         if kind is None or any(r.device_kind != kind for r in ranks):
             raise UserError(f"profile host {h!r} has devices outside the catalog or of several kinds "
@@ -373,7 +377,7 @@ def cluster_from_profile(profile) -> ClusterSpec:
         intra_node_bandwidth_bytes_per_s=finite(gr["intra"], 1e12), nic_count=1,
         nic_bandwidth_bytes_per_s=finite(gr["nic"], 12.5e9), nic_kind="measured",
         memory_bytes=gr["memory"] or None, hosts=tuple(gr["hosts"])) for gr in groups)
-    return ClusterSpec(name=f"profiled-{len(hosts)}-hosts", node_groups=node_groups,
+    return ClusterSpec(name=f"profiled-{len(by_host)}-hosts", node_groups=node_groups,
                        intra_node_latency_s=g.graph["intra_node_latency_s"],
                        inter_node_latency_s=g.graph["inter_node_latency_s"])
 

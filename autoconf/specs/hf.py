@@ -9,7 +9,7 @@ import json
 import os
 
 from autoconf.errors import UserError
-from autoconf.specs.model import ROUTERS, ModelSpec, groups_hold_experts, preset
+from autoconf.specs.model import MODEL_SCHEMA, ROUTERS, ModelSpec, groups_hold_experts, preset
 from autoconf.specs.schema import Bool, Int, List, Null, Num, Str, check_kind, parse_json, parse_yaml, read_text
 
 _HF_GELU = ("gelu", "gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu_python", "gelu_accurate", "quick_gelu")
@@ -106,6 +106,20 @@ def _check_hf(cfg: dict, name: str) -> None:
             raise UserError(f"model {name}: unknown key {k!r} in config.json (did you mean {close[0]!r}?)")
 
 
+def _check_fields(fields: dict, name: str) -> None:
+    """Each of ``fields`` that the model schema knows (``model.MODEL_SCHEMA``: the ranges of
+    ``model.LIMITS`` and the others), held to its type and range now, in the line
+    ``ModelSpec.from_dict`` would give: so that a count out of range (16,777,216 layers) is
+    refused before a per-layer or per-expert structure is built from it."""
+    for k, v in fields.items():
+        spec = MODEL_SCHEMA.required.get(k) or MODEL_SCHEMA.optional.get(k)
+        if spec is not None:
+            try:
+                spec(v, k)
+            except UserError as e:
+                raise UserError(f"model {name if len(name) <= 60 else name[:57] + '...'}: {e}") from None
+
+
 def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -> ModelSpec:
     """Read a Hugging Face ``config.json`` (as a dict) without importing transformers.
 
@@ -150,6 +164,42 @@ def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -
 
     model_type = cfg.get("model_type") or ""
     family = HF_FAMILIES.get(model_type, "llama")
+    _hf_refusals(model_type, get, refuse, name)
+
+    hidden = pick("hidden_size", "n_embd") if family in ("gpt2", "falcon") else pick("hidden_size")
+    heads = pick("num_attention_heads", "n_head") if family in ("gpt2", "falcon") else pick("num_attention_heads")
+    layers = pick("num_hidden_layers", "n_layer") if family in ("gpt2", "falcon") else pick("num_hidden_layers")
+    spec = dict(name=name, hidden_size=hidden, num_attention_heads=heads, num_layers=layers,
+                vocab_size=pick("vocab_size"), dtype=_HF_DTYPE[pick("torch_dtype", "dtype", default="bfloat16")])
+    _check_fields(spec, name)  # the shape's ranges first: the blocks and experts below are built per layer
+    if family == "gpt2":
+        fields, seq = _hf_gpt2(model_type, hidden, heads, get, pick, refuse)
+    elif family == "gpt_neox":
+        fields, seq = _hf_neox(heads, get, pick, refuse)
+    elif family == "falcon":
+        fields, seq = _hf_falcon(model_type, hidden, heads, get, pick, refuse)
+    else:
+        fields, seq = _hf_llama(cfg, model_type, hidden, heads, layers, get, pick, refuse,
+                                lambda d: _check_fields(d, name))
+    spec.update(fields)
+    if model_type == "gpt_oss":  # sliding windows in alternate blocks: a field of the spec, not a bound on s
+        spec.update(_hf_windows(get("sliding_window", 128), get("layer_types"), layers, refuse))
+        window = None
+    else:
+        window = get("sliding_window") if get("use_sliding_window", True) else None
+    if seq_length is not None:
+        if window is not None and seq_length > window:
+            raise UserError(f"model {name}: sequence length {seq_length} exceeds sliding_window={window}: "
+                            f"sliding-window attention is not modelled; valid: a sequence length up to {window}")
+        seq = seq_length
+    elif window is not None:
+        seq = min(seq, window)
+    # through the model schema: the same ranges as a model file (an expert count of 1e7 is refused)
+    return ModelSpec.from_dict({**spec, "seq_length": seq})
+
+
+def _hf_refusals(model_type: str, get, refuse, name: str) -> None:
+    """What a config may describe that autoconf does not model: refused in one line each."""
     if model_type in HF_REFUSED:
         refuse("model_type", f"{model_type} is not supported ({HF_REFUSED[model_type]})", HF_SUPPORTED)
     if get("is_encoder_decoder"):
@@ -173,89 +223,85 @@ def from_hf_config(cfg: dict, name: str = "hf", seq_length: int | None = None) -
     if get("apply_residual_connection_post_layernorm"):
         refuse("apply_residual_connection_post_layernorm", "post-norm residuals are not modelled", "false")
 
-    hidden = pick("hidden_size", "n_embd") if family in ("gpt2", "falcon") else pick("hidden_size")
-    heads = pick("num_attention_heads", "n_head") if family in ("gpt2", "falcon") else pick("num_attention_heads")
-    layers = pick("num_hidden_layers", "n_layer") if family in ("gpt2", "falcon") else pick("num_hidden_layers")
-    spec = dict(name=name, hidden_size=hidden, num_attention_heads=heads, num_layers=layers,
-                vocab_size=pick("vocab_size"), dtype=_HF_DTYPE[pick("torch_dtype", "dtype", default="bfloat16")])
-    seq = None
-    if family == "gpt2":
-        act = get("activation_function", "gelu_new")
-        if act not in _HF_GELU:
-            refuse("activation_function", "a GPT-2 MLP is fc2(act(fc1 x))", ", ".join(_HF_GELU))
-        mqa = model_type == "gpt_bigcode" and get("multi_query", True)
-        spec.update(num_kv_heads=1 if mqa else heads, ffn_hidden_size=get("n_inner", 4 * hidden),
-                    activation="gelu", tied_embeddings=get("tie_word_embeddings", True), norm="layernorm",
-                    position_embedding="learned", bias=True)
-        seq = pick("n_positions", "n_ctx", "max_position_embeddings")
-    elif family == "gpt_neox":
-        act = get("hidden_act", "gelu")
-        if act not in _HF_GELU:
-            refuse("hidden_act", "a GPT-NeoX MLP is fc2(act(fc1 x))", ", ".join(_HF_GELU))
-        if get("attention_bias", True) is False:
-            refuse("attention_bias", "a GPT-NeoX MLP keeps its biases; biases on the MLP alone are not modelled",
-                   "true")
-        spec.update(num_kv_heads=heads, ffn_hidden_size=pick("intermediate_size"), activation="gelu",
-                    tied_embeddings=get("tie_word_embeddings", False), norm="layernorm", position_embedding="rope",
-                    bias=True, parallel_attention=get("use_parallel_residual", True),
-                    rotary_fraction=pick("rotary_pct", "partial_rotary_factor", default=0.25))
-        seq = pick("max_position_embeddings")
-    elif family == "falcon":
-        act = get("activation", "gelu")
-        if act not in _HF_GELU:
-            refuse("activation", "a Falcon MLP is fc2(act(fc1 x))", ", ".join(_HF_GELU))
-        new_arch = get("new_decoder_architecture", model_type == "RefinedWeb")
-        if new_arch:
-            kv = pick("num_kv_heads", "n_head_kv", default=heads)
-        else:
-            kv = 1 if get("multi_query", True) else heads
-        parallel = bool(new_arch or get("parallel_attn", True))
-        norms = get("num_ln_in_parallel_attn", 2 if new_arch else 1) if parallel else 2
-        if norms not in (1, 2):
-            refuse("num_ln_in_parallel_attn", "a parallel block has one or two norms", "1, 2")
-        spec.update(num_kv_heads=kv, ffn_hidden_size=get("ffn_hidden_size", 4 * hidden), activation="gelu",
-                    tied_embeddings=get("tie_word_embeddings", True), norm="layernorm", position_embedding="rope",
-                    bias=get("bias", False), parallel_attention=parallel, shared_norm=parallel and norms == 1)
-        seq = get("max_position_embeddings", 2048)
+
+def _hf_gpt2(model_type: str, hidden: int, heads: int, get, pick, refuse) -> tuple[dict, int]:
+    """GPT-2 and GPT-BigCode: (the block's fields, the sequence length)."""
+    act = get("activation_function", "gelu_new")
+    if act not in _HF_GELU:
+        refuse("activation_function", "a GPT-2 MLP is fc2(act(fc1 x))", ", ".join(_HF_GELU))
+    mqa = model_type == "gpt_bigcode" and get("multi_query", True)
+    fields = dict(num_kv_heads=1 if mqa else heads, ffn_hidden_size=get("n_inner", 4 * hidden),
+                  activation="gelu", tied_embeddings=get("tie_word_embeddings", True), norm="layernorm",
+                  position_embedding="learned", bias=True)
+    return fields, pick("n_positions", "n_ctx", "max_position_embeddings")
+
+
+def _hf_neox(heads: int, get, pick, refuse) -> tuple[dict, int]:
+    """GPT-NeoX / Pythia: (the block's fields, the sequence length)."""
+    act = get("hidden_act", "gelu")
+    if act not in _HF_GELU:
+        refuse("hidden_act", "a GPT-NeoX MLP is fc2(act(fc1 x))", ", ".join(_HF_GELU))
+    if get("attention_bias", True) is False:
+        refuse("attention_bias", "a GPT-NeoX MLP keeps its biases; biases on the MLP alone are not modelled",
+               "true")
+    fields = dict(num_kv_heads=heads, ffn_hidden_size=pick("intermediate_size"), activation="gelu",
+                  tied_embeddings=get("tie_word_embeddings", False), norm="layernorm", position_embedding="rope",
+                  bias=True, parallel_attention=get("use_parallel_residual", True),
+                  rotary_fraction=pick("rotary_pct", "partial_rotary_factor", default=0.25))
+    return fields, pick("max_position_embeddings")
+
+
+def _hf_falcon(model_type: str, hidden: int, heads: int, get, pick, refuse) -> tuple[dict, int]:
+    """Falcon: (the block's fields, the sequence length)."""
+    act = get("activation", "gelu")
+    if act not in _HF_GELU:
+        refuse("activation", "a Falcon MLP is fc2(act(fc1 x))", ", ".join(_HF_GELU))
+    new_arch = get("new_decoder_architecture", model_type == "RefinedWeb")
+    if new_arch:
+        kv = pick("num_kv_heads", "n_head_kv", default=heads)
     else:
-        gemma = model_type == "gemma"
-        act_key = "hidden_activation" if gemma and get("hidden_activation") else "hidden_act"
-        act = get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
-        activation = "swiglu" if act in _HF_SILU else "geglu" if act in _HF_GELU else None
-        if activation is None:
-            refuse(act_key, "the gated MLP down(act(gate x) * up x) is modelled with SiLU or GELU",
-                   ", ".join(_HF_SILU + _HF_GELU))
-        head_dim = get("head_dim")
-        if head_dim is not None and not (hidden % heads == 0 and head_dim == hidden // heads):
-            spec["head_dim"] = head_dim
-        attn_bias = get("attention_bias", model_type == "gpt_oss")
-        mlp_bias = get("mlp_bias", attn_bias if model_type == "gpt_oss" else False)
-        if attn_bias != mlp_bias:
-            refuse("attention_bias" if attn_bias else "mlp_bias",
-                   "biases on the attention or on the MLP alone are not modelled", "attention_bias and mlp_bias "
-                   "both false, or both true")
-        qkv_bias = (model_type == "qwen2" or (model_type == "qwen2_moe" and get("qkv_bias", True))) and not attn_bias
-        spec.update(num_kv_heads=pick("num_key_value_heads", default=heads), ffn_hidden_size=pick("intermediate_size"),
-                    activation=activation, tied_embeddings=get("tie_word_embeddings", gemma), norm="rmsnorm",
-                    position_embedding="rope", bias=attn_bias, qkv_bias=qkv_bias,
-                    rotary_fraction=get("partial_rotary_factor", 1.0), qk_norm=model_type in ("qwen3", "qwen3_moe"))
-        if model_type in HF_MOE:
-            spec.update(_hf_moe(cfg, model_type, layers, get, pick, refuse))
-        seq = pick("max_position_embeddings")
-    if model_type == "gpt_oss":  # sliding windows in alternate blocks: a field of the spec, not a bound on s
-        spec.update(_hf_windows(get("sliding_window", 128), get("layer_types"), layers, refuse))
-        window = None
-    else:
-        window = get("sliding_window") if get("use_sliding_window", True) else None
-    if seq_length is not None:
-        if window is not None and seq_length > window:
-            raise UserError(f"model {name}: sequence length {seq_length} exceeds sliding_window={window}: "
-                            f"sliding-window attention is not modelled; valid: a sequence length up to {window}")
-        seq = seq_length
-    elif window is not None:
-        seq = min(seq, window)
-    # through the model schema: the same ranges as a model file (an expert count of 1e7 is refused)
-    return ModelSpec.from_dict({**spec, "seq_length": seq})
+        kv = 1 if get("multi_query", True) else heads
+    parallel = bool(new_arch or get("parallel_attn", True))
+    norms = get("num_ln_in_parallel_attn", 2 if new_arch else 1) if parallel else 2
+    if norms not in (1, 2):
+        refuse("num_ln_in_parallel_attn", "a parallel block has one or two norms", "1, 2")
+    fields = dict(num_kv_heads=kv, ffn_hidden_size=get("ffn_hidden_size", 4 * hidden), activation="gelu",
+                  tied_embeddings=get("tie_word_embeddings", True), norm="layernorm", position_embedding="rope",
+                  bias=get("bias", False), parallel_attention=parallel, shared_norm=parallel and norms == 1)
+    return fields, get("max_position_embeddings", 2048)
+
+
+def _hf_llama(cfg: dict, model_type: str, hidden: int, heads: int, layers: int, get, pick, refuse,
+              check) -> tuple[dict, int]:
+    """Llama-like types, with their mixtures of experts (:func:`_hf_moe`): (the block's fields,
+    the sequence length). ``check``: holds fields to their ranges (:func:`_check_fields`), before
+    the experts' blocks are laid out."""
+    gemma = model_type == "gemma"
+    act_key = "hidden_activation" if gemma and get("hidden_activation") else "hidden_act"
+    act = get(act_key, "gelu_pytorch_tanh" if gemma else "silu")
+    activation = "swiglu" if act in _HF_SILU else "geglu" if act in _HF_GELU else None
+    if activation is None:
+        refuse(act_key, "the gated MLP down(act(gate x) * up x) is modelled with SiLU or GELU",
+               ", ".join(_HF_SILU + _HF_GELU))
+    fields = {}
+    head_dim = get("head_dim")
+    if head_dim is not None and not (hidden % heads == 0 and head_dim == hidden // heads):
+        fields["head_dim"] = head_dim
+    attn_bias = get("attention_bias", model_type == "gpt_oss")
+    mlp_bias = get("mlp_bias", attn_bias if model_type == "gpt_oss" else False)
+    if attn_bias != mlp_bias:
+        refuse("attention_bias" if attn_bias else "mlp_bias",
+               "biases on the attention or on the MLP alone are not modelled", "attention_bias and mlp_bias "
+               "both false, or both true")
+    qkv_bias = (model_type == "qwen2" or (model_type == "qwen2_moe" and get("qkv_bias", True))) and not attn_bias
+    fields.update(num_kv_heads=pick("num_key_value_heads", default=heads), ffn_hidden_size=pick("intermediate_size"),
+                  activation=activation, tied_embeddings=get("tie_word_embeddings", gemma), norm="rmsnorm",
+                  position_embedding="rope", bias=attn_bias, qkv_bias=qkv_bias,
+                  rotary_fraction=get("partial_rotary_factor", 1.0), qk_norm=model_type in ("qwen3", "qwen3_moe"))
+    check(fields)
+    if model_type in HF_MOE:
+        fields.update(_hf_moe(cfg, model_type, layers, get, pick, refuse, check))
+    return fields, pick("max_position_embeddings")
 
 
 def _fit_moe_layers(moe: list[bool], key: str, refuse) -> dict:
@@ -271,9 +317,10 @@ def _fit_moe_layers(moe: list[bool], key: str, refuse) -> dict:
     return dict(first_dense_layers=first, moe_layer_freq=freq)
 
 
-def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse) -> dict:
+def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse, check) -> dict:
     """The mixture-of-experts fields of a Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3 or GPT-OSS config,
-    with the defaults of transformers' config classes."""
+    with the defaults of transformers' config classes. ``check``: holds the counts to their ranges
+    (:func:`_check_fields`) before the blocks are laid out one by one."""
     if model_type in ("mixtral", "gpt_oss"):
         experts = pick("num_local_experts", default=8 if model_type == "mixtral" else 128)
         k = pick("num_experts_per_tok", "experts_per_token", default=2 if model_type == "mixtral" else 4)
@@ -282,27 +329,24 @@ def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse) -> dict:
                     attention_sinks=model_type == "gpt_oss")
     if model_type in ("qwen2_moe", "qwen3_moe"):
         qwen2 = model_type == "qwen2_moe"
-        experts = pick("num_experts", default=60 if qwen2 else 128)
-        k = pick("num_experts_per_tok", default=4 if qwen2 else 8)
-        step = get("decoder_sparse_step", 1)
-        dense = set(get("mlp_only_layers", []))
-        # transformers: block i is sparse when i is not in mlp_only_layers and (i + 1) % step == 0
-        fit = _fit_moe_layers([i not in dense and (i + 1) % step == 0 for i in range(layers)],
-                              "mlp_only_layers" if dense else "decoder_sparse_step", refuse)
-        out = dict(num_experts=experts, experts_per_token=k,
-                   expert_ffn_hidden_size=pick("moe_intermediate_size", default=1408 if qwen2 else 768), **fit)
+        out = dict(num_experts=pick("num_experts", default=60 if qwen2 else 128),
+                   experts_per_token=pick("num_experts_per_tok", default=4 if qwen2 else 8),
+                   expert_ffn_hidden_size=pick("moe_intermediate_size", default=1408 if qwen2 else 768))
         shared = get("shared_expert_intermediate_size", 5632) if qwen2 else 0
         if shared:  # one shared expert, scaled by sigmoid(x . g)
             out.update(num_shared_experts=1, shared_expert_ffn_hidden_size=shared, shared_expert_gate=True)
+        check(out)
+        step = get("decoder_sparse_step", 1)
+        dense = set(get("mlp_only_layers", []))
+        # transformers: block i is sparse when i is not in mlp_only_layers and (i + 1) % step == 0
+        out.update(_fit_moe_layers([i not in dense and (i + 1) % step == 0 for i in range(layers)],
+                                   "mlp_only_layers" if dense else "decoder_sparse_step", refuse))
         return out
     # deepseek_v3: multi-head latent attention; sigmoid scores with a correction bias (selection only).
     # The multi-token-prediction module (num_nextn_predict_layers) is not part of the model counted.
     scoring = get("scoring_func", "sigmoid")
     if scoring not in ROUTERS:
         refuse("scoring_func", "routers score experts with a softmax or a sigmoid", ", ".join(ROUTERS))
-    freq, first_k = get("moe_layer_freq", 1), get("first_k_dense_replace", 3)
-    # transformers: block i is sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
-    fit = _fit_moe_layers([i >= first_k and i % freq == 0 for i in range(layers)], "first_k_dense_replace", refuse)
     shared = get("n_shared_experts", 1)
     # group-limited routing: transformers' DeepseekV3Config defaults, 8 groups, the best 4; one
     # group, or every group allowed, limits nothing
@@ -320,12 +364,17 @@ def _hf_moe(cfg: dict, model_type: str, layers: int, get, pick, refuse) -> dict:
     out = dict(num_experts=pick("n_routed_experts", default=256), experts_per_token=pick("num_experts_per_tok",
                                                                                          default=8),
                expert_ffn_hidden_size=pick("moe_intermediate_size", default=2048), num_shared_experts=shared,
-               router=scoring, router_bias=True, **fit,
+               router=scoring, router_bias=True,
                router_groups=groups, router_group_topk=allowed,
                # q_lora_rank null: one query projection (DeepSeek-V2-Lite); absent: transformers' 1536
                q_lora_rank=cfg["q_lora_rank"] if "q_lora_rank" in cfg else 1536,
                kv_lora_rank=pick("kv_lora_rank", default=512), qk_rope_head_dim=pick("qk_rope_head_dim", default=64),
                qk_nope_head_dim=pick("qk_nope_head_dim", default=128), v_head_dim=pick("v_head_dim", default=128))
+    check(out)
+    freq, first_k = get("moe_layer_freq", 1), get("first_k_dense_replace", 3)
+    # transformers: block i is sparse when i >= first_k_dense_replace and i % moe_layer_freq == 0
+    out.update(_fit_moe_layers([i >= first_k and i % freq == 0 for i in range(layers)], "first_k_dense_replace",
+                               refuse))
     return out
 
 

@@ -24,22 +24,28 @@ def topology_graph(profile: Profile):
     """
     import networkx as nx
 
-    hosts = []
-    for r in sorted(profile.ranks, key=lambda r: r.rank):
-        if r.host not in hosts:
-            hosts.append(r.host)
+    by_host = ranks_by_host(profile)
+    hosts = list(by_host)
     host_index = {h: i for i, h in enumerate(hosts)}
-    by_host = {h: [r for r in profile.ranks if r.host == h] for h in hosts}
     shape = {h: (tuple(sorted(str(r.device_kind) for r in rs)), len(rs)) for h, rs in by_host.items()}
-    shapes = []
-    for h in hosts:
-        if shape[h] not in shapes:
-            shapes.append(shape[h])
+    shapes = list(dict.fromkeys(shape[h] for h in hosts))
     group_of = {h: shapes.index(shape[h]) for h in hosts}
 
+    info: dict = {}  # rank -> its entry (the first, as Profile.rank finds it)
+    for r in profile.ranks:
+        info.setdefault(r.rank, r)
     pair = _undirected_links(profile)
-    intra = [v for (a, b), v in pair.items() if profile.rank(a).host == profile.rank(b).host]
-    inter = [v for (a, b), v in pair.items() if profile.rank(a).host != profile.rank(b).host]
+    # one pass over the pairs: inside a host (its fabric), or across hosts (each end's NIC)
+    intra, inter, within, off = [], [], {}, {}
+    for (a, b), v in pair.items():
+        ha, hb = info[a].host, info[b].host
+        if ha == hb:
+            intra.append(v)
+            within.setdefault(ha, []).append(v["bandwidth_bytes_per_s"])
+        else:
+            inter.append(v)
+            off.setdefault(a, []).append(v["bandwidth_bytes_per_s"])
+            off.setdefault(b, []).append(v["bandwidth_bytes_per_s"])
     intra_lat = statistics.median(v["latency_s"] for v in intra) if intra else 2e-6
     inter_lat = statistics.median(v["latency_s"] for v in inter) if inter else 10e-6
 
@@ -56,56 +62,77 @@ def topology_graph(profile: Profile):
     for h in hosts:
         n = host_index[h]
         ranks = [r.rank for r in by_host[h]]
-        nics = [_nic_bandwidth(profile, r, pair, iface_speed.get(h, 0.0)) for r in ranks]
-        intra_bw = [v["bandwidth_bytes_per_s"] for (a, b), v in pair.items() if a in ranks and b in ranks]
+        # a device's NIC: its fastest measured link off the host, else the host's fastest interface
+        speed = iface_speed.get(h, 0.0)
+        nics = [max(off[r]) if r in off else speed if speed > 0 else float("inf") for r in ranks]
+        intra_bw = within.get(h, [])
         g.add_node(("host", n), group=group_of[h], name=h, nic_count=1, domain=n,
                    nic_bandwidth_bytes_per_s=max(nics), nic_kind="measured",
                    intra_node_bandwidth_bytes_per_s=statistics.median(intra_bw) if intra_bw else float("inf"))
         g.add_edge(("host", n), ("group", group_of[h]), bandwidth_bytes_per_s=max(nics),
                    latency_s=inter_lat / 2, kind="uplink")
         for r, nic in zip(ranks, nics):
-            info = profile.rank(r)
-            g.add_node(r, node=n, domain=n, group=group_of[h], device=info.device_kind or info.device_name,
-                       memory_bytes=info.memory_bytes, host=h, local_rank=info.local_rank)
+            e = info[r]
+            g.add_node(r, node=n, domain=n, group=group_of[h], device=e.device_kind or e.device_name,
+                       memory_bytes=e.memory_bytes, host=h, local_rank=e.local_rank)
             g.add_edge(r, ("host", n), bandwidth_bytes_per_s=nic, latency_s=inter_lat / 2, kind="nic")
     for (a, b), v in pair.items():
         g.add_edge(a, b, kind="measured", **v)
     return g
 
 
+def ranks_by_host(profile: Profile) -> dict:
+    """{host name: its rank entries, in the profile's order}, hosts in the order of their first
+    rank (the cluster's host order). One pass over the ranks, whatever their number."""
+    out: dict = {r.host: [] for r in sorted(profile.ranks, key=lambda r: r.rank)}
+    for r in profile.ranks:
+        out[r.host].append(r)
+    return out
+
+
 def overlay_measured_links(graph, profile: Profile):
     """A copy of a cluster file's graph with the profile's measured links over the declared ones.
 
     The profile's hosts are matched to the cluster's in order (its i-th host, by first rank, is
-    the cluster's i-th host) and its ranks to the host's devices by local rank. Each measured pair
-    whose both ends map onto the cluster becomes a ``measured`` edge, which ``Topology.p2p``
-    prefers to the declared link; pairs the profile did not measure keep the declared figures (a
-    profile of one node measures its intra-node links, and the cluster file still declares the
-    network between nodes). Returns (graph, number of pairs overlaid).
+    the cluster's i-th host) and its ranks to the host's devices by local rank
+    (:func:`measured_device_links`). Each measured pair whose both ends map onto the cluster
+    becomes a ``measured`` edge, which ``Topology.p2p`` prefers to the declared link; pairs the
+    profile did not measure keep the declared figures (a profile of one node measures its
+    intra-node links, and the cluster file still declares the network between nodes). Returns
+    (graph, number of pairs overlaid).
     """
-    hosts = []
-    for r in sorted(profile.ranks, key=lambda r: r.rank):
-        if r.host not in hosts:
-            hosts.append(r.host)
     devices_of: dict[int, list[int]] = {}
     for d, attrs in graph.nodes(data=True):
         if isinstance(d, int):
             devices_of.setdefault(attrs["node"], []).append(d)
-    to_device = {}
-    for hi, h in enumerate(hosts):
-        devs = sorted(devices_of.get(hi, []))
-        for r in profile.ranks:
-            if r.host == h and r.local_rank < len(devs):
-                to_device[r.rank] = devs[r.local_rank]
+    links, n = measured_device_links(devices_of, profile)
     g = graph.copy()
-    n = 0
-    for (a, b), v in _undirected_links(profile).items():
-        if a in to_device and b in to_device and to_device[a] != to_device[b]:
-            g.add_edge(to_device[a], to_device[b], kind="measured", bandwidth_bytes_per_s=v["bandwidth_bytes_per_s"],
-                       latency_s=v["latency_s"])
-            n += 1
+    for (a, b), v in links.items():
+        g.add_edge(a, b, kind="measured", **v)
     g.graph["measured_pairs"] = n
     return g, n
+
+
+def measured_device_links(devices_of: dict, profile: Profile) -> tuple[dict, int]:
+    """The profile's measured pairs on a cluster's devices, as :func:`overlay_measured_links` lays
+    them: ({(device, device): {"bandwidth_bytes_per_s", "latency_s"}}, pairs mapped).
+    ``devices_of``: each host's devices (by the host's index in the cluster); the profile's i-th
+    host (by first rank) is the cluster's i-th, its ranks the host's devices by local rank.
+    Linear in the profile and the hosts it names (``Topology.with_measured`` takes the result
+    without a graph)."""
+    to_device = {}
+    for hi, (h, ranks) in enumerate(ranks_by_host(profile).items()):
+        devs = sorted(devices_of.get(hi, []))
+        for r in ranks:
+            if r.local_rank < len(devs):
+                to_device[r.rank] = devs[r.local_rank]
+    out, n = {}, 0
+    for (a, b), v in _undirected_links(profile).items():
+        if a in to_device and b in to_device and to_device[a] != to_device[b]:
+            out[(to_device[a], to_device[b])] = {"bandwidth_bytes_per_s": v["bandwidth_bytes_per_s"],
+                                                 "latency_s": v["latency_s"]}
+            n += 1
+    return out, n
 
 
 def _undirected_links(profile: Profile) -> dict:
@@ -118,12 +145,3 @@ def _undirected_links(profile: Profile) -> dict:
         v["latency_s"] = max(v["latency_s"], e.latency_s)
         v["bandwidth_by_direction_bytes_per_s"][(e.src, e.dst)] = e.bandwidth_bytes_per_s
     return out
-
-
-def _nic_bandwidth(profile, rank, pair, iface_speed) -> float:
-    host = profile.rank(rank).host
-    off = [v["bandwidth_bytes_per_s"] for (a, b), v in pair.items() if rank in (a, b)
-           and profile.rank(b if a == rank else a).host != host]
-    if off:
-        return max(off)
-    return iface_speed if iface_speed > 0 else float("inf")

@@ -17,6 +17,8 @@ keyed by it): where a device runs, not how fast it talks. Without domains both a
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
 
 __all__ = ["GroupLinks", "Topology"]
@@ -60,35 +62,97 @@ class Topology:
         self.memory_of = [float(attrs[i]["memory_bytes"]) for i in devices]
         self.intra_latency_s = float(graph.graph.get("intra_node_latency_s", 2e-6))
         self.inter_latency_s = float(graph.graph.get("inter_node_latency_s", 10e-6))
-        self.host_nic_bw = {}
-        self.host_nic_total = {}
-        self.host_intra_bw = {}
-        self.host_nic_kind = {}
-        self.host_name = {}
-        """A host's name (by ``node_of``): the graph's ``hostname`` or ``name`` (a profile's host),
-        else node-K."""
-        for n, h in sorted(set(zip(self.node_of, self.host_of))):
-            a = attrs.get(("host", n), {})
-            self.host_name[n] = str(a.get("hostname") or a.get("name") or f"node-{n}")
-            nic_bw = float(a.get("nic_bandwidth_bytes_per_s", float("inf")))
-            intra = float(a.get("intra_node_bandwidth_bytes_per_s", float("inf")))
-            if h not in self.host_nic_bw:  # the domain's first host
-                self.host_nic_kind[h] = str(a.get("nic_kind", ""))
-                self.host_nic_bw[h], self.host_nic_total[h], self.host_intra_bw[h] = nic_bw, 0.0, intra
-            # a domain: its slowest NIC and fabric figures, and all its hosts' NICs together
-            self.host_nic_bw[h] = min(self.host_nic_bw[h], nic_bw)
-            self.host_intra_bw[h] = min(self.host_intra_bw[h], intra)
-            self.host_nic_total[h] += nic_bw * a.get("nic_count", 1)
+        self._read_hosts(lambda n: attrs.get(("host", n), {}))
         self.group_cap = {}
         for u, v, d in graph.edges(data=True):
             if d.get("kind") == "inter_group":
                 self.group_cap[(u[1], v[1])] = self.group_cap[(v[1], u[1])] = float(d["bandwidth_bytes_per_s"])
         self.measured = {}
-        for u, v, d in graph.edges(data=True):
-            if d.get("kind") == "measured":
-                pair = (float(d["bandwidth_bytes_per_s"]), float(d["latency_s"]))
-                self.measured[(u, v)] = self.measured[(v, u)] = pair
         self._group_cache: dict = {}
+        self.with_measured({(u, v): d for u, v, d in graph.edges(data=True) if d.get("kind") == "measured"})
+
+    @classmethod
+    def of_cluster(cls, spec) -> "Topology":
+        """The topology of a ``ClusterSpec`` read from its node groups, without building its graph:
+        the same fields as ``Topology(spec.graph())`` (``tests/specs/test_bounds.py`` compares
+        them), in time and memory linear in the devices, and without importing networkx."""
+        self = cls.__new__(cls)
+        domains = spec.domains()
+        self.node_of, self.host_of, self.group_of, self.kind_of, self.memory_of = [], [], [], [], []
+        memory = [float(g.device_memory_bytes) for g in spec.node_groups]  # a catalog look-up: once per group
+        for n, (gi, grp) in enumerate(spec.nodes()):
+            k = grp.gpus_per_node
+            self.node_of += [n] * k
+            self.host_of += [domains[n]] * k
+            self.group_of += [gi] * k
+            self.kind_of += [grp.device] * k
+            self.memory_of += [memory[gi]] * k
+        self.num_devices = len(self.node_of)
+        self.intra_latency_s = float(spec.intra_node_latency_s)
+        self.inter_latency_s = float(spec.inter_node_latency_s)
+        self._group_hosts(spec, domains)
+        cap = float(spec.inter_group_bandwidth_bytes_per_s or float("inf"))
+        groups = range(len(spec.node_groups))
+        self.group_cap = {(a, b): cap for a in groups for b in groups if a != b}
+        self.measured = {}
+        self._group_cache = {}
+        return self
+
+    def with_measured(self, links: dict) -> "Topology":
+        """This topology with measured device pairs, ``{(a, b): {"bandwidth_bytes_per_s": ..,
+        "latency_s": ..}}`` (a graph's ``measured`` edges, ``measured_graph.measured_device_links``),
+        which :meth:`p2p` prefers to the declared links, in both directions."""
+        for (u, v), d in links.items():
+            pair = (float(d["bandwidth_bytes_per_s"]), float(d["latency_s"]))
+            self.measured[(u, v)] = self.measured[(v, u)] = pair
+        if links:
+            self._group_cache.clear()
+        return self
+
+    def _group_hosts(self, spec, domains: list) -> None:
+        """:meth:`_read_hosts` for a ``ClusterSpec``, a node group at a time: every host of a
+        group has its figures (``ClusterSpec.host_attrs``) and every domain its
+        ``nvlink_domain`` hosts, so a domain's figures are the group's and its NICs together the
+        same sum, added host by host from 0.0 as there. Dicts filled in bulk (65,536 hosts)."""
+        self.host_name = dict(enumerate(spec.host_names()))
+        self.host_nic_bw, self.host_nic_total, self.host_intra_bw, self.host_nic_kind = {}, {}, {}, {}
+        first = 0
+        for grp in spec.node_groups:
+            ids = list(dict.fromkeys(domains[first:first + grp.count]))
+            bw = float(grp.nic_bandwidth_bytes_per_s)
+            total = 0.0
+            for _ in range(grp.nvlink_domain):
+                total += bw * grp.nic_count
+            self.host_nic_bw.update(dict.fromkeys(ids, bw))
+            self.host_nic_total.update(dict.fromkeys(ids, total))
+            self.host_intra_bw.update(dict.fromkeys(ids, float(grp.intra_node_bandwidth_bytes_per_s)))
+            self.host_nic_kind.update(dict.fromkeys(ids, str(grp.nic_kind)))
+            first += grp.count
+
+    def _read_hosts(self, host_attrs) -> None:
+        """Per host (``host_attrs(n)``: the host's attributes, as ``ClusterSpec.host_attrs`` gives
+        them) its name; per host for bandwidth (its domain) the slowest NIC and fabric figures and
+        all its hosts' NICs together, in the order of the hosts."""
+        self.host_nic_bw = nic_bw = {}
+        self.host_nic_total = total = {}
+        self.host_intra_bw = intra = {}
+        self.host_nic_kind = {}
+        self.host_name = {}
+        """A host's name (by ``node_of``): the graph's ``hostname`` or ``name`` (a profile's host),
+        else node-K."""
+        inf = float("inf")
+        for n, h in sorted(dict(zip(self.node_of, self.host_of)).items()):  # (a host's devices: one domain)
+            a = host_attrs(n)
+            self.host_name[n] = str(a.get("hostname") or a.get("name") or f"node-{n}")
+            bw = float(a.get("nic_bandwidth_bytes_per_s", inf))
+            fabric = float(a.get("intra_node_bandwidth_bytes_per_s", inf))
+            if h not in nic_bw:  # the domain's first host
+                self.host_nic_kind[h] = str(a.get("nic_kind", ""))
+                nic_bw[h], total[h], intra[h] = bw, 0.0, fabric
+            # a domain: its slowest NIC and fabric figures, and all its hosts' NICs together
+            nic_bw[h] = min(nic_bw[h], bw)
+            intra[h] = min(intra[h], fabric)
+            total[h] += bw * a.get("nic_count", 1)
 
     # -- point to point -------------------------------------------------------------------------
     def p2p(self, i: int, j: int) -> tuple[float, float]:
@@ -113,34 +177,28 @@ class Topology:
         """Link summary for a collective over ``members`` (device ids, in ring order).
 
         ``active_per_host`` maps a host to how many of its devices take part in cross-host
-        collectives of this axis at the same time (all groups of an axis run together); by default
-        only this group's members. NICs are shared evenly among them.
+        collectives of this axis at the same time (all groups of an axis run together); a host it
+        leaves out (or None): only this group's members. NICs are shared evenly among them.
         """
-        key = (members, tuple(sorted(active_per_host.items())) if active_per_host else None)
+        key = self._group_key(members, active_per_host)
         hit = self._group_cache.get(key)
         if hit is not None:
             return hit
         per_host: dict = {}
+        host_of = self.host_of
         for d in members:
-            per_host.setdefault(self.host_of[d], []).append(d)
-        intra_bw, intra_lat = float("inf"), 0.0
-        for devs in per_host.values():
-            for a, b in zip(devs, devs[1:] + devs[:1]):
-                if a != b:
-                    bw, lat = self.p2p(a, b)
-                    intra_bw, intra_lat = min(intra_bw, bw), max(intra_lat, lat)
+            per_host.setdefault(host_of[d], []).append(d)
+        intra_bw, intra_lat = _ring(self, [devs for devs in per_host.values() if len(devs) > 1])
         inter_bw, inter_lat = float("inf"), 0.0
         ring_bw = float("inf")
         if len(per_host) > 1:
-            heads = [devs[0] for devs in per_host.values()]
-            for a, b in zip(heads, heads[1:] + heads[:1]):
-                bw, lat = self.p2p(a, b)
-                inter_bw, inter_lat = min(inter_bw, bw), max(inter_lat, lat)
+            inter_bw, inter_lat = _ring(self, [[devs[0] for devs in per_host.values()]])
             ring_bw = inter_bw
-            for h, devs in per_host.items():
+            nic, total = self.host_nic_bw, self.host_nic_total
+            for h, devs in per_host.items():  # nic_share, inline: a dp group may span thousands of hosts
                 active = active_per_host.get(h, len(devs)) if active_per_host else len(devs)
-                inter_bw = min(inter_bw, self.nic_share(h, active))
-                ring_bw = min(ring_bw, self.nic_share(h, max(1, active // len(devs))))
+                inter_bw = min(inter_bw, nic[h], total[h] / max(active, 1))
+                ring_bw = min(ring_bw, nic[h], total[h] / max(1, active // len(devs)))
         out = GroupLinks(size=len(members), num_hosts=len(per_host),
                          local_size=max(len(v) for v in per_host.values()),
                          intra_bandwidth_bytes_per_s=intra_bw, inter_bandwidth_bytes_per_s=inter_bw,
@@ -150,3 +208,60 @@ class Topology:
         if len(self._group_cache) < 200_000:
             self._group_cache[key] = out
         return out
+
+    def _group_key(self, members: tuple, active_per_host: dict | None) -> tuple:
+        """What :meth:`group_links` answers from, as its cache key. Without measured links: which
+        members share a host (host numbers less the first member's), each member's host figures
+        and node group (:meth:`device_classes`) and the active flows on its host, so that the
+        thousands of groups of an axis that sit alike on alike hosts (32,768 tp pairs on 65,536
+        devices) share one entry. With measured links, which are per device pair: the members."""
+        hosts = tuple(map(self.host_of.__getitem__, members))
+        if self.measured or not members:  # (the flows on the group's own hosts: all the answer reads)
+            active = sorted((h, active_per_host[h]) for h in set(hosts) if h in active_per_host) \
+                if active_per_host else None
+            return members, tuple(active) if active else None
+        return (tuple(map(operator.sub, hosts, itertools.repeat(hosts[0]))),
+                tuple(map(self.device_classes().__getitem__, members)),
+                tuple(map(active_per_host.get, hosts)) if active_per_host else None)
+
+    def device_classes(self) -> list:
+        """Per device, a number for its host's bandwidth figures (NIC, all NICs, fabric) and its
+        node group. Without measured links, devices with equal numbers are alike to :meth:`p2p`,
+        :meth:`nic_share` and :meth:`group_links` but for which of them share a host. Built on
+        first use."""
+        classes = self.__dict__.get("_classes")
+        if classes is None:
+            ids: dict = {}
+            figures = {h: (self.host_nic_bw[h], self.host_nic_total[h], self.host_intra_bw[h]) for h in self.host_nic_bw}
+            classes = self._classes = [ids.setdefault((figures[h], g), len(ids))
+                                       for h, g in zip(self.host_of, self.group_of)]
+        return classes
+
+
+def _ring(topo: Topology, rings: list) -> tuple[float, float]:
+    """(slowest bandwidth, largest latency) of the links between consecutive devices of each ring
+    (device lists, closed: the last back to the first); (inf, 0.0) with no link. Without measured
+    links, p2p's answers from host membership directly, with no call per pair: a ring inside one
+    host runs at its fabric, one across hosts at their slowest NIC (and the cap between node groups
+    it crosses): every host of a ring is an end of two of its links."""
+    bw, lat = float("inf"), 0.0
+    if topo.measured:
+        for devs in rings:
+            for a, b in zip(devs, devs[1:] + devs[:1]):
+                if a != b:
+                    pbw, plat = topo.p2p(a, b)
+                    bw, lat = min(bw, pbw), max(lat, plat)
+        return bw, lat
+    host_of, group_of = topo.host_of, topo.group_of
+    for devs in rings:
+        hosts = [host_of[d] for d in devs]
+        if hosts[0] == hosts[-1]:  # (p2p: one host -- a ring is inside a host or across distinct ones)
+            bw, lat = min(bw, topo.host_intra_bw[hosts[0]]), max(lat, topo.intra_latency_s)
+            continue
+        bw, lat = min(bw, min(topo.host_nic_bw[h] for h in hosts)), max(lat, topo.inter_latency_s)
+        if topo.group_cap:
+            groups = [group_of[d] for d in devs]
+            for ga, gb in zip(groups, groups[1:] + groups[:1]):
+                if ga != gb:
+                    bw = min(bw, topo.group_cap.get((ga, gb), float("inf")))
+    return bw, lat

@@ -146,6 +146,8 @@ def _check_target(path: str, flag: str) -> None:
     if stat.S_ISLNK(st.st_mode):
         try:
             st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return  # a link to a file not made yet (a database a search creates through it)
         except OSError as e:
             raise UserError(_unreachable(path, flag, e, "write")) from None
     kind = _kind(st)

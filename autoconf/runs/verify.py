@@ -147,6 +147,8 @@ def _calibrate(args, cands, trials, devices) -> tuple[dict | None, str | None]:
         save_calibration(calibration, args.calibrate)
     except OSError as e:
         return None, f"--calibrate {args.calibrate!r}: cannot write ({e.strerror or e})"
+    except UserError as e:  # what the path became while the trials ran (a directory, a FIFO)
+        return None, f"--calibrate {args.calibrate!r}: cannot write ({e})"
     return calibration_report(pairs, calibration), None
 
 

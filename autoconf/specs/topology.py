@@ -40,7 +40,9 @@ class GroupLinks:  # hashable: equal links dedupe
     """Per-device bandwidth across hosts when every active device of a host sends at once (the
     hierarchical algorithm's k flows per group), after NIC sharing and caps (inf if one host)."""
     ring_inter_bandwidth_bytes_per_s: float
-    """Per-flow bandwidth across hosts for a flat ring (one flow per group leaves each host)."""
+    """Bandwidth across hosts of a flat ring or tree: one flow per rail, as many rails as the group's
+    fewest members on a host (NCCL's channels, one per NIC), after NIC sharing among the axis's
+    groups and the caps between node groups."""
     intra_latency_s: float
     inter_latency_s: float
 
@@ -192,13 +194,20 @@ class Topology:
         inter_bw, inter_lat = float("inf"), 0.0
         ring_bw = float("inf")
         if len(per_host) > 1:
-            inter_bw, inter_lat = _ring(self, [[devs[0] for devs in per_host.values()]])
-            ring_bw = inter_bw
+            heads = [devs[0] for devs in per_host.values()]
+            inter_bw, inter_lat = _ring(self, [heads])
+            # NCCL's rings and trees across hosts run one channel per rail: each of a host's k
+            # members sends its share through its own NIC (rail-optimised fabrics keep GPU i of
+            # every host on rail i), so a flat ring has as many inter-host flows as its fewest
+            # members on a host, capped by the caps between node groups and shared with the other
+            # groups of the axis on each host's NICs
+            rails = min(len(devs) for devs in per_host.values())
+            ring_bw = min(rails * inter_bw, _group_cap(self, heads))
             nic, total = self.host_nic_bw, self.host_nic_total
             for h, devs in per_host.items():  # nic_share, inline: a dp group may span thousands of hosts
                 active = active_per_host.get(h, len(devs)) if active_per_host else len(devs)
                 inter_bw = min(inter_bw, nic[h], total[h] / max(active, 1))
-                ring_bw = min(ring_bw, nic[h], total[h] / max(1, active // len(devs)))
+                ring_bw = min(ring_bw, len(devs) * nic[h], total[h] / max(1, active // len(devs)))
         out = GroupLinks(size=len(members), num_hosts=len(per_host),
                          local_size=max(len(v) for v in per_host.values()),
                          intra_bandwidth_bytes_per_s=intra_bw, inter_bandwidth_bytes_per_s=inter_bw,
@@ -236,6 +245,15 @@ class Topology:
             classes = self._classes = [ids.setdefault((figures[h], g), len(ids))
                                        for h, g in zip(self.host_of, self.group_of)]
         return classes
+
+
+def _group_cap(topo: Topology, ring: list) -> float:
+    """The least cap between node groups on a ring of devices (inf: none, or measured links)."""
+    if topo.measured or not topo.group_cap:
+        return float("inf")
+    groups = [topo.group_of[d] for d in ring]
+    return min((topo.group_cap.get((a, b), float("inf")) for a, b in zip(groups, groups[1:] + groups[:1]) if a != b),
+               default=float("inf"))
 
 
 def _ring(topo: Topology, rings: list) -> tuple[float, float]:

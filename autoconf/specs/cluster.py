@@ -142,9 +142,7 @@ class ClusterSpec:
         """From :meth:`to_dict`'s form (SI numbers), checked against ``SI_CLUSTER_SCHEMA``."""
         try:
             d = SI_CLUSTER_SCHEMA(d)
-            _check_devices(d["node_groups"])
-            _check_hosts(d["node_groups"])
-            _check_domains(d["node_groups"])
+            _check_groups(d["node_groups"])
         except UserError as e:
             raise UserError(f"cluster: {e}") from None
         d["node_groups"] = tuple(NodeGroup(**{**g, "hosts": tuple(g["hosts"]) if g.get("hosts") else None})
@@ -253,6 +251,14 @@ def is_host_name(name) -> bool:
     return isinstance(name, str) and HOST_RE.fullmatch(name) is not None
 
 
+def _check_groups(groups) -> None:
+    """What the schema cannot say of the node groups: devices in the catalog and within bounds,
+    host names, NVLink domains."""
+    _check_devices(groups)
+    _check_hosts(groups)
+    _check_domains(groups)
+
+
 def _check_hosts(groups) -> None:
     """Each group's ``hosts``: one name per node, a host name or address (letters, digits, '.',
     '-', '_', ':'; they go into shell scripts), no name twice in the cluster (defaults included)."""
@@ -297,9 +303,7 @@ def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
         raise UserError(f"{where}: 'node_groups' must be a non-empty list")
     try:
         d = CLUSTER_SCHEMA(data)
-        _check_devices(d["node_groups"])
-        _check_hosts(d["node_groups"])
-        _check_domains(d["node_groups"])
+        _check_groups(d["node_groups"])
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
     out = []

@@ -199,7 +199,40 @@ def write_atomic(path: str, write, binary: bool = False, mode: int | None = None
     permission bits (default: as a new file, by the umask). A target that exists and is not a
     regular file (or a symlink to one) is refused before anything is written and again right
     before the rename: a FIFO or a device is never replaced."""
-    _check_target(path, "output file")
+    write_all_or_none([(path, write, binary, mode)])
+
+
+def write_texts_all_or_none(files) -> list[str]:
+    """Write every ``(path, text, mode)``, or none of them: each is staged in a temp file beside its
+    target first, and only once every one is written whole (a full disk fails here) are they
+    renamed into place (renames take no space). On any failure every staged file is removed and
+    every target keeps its old content. Returns the paths."""
+    write_all_or_none([(path, (lambda f, t=text: f.write(t)), False, mode) for path, text, mode in files])
+    return [path for path, _text, _mode in files]
+
+
+def write_all_or_none(files) -> None:
+    """:func:`write_texts_all_or_none` for ``(path, write(f), binary, mode)`` items."""
+    staged: list[tuple[str, str]] = []
+    try:
+        for path, write, binary, mode in files:
+            _check_target(path, "output file")
+            staged.append((_stage(path, write, binary, mode), path))
+        for tmp, path in staged:
+            _check_target(path, "output file")  # what may have appeared while writing
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    except BaseException:
+        for tmp, _path in staged:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+        raise
+
+
+def _stage(path: str, write, binary: bool, mode: int | None) -> str:
+    """``write(f)`` into a new temp file beside ``path``, flushed to disk; its name (removed on failure)."""
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
@@ -212,14 +245,13 @@ def write_atomic(path: str, write, binary: bool = False, mode: int | None = None
             os.umask(umask)
             mode = 0o666 & ~umask  # mkstemp creates 0600
         os.chmod(tmp, mode)
-        _check_target(path, "output file")  # what may have appeared while writing
-        os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
+    return tmp
 
 
 def side_output(flag: str, target: str, write, default=None):

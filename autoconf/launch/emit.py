@@ -25,7 +25,7 @@ import re
 import shlex
 
 from autoconf.errors import UserError
-from autoconf.files import write_text
+from autoconf.files import write_texts_all_or_none
 from autoconf.launch import deepspeed, megatron, torchtitan
 from autoconf.launch.hosts import host_roles, node_plan, visible_devices
 from autoconf.launch.plan import PLAN_ENV, LaunchPlan
@@ -107,19 +107,15 @@ def _header(plan) -> str:
     return f"{plan.model.name} on {plan.cluster.name}: {plan.config.short()}{pred} (autoconf plan, config.json)"
 
 
-def _framework_files(plan, out_dir: str) -> list[str]:
+def _framework_files(plan, out_dir: str) -> list[tuple]:
+    """(path, text, mode) of the framework's own launch files."""
     header = _header(plan)
     files = {"megatron": {"megatron_args.sh": lambda: megatron.megatron_file(plan, header)},
              "torchtitan": {"torchtitan_args.sh": lambda: torchtitan.torchtitan_args_file(plan, header),
                             "torchtitan.toml": lambda: torchtitan.torchtitan_toml(plan, header)},
              "deepspeed": {"ds_config.json": lambda: json.dumps(deepspeed.ds_config(plan, header), indent=2) + "\n"},
              }.get(plan.framework, {})
-    written = []
-    for name, text in files.items():
-        path = os.path.join(out_dir, name)
-        write_text(path, text())
-        written.append(path)
-    return written
+    return [(os.path.join(out_dir, name), text(), None) for name, text in files.items()]
 
 
 _CD_HERE = 'case "$0" in */*) CDPATH= cd -- "${0%/*}/" ;; esac'
@@ -214,18 +210,15 @@ def _sbatch(plan, out_dir: str, hosts: list[dict], visible) -> str:
 
 
 def _write_all(plan, estimate, out_dir, master_port, hosts, visible, script, script_args, runners_up) -> list[str]:
-    written = [plan.write(os.path.join(out_dir, "config.json"))]
-    written += _framework_files(plan, out_dir)
-    for k, vis in enumerate(visible):
-        path = os.path.join(out_dir, f"node-{k}.sh")
-        write_text(path, _node_script(plan, k, hosts, vis, master_port, script, script_args), mode=0o755)
-        written.append(path)
-    path = os.path.join(out_dir, "sbatch.sh")
-    write_text(path, _sbatch(plan, out_dir, hosts, visible), mode=0o755)
-    written.append(path)
-    path = os.path.join(out_dir, "PLAN.md")
-    write_text(path, plan_markdown(plan, estimate, hosts, visible, script, runners_up))
-    written.append(path)
+    """Every launch file rendered first, then written all or none (``files.write_texts_all_or_none``:
+    a full disk half-way leaves the previous launch files complete, none of the new ones), then the
+    stale ones of an earlier emit removed."""
+    files = [(os.path.join(out_dir, "config.json"), plan.to_json(), None)] + _framework_files(plan, out_dir)
+    files += [(os.path.join(out_dir, f"node-{k}.sh"), _node_script(plan, k, hosts, vis, master_port, script, script_args),
+               0o755) for k, vis in enumerate(visible)]
+    files += [(os.path.join(out_dir, "sbatch.sh"), _sbatch(plan, out_dir, hosts, visible), 0o755),
+              (os.path.join(out_dir, "PLAN.md"), plan_markdown(plan, estimate, hosts, visible, script, runners_up), None)]
+    written = write_texts_all_or_none(files)
     _remove_stale(out_dir, written)
     return written
 

@@ -410,7 +410,7 @@ def _full_disk(*_a, **_k):
       "--dp", "2", "--plot", "PLOTS"], "autoconf.output.plots.write_atomic", "--plot 'PLOTS': cannot write"),
     (["search", "--model", "tiny", "--cluster", "examples/clusters/localhost-cpu.yaml", "--global-batch", "16",
       "--trials", "5", "--storage", "none", "--emit", "EMIT", "--plot", "PLOTS"],
-     "autoconf.files.write_atomic autoconf.output.plots.write_atomic",
+     "autoconf.files.write_all_or_none autoconf.output.plots.write_atomic",
      "--emit 'EMIT': cannot write the launch files (No space left on device); --plot 'PLOTS': cannot write"),
     (["plan", "--model", "gpt3-1.3b", "--device", "a100-80gb", "--max-gpus", "8", "--compare-networks", "none",
       "--quiet", "--cluster-out", "EMIT/c.yaml"], "autoconf.files.write_atomic",

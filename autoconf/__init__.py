@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import importlib
 
-__version__ = "0.1.0"
+from autoconf.version import __version__ as __version__
 
 _API = {
     "ModelSpec": "autoconf.specs.model", "preset": "autoconf.specs.model", "load_model": "autoconf.specs.hf",

@@ -8,7 +8,6 @@ import platform
 import shlex
 import sys
 
-from autoconf import __version__
 from autoconf.errors import UserError
 from autoconf.specs.devices import device_type
 from autoconf.specs.profile import (
@@ -29,6 +28,7 @@ from autoconf.specs.profile import (
     RankInfo,
     TpBlockTiming,
 )
+from autoconf.version import __version__
 from profiler.links import merge_collectives
 
 

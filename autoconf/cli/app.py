@@ -14,7 +14,6 @@ import re
 import sys
 import threading
 
-from autoconf import __version__
 from autoconf.cli.argtypes import int_list, port, positive_int, recompute_modules
 from autoconf.cli.catalog import cmd_devices, cmd_models
 from autoconf.cli.estimate import cmd_estimate
@@ -26,6 +25,7 @@ from autoconf.cli.verify import add_verify_arguments
 from autoconf.errors import UserError
 from autoconf.space.config import DP_ALL_REDUCE, FP8_RECIPES, MOE_DISPATCHERS, PP_COMPRESSION
 from autoconf.specs.frameworks import FRAMEWORK_NAMES
+from autoconf.version import __version__
 from profiler.cli import add_profile_parser
 
 EPILOG = "This is autoconf-parallel (training-parallelism planner), not GNU Autoconf."

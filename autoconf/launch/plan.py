@@ -38,7 +38,6 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from autoconf import __version__
 from autoconf.errors import UserError
 from autoconf.files import write_text
 from autoconf.space.config import CONFIG_SCHEMA, ParallelConfig, check
@@ -47,6 +46,7 @@ from autoconf.specs.cluster import SI_CLUSTER_SCHEMA, ClusterSpec
 from autoconf.specs.frameworks import FRAMEWORK_NAMES, framework
 from autoconf.specs.model import ModelSpec
 from autoconf.specs.schema import Dict, Int, Map, Null, Num, Opaque, Str, check_kind, parse_json, read_text, show_value
+from autoconf.version import __version__
 
 PLAN_VERSION = 2
 READABLE_VERSIONS = (1, 2)

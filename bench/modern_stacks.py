@@ -122,8 +122,9 @@ def is_moe(name: str) -> bool:
 # -- clusters ----------------------------------------------------------------------------------------
 
 SYSTEMS = {
-    # Grand Teton: the catalog has no 500 W H100 (2.4 TB/s): the SXM's rates, its 95 GiB
-    "H100-GT": {"device": "h100-sxm", "memory": "95 GiB", "intra_node_bandwidth": "450 GB/s",
+    # Grand Teton: H100s power-capped at 500 W with 2.4 TB/s of HBM and 95 GiB (the data's README)
+    "H100-GT": {"device": "h100-sxm", "memory": "95 GiB", "power_cap": "500 W", "memory_bandwidth": "2.4 TB/s",
+                "intra_node_bandwidth": "450 GB/s",
                 "nics": {"count": 8, "bandwidth": "400 Gbit/s", "kind": "roce"}},
     "DGX-H100": {"device": "h100-sxm", "intra_node_bandwidth": "450 GB/s",
                  "nics": {"count": 8, "bandwidth": "400 Gbit/s", "kind": "infiniband"}},
@@ -478,8 +479,8 @@ def not_expressible(rows: list[dict], con: Console) -> None:
 
 
 NOTES = (
-    "H100-GT (Grand Teton, 500 W, ~2.4 TB/s) is priced as the catalog's h100-sxm (700 W: 989 TF/s bf16, 3.35 TB/s) "
-    "with 95 GiB: the catalog has no power-capped H100, so those rows start optimistic",
+    "H100-GT (Grand Teton) is the catalog's h100-sxm as deployed there: power_cap 500 W (0.88 of the 700 W GEMM "
+    "rate, specs.devices.capped_clock_ratio), memory_bandwidth 2.4 TB/s, memory 95 GiB",
     "H200 hosts: NVLink 450 GB/s per GPU each way (HGX H200; the source states the network only)",
     "NeMo AutoModel rows run as framework torchtitan (PyTorch FSDP2 over DTensor, torch.distributed.pipelining: "
     "the closest autoconf runtime); Megatron-Bridge rows as megatron with its distributed optimizer (ZeRO-1)",

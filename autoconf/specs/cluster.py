@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass, field
 
 from autoconf.errors import UserError
-from autoconf.specs.devices import device_type
+from autoconf.specs.devices import deployed_name, device_type
 from autoconf.specs.measured_graph import ranks_by_host, topology_graph
 from autoconf.specs.schema import Dict, Int, List, Null, Num, Quantity, Str, check_kind, load_yaml
 
@@ -45,7 +45,8 @@ class NodeGroup:
     count: int
     """Number of identical nodes (hosts)."""
     device: str
-    """Catalog name of the accelerator (or 'cpu')."""
+    """Catalog name of the accelerator (or 'cpu'); as deployed where the cluster file states a
+    power cap, clock or HBM bandwidth (``specs.devices.deployed_name``)."""
     gpus_per_node: int
     intra_node_bandwidth_bytes_per_s: float
     """Per device, per direction."""
@@ -188,6 +189,8 @@ search over this many stay within seconds and a few GB)."""
 BANDWIDTH = ("bytes_per_s", 1e3, 1e15)     # 1 kB/s .. 1 PB/s, per direction
 LATENCY = ("seconds", 0.0, 1.0)            # 0 .. 1 s
 MEMORY = ("bytes", float(1 << 20), float(1 << 50))  # 1 MiB .. 1 PiB per device
+POWER = ("watts", 1.0, 1e5)                # a board power cap: 1 W .. 100 kW
+CLOCK = ("hertz", 1e6, 1e11)               # a sustained clock: 1 MHz .. 100 GHz
 
 
 def _quantity(kind, lo, hi):
@@ -208,8 +211,11 @@ GROUP_SCHEMA = Dict(
     required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=64), "gpus_per_node": Int(1, 1024),
               "intra_node_bandwidth": _quantity(*BANDWIDTH)},
     optional={"nics": Null(NIC_SCHEMA), "memory": _quantity(*MEMORY), "hosts": Null(HOSTS_SCHEMA),
-              "nvlink_domain": Int(1, MAX_DEVICES)},
+              "nvlink_domain": Int(1, MAX_DEVICES), "power_cap": _quantity(*POWER),
+              "clock": _quantity(*CLOCK), "memory_bandwidth": _quantity(*BANDWIDTH)},
     what="a node group")
+DEPLOYED = {"power_cap": "power_cap_w", "clock": "clock_hz", "memory_bandwidth": "memory_bandwidth_bytes_per_s"}
+"""A node group's fields that state its devices as deployed (``specs.devices.deployed_name``)."""
 LATENCY_SCHEMA = Dict(optional={"intra_node": _quantity(*LATENCY), "inter_node": _quantity(*LATENCY)},
                       what="latency, like {intra_node: 2 us, inter_node: 10 us}")
 CLUSTER_SCHEMA = Dict(
@@ -219,7 +225,7 @@ CLUSTER_SCHEMA = Dict(
     what="a cluster")
 
 SI_GROUP_SCHEMA = Dict(
-    required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=64), "gpus_per_node": Int(1, 1024),
+    required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=160), "gpus_per_node": Int(1, 1024),
               "intra_node_bandwidth_bytes_per_s": _si(*BANDWIDTH)},
     optional={"nic_count": Int(1, 256), "nic_bandwidth_bytes_per_s": _si(*BANDWIDTH), "nic_kind": Str(max_len=64),
               "memory_bytes": Null(_si(*MEMORY)), "hosts": Null(HOSTS_SCHEMA), "nvlink_domain": Int(1, MAX_DEVICES)},
@@ -307,10 +313,15 @@ def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
     except UserError as e:
         raise UserError(f"{where}: {e}") from None
     out = []
-    for g in d["node_groups"]:
+    for i, g in enumerate(d["node_groups"]):
         nics = g.get("nics") or {}
+        device = deployed_name(g["device"], **{f: g[k] for k, f in DEPLOYED.items() if k in g})
+        try:
+            device_type(device)  # a power cap the device cannot take, a clock it has no base for
+        except UserError as e:
+            raise UserError(f"{where}: node_groups[{i}]: {e}") from None
         out.append(NodeGroup(
-            count=g["count"], device=g["device"], gpus_per_node=g["gpus_per_node"],
+            count=g["count"], device=device, gpus_per_node=g["gpus_per_node"],
             intra_node_bandwidth_bytes_per_s=g["intra_node_bandwidth"],
             nic_count=nics.get("count", 1),
             nic_bandwidth_bytes_per_s=nics.get("bandwidth", 100e9 / 8),

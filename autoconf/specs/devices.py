@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import lru_cache
@@ -80,6 +81,17 @@ class DeviceType:
     """Fraction of a dtype's peak a large GEMM reaches where it differs from ``gemm_efficiency``
     (FP8 GEMMs reach less of their doubled peak). None: ``gemm_efficiency`` for every dtype."""
 
+    tdp_w: float = 0.0
+    """Board power the datasheet's peaks are stated at (its TDP). 0: not stated (no power cap)."""
+    idle_w: float = 0.0
+    """Power the board draws clocked up but idle (leakage, HBM refresh): the part a power cap
+    cannot scale down (:func:`capped_clock_ratio`)."""
+    boost_clock_hz: float = 0.0
+    """The clock the datasheet's peaks are stated at (the peaks scale with it). 0: not stated."""
+    deployed: dict = None
+    """How this device differs from the catalog's as deployed (``power_cap_w``, ``clock_hz``,
+    ``memory_bandwidth_bytes_per_s``; :func:`deployed_name`). None: as the catalog states it."""
+
     def gemm_efficiency_of(self, dtype: str) -> float:
         """The large-GEMM efficiency of ``dtype`` (FP8 and MXFP8 may differ from 16-bit)."""
         eff = (self.dtype_gemm_efficiency or {}).get(dtype)
@@ -135,10 +147,107 @@ def device_names() -> list[str]:
 
 
 def device_type(name: str) -> DeviceType:
+    """The catalog's device ``name``, or a device as deployed (``base@power=500W,...``:
+    :func:`deployed_name`)."""
+    base, _, spec = name.partition("@")
     cat = _catalog()
-    if name not in cat:
-        raise UserError(f"unknown device {name!r}; valid: {', '.join(cat)}")
-    return DeviceType(name=name, **cat[name])
+    if base not in cat:
+        raise UserError(f"unknown device {base!r}; valid: {', '.join(cat)}")
+    dev = DeviceType(name=base, **cat[base])
+    return _deploy(dev, _parse_deployed(name, spec)) if spec else dev
+
+
+# -- devices as deployed -------------------------------------------------------------------------------
+
+DEPLOYED_KEYS = {"power": "power_cap_w", "clock": "clock_hz", "hbm": "memory_bandwidth_bytes_per_s"}
+"""The short keys of a deployed device's name and the fields they set."""
+
+
+def deployed_name(base: str, power_cap_w: float | None = None, clock_hz: float | None = None,
+                  memory_bandwidth_bytes_per_s: float | None = None) -> str:
+    """The name of catalog device ``base`` as deployed: power-capped, clocked, or with other HBM
+    bandwidth (a cluster file's node group states them; capacity is the group's ``memory``).
+    ``h100-sxm@power=500W,hbm=2.4e+12B/s``; the base name alone where nothing differs. A
+    ``base`` already deployed keeps what the arguments do not restate."""
+    if "@" in base:
+        base, _, spec = base.partition("@")
+        was = _parse_deployed(f"{base}@{spec}", spec)
+        power_cap_w = was.get("power_cap_w") if power_cap_w is None else power_cap_w
+        clock_hz = was.get("clock_hz") if clock_hz is None else clock_hz
+        if memory_bandwidth_bytes_per_s is None:
+            memory_bandwidth_bytes_per_s = was.get("memory_bandwidth_bytes_per_s")
+    parts = []
+    if power_cap_w is not None:
+        parts.append(f"power={power_cap_w:g}W")
+    if clock_hz is not None:
+        parts.append(f"clock={clock_hz:g}Hz")
+    if memory_bandwidth_bytes_per_s is not None:
+        parts.append(f"hbm={memory_bandwidth_bytes_per_s:g}B/s")
+    return f"{base}@{','.join(parts)}" if parts else base
+
+
+def _parse_deployed(name: str, spec: str) -> dict:
+    out = {}
+    for part in spec.split(","):
+        key, _, value = part.partition("=")
+        unit = {"power": "W", "clock": "Hz", "hbm": "B/s"}.get(key)
+        if unit is None or not value.endswith(unit):
+            raise UserError(f"device {name!r}: cannot read {part!r}; valid: power=<W>W, clock=<Hz>Hz, hbm=<B/s>B/s")
+        try:
+            v = float(value[: -len(unit)])
+        except ValueError:
+            raise UserError(f"device {name!r}: {part!r} is not a number with its unit") from None
+        if not (v > 0 and v < float("inf")):
+            raise UserError(f"device {name!r}: {part!r} must be positive and finite")
+        out[DEPLOYED_KEYS[key]] = v
+    return out
+
+
+def capped_clock_ratio(dev: DeviceType, power_cap_w: float) -> float:
+    """The clock a dense tensor-core kernel sustains under a board power cap, as a fraction of the
+    clock the peaks are stated at.
+
+    CMOS dynamic power is a*C*V^2*f and, over a GPU's DVFS range, the voltage rises about in
+    proportion to the clock, so the dynamic part goes as f^3; the idle part (leakage, HBM refresh)
+    does not scale. A device whose datasheet peak holds at its TDP then sustains
+    ``((cap - idle) / (tdp - idle)) ** (1/3)`` of that clock under ``cap`` (1.0 at or above TDP).
+    E.g. an H100 SXM (700 W, 70 W idle) capped at 500 W: 0.88 of its GEMM rate."""
+    if not dev.tdp_w:
+        raise UserError(f"device {dev.name} has no stated TDP, so a power cap cannot be applied; "
+                        f"state its clock instead")
+    if power_cap_w <= dev.idle_w:
+        raise UserError(f"power cap {power_cap_w:g} W is at or below device {dev.name}'s idle draw "
+                        f"({dev.idle_w:g} W); valid: above it, up to its TDP {dev.tdp_w:g} W")
+    if power_cap_w >= dev.tdp_w:
+        return 1.0
+    return ((power_cap_w - dev.idle_w) / (dev.tdp_w - dev.idle_w)) ** (1.0 / 3.0)
+
+
+def _deploy(dev: DeviceType, how: dict) -> DeviceType:
+    """``dev`` as deployed: its compute peaks scaled by the sustained clock (the lower of a stated
+    clock and what the power cap sustains), its HBM bandwidth replaced where stated."""
+    ratio = 1.0
+    if "clock_hz" in how:
+        if not dev.boost_clock_hz:
+            raise UserError(f"device {dev.name} has no stated boost clock, so its clock cannot be set; "
+                            f"state a power cap, or measure it with `autoconf profile`")
+        ratio = how["clock_hz"] / dev.boost_clock_hz
+    if "power_cap_w" in how:
+        ratio = min(ratio, capped_clock_ratio(dev, how["power_cap_w"]))
+    changes = {"peak_flop_per_s": {k: v * ratio for k, v in dev.peak_flop_per_s.items()},
+               "deployed": dict(how),
+               "name": deployed_name(dev.name, how.get("power_cap_w"), how.get("clock_hz"),
+                                     how.get("memory_bandwidth_bytes_per_s"))}
+    if dev.special_function_per_s:
+        changes["special_function_per_s"] = dev.special_function_per_s * ratio
+    if "memory_bandwidth_bytes_per_s" in how:
+        changes["memory_bandwidth_bytes_per_s"] = how["memory_bandwidth_bytes_per_s"]
+    return dataclasses.replace(dev, **changes)
+
+
+def base_device(name: str) -> str:
+    """The catalog name of a device, deployed or not."""
+    return name.partition("@")[0]
 
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from autoconf.errors import UserError
 from autoconf.files import write_text
+from autoconf.specs.devices import base_device
 from autoconf.specs.devices import device_names as _catalog_names
 from autoconf.specs.model import DTYPES, MODEL_SCHEMA, ModelSpec
 from autoconf.specs.schema import (
@@ -526,7 +527,7 @@ def check_profile_devices(profile: Profile, device_kinds, how: str = "a cluster 
     """Refuse a profile of a device kind the cluster lacks (its links would replace the cluster's,
     e.g. loopback for NVLink). ``how``: how to plan on its kind; ``allow``: the flag accepting it."""
     kind = measured_device_kind(profile)
-    if kind in device_kinds:
+    if kind in {base_device(k) for k in device_kinds}:  # a power-capped or re-clocked kind is measured
         return
     msg = (f"--profile was measured on {kind or 'several device kinds'}; the cluster's devices are "
            f"{', '.join(device_kinds)}: profile that device kind, or plan on it ({how})")
@@ -536,12 +537,14 @@ def check_profile_devices(profile: Profile, device_kinds, how: str = "a cluster 
 # -- helpers shared with the profiler --------------------------------------------------------------
 
 _CUDA_NAMES = (  # (substring of torch.cuda.get_device_name, catalog name); first match wins
+    ("GH200", "gh200"),
     ("H200", "h200"),
+    ("MI325X", "mi325x"),
+    ("MI300X", "mi300x"),
     ("H100 PCIe", "h100-pcie"),
     ("H100 NVL", "h100-pcie"),
     ("H100", "h100-sxm"),
     ("L40S", "l40s"),
-    ("V100", "v100-32gb"),
 )
 
 
@@ -552,6 +555,8 @@ def catalog_kind(device_name: str, memory_bytes: float = 0.0) -> str | None:
     for needle, kind in _CUDA_NAMES:
         if needle in device_name:
             return kind
+    if "V100" in device_name:
+        return "v100-32gb" if memory_bytes > 20 * 2**30 or "32GB" in device_name else "v100-16gb"
     if "A100" in device_name:
         return "a100-80gb" if memory_bytes > 48 * 2**30 or "80GB" in device_name else "a100-40gb"
     return None

@@ -144,7 +144,8 @@ class Str(Spec):
 class Quantity(Spec):
     """A string with a unit, e.g. "300 GB/s", converted to SI and checked against [lo, hi]."""
 
-    EXAMPLES = {"bytes": "80 GiB", "seconds": "2 us", "bytes_per_s": "300 GB/s", "flop_per_s": "989 TFLOP/s"}
+    EXAMPLES = {"bytes": "80 GiB", "seconds": "2 us", "bytes_per_s": "300 GB/s", "flop_per_s": "989 TFLOP/s",
+                "watts": "500 W", "hertz": "1410 MHz"}
 
     def __init__(self, kind: str, lo: float, hi: float, lo_open: bool = False):
         self.kind, self.lo, self.hi, self.lo_open = kind, lo, hi, lo_open

@@ -22,11 +22,12 @@ _STEMS = {
     "s": ("seconds", 1.0), "ms": ("seconds", 1e-3), "us": ("seconds", 1e-6),
     "µs": ("seconds", 1e-6), "ns": ("seconds", 1e-9),
     "FLOP": ("flop", 1.0), "FLOPS": ("flop_per_s", 1.0), "flop": ("flop", 1.0),
+    "W": ("watts", 1.0), "Hz": ("hertz", 1.0),
 }
 
 _RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-zµ]*)\s*(?:/\s*(s|sec))?\s*$")
 
-KINDS = ("bytes", "seconds", "bytes_per_s", "flop_per_s")
+KINDS = ("bytes", "seconds", "bytes_per_s", "flop_per_s", "watts", "hertz")
 
 
 def _split_unit(unit: str) -> tuple[str, float]:
@@ -63,7 +64,7 @@ def parse_quantity(value: object, kind: str, what: str = "value", unit_required:
         raise UserError(f"{what}: {value!r} is not a quantity; expected a number or a string with a unit")
     m = _RE.match(value)
     examples = {"bytes": "'80 GiB'", "seconds": "'2 us'", "bytes_per_s": "'300 GB/s' or '200 Gbit/s'",
-                "flop_per_s": "'989 TFLOP/s'"}[kind]
+                "flop_per_s": "'989 TFLOP/s'", "watts": "'500 W'", "hertz": "'1410 MHz'"}[kind]
     if not m:
         raise UserError(f"{what}: cannot read {value!r}; expected a number and a unit, e.g. {examples}")
     number, unit, per_s = float(m.group(1)), m.group(2), m.group(3)
@@ -95,7 +96,7 @@ def fmt_quantity(v: float, kind: str) -> str:
         return fmt_bytes(v)
     if kind == "seconds":
         return fmt_seconds(v) if v > 0 else "0 s"
-    unit = "B/s" if kind == "bytes_per_s" else "FLOP/s"
+    unit = {"bytes_per_s": "B/s", "watts": "W", "hertz": "Hz"}.get(kind, "FLOP/s")
     for p, f in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if v >= f:
             return f"{v / f:g} {p}{unit}"

@@ -190,8 +190,9 @@ class Assume:
     """Megatron-Bridge's overlap switches: autoconf's Megatron defaults (off); True: the data-parallel
     reduction and parameter gather overlapped, and tp_comm_overlap where tp > 1."""
     fsdp_under_pp: int = 3
-    """FSDP together with pipeline parallelism: ZeRO-3 as stated; 2: no resharding after the
-    forward (what torchtitan's FSDP2 does under pipelining, to spare per-micro-batch gathers)."""
+    """FSDP together with pipeline parallelism: ZeRO-3 as stated, which autoconf prices as
+    torchtitan runs it there (gathered once per step, reduced after the last micro-batch:
+    ``Framework.fsdp_step_gather_under_pp``); 2: ZeRO-2 (parameters never resharded)."""
     interleaved_vp: int = 2
     """Stages per rank of a torchtitan interleaved-1F1B row (unstated): torchtitan's default of 2."""
     sequence_parallel: bool = True

@@ -50,8 +50,9 @@ def bucket_traffic(c: ParallelConfig) -> float:
 
 def dp_reduction_s(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds, dev: int = 0) -> float:
     """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic (PowerSGD's
-    three all-reduces per bucket where pipeline rank ``dev`` compresses its gradients)."""
-    g_bytes = system.grad_bytes
+    three all-reduces per bucket where pipeline rank ``dev`` compresses its gradients), at the
+    framework's reduce dtype (``System.reduce_bytes``)."""
+    g_bytes = system.reduce_bytes(c)
     n, axis = grad_group(c)
     if dp_compressed(c, dev):
         return (powersgd_reduction_s(system, c, lay, ci, kinds, axis_links(system, c, axis), n)
@@ -95,11 +96,17 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
       (``overlap_param_gather``) the next layer's gather runs during this layer's compute, so a
       layer exposes max(0, gather - compute); the first layer's gather of each pass over the
       device's chunks is exposed. Without it every gather is exposed.
-    - ZeRO-2/3 reduce-scatter the gradients every micro-batch but the last (the step's
-      reduction, :func:`reduction_tail_s`, covers that one), in buckets of at most 25 MiB. In the
-      backward the reduce-scatter and the next layer's gather share the links: a layer exposes
+    - ZeRO-2 reduce-scatters the gradients every micro-batch but the last (the step's
+      reduction, :func:`reduction_tail_s`, covers that one), in buckets of at most 25 MiB.
+      ZeRO-3 (FSDP2, DeepSpeed stage 3) reduce-scatters each layer's gradients in every
+      micro-batch's backward, the last one's too, right after the layer's backward: only the
+      last layer's waits past the backward (:func:`reduction_spans`). In the backward the
+      reduce-scatter and the next layer's gather share the links: a layer exposes
       max(0, gather + its share of the reduce-scatter - compute) when overlapped
       (``overlap_grad_reduce``), all of it otherwise.
+    - Under pipelining where the framework gathers once per step (``System.fsdp_step_gather``:
+      torchtitan over ``torch.distributed.pipelining``), the gather runs in the first
+      micro-batch's forward only and the reduce-scatter after the last backward.
     """
     n_mb, nl = c.num_micro_batches, max(lay.chunk_layers[ci], 1)
     n, axis = grad_group(c)
@@ -107,17 +114,24 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
         return 0.0, 0.0
     kinds = lay.stage_kinds[ci % c.pp]
     links = axis_links(system, c, axis)
+    step_gather = system.fsdp_step_gather(c)
+    if step_gather:  # gathered once, in the first forward: kept through every backward
+        f_l = f / nl
+        ag_l = collective_s(system, links, comm.all_gather_s, n, lay.chunk_params[ci] / nl * gather_bytes(system, c))
+        first_f = ag_l if ci < c.pp else 0.0
+        fwd = first_f + nl * max(0.0, ag_l - f_l) if lay.overlap_param_gather else nl * ag_l
+        return fwd / n_mb, 0.0
     passes = 1 if lay.layered and c.pp == 1 else n_mb
     per_pass = n_mb / passes  # micro-batches per pass over the chunk
     f_l, b_l = f / nl * per_pass, b / nl * per_pass  # one layer's compute in one pass
-    g_bytes = system.grad_bytes
+    g_bytes = system.reduce_bytes(c)
     rs_l = 0.0
-    if not lay.layered:  # standard accumulation: every micro-batch's gradients but the last
+    if not lay.layered:  # standard accumulation: every micro-batch's gradients (ZeRO-2: but the last)
         grads = lay.chunk_params[ci] * g_bytes
         buckets = max(1, math.ceil(grads / BUCKET_BYTES))
         rs = (buckets * collective_s(system, links, comm.reduce_scatter_s, n, grads / buckets)
               + system.copy_time(kinds, bucket_traffic(c) * grads))
-        rs_l = rs / nl * (n_mb - 1) / n_mb
+        rs_l = rs / nl * (1.0 if c.zero_stage == 3 else (n_mb - 1) / n_mb)
     ag_l = 0.0
     if c.zero_stage == 3:
         ag_l = collective_s(system, links, comm.all_gather_s, n, lay.chunk_params[ci] / nl * gather_bytes(system, c))
@@ -157,15 +171,27 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
     m = system.model
     red = reduction_collective(c.zero_stage)
     links = axis_links(system, c, axis)
-    last_bucket = min(BUCKET_BYTES, m.layer_params() / c.tp * system.grad_bytes)
+    last_bucket = min(BUCKET_BYTES, m.layer_params() / c.tp * system.reduce_bytes(c))
     ends = sim.last_backward_end_s
+    step_gather = system.fsdp_step_gather(c)
+    # ZeRO-3 reduce-scatters layer by layer inside every backward (``per_micro_batch_s``): past
+    # the chunk's last backward only its last layer's reduce-scatter is left
+    in_backward = c.zero_stage == 3 and not lay.layered and not step_gather and lay.overlap_grad_reduce
     out = []
     for dev in range(c.pp):
         t_free = 0.0
         spans = []
         for ci in sorted(lay.chunks_of(c, dev), key=lambda ci: ends[ci]):
+            if in_backward and not dp_compressed(c, dev):
+                start = max(t_free, ends[ci])
+                t_free = start + collective_s(system, links, red, n, last_bucket, all_reduce_algorithms(system, c, red))
+                spans.append((start, t_free, ci))
+                continue
             t = dp_reduction_s(system, c, lay, red, ci, lay.stage_kinds[dev], dev)
-            if dp_compressed(c, dev):  # one bucket per chunk (the trainer's PowerSGD), once it is final
+            if step_gather:  # torch.distributed.pipelining's REDUCE_GRAD: after the stage's last backward
+                start = max(t_free, ends[ci])
+                t_free = start + t
+            elif dp_compressed(c, dev):  # one bucket per chunk (the trainer's PowerSGD), once it is final
                 start = max(t_free, ends[ci] if lay.overlap_grad_reduce else makespan)
                 t_free = start + t
             elif lay.overlap_grad_reduce:

@@ -471,6 +471,19 @@ class System:
             return 4
         return bytes_per_param(self.model.dtype, self.framework.master_weights)[1]
 
+    def reduce_bytes(self, c) -> int:
+        """Bytes per gradient element the data-parallel reduction moves: ``grad_bytes``, or the
+        framework's FSDP reduce dtype under ZeRO-2/3 (``Framework.fsdp_reduce_bytes``)."""
+        if c.zero_stage >= 2 and self.framework.fsdp_reduce_bytes:
+            return self.framework.fsdp_reduce_bytes
+        return self.grad_bytes
+
+    def fsdp_step_gather(self, c) -> bool:
+        """ZeRO-3 under pipelining gathers once per step and reduces once after the last
+        micro-batch (``Framework.fsdp_step_gather_under_pp``: torchtitan over
+        ``torch.distributed.pipelining``)."""
+        return c.zero_stage == 3 and c.pp > 1 and self.framework.fsdp_step_gather_under_pp and c.dp * c.cp > 1
+
     def capacity_bytes(self, device: int) -> float:
         """Usable memory of a device: its memory less the allocator's fragmentation margin
         (``Framework.memory_fragmentation``; the CUDA context is counted in ``other``). CPU

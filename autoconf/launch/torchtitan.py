@@ -50,11 +50,13 @@ def _fqns(plan, last: tuple) -> list:
 
 def _titan_dp(c) -> dict:
     """Replicate / shard degrees: ZeRO-0 is DDP, ZeRO-3 FSDP, ZeRO-2 FSDP that keeps the
-    parameters gathered after forward."""
+    parameters gathered after forward. ZeRO-3 takes torchtitan's "default": resharded after
+    forward without pipelining, kept gathered through the step with it (as the cost model prices
+    it: ``Framework.fsdp_step_gather_under_pp``)."""
     if c.zero_stage == 0:
         return {"data_parallel_replicate_degree": c.dp, "data_parallel_shard_degree": 1}
     d = {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": c.dp}
-    d["fsdp_reshard_after_forward"] = "never" if c.zero_stage == 2 else "always"
+    d["fsdp_reshard_after_forward"] = "never" if c.zero_stage == 2 else "default"
     return d
 
 

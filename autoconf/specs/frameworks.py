@@ -321,6 +321,21 @@ class Framework:
     unless ``--no-bias-swiglu-fusion``; its experts too; ``bias_geglu_impl`` for GeGLU in
     megatron-core, though ``pretrain_gpt.py`` has no GeGLU flag). Three f-wide tensors per token
     instead of eager's four (``activations.mlp_hidden_rows``)."""
+    fsdp_reduce_bytes: int = 0
+    """Bytes per gradient element of FSDP's (ZeRO-2/3's) reduce-scatter where they differ from the
+    gradients' own: torchtitan reduces in fp32 (``training.mixed_precision_reduce = "float32"``,
+    torchtitan 0.3.0 ``config/configs.py``, passed as FSDP2's ``reduce_dtype``), 4. 0: the
+    gradients' bytes (``System.grad_bytes``)."""
+    fsdp_step_gather_under_pp: bool = False
+    """Under pipeline parallelism FSDP (ZeRO-3) gathers each stage's parameters once per step and
+    reduce-scatters its gradients once, after the last micro-batch: torchtitan runs
+    ``reshard_after_forward=False`` with pipelining (``fsdp_reshard_after_forward = "default"``,
+    0.3.0 ``distributed/fsdp.py``), and ``torch.distributed.pipelining``'s stage turns off
+    resharding after backward and gradient sync for every micro-batch but the last
+    (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``; torch 2.13
+    ``distributed/pipelining/stage.py``, ``backward_maybe_with_nosync`` and
+    ``perform_reduce_grad``). The stage then holds its parameters and their 16-bit gradients
+    unsharded through the step (``stage_memory``)."""
     compression: bool = False
     """Whether it runs Optimus-CC's compressed traffic (``pp_compression``, ``dp_compression_stages``,
     ``fused_embedding_sync``): the reference trainer only. Megatron-LM, torchtitan and DeepSpeed
@@ -502,7 +517,7 @@ FRAMEWORKS = {
         knobs=("tp_comm_overlap", "torch_compile"), all_reduce_algorithms=_NCCL_ALL_REDUCE, loss_backward_fp32_tensors=2,
         cp_comm="all_gather", fp8_recipes=("rowwise", "tensorwise", "mxfp8"), fp8_host_ops=(16, 16),
         fp8_all_gather=True, expert_parallel=True, expert_tensor_parallel=False, grad_norm_traffic=3.0,
-        moe_dispatchers=("alltoall", "deepep")),
+        moe_dispatchers=("alltoall", "deepep"), fsdp_reduce_bytes=4, fsdp_step_gather_under_pp=True),
     "deepspeed": Framework(
         name="deepspeed", schedules=("1f1b",),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1), layered_grad_accum=False,

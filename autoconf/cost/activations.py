@@ -117,6 +117,43 @@ def _no_recompute_parts(model: ModelSpec, b: int, t: int, sp: bool, mask_bytes: 
     return p
 
 
+def checkpointed_matmuls(model: ModelSpec, t: int) -> list[tuple[str, float]]:
+    """A dense block's matmuls in the order it calls them, with their output width per token on
+    one tp rank: torchtitan's Llama (separate wq, wk, wv; ``w2(silu(w1(x)) * w3(x))``, torchtitan
+    0.3.0 ``models/common/attention.py`` and ``feed_forward.py``). A row-parallel projection's
+    output (wo, w2) is the partial sum, full width before its reduce-scatter."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    mms = [("wq", model.q_size / t), ("wk", model.kv_size / t), ("wv", model.kv_size / t), ("wo", h), ("w1", f / t)]
+    if model.gated_mlp:
+        mms.append(("w3", f / t))
+    return mms + [("w2", h)]
+
+
+def op_checkpoint_applies(model: ModelSpec) -> bool:
+    """Whether :func:`op_checkpoint_parts` describes the block (dense attention with separate
+    projections; not multi-head latent attention)."""
+    return not model.is_mla
+
+
+def op_checkpoint_parts(model: ModelSpec, b: int, t: int, sp: bool) -> dict[str, float]:
+    """Bytes a dense block keeps per micro-batch under torchtitan's per-operation selective
+    checkpointing (``SelectiveAC``, 0.3.0 ``distributed/activation_checkpoint.py``): its policy
+    saves the compute-intensive ops' outputs but every second matmul's (a counter per forward:
+    the 1st, 3rd, ... are kept), the attention kernel's output and log-sum-exp, and the
+    reduce-scatter outputs of tensor parallelism; everything else (norms, rotary, the gated
+    activation, the other matmuls) is recomputed from the block's input, which the checkpoint
+    keeps."""
+    e, s, h, a = model.dtype_bytes, model.seq_length, model.hidden_size, model.num_attention_heads
+    tok = s * b
+    rep = tok / t if sp else tok
+    kept = [w for i, (_, w) in enumerate(checkpointed_matmuls(model, t)) if i % 2 == 0]
+    p = {"block_input": e * rep * h, "saved_matmul_outputs": e * tok * sum(kept),
+         "attention_output": e * tok * model.attn_out_size / t, "attention_logsumexp": LSE_BYTES * b * a * s / t}
+    if t > 1 and sp:  # the projections' reduce-scatters (wo, w2)
+        p["reduce_scatter_outputs"] = 2 * e * rep * h
+    return p
+
+
 def _mla_latent_width(model: ModelSpec) -> int:
     """Elements per token of multi-head latent attention's normed latents: the query's (when it
     has a low-rank query) and the keys and values' (the rotary key part is not normed)."""
@@ -127,7 +164,8 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
                            recompute: str = "none", mask_bytes: int = 1,
                            norm_stat_bytes: int | None = None, cp: int = 1,
                            fp8_inputs: bool = False, fp32_softmax: bool = False,
-                           fused_glu: bool = False, modules: tuple = ()) -> dict[str, float]:
+                           fused_glu: bool = False, modules: tuple = (), op_checkpoint: bool = False
+                           ) -> dict[str, float]:
     """Bytes one transformer block keeps for backward, per micro-batch and per TP rank.
 
     Korthikanti et al. (arXiv 2205.05198) eq. 1-5 and Table 2, generalised (see the module docstring).
@@ -148,6 +186,8 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
     fallback from its fused kernel, ``cost.attention.fused_softmax_available``).
     ``fused_glu``: a gated MLP's activation is one autograd function keeping only its input
     (Megatron-LM; ``mlp_hidden_rows``).
+    ``op_checkpoint``: "selective" is torchtitan's per-operation policy
+    (:func:`op_checkpoint_parts`) where it applies.
     ``modules``: with "selective", what it recomputes (``config.RECOMPUTE_MODULES``; empty: the
     attention core). Megatron-LM's output-discarding recomputation frees a module's output, which
     the backward rebuilds from the inputs kept anyway: "layernorm" the input norm's output where a
@@ -168,6 +208,9 @@ def layer_activation_bytes(model: ModelSpec, micro_batch_size: int, tp: int = 1,
         rep = model.seq_length * b / t if sp else model.seq_length * b
         parts = {"block_input": model.dtype_bytes * rep * model.hidden_size}
         working = full_total
+    elif recompute == "selective" and op_checkpoint and op_checkpoint_applies(model):
+        parts = op_checkpoint_parts(model, b, t, sp)
+        working = max(0.0, full_total - sum(parts.values()))
     elif recompute == "selective":
         mods = set(modules or ("core_attn",))
         parts = _fp8_saved(model, b, t, _no_recompute_parts(model, b, t, sp, mask_bytes, norm_stat_bytes,

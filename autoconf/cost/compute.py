@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoconf.cost.activations import checkpointed_matmuls, op_checkpoint_applies
 from autoconf.cost.attention import attention_core_times
 from autoconf.cost.fp8 import Fp8, fp8_gemm, quantize_times
 from autoconf.cost.roofline import LayerTimes, Roofline
@@ -226,7 +227,7 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
                 compiled: bool = False, moe: Moe | None = None, ring_math: bool = False,
                 unfused_softmax: bool = False, eager_elementwise: bool = False,
                 grad_accumulation: bool = False, grad_update: tuple = (0.0, 0),
-                modules: tuple = ()) -> LayerTimes:
+                modules: tuple = (), op_checkpoint: bool = False) -> LayerTimes:
     """One transformer block shard (of a tp-way split) for a micro-batch of b sequences: device
     times, and with ``host`` the host's time to issue the operations (``block_op_counts``).
 
@@ -330,8 +331,11 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
     ew_b = rf.elementwise(2 * ew_bytes + xb, 2 * ew_kernels + kb, flops=2 * ew_flops)
     fwd = g_fwd + att_f + ew_f + qf + moe_f
     bwd = g_bwd + att_b + ew_b + qb + moe_b
-    mods = set(modules or ("core_attn",)) if recompute == "selective" else set()
+    op_sac = recompute == "selective" and op_checkpoint and moe is None and op_checkpoint_applies(model)
+    mods = set(modules or ("core_attn",)) if recompute == "selective" and not op_sac else set()
     rc = fwd if recompute == "full" else att_f if "core_attn" in mods else 0.0
+    if op_sac:  # torchtitan's per-op policy: every second matmul and every element-wise op again
+        rc = op_checkpoint_recompute_s(model, T, tp, rf, fp8) + ew_f + qf / 2
     rc_ops = 0
     if mods - {"core_attn"}:
         extra, rc_ops = module_recompute_s(model, mods, lin, T, T_rep, tp, rf, fp8, moe)
@@ -363,6 +367,22 @@ def block_times(model: ModelSpec, b: int, tp: int, sp: bool, recompute: str, rf:
             host_f += host.checkpoint_s / 2
             host_b += host.checkpoint_s / 2
     return LayerTimes(forward_s=fwd, backward_s=bwd + rc, recompute_s=rc, host_forward_s=host_f, host_backward_s=host_b)
+
+
+def op_checkpoint_recompute_s(model: ModelSpec, T: float, tp: int, rf: Roofline, fp8: Fp8 | None) -> float:
+    """The matmuls torchtitan's per-op selective checkpointing re-runs in a dense block's backward
+    (``activations.checkpointed_matmuls``: the 2nd, 4th, ... in call order), each a GEMM of the
+    block input's width into its output width (wo: from the attention output)."""
+    h, B = model.hidden_size, model.dtype_bytes
+    k_of = {"wo": model.attn_out_size / tp, "w2": model.ffn_hidden_size / tp}
+    out = 0.0
+    for i, (name, width) in enumerate(checkpointed_matmuls(model, tp)):
+        if i % 2 == 1:
+            m, n, k = T, width, k_of.get(name, h)
+            if name in ("wo", "w2"):  # row-parallel: the full-width partial sum from a shard
+                n = h
+            out += fp8_gemm(fp8.rf, m, n, k) if fp8 is not None else rf.gemm(m, n, k, B)
+    return out
 
 
 def module_recompute_s(model: ModelSpec, mods: set, lin: dict, T: float, T_rep: float, tp: int, rf: Roofline,

@@ -260,7 +260,8 @@ class System:
                                unfused_softmax=self.unfused_softmax(b, tp, cp),
                                eager_elementwise=self.framework.eager_elementwise,
                                grad_accumulation=self.framework.grad_accumulation_kernel and accumulates,
-                               grad_update=BF16_OPTIMIZER_UPDATE if bf16_optimizer else (0.0, 0), modules=modules)
+                               grad_update=BF16_OPTIMIZER_UPDATE if bf16_optimizer else (0.0, 0), modules=modules,
+                               op_checkpoint=self.framework.op_selective_checkpoint)
         return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled, moe, accumulates, bf16_optimizer,
                             modules),
                            lambda: _shared(make(), self.cpu_share(kind)))
@@ -378,7 +379,8 @@ class System:
         mods = module_key(c)
 
         def make():
-            kw = {"cp": c.cp, "fp8_inputs": fp8_inputs, "fused_glu": self.framework.fused_glu, "modules": mods}
+            kw = {"cp": c.cp, "fp8_inputs": fp8_inputs, "fused_glu": self.framework.fused_glu, "modules": mods,
+                  "op_checkpoint": self.framework.op_selective_checkpoint}
             if self.measured_for() and not mods:  # (profiles measure the attention core's recompute)
                 got = activation_bytes(self.profile, self.model, c.micro_batch_size, c.tp, c.sequence_parallel,
                                        c.recompute)

@@ -321,6 +321,13 @@ class Framework:
     unless ``--no-bias-swiglu-fusion``; its experts too; ``bias_geglu_impl`` for GeGLU in
     megatron-core, though ``pretrain_gpt.py`` has no GeGLU flag). Three f-wide tensors per token
     instead of eager's four (``activations.mlp_hidden_rows``)."""
+    op_selective_checkpoint: bool = False
+    """recompute="selective" is per-operation selective checkpointing (torchtitan's default
+    ``SelectiveAC`` policy, 0.3.0 ``distributed/activation_checkpoint.py``): a dense block keeps
+    its input, the outputs of its attention kernel and of every other matmul (the 1st, 3rd, ...
+    in call order), and its reduce-scatter outputs; the rest is recomputed in the backward
+    (``activations.op_checkpoint_parts``, ``compute.op_checkpoint_recompute_s``). False: the
+    attention core alone is recomputed (Megatron-LM's selective recomputation)."""
     fsdp_reduce_bytes: int = 0
     """Bytes per gradient element of FSDP's (ZeRO-2/3's) reduce-scatter where they differ from the
     gradients' own: torchtitan reduces in fp32 (``training.mixed_precision_reduce = "float32"``,
@@ -517,7 +524,8 @@ FRAMEWORKS = {
         knobs=("tp_comm_overlap", "torch_compile"), all_reduce_algorithms=_NCCL_ALL_REDUCE, loss_backward_fp32_tensors=2,
         cp_comm="all_gather", fp8_recipes=("rowwise", "tensorwise", "mxfp8"), fp8_host_ops=(16, 16),
         fp8_all_gather=True, expert_parallel=True, expert_tensor_parallel=False, grad_norm_traffic=3.0,
-        moe_dispatchers=("alltoall", "deepep"), fsdp_reduce_bytes=4, fsdp_step_gather_under_pp=True),
+        moe_dispatchers=("alltoall", "deepep"), fsdp_reduce_bytes=4, fsdp_step_gather_under_pp=True,
+        op_selective_checkpoint=True),
     "deepspeed": Framework(
         name="deepspeed", schedules=("1f1b",),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1), layered_grad_accum=False,

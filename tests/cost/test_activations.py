@@ -226,3 +226,39 @@ def test_block_backward_temporaries_closed_form():
     # SwiGLU: the fused gate_up is 2f wide; tensor parallelism shards all of it
     sw = dataclasses.replace(m, activation="swiglu")
     assert block_backward_temporary_bytes(sw, 2, tp=2) == (e * s * 2 * 3 * f + e * h * 2 * f) / 2
+
+
+def test_torchtitan_per_op_checkpointing_keeps_every_other_matmul_output():
+    """torchtitan's SelectiveAC (0.3.0): a Llama-3-8B block keeps its input (h), the outputs of
+    wq (q), wv (kv), w1 (f) and w2 (h; the 1st, 3rd, 5th and 7th matmuls), the attention output
+    (q) and its fp32 log-sum-exp; wk, wo and w3 are recomputed."""
+    from autoconf.cost.activations import layer_activation_bytes
+    from autoconf.specs.model import preset
+    m = preset("llama-3-8b")
+    s, h, f, kv, a = m.seq_length, 4096, 14336, 1024, 32
+    got = layer_activation_bytes(m, 1, recompute="selective", op_checkpoint=True)
+    assert got["total"] == 2 * s * (h + h + kv + f + h + h) + 4 * s * a
+    none = layer_activation_bytes(m, 1)["total"]
+    assert got["recompute_working_bytes"] == none - got["total"]
+    # under TP with SP: the sharded widths / t, the row-parallel partial sums full, and the two
+    # reduce-scatter outputs
+    t = 4
+    tp = layer_activation_bytes(m, 1, tp=t, sequence_parallel=True, recompute="selective", op_checkpoint=True)
+    assert tp["total"] == 2 * s * (h / t + h / t + kv / t + f / t + h + h / t + 2 * h / t) + 4 * s * a / t
+
+
+def test_torchtitan_per_op_checkpointing_reruns_wk_wo_w3():
+    from autoconf.cost.compute import block_times, op_checkpoint_recompute_s
+    from autoconf.cost.roofline import Roofline
+    from autoconf.specs.devices import device_type
+    from autoconf.specs.model import preset
+    m = preset("llama-3-8b")
+    rf = Roofline.of(device_type("h100-sxm"), "bf16")
+    T, h, f, kv = m.seq_length, 4096, 14336, 1024
+    gemms = rf.gemm(T, kv, h, 2) + rf.gemm(T, h, h, 2) + rf.gemm(T, f, h, 2)
+    assert op_checkpoint_recompute_s(m, T, 1, rf, None) == gemms
+    sac = block_times(m, 1, 1, False, "selective", rf, op_checkpoint=True)
+    none = block_times(m, 1, 1, False, "none", rf)
+    # the three GEMMs and the element-wise work again: more than the GEMMs, less than the forward
+    assert gemms < sac.recompute_s < none.forward_s
+    assert sac.backward_s == none.backward_s + sac.recompute_s

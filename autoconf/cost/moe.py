@@ -39,7 +39,7 @@ import functools
 from autoconf.cost import comm
 from autoconf.cost.activations import mlp_hidden_rows
 from autoconf.cost.compute import Moe
-from autoconf.cost.groups import axis_links
+from autoconf.cost.groups import axis_links, collective_s
 from autoconf.cost.roofline import LayerTimes
 from autoconf.cost.system import System
 from autoconf.space.config import ParallelConfig, module_key, recomputed_modules
@@ -89,8 +89,32 @@ def a2a_bytes(system: System, c: ParallelConfig) -> float:
     m = system.model
     if c.ep == 1:
         return 0.0
-    T = routed_tokens(system, c)
+    T = a2a_tokens(system, c)
     return T * m.experts_per_token * (c.ep - 1) / c.ep * m.hidden_size * m.dtype_bytes * load_factor(system, c)
+
+
+def a2a_tokens(system: System, c: ParallelConfig) -> float:
+    """Tokens one rank sends into the expert-parallel all-to-all per micro-batch: its
+    sequence-parallel shard under tp (the MoE layer's input is sequence-sharded), also where the
+    experts are tensor-parallel: Megatron-LM dispatches each rank's own shard over the EP group
+    and all-gathers the received tokens inside the expert-TP group after it
+    (``MoEAlltoAllTokenDispatcher.dispatch_postprocess``, megatron-core 0.16.1
+    ``transformer/moe/token_dispatcher.py``; :func:`expert_tp_gather_s`)."""
+    T = c.micro_batch_size * system.model.seq_length / c.cp
+    return T / c.tp if c.sequence_parallel and c.tp > 1 else T
+
+
+def expert_tp_gather_s(system: System, c: ParallelConfig) -> float:
+    """Megatron-LM's all-gather of the dispatched tokens inside the expert-tensor-parallel group
+    (and, in the combine, the reduce-scatter of their outputs): each of the etp ranks contributes
+    the ``k x a2a_tokens`` rows it received; 0 where experts are whole on every rank."""
+    et = expert_tp(system, c)
+    if et == 1 or c.ep == 1:
+        return 0.0
+    m = system.model
+    rows = et * a2a_tokens(system, c) * m.experts_per_token * load_factor(system, c)
+    return collective_s(system, axis_links(system, c, "tp"), comm.all_gather_s, et,
+                        rows * m.hidden_size * m.dtype_bytes)
 
 
 @functools.lru_cache(maxsize=512)
@@ -169,7 +193,8 @@ def a2a_times(system: System, c: ParallelConfig) -> tuple[float, float]:
         one = max(deepep_s(system, c, g) for g in axis_links(system, c, "ep"))
     else:
         nbytes = a2a_bytes(system, c)
-        one = max(comm.all_to_all_s(nbytes, g, tune) for g in axis_links(system, c, "ep"))
+        one = (max(comm.all_to_all_s(nbytes, g, tune) for g in axis_links(system, c, "ep"))
+               + expert_tp_gather_s(system, c))
     fwd = 2 * one
     return fwd, 2 * one + (fwd if c.recompute == "full" else 0.0)
 

@@ -525,7 +525,7 @@ FRAMEWORKS = {
         cp_comm="all_gather", fp8_recipes=("rowwise", "tensorwise", "mxfp8"), fp8_host_ops=(16, 16),
         fp8_all_gather=True, expert_parallel=True, expert_tensor_parallel=False, grad_norm_traffic=3.0,
         moe_dispatchers=("alltoall", "deepep"), fsdp_reduce_bytes=4, fsdp_step_gather_under_pp=True,
-        op_selective_checkpoint=True),
+        op_selective_checkpoint=True, eager_elementwise=True),
     "deepspeed": Framework(
         name="deepspeed", schedules=("1f1b",),
         zero_stages=(0, 1, 2, 3), zero_stages_with_pp=(0, 1), layered_grad_accum=False,

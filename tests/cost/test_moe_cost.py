@@ -200,8 +200,10 @@ def test_experts_split_over_tp_only_where_the_framework_does():
     meg = layout(System(MIXTRAL, H100, framework="megatron"), c)
     ref = layout(System(MIXTRAL, H100, framework="reference"), c)
     assert meg.chunk_expert_params == (per_rank / 2,) and ref.chunk_expert_params == (per_rank,)
-    # whole experts on every tp rank route that rank's sequence shard (half the tokens here)
-    assert a2a_bytes(System(MIXTRAL, H100), c) == a2a_bytes(System(MIXTRAL, H100, framework="megatron"), c) / 2
+    # every tp rank dispatches its own sequence shard (half the tokens here), also where the
+    # experts are tensor-parallel (Megatron then all-gathers inside the expert-TP group)
+    assert a2a_bytes(System(MIXTRAL, H100), c) == a2a_bytes(System(MIXTRAL, H100, framework="megatron"), c)
+    assert a2a_bytes(System(MIXTRAL, H100), c) == a2a_bytes(System(MIXTRAL, H100), cfg(dp=4, ep=2)) / 2
 
 
 def test_paired_layer_time_closed_forms():
@@ -485,3 +487,22 @@ def test_recompute_modules_working_set_sits_on_the_peak():
     dense = s.layer_activations(c, mask_bytes(s, lay))
     peak0 = activation_peaks(s, c, lay, dense["total"], 0.0)[0][0]
     assert estimate(c, m, ctx=s).memory_by_stage[0].activations == pytest.approx(peak0 + attn)
+
+
+def test_megatron_dispatches_each_rank_s_sequence_shard_then_gathers_inside_expert_tp():
+    """megatron-core 0.16.1 MoEAlltoAllTokenDispatcher: the all-to-all over the EP group carries
+    the rank's own sequence-parallel shard (T / tp tokens, k pairs each), and the received rows
+    are all-gathered inside the expert-TP group (tp ranks on NVLink) after it."""
+    from autoconf.cost.comm import all_gather_s
+    from autoconf.cost.moe import expert_tp_gather_s
+    c = cfg(dp=8, tp=2, ep=8, sequence_parallel=True)
+    ctx = System(MIXTRAL, H100, framework="megatron")
+    T = MIXTRAL.seq_length / 2
+    assert a2a_bytes(ctx, c) == pytest.approx(T * 2 * 7 / 8 * 4096 * 2)
+    tune = ctx.collective_tuning
+    gather = max(all_gather_s(2 * T * 2 * 4096 * 2, g, tune) for g in axis_links(ctx, c, "tp"))
+    assert expert_tp_gather_s(ctx, c) == pytest.approx(gather, rel=1e-6)
+    one = max(all_to_all_s(a2a_bytes(ctx, c), g, tune) for g in axis_links(ctx, c, "ep")) + gather
+    assert a2a_times(ctx, c)[0] == pytest.approx(2 * one, rel=1e-6)
+    # whole experts on every tp rank (torchtitan): the same shard, no gather
+    assert expert_tp_gather_s(System(MIXTRAL, H100, framework="torchtitan"), c) == 0.0

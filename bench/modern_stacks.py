@@ -186,9 +186,14 @@ class Assume:
     fp8_recipe: str = "tensorwise"
     """FP8 without a stated recipe: tensorwise (current) scaling, torchtitan's default
     (``float8.recipe_name`` unset) and Megatron-Bridge's FP8-CS on H100."""
-    megatron_overlaps: bool = False
-    """Megatron-Bridge's overlap switches: autoconf's Megatron defaults (off); True: the data-parallel
-    reduction and parameter gather overlapped, and tp_comm_overlap where tp > 1."""
+    megatron_recipe: str = "bridge-0.3"
+    """The Megatron-Bridge rows (NeMo containers 25.09 to 26.06) as ``megatron:bridge-0.3``,
+    Megatron-Bridge 0.3.1's recipe defaults (gradient reduction and parameter gather overlapped,
+    FP8 parameters under FP8: ``specs.frameworks.RECIPES``); core-0.16: Megatron-LM's own
+    argument defaults (no overlap, BF16 parameters with FP8 copies)."""
+    megatron_tp_overlap: bool = False
+    """tp_comm_overlap where tp > 1 (Bridge's CommOverlapConfig leaves it off unless a
+    performance script turns it on; the tables do not say)."""
     fsdp_under_pp: int = 3
     """FSDP together with pipeline parallelism: ZeRO-3 as stated, which autoconf prices as
     torchtitan runs it there (gathered once per step, reduced after the last micro-batch:
@@ -232,25 +237,23 @@ def recompute_of(row: dict, a: Assume) -> tuple:
     raise ValueError(f"row {row['id']}: unknown ac {ac!r}")
 
 
-def config_of(row: dict, a: Assume, recompute: str) -> ParallelConfig:
+def config_of(row: dict, a: Assume, recompute: str, fw: str | None = None) -> ParallelConfig:
     """The row's ParallelConfig under the assumptions ``a``; a UserError where the batch does not
     split into micro-batches."""
-    fw, opts = FRAMEWORK[row["src"]], row["opts"]
+    fw, opts = fw or FRAMEWORK[row["src"]], row["opts"]
     dp, tp, pp, cp, ep = (row[k] or 1 for k in ("dp", "tp", "pp", "cp", "ep"))
     mbs = row["mbs"] or a.missing_mbs
     if row["gbs"] % (dp * mbs):
         raise UserError(f"global batch {row['gbs']} does not split into dp {dp} x micro-batch {mbs}")
     fsdp = fw == "torchtitan" or any(o.startswith("FSDP") for o in opts)
-    zero = (a.fsdp_under_pp if pp > 1 else 3) if fsdp else 1 if fw == "megatron" else 0
+    zero = (a.fsdp_under_pp if pp > 1 else 3) if fsdp else 1 if fw.startswith("megatron") else 0
     vp = row["vp"] or 1
     if "interleaved-1F1B" in opts and vp == 1:
         vp = a.interleaved_vp
     async_tp = "asyncTP" in opts
     sp = tp > 1 and (a.sequence_parallel or async_tp)
     kw = {}
-    if fw == "megatron" and a.megatron_overlaps:
-        kw.update(overlap_grad_reduce=True, overlap_param_gather=True)
-    if async_tp or (fw == "megatron" and a.megatron_overlaps and sp):
+    if async_tp or (fw.startswith("megatron") and a.megatron_tp_overlap and sp):
         kw["tp_comm_overlap"] = True
     if row["src"].startswith("TT"):
         kw["torch_compile"] = "compile" in opts
@@ -283,9 +286,11 @@ def price(row: dict, a: Assume = ASSUMED) -> dict:
     """The row priced under ``a``: {"status": "priced", predicted_s, error, fits, breakdown_s, ...}
     or {"status": "not expressible", "reason": one line}."""
     fw = FRAMEWORK[row["src"]]
+    if fw == "megatron":
+        fw = f"megatron:{a.megatron_recipe}"
     try:
         spec, ctx = system_for(row, fw, a.a100_nics)
-        parts = [(w, estimate(config_of(row, a, rc), spec, ctx=ctx)) for rc, w in recompute_of(row, a)]
+        parts = [(w, estimate(config_of(row, a, rc, fw), spec, ctx=ctx)) for rc, w in recompute_of(row, a)]
     except UserError as e:
         return {"status": "not expressible", "reason": _one_line(str(e)), "framework": fw}
     step = sum(w * e.step_time_s for w, e in parts)
@@ -324,8 +329,10 @@ VARIANTS = (
     ("FP8 recipe unstated", "tensorwise",
      (("delayed (megatron) / rowwise (torchtitan)", {"fp8_recipe": "other"}),),
      lambda r: r["prec"] == "FP8" and not {"tensorwise", "rowwise"} & set(r["opts"])),
-    ("Megatron overlaps", "defaults (off)", (("grad reduce, param gather, tp on", {"megatron_overlaps": True}),),
+    ("Megatron recipe", "bridge-0.3", (("core-0.16", {"megatron_recipe": "core-0.16"}),),
      lambda r: FRAMEWORK[r["src"]] == "megatron"),
+    ("Megatron TP overlap (tp>1)", "off", (("on", {"megatron_tp_overlap": True}),),
+     lambda r: FRAMEWORK[r["src"]] == "megatron" and (r["tp"] or 1) > 1),
     ("FSDP under pp", "ZeRO-3", (("ZeRO-2 (no reshard)", {"fsdp_under_pp": 2}),),
      lambda r: FRAMEWORK[r["src"]] == "torchtitan" and (r["pp"] or 1) > 1),
     ("interleaved-1F1B vp", "2", (("4", {"interleaved_vp": 4}),),

@@ -14,7 +14,7 @@ import re
 import sys
 import threading
 
-from autoconf.cli.argtypes import int_list, port, positive_int, recompute_modules
+from autoconf.cli.argtypes import framework_name, int_list, port, positive_int, recompute_modules
 from autoconf.cli.catalog import cmd_devices, cmd_models
 from autoconf.cli.estimate import cmd_estimate
 from autoconf.cli.plan import add_plan_parser, cmd_plan
@@ -52,9 +52,11 @@ def _add_target(p, cluster_required: bool = False):
     p.add_argument("--calibration", help="calibration JSON from `autoconf search --verify K --calibrate`")
     p.add_argument("--seq-length", type=positive_int, help="override the model's sequence length")
     p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
-    p.add_argument("--framework", default="reference", choices=FRAMEWORK_NAMES,
+    p.add_argument("--framework", default="reference", type=framework_name,
                    help="the runtime that will run the plan: its defaults, buffers, overlap and knobs are "
-                        "modelled, and search offers only what it can run (default: reference, this project's trainer)")
+                        "modelled, and search offers only what it can run (default: reference, this project's trainer); "
+                        f"one of {', '.join(FRAMEWORK_NAMES)}, or name:recipe for a release's or recipe's defaults "
+                        "(megatron:bridge-0.3)")
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="mixture of experts: the busiest expert rank's tokens over the balanced share "
                         "(default 1.0, perfectly balanced)")

@@ -65,3 +65,14 @@ def port(text: str) -> int:
     if not 1 <= v <= 65535:
         raise argparse.ArgumentTypeError(f"{text!r} must be a TCP port, 1 to 65535")
     return v
+
+
+def framework_name(text: str) -> str:
+    """A framework, or ``framework:recipe`` (``specs.frameworks.RECIPES``), as given."""
+    from autoconf.errors import UserError
+    from autoconf.specs.frameworks import framework
+    try:
+        framework(text)
+    except UserError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text

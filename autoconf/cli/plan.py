@@ -14,8 +14,8 @@ from autoconf.timetotrain.synthetic import NETWORKS, NODES, cluster_yaml
 
 
 def add_plan_parser(sub):
+    from autoconf.cli.argtypes import framework_name
     from autoconf.space.config import FP8_RECIPES
-    from autoconf.specs.frameworks import FRAMEWORK_NAMES
     p = sub.add_parser("plan", help="how many GPUs, how long, what cost: the shortest time to train a model")
     p.add_argument("--model", required=True, help="preset name (see `autoconf models`), model YAML, or HF config.json")
     p.add_argument("--seq-length", type=int, help="override the model's sequence length")
@@ -26,8 +26,9 @@ def add_plan_parser(sub):
     p.add_argument("--compare-networks", default="25gbe",
                    help="slower networks to run the same sweep on, comma-separated, or none (default 25gbe)")
     p.add_argument("--cluster", help="a cluster file instead of --device (GPU counts up to its size)")
-    p.add_argument("--framework", default="reference", choices=FRAMEWORK_NAMES,
-                   help="the runtime that will run the plan (default: reference)")
+    p.add_argument("--framework", default="reference", type=framework_name,
+                   help="the runtime that will run the plan (default: reference); name:recipe for a release's or "
+                        "recipe's defaults (megatron:bridge-0.3)")
     p.add_argument("--profile", help="a profile from `autoconf profile` taken on the cluster's device kind: its "
                    "measured compute and collective efficiency price the devices, its links the first hosts (as "
                    "`search --profile`)")

@@ -27,7 +27,7 @@ from autoconf.cost.groups import (
     reduction_collective,
     tied_params,
 )
-from autoconf.cost.layout import Layout
+from autoconf.cost.layout import Layout, fp8_linear_params
 from autoconf.cost.memory import BUCKET_BYTES
 from autoconf.cost.powersgd import dp_compressed, exact_dp_links, powersgd_reduction_s
 from autoconf.cost.system import System
@@ -221,8 +221,12 @@ def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     links = axis_links(system, c, axis)
     post_ag = 0.0
     copies = 0.0 if system.framework.param_gather_in_place else 4 - 2 / n  # Framework.param_gather_in_place
+    fp8_params = c.precision == "fp8" and system.framework.fp8_param_gather
     for dev in range(c.pp):
         nbytes = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev)) * system.model.dtype_bytes
+        if fp8_params:  # the linear weights gathered as FP8 (``Framework.fp8_param_gather``)
+            nbytes -= (system.model.dtype_bytes - 1) * sum(fp8_linear_params(system, c, lay, ci)
+                                                           for ci in lay.chunks_of(c, dev))
         post_ag = max(post_ag, collective_s(system, links, comm.all_gather_s, n, nbytes)
                       + system.copy_time(lay.stage_kinds[dev], copies * nbytes))
     if lay.overlap_param_gather and system.framework.step_gather_overlaps:

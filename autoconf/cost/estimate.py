@@ -35,7 +35,7 @@ from autoconf.cost.system import System
 from autoconf.cost.tensor_parallel import tp_times
 from autoconf.errors import UserError
 from autoconf.space.config import ParallelConfig, validate
-from autoconf.specs.frameworks import hierarchical_runs
+from autoconf.specs.frameworks import framework_spec, hierarchical_runs
 from autoconf.specs.model import ModelSpec
 
 __all__ = ["Estimate", "StageMemory", "System", "TIME_TERMS", "MEMORY_TERMS", "estimate"]
@@ -60,7 +60,8 @@ class Estimate:
     reasons: tuple = ()
     notes: tuple = ()
     framework: str = "reference"
-    """The runtime the estimate assumes (``frameworks``)."""
+    """The runtime the estimate assumes (``frameworks``): its name, ``name:recipe`` where it
+    follows another recipe than its default (``frameworks.RECIPES``)."""
 
     def to_dict(self) -> dict:
         return {"config": self.config.to_dict(), "framework": self.framework, "step_time_s": self.step_time_s,
@@ -210,4 +211,4 @@ def _finish(c: ParallelConfig, ctx: System, breakdown: dict, memory: list, step:
                     peak_memory_bytes=max(mm.total for mm in memory), fits=not reasons,
                     tokens_per_s=tokens / step,
                     mfu=m.model_flops_per_token() * tokens / (step * ctx.peak_flop_per_s(c.world_size)),
-                    reasons=tuple(reasons), notes=tuple(notes), framework=ctx.framework.name)
+                    reasons=tuple(reasons), notes=tuple(notes), framework=framework_spec(ctx.framework))

@@ -113,3 +113,22 @@ def chunk_params(system: System, c: ParallelConfig, chunk_layers) -> list[float]
             p += m.output_params() + (m.vocab_size * m.hidden_size if m.tied_embeddings and c.pp > 1 else 0)
         out.append(p / c.tp)
     return out
+
+
+def linear_params_per_layer(m) -> float:
+    """Weights of one dense block's linear layers (attention projections, MLA's too; MLP), the
+    ones FP8 runs."""
+    return m.attention_matmul_params() + m.mlp_matrices * m.hidden_size * m.ffn_hidden_size
+
+
+def fp8_linear_params(system: System, c: ParallelConfig, lay: "Layout", ci: int) -> float:
+    """Linear-layer weights chunk ``ci`` holds on a rank (what FP8 keeps copies of): its dense
+    blocks' (``linear_params_per_layer`` over tp), its MoE blocks' attention projections and
+    shared experts over tp, and its routed experts on the rank (``Layout.chunk_expert_params``);
+    the router stays in 16 bits."""
+    m = system.model
+    n_moe = lay.chunk_moe_layers[ci] if lay.chunk_moe_layers else 0
+    out = (lay.chunk_layers[ci] - n_moe) * linear_params_per_layer(m) / c.tp
+    if n_moe:
+        out += n_moe * (m.attention_matmul_params() + m.shared_expert_params()) / c.tp + lay.chunk_expert_params[ci]
+    return out

@@ -18,7 +18,7 @@ from autoconf.cost import schedule_time
 from autoconf.cost.activations import block_backward_temporary_bytes, embedding_activation_bytes, head_activation_bytes
 from autoconf.cost.compression import memory_parts
 from autoconf.cost.context_parallel import kv_chunk_bytes
-from autoconf.cost.layout import Layout, chunk_params
+from autoconf.cost.layout import Layout, chunk_params, fp8_linear_params
 from autoconf.cost.memory import BUCKET_BYTES, optimizer_temporary_bytes, state_bytes_per_param, zero3_working_bytes
 from autoconf.cost.moe import moe_activation_bytes, paired_fraction
 from autoconf.cost.pipeline_memory import peak_memory
@@ -97,7 +97,11 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         if system.bf16_optimizer(c):  # DeepSpeed's BF16 optimizer: a second copy of every gradient
             grads += m.dtype_bytes * params
         other = _other_bytes(system, c, lay, s, acts, optimizer, shortfall)
-        out.append(StageMemory(parameters=dense * st.parameters + experts * st_e.parameters, gradients=grads,
+        parameters = dense * st.parameters + experts * st_e.parameters
+        if c.precision == "fp8" and system.framework.fp8_param_gather and c.zero_stage < 3:
+            # FP8 parameters (``Framework.fp8_param_gather``): the linear weights at 1 byte
+            parameters -= (m.dtype_bytes - 1) * sum(fp8_linear_params(system, c, lay, ci) for ci in lay.chunks_of(c, s))
+        out.append(StageMemory(parameters=parameters, gradients=grads,
                                optimizer=optimizer, activations=acts,
                                other=sum(v for _, v in other), other_parts=other,
                                capacity=_capacity(system, lay.stage_devices[s])))
@@ -324,25 +328,6 @@ def _layered_peak(system: System, c: ParallelConfig, lay: Layout, act_layer: dic
                        transient, input_grads)
 
 
-def linear_params_per_layer(m) -> float:
-    """Weights of one dense block's linear layers (attention projections, MLA's too; MLP), the
-    ones FP8 runs."""
-    return m.attention_matmul_params() + m.mlp_matrices * m.hidden_size * m.ffn_hidden_size
-
-
-def _fp8_linear_params(system: System, c: ParallelConfig, lay: Layout, ci: int) -> float:
-    """Linear-layer weights chunk ``ci`` holds on a rank (what FP8 keeps copies of): its dense
-    blocks' (``linear_params_per_layer`` over tp), its MoE blocks' attention projections and
-    shared experts over tp, and its routed experts on the rank (``Layout.chunk_expert_params``);
-    the router stays in 16 bits."""
-    m = system.model
-    n_moe = lay.chunk_moe_layers[ci] if lay.chunk_moe_layers else 0
-    out = (lay.chunk_layers[ci] - n_moe) * linear_params_per_layer(m) / c.tp
-    if n_moe:
-        out += n_moe * (m.attention_matmul_params() + m.shared_expert_params()) / c.tp + lay.chunk_expert_params[ci]
-    return out
-
-
 def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: float,
                  optimizer: float = 0.0, grad_shortfall: float = 0.0) -> tuple:
     """Everything but model states and activations on stage ``s``.
@@ -378,8 +363,10 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
         parts.append(("zero-3 gathered layers", gathered))
     fw = system.framework
     if c.precision == "fp8" and fw.fp8_weight_copy_bytes:
-        linear = sum(_fp8_linear_params(system, c, lay, ci) for ci in chunks)
-        parts.append(("fp8 weight copies", linear * fw.fp8_weight_copy_bytes))
+        linear = sum(fp8_linear_params(system, c, lay, ci) for ci in chunks)
+        # with FP8 parameters the parameter is the FP8 weight: only its transpose is a copy
+        copies = fw.fp8_weight_copy_bytes - (1.0 if fw.fp8_param_gather else 0.0)
+        parts.append(("fp8 weight copies", linear * copies))
     if c.cp > 1:
         kv = kv_chunk_bytes(system, c)
         # ring: the chunk in hand and the one arriving, keys/values and (backward) their

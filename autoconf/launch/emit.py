@@ -114,7 +114,7 @@ def _framework_files(plan, out_dir: str) -> list[tuple]:
              "torchtitan": {"torchtitan_args.sh": lambda: torchtitan.torchtitan_args_file(plan, header),
                             "torchtitan.toml": lambda: torchtitan.torchtitan_toml(plan, header)},
              "deepspeed": {"ds_config.json": lambda: json.dumps(deepspeed.ds_config(plan, header), indent=2) + "\n"},
-             }.get(plan.framework, {})
+             }.get(plan.framework_name, {})
     return [(os.path.join(out_dir, name), text(), None) for name, text in files.items()]
 
 
@@ -135,7 +135,7 @@ def _node_script(plan, k: int, hosts: list[dict], vis, master_port: int, script,
                      ': "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"')
     if vis is not None:
         lines.append(assign("CUDA_VISIBLE_DEVICES", vis, export=True) + "  # local rank i runs on the i-th of these")
-    if script is None and plan.framework == "megatron" and plan.config.tp > 1:
+    if script is None and plan.framework_name == "megatron" and plan.config.tp > 1:
         # Megatron-LM's column-parallel backward issues its collectives asynchronously beside its
         # GEMMs (the cost model prices them so: cost/tensor_parallel.overlapped); one hardware
         # queue keeps them in issue order (its own example scripts set it; sequence parallelism
@@ -144,9 +144,9 @@ def _node_script(plan, k: int, hosts: list[dict], vis, master_port: int, script,
     if script is not None:
         target = [script, *script_args, Raw('"$@"')]
     else:
-        target = _TARGETS[plan.framework]
-        if plan.framework in _SOURCED:
-            lines.append(join(["source", "./" + _SOURCED[plan.framework]]))
+        target = _TARGETS[plan.framework_name]
+        if plan.framework_name in _SOURCED:
+            lines.append(join(["source", "./" + _SOURCED[plan.framework_name]]))
     argv = torchrun_argv(target, p["nproc"], nnodes, k, Raw('"$MASTER_ADDR"') if nnodes > 1 else None,
                          master_port if nnodes > 1 or master_port != DEFAULT_PORT else None)
     lines.append(join(["exec", *argv]))

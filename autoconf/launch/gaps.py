@@ -170,8 +170,9 @@ def _ordinal(n: int) -> str:
 
 
 def _knob(plan, name: str, knob: str) -> bool:
-    """The knob's value in framework ``name``: the plan's own setting, else that framework's default."""
-    return framework_model(name).knob(plan.config, knob)
+    """The knob's value in framework ``name``: the plan's own setting, else that framework's
+    default (its recipe's, where the plan was priced for ``name`` with one)."""
+    return framework_model(plan.framework if plan.framework_name == name else name).knob(plan.config, knob)
 
 
 def _titan_compile(plan) -> bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from autoconf.launch.gaps import MEGATRON_FP8_RECIPES, MEGATRON_RANK_ORDERS, _knob, _layout, _notes, _order
 from autoconf.launch.shell import array, comment_line
+from autoconf.specs.frameworks import framework as framework_model
 
 
 def megatron_args(plan) -> list:
@@ -70,6 +71,8 @@ def megatron_args(plan) -> list:
         a.append(f"--{m.dtype}")
     if c.precision == "fp8" and c.fp8_recipe in MEGATRON_FP8_RECIPES:  # E4M3 forward, E5M2 gradients
         a += ["--fp8-format", "hybrid", "--fp8-recipe", c.fp8_recipe]
+        if framework_model(plan.framework).fp8_param_gather:  # the recipe's FP8 parameters, as priced
+            a.append("--fp8-param-gather")
     return a + megatron_moe_args(plan) + megatron_attention_args(plan)
 
 

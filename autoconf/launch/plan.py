@@ -43,7 +43,7 @@ from autoconf.files import write_text
 from autoconf.space.config import CONFIG_SCHEMA, ParallelConfig, check
 from autoconf.space.placement import AXES, Placement, full_order
 from autoconf.specs.cluster import SI_CLUSTER_SCHEMA, ClusterSpec
-from autoconf.specs.frameworks import FRAMEWORK_NAMES, framework
+from autoconf.specs.frameworks import framework
 from autoconf.specs.model import ModelSpec
 from autoconf.specs.schema import Dict, Int, Map, Null, Num, Opaque, Str, check_kind, parse_json, read_text, show_value
 from autoconf.version import __version__
@@ -97,7 +97,7 @@ def _schema():
                 optional={"version": Int(min(READABLE_VERSIONS), max(READABLE_VERSIONS)),
                           "created_by": Str(max_len=200), "cluster": Null(SI_CLUSTER_SCHEMA),
                           "profile": Null(Str(max_len=4096)), "expected": Null(expected),
-                          "framework": Str(FRAMEWORK_NAMES), "seed": Int(*_SEED_RANGE)},
+                          "framework": Str(max_len=64), "seed": Int(*_SEED_RANGE)},
                 what="a launch plan")
 
 
@@ -111,7 +111,8 @@ class LaunchPlan:
     cluster: ClusterSpec | None = None
     """The cluster the plan was made for (hosts and devices of the launch); None: this machine."""
     framework: str = "reference"
-    """The runtime it was priced for (``frameworks.FRAMEWORK_NAMES``)."""
+    """The runtime it was priced for (``frameworks.FRAMEWORK_NAMES``), ``name:recipe`` where it
+    follows another recipe than the framework's default (``frameworks.RECIPES``)."""
     seed: int = 0
     expected: Expected | None = None
     profile: str | None = None
@@ -121,6 +122,7 @@ class LaunchPlan:
 
     def __post_init__(self) -> None:
 
+        framework(self.framework)  # a UserError naming the valid frameworks and recipes
         if self.version not in READABLE_VERSIONS:
             raise UserError(f"version={self.version!r}; this autoconf reads version "
                             f"{' or '.join(map(str, READABLE_VERSIONS))}")
@@ -142,6 +144,11 @@ class LaunchPlan:
                    seed=seed, expected=Expected.of(estimate), profile=profile)
 
     # -- the document -----------------------------------------------------------------------------
+    @property
+    def framework_name(self) -> str:
+        """The framework, without its recipe (what picks the emitter)."""
+        return self.framework.partition(":")[0]
+
     def to_dict(self) -> dict:
         return {"version": PLAN_VERSION, "created_by": self.created_by, "framework": self.framework,
                 "seed": self.seed, "model": self.model.to_dict(), "config": self.config.to_dict(),

@@ -76,7 +76,7 @@ def _run(plan, hosts, visible, script) -> list[str]:
     nnodes = len(hosts)
     named = bool(plan.cluster.node_groups[0].hosts)
     what = (f"your script {_code(script)} (it reads the plan with `autoconf.load_plan()`; `AUTOCONF_PLAN` "
-            "points to `config.json`)" if script else _FRAMEWORK_RUNS[plan.framework])
+            "points to `config.json`)" if script else _FRAMEWORK_RUNS[plan.framework_name])
     out = ["", "## Run", "", f"Each node script starts this host's processes under torchrun and runs {what}. "
            "Arguments given to a node script are passed on."]
     if nnodes == 1:
@@ -98,9 +98,9 @@ def _run(plan, hosts, visible, script) -> list[str]:
     out += ["", "Under SLURM: `sbatch sbatch.sh` (one task per node, each running its node script; the launch "
                 "directory must be on a file system the nodes share, or set `AUTOCONF_LAUNCH_DIR`).",
             "", "Check the plan against a real run of the reference trainer: `autoconf trial --config config.json`."]
-    if plan.framework == "reference" and not script:
+    if plan.framework_name == "reference" and not script:
         out.append("Each rank writes its results under `results/`.")
-    missing = gaps(plan, plan.framework)
+    missing = gaps(plan, plan.framework_name)
     if missing and not script:
         out += ["", f"{plan.framework} cannot express these parts of the plan, so its run will differ there:", ""]
         out += [f"- {comment(g)}" for g in missing]

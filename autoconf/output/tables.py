@@ -14,6 +14,8 @@ from rich import box
 from rich.table import Table
 from rich.text import Text
 
+from autoconf.specs.frameworks import framework as framework_model
+from autoconf.specs.frameworks import recipe_text
 from autoconf.specs.units import fmt_bytes, fmt_seconds
 
 # where each number comes from: one hop from the table to the formula
@@ -177,6 +179,7 @@ def estimate_report(e, wide: bool = False) -> list:
     if parts:
         notes.append("other = " + " + ".join(sorted(parts)))
     notes.append(f"capacity = device memory less the {e.framework} allocator's fragmentation margin")
+    notes.append("framework " + recipe_text(framework_model(e.framework)))
     out += [Text(n, style="dim") for n in notes]
     out += [Text(f"note: {n}") for n in e.notes]
     out += [Text(r, style="red") for r in e.reasons]

@@ -86,6 +86,8 @@ A knob set to None in a :class:`~autoconf.space.config.ParallelConfig` takes the
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 from autoconf.errors import UserError
@@ -321,6 +323,13 @@ class Framework:
     unless ``--no-bias-swiglu-fusion``; its experts too; ``bias_geglu_impl`` for GeGLU in
     megatron-core, though ``pretrain_gpt.py`` has no GeGLU flag). Three f-wide tensors per token
     instead of eager's four (``activations.mlp_hidden_rows``)."""
+    recipe: str = ""
+    """The release or recipe preset whose defaults this model follows (``RECIPES``)."""
+    fp8_param_gather: bool = False
+    """FP8 training keeps the linear layers' parameters in FP8 (Transformer Engine's FP8 tensors,
+    Megatron-LM's ``--fp8-param-gather``): 1 byte per such parameter instead of 2, the cached FP8
+    transpose the only copy beside it, and the distributed optimizer's parameter all-gather in FP8
+    (``stage_memory``, ``data_parallel.post_all_gather_s``)."""
     op_selective_checkpoint: bool = False
     """recompute="selective" is per-operation selective checkpointing (torchtitan's default
     ``SelectiveAC`` policy, 0.3.0 ``distributed/activation_checkpoint.py``): a dense block keeps
@@ -539,12 +548,57 @@ FRAMEWORKS = {
 }
 
 
+RECIPES = {
+    "reference": {"autoconf": ("autoconf's reference trainer, as this autoconf runs it", {})},
+    "megatron": {
+        "core-0.16": ("Megatron-LM pretrain_gpt.py at its argument defaults (megatron-core 0.16.1): no "
+                      "communication overlap unless asked, BF16 parameters with FP8 weight copies", {}),
+        # Megatron-Bridge 0.3.1: recipes/llama/llama3.py sets cfg.ddp.overlap_grad_reduce and
+        # overlap_param_gather (distributed optimizer, grad_reduce_in_fp32); every FP8 preset of
+        # training/mixed_precision.py sets fp8_param_gather = True
+        "bridge-0.3": ("Megatron-Bridge 0.3.1 recipes: gradient reduction and parameter gather "
+                       "overlapped, FP8 parameters (fp8_param_gather) under FP8",
+                       {"defaults": {"overlap_grad_reduce": True, "overlap_param_gather": True},
+                        "fp8_param_gather": True}),
+    },
+    "torchtitan": {"0.3": ("torchtitan 0.3.0 defaults (FSDP2 with fp32 reduce, per-op selective checkpointing)", {})},
+    "deepspeed": {"0.19": ("DeepSpeed 0.19 engine defaults", {})},
+}
+"""Per framework, its named releases or recipe presets: (what it is, the Framework fields it sets).
+The first is the default; ``framework("megatron:bridge-0.3")`` names another."""
+
+
 def framework(name: str | None) -> Framework:
-    """The framework model by name (None: the reference trainer)."""
-    if name is None:
-        return FRAMEWORKS["reference"]
-    if name not in FRAMEWORKS:
-        raise UserError(f"unknown framework {name!r}; valid: {', '.join(FRAMEWORK_NAMES)}")
-    return FRAMEWORKS[name]
+    """The framework model by name, ``name`` or ``name:recipe`` (``RECIPES``; the framework's
+    first recipe by default; None: the reference trainer)."""
+    base, _, recipe = (name or "reference").partition(":")
+    if base not in FRAMEWORKS:
+        raise UserError(f"unknown framework {base!r}; valid: {', '.join(FRAMEWORK_NAMES)}")
+    recipes = RECIPES[base]
+    recipe = recipe or next(iter(recipes))
+    if recipe not in recipes:
+        raise UserError(f"framework {base} has no recipe {recipe!r}; valid: "
+                        f"{', '.join(f'{base}:{r}' for r in recipes)}")
+    return _with_recipe(base, recipe)
+
+
+@functools.lru_cache(maxsize=None)
+def _with_recipe(base: str, recipe: str) -> Framework:
+    fw = FRAMEWORKS[base]
+    changes = dict(RECIPES[base][recipe][1])
+    if "defaults" in changes:
+        changes["defaults"] = {**fw.defaults, **changes["defaults"]}
+    return dataclasses.replace(fw, recipe=recipe, **changes)
+
+
+def framework_spec(fw: Framework) -> str:
+    """``name`` where ``fw`` follows its framework's default recipe, else ``name:recipe``."""
+    return fw.name if not fw.recipe or fw.recipe == next(iter(RECIPES[fw.name])) else f"{fw.name}:{fw.recipe}"
+
+
+def recipe_text(fw: Framework) -> str:
+    """One line naming the release or recipe whose defaults ``fw`` follows."""
+    recipe = fw.recipe or next(iter(RECIPES[fw.name]))
+    return f"{fw.name}:{recipe}: {RECIPES[fw.name][recipe][0]}"
 
 

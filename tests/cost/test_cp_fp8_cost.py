@@ -13,9 +13,9 @@ from autoconf.cost.data_parallel import gather_bytes
 from autoconf.cost.estimate import TIME_TERMS, estimate
 from autoconf.cost.fp8 import QUANT_BYTES, fp8_gemm
 from autoconf.cost.groups import axis_links, grad_group
+from autoconf.cost.layout import linear_params_per_layer
 from autoconf.cost.moe import block_for
 from autoconf.cost.roofline import Roofline
-from autoconf.cost.stage_memory import linear_params_per_layer
 from autoconf.cost.system import System
 from autoconf.errors import UserError
 from autoconf.space.config import ParallelConfig, check, cp_choices

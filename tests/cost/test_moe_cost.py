@@ -283,7 +283,7 @@ def test_fp8_weight_copies_hold_a_ranks_own_experts():
     """Transformer Engine's FP8 weight copies (2 bytes per linear weight on Megatron): the dense
     block's projections and MLP, each MoE block's projections, shared expert and the rank's E/ep
     routed experts, split over tp like Megatron's experts; MLA's projections at their size."""
-    from autoconf.cost.stage_memory import linear_params_per_layer
+    from autoconf.cost.layout import linear_params_per_layer
 
     m = SMALL_MOE
     c = cfg(dp=8, tp=2, ep=8, precision="fp8", fp8_recipe="tensorwise")

@@ -191,9 +191,11 @@ class Assume:
     Megatron-Bridge 0.3.1's recipe defaults (gradient reduction and parameter gather overlapped,
     FP8 parameters under FP8: ``specs.frameworks.RECIPES``); core-0.16: Megatron-LM's own
     argument defaults (no overlap, BF16 parameters with FP8 copies)."""
-    megatron_tp_overlap: bool = False
-    """tp_comm_overlap where tp > 1 (Bridge's CommOverlapConfig leaves it off unless a
-    performance script turns it on; the tables do not say)."""
+    megatron_tp_overlap: str = "recipe"
+    """tp_comm_overlap where tp > 1: "recipe", as Megatron-Bridge 0.3.1's recipes set it (on in
+    its dense Llama 3 70B / 405B recipes, the recipe's default; off in its mixture-of-experts
+    recipes, recipes/deepseek/deepseek_v3.py ``CommOverlapConfig(tp_comm_overlap=False)``);
+    "off": off everywhere."""
     fsdp_under_pp: int = 3
     """FSDP together with pipeline parallelism: ZeRO-3 as stated, which autoconf prices as
     torchtitan runs it there (gathered once per step, reduced after the last micro-batch:
@@ -253,8 +255,10 @@ def config_of(row: dict, a: Assume, recompute: str, fw: str | None = None) -> Pa
     async_tp = "asyncTP" in opts
     sp = tp > 1 and (a.sequence_parallel or async_tp)
     kw = {}
-    if async_tp or (fw.startswith("megatron") and a.megatron_tp_overlap and sp):
+    if async_tp:
         kw["tp_comm_overlap"] = True
+    elif fw.startswith("megatron") and (a.megatron_tp_overlap == "off" or is_moe(row["model"])):
+        kw["tp_comm_overlap"] = False
     if row["src"].startswith("TT"):
         kw["torch_compile"] = "compile" in opts
     if row["prec"] == "FP8":
@@ -331,7 +335,7 @@ VARIANTS = (
      lambda r: r["prec"] == "FP8" and not {"tensorwise", "rowwise"} & set(r["opts"])),
     ("Megatron recipe", "bridge-0.3", (("core-0.16", {"megatron_recipe": "core-0.16"}),),
      lambda r: FRAMEWORK[r["src"]] == "megatron"),
-    ("Megatron TP overlap (tp>1)", "off", (("on", {"megatron_tp_overlap": True}),),
+    ("Megatron TP overlap (tp>1)", "recipe (dense on, MoE off)", (("off", {"megatron_tp_overlap": "off"}),),
      lambda r: FRAMEWORK[r["src"]] == "megatron" and (r["tp"] or 1) > 1),
     ("FSDP under pp", "ZeRO-3", (("ZeRO-2 (no reshard)", {"fsdp_under_pp": 2}),),
      lambda r: FRAMEWORK[r["src"]] == "torchtitan" and (r["pp"] or 1) > 1),

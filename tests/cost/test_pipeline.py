@@ -455,3 +455,29 @@ def test_sharing_of_the_wrong_shape_is_refused():
         simulate("1f1b", 2, 4, 1, [1, 1], [2, 2], [0], sharing=pipeline.Sharing((2.0, 2.0), ((1,),), (1.0,)))
     with pytest.raises(ValueError, match=">= 1"):
         simulate("1f1b", 2, 4, 1, [1, 1], [2, 2], [0], sharing=pipeline.Sharing((0.5, 2.0), ((1, 1),), (1.0,)))
+
+
+@pytest.mark.parametrize("pp, v, m", [(8, 5, 128), (4, 2, 16), (8, 2, 8), (4, 1, 32)])
+def test_megatron_schedules_keep_the_warmup_micro_batches_alive(pp, v, m):
+    """The first stage's activation peak is megatron-core's warm-up plus the one in 1F1B:
+    ``get_pp_rank_microbatches`` (0.16.1 pipeline_parallel/schedules.py) runs
+    2 (pp - 1) + (v - 1) pp forwards of chunks (of L / (pp v) blocks) before its first backward
+    under the interleaved schedule, pp - 1 under 1F1B, so 2 (pp - 1) + (v - 1) pp + 1 (or pp)
+    chunks' activations are alive: no more (held-out runs without recomputation at 8K fit)."""
+    import dataclasses
+
+    from autoconf import ParallelConfig
+    from autoconf.cost.estimate import estimate
+    from autoconf.cost.system import System
+    from autoconf.specs.cluster import load_cluster
+    from autoconf.specs.model import preset
+    cl = load_cluster("examples/clusters/h100-8x8.yaml")
+    model = dataclasses.replace(preset("llama-3-70b"), seq_length=8192)
+    c = ParallelConfig(dp=2, pp=pp, tp=4, micro_batch_size=1, num_micro_batches=m,
+                       schedule="interleaved" if v > 1 else "1f1b", virtual_stages=v, zero_stage=1,
+                       sequence_parallel=True)
+    e = estimate(c, model, cl, framework="megatron")
+    per_block = System(model, cl, framework="megatron").layer_activations(c, 1)["total"]
+    alive = min(m * v, 2 * (pp - 1) + (v - 1) * pp + 1) if v > 1 else min(m, pp)
+    # (plus the embedding's token indices, a few MB)
+    assert e.memory_by_stage[0].activations == pytest.approx(alive * model.num_layers / (pp * v) * per_block, rel=1e-4)

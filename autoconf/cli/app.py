@@ -115,8 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sequence-parallel", action="store_true")
     p.add_argument("--cp", type=positive_int, default=1,
                    help="context-parallel degree: each sequence split over cp ranks (default 1)")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8"),
-                   help="bf16: GEMMs in the model's dtype; fp8: the linear layers' GEMMs in FP8 (default bf16)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "tf32"),
+                   help="bf16: GEMMs in the model's dtype; fp8: the linear layers' GEMMs in FP8; tf32: an fp32 "
+                        "model's GEMMs on TF32 tensor cores (default bf16)")
     p.add_argument("--fp8-recipe", default="tensorwise", choices=FP8_RECIPES,
                    help="FP8 scaling with --precision fp8 (default tensorwise)")
     p.add_argument("--ep", type=positive_int, default=1,
@@ -180,9 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --allow-compression: PowerSGD's rank on data-parallel gradients (default 128)")
     p.add_argument("--max-cp", type=positive_int, default=None,
                    help="largest context-parallel degree searched (default: seq_length / 4096, at least 1)")
-    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp8"),
+    p.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp8", "tf32"),
                    help="matmul precisions searched: auto tries FP8 too where every device and the framework "
-                        "run it (default auto)")
+                        "run it, and TF32 tensor cores for an fp32 model (default auto)")
     p.add_argument("--fp8-recipe", default=None, choices=FP8_RECIPES,
                    help="the FP8 scaling searched (default: the framework's first that the devices run)")
     p.add_argument("--no-place", action="store_true",

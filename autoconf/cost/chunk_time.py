@@ -80,7 +80,7 @@ def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tu
             hf, hb = hf + n_moe * mt.host_forward_s, hb + n_moe * mt.host_backward_s
         edges = []
         for which, here in (("embedding", ci == 0), ("head", ci == lay.num_chunks - 1)):
-            e = system.edge(kind, b, tp, which, c.cp) if here else None
+            e = system.edge(kind, b, tp, which, c.cp, tf32=c.precision == "tf32") if here else None
             if e is not None:
                 eb = e.backward_s + system.edge_gradient_s(kind, c, which)  # its weights' gradient passes
                 f, bw_, hf, hb = f + e.forward_s, bw_ + eb, hf + e.host_forward_s, hb + e.host_backward_s

@@ -328,4 +328,4 @@ def block_for(system: System, kind: str, c, moe: bool = False, routed: bool = Tr
                         c.fp8_recipe if c.precision == "fp8" else None,
                         system.framework.knob(c, "torch_compile"), shape, system.accumulates(c),
                         system.bf16_optimizer(c),
-                        module_key(c))
+                        module_key(c), tf32=c.precision == "tf32")

@@ -156,6 +156,20 @@ class System:
             self._cache[key] = Roofline.of(device_type(kind), self.model.dtype, eff, self._memory_time(kind))
         return self._cache[key]
 
+    def gemm_roofline(self, kind: str, tf32: bool = False) -> Roofline:
+        """:meth:`roofline`, or with ``tf32`` the same device at its TF32 tensor-core peak (every
+        byte still fp32: the kernels' traffic is the model's dtype's). A one-line error where the
+        device has no TF32 units."""
+        if not tf32:
+            return self.roofline(kind)
+
+        def make():
+            dev = device_type(kind)
+            if "tf32" not in dev.peak_flop_per_s:
+                raise UserError(f"device {kind} has no TF32 tensor cores (precision tf32); use precision bf16")
+            return dataclasses.replace(self.roofline(kind), peak_flop_per_s=dev.peak("tf32"))
+        return self.cached(("rf32", kind), make)
+
     def _memory_time(self, kind: str, dtype: str | None = None):
         """The profile's measured memory-bound kernel time on ``kind`` in ``dtype`` (default the
         model's; ``measured.memory_time``), None where it measured none. (A profile of devices
@@ -234,7 +248,7 @@ class System:
 
     def block(self, kind: str, b: int, tp: int, sp: bool, recompute: str, cp: int = 1, fp8: str | None = None,
               compiled: bool = False, moe=None, accumulates: bool = True, bf16_optimizer: bool = False,
-              modules: tuple = ()) -> LayerTimes:
+              modules: tuple = (), tf32: bool = False) -> LayerTimes:
         """One transformer block shard per micro-batch on ``kind``: the profile's measured layer
         times (``measured.block_times``; measured in the model's dtype over the whole sequence, so
         only for a dense block at cp = 1 without FP8), else the roofline per op
@@ -245,9 +259,11 @@ class System:
         after each backward), which a framework with ``grad_accumulation_kernel`` pays for;
         ``bf16_optimizer``: DeepSpeed's BF16 optimizer also adds every micro-batch's gradients into
         its own copies (:meth:`bf16_optimizer`). ``modules``: what selective recomputation re-runs
-        (``config.RECOMPUTE_MODULES``; empty: the attention core, as profiles measure it)."""
+        (``config.RECOMPUTE_MODULES``; empty: the attention core, as profiles measure it).
+        ``tf32``: an fp32 model's GEMMs on TF32 tensor cores (:meth:`gemm_roofline`)."""
         def make():
-            if self.measured_for(kind) and cp == 1 and fp8 is None and not compiled and moe is None and not modules:
+            if (self.measured_for(kind) and cp == 1 and fp8 is None and not compiled and moe is None and not modules
+                    and not tf32):
                 got = measured_block(self.profile, self.model, b, tp, recompute)
                 if got:
                     rc = got[0] if recompute == "full" else 0.0
@@ -255,7 +271,7 @@ class System:
             f8 = None if fp8 is None else Fp8(self.fp8_roofline(kind, fp8), fp8, self.framework.fp8_host_ops,
                                               recast=not self.framework.fp8_saves_inputs,
                                               eager=self.framework.fp8_eager_quantize)
-            return block_times(self.model, b, tp, sp, recompute, self.roofline(kind), self.host_cost(kind),
+            return block_times(self.model, b, tp, sp, recompute, self.gemm_roofline(kind, tf32), self.host_cost(kind),
                                cp=cp, fp8=f8, compiled=compiled, moe=moe, ring_math=self.framework.ring_math,
                                unfused_softmax=self.unfused_softmax(b, tp, cp),
                                eager_elementwise=self.framework.eager_elementwise,
@@ -263,7 +279,7 @@ class System:
                                grad_update=BF16_OPTIMIZER_UPDATE if bf16_optimizer else (0.0, 0), modules=modules,
                                op_checkpoint=self.framework.op_selective_checkpoint)
         return self.cached(("block", kind, b, tp, sp, recompute, cp, fp8, compiled, moe, accumulates, bf16_optimizer,
-                            modules),
+                            modules, tf32),
                            lambda: _shared(make(), self.cpu_share(kind)))
 
     def unfused_softmax(self, b: int, tp: int, cp: int = 1) -> bool:
@@ -345,6 +361,8 @@ class System:
     def supports(self, kind: str, c) -> str | None:
         """Why devices of ``kind`` cannot run configuration ``c`` (FP8 without FP8 tensor cores),
         or None."""
+        if c.precision == "tf32":
+            return None if "tf32" in device_type(kind).peak_flop_per_s else f"device {kind} has no TF32 tensor cores"
         if c.precision != "fp8":
             return None
         dtype = "mxfp8" if c.fp8_recipe == "mxfp8" else "fp8"
@@ -357,19 +375,21 @@ class System:
         where the host is the device (its dispatch cost is inside the measured or roofline time)."""
         return None if kind == "cpu" else self.framework.host
 
-    def edge(self, kind: str, b: int, tp: int, which: str, cp: int = 1) -> LayerTimes:
+    def edge(self, kind: str, b: int, tp: int, which: str, cp: int = 1, tf32: bool = False) -> LayerTimes:
         """The embedding (``which="embedding"``) or output layer (``"head"``) shard per micro-batch,
         measured or by roofline as :meth:`block` (on the rank's s/cp tokens; the output layer in
-        the model's dtype also under FP8, as the frameworks keep it by default)."""
+        the model's dtype also under FP8, as the frameworks keep it by default; on TF32 tensor
+        cores with ``tf32``)."""
         def make():
-            if self.measured_for(kind) and cp == 1:
+            if self.measured_for(kind) and cp == 1 and not tf32:
                 fn = measured.embedding_times if which == "embedding" else measured.head_times
                 got = fn(self.profile, self.model, b, tp)
                 if got:
                     return LayerTimes(got[0], got[1])
             fn = embedding_times if which == "embedding" else head_times
-            return with_host(fn(self.model_at(tp, cp), b, tp, self.roofline(kind)), which, self.host_cost(kind))
-        return self.cached((which, kind, b, tp, cp), lambda: _shared(make(), self.cpu_share(kind)))
+            return with_host(fn(self.model_at(tp, cp), b, tp, self.gemm_roofline(kind, tf32)), which,
+                             self.host_cost(kind))
+        return self.cached((which, kind, b, tp, cp, tf32), lambda: _shared(make(), self.cpu_share(kind)))
 
     def layer_activations(self, c, mask: int) -> dict:
         """Activation bytes one block saves per micro-batch, by part (``activations``, after

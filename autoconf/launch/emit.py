@@ -141,6 +141,11 @@ def _node_script(plan, k: int, hosts: list[dict], vis, master_port: int, script,
         # queue keeps them in issue order (its own example scripts set it; sequence parallelism
         # requires it)
         lines.append(assign("CUDA_DEVICE_MAX_CONNECTIONS", 1, export=True))
+    if plan.config.precision == "tf32":
+        # fp32 matmuls on TF32 tensor cores in every framework and user script: PyTorch's cuBLAS
+        # handle honours this override whatever the code sets allow_tf32 to (NVIDIA's containers
+        # set it); the reference trainer also sets allow_tf32 itself
+        lines.append(assign("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", 1, export=True))
     if script is not None:
         target = [script, *script_args, Raw('"$@"')]
     else:

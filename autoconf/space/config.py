@@ -40,7 +40,7 @@ COMPRESSION_FIELDS = {"pp_compression": "none", "pp_compression_rank": 16, "dp_c
                       "dp_compression_rank": 128, "fused_embedding_sync": False}
 """Lossy communication and its defaults: written by :meth:`ParallelConfig.to_dict` only when not
 the default, so documents without compression read as before."""
-PRECISIONS = ("bf16", "fp8")
+PRECISIONS = ("bf16", "fp8", "tf32")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "mxfp8")
 """Scaling of FP8 operands: one scale per tensor computed from the current amax (tensorwise,
 "current scaling"), one per tensor from an amax history (delayed: Transformer Engine's original
@@ -141,7 +141,9 @@ class ParallelConfig:
     precision: str = "bf16"
     """Matmul precision. bf16: every GEMM in the model's dtype (bf16, fp16 or fp32). fp8: the
     linear layers' GEMMs in FP8 (E4M3 forward, E4M3/E5M2 backward) with ``fp8_recipe``'s scaling;
-    the attention core and the output layer stay in the model's dtype."""
+    the attention core and the output layer stay in the model's dtype. tf32: an fp32 model whose
+    GEMMs run on TF32 tensor cores (PyTorch's ``allow_tf32``; storage and every other kernel in
+    fp32)."""
     fp8_recipe: str = "tensorwise"
     """With precision fp8: tensorwise, delayed, rowwise or mxfp8 (see ``FP8_RECIPES``)."""
     torch_compile: bool | None = None
@@ -237,6 +239,8 @@ class ParallelConfig:
             s += f" cf{self.moe_capacity_factor:g}"
         if self.precision == "fp8":
             s += f" fp8-{self.fp8_recipe}"
+        elif self.precision == "tf32":
+            s += " tf32"
         if self.pp_compression != "none":
             s += f" ppc-{self.pp_compression}{self.pp_compression_rank}"
         if self.dp_compression_stages:
@@ -311,6 +315,9 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return f"precision={c.precision!r}; valid: {', '.join(PRECISIONS)}"
     if c.fp8_recipe not in FP8_RECIPES:
         return f"fp8_recipe={c.fp8_recipe!r}; valid: {', '.join(FP8_RECIPES)}"
+    if c.precision == "tf32" and model.dtype != "fp32":
+        return (f"precision tf32 runs an fp32 model's matmuls on TF32 tensor cores; model {model.name} is "
+                f"{model.dtype}: use precision bf16 (or fp8), or an fp32 model")
     if c.ep > 1 and not model.is_moe:
         return f"ep({c.ep}) splits experts: model {model.name} has none (num_experts = 0)"
     if c.ep > 1 and (c.dp * c.cp) % c.ep:

@@ -35,9 +35,11 @@ def precision_choices(system: System, precision: str = "auto", fp8_recipe: str |
     asked ("auto" or "fp8") and every device of the cluster and the framework run it (with "auto"
     only where the devices' FP8 rate beats the model dtype's: not on CPUs, which emulate it), with
     ``fp8_recipe`` or else the framework's first recipe the devices run (MXFP8 needs Blackwell).
-    A one-line error where "fp8" is asked and cannot run."""
-    if precision not in ("auto", "bf16", "fp8"):
-        raise UserError(f"--precision {precision!r}; valid: auto, bf16, fp8")
+    A one-line error where "fp8" is asked and cannot run. An fp32 model tries TF32 tensor cores
+    instead ("auto" or "tf32": PyTorch's ``allow_tf32``) where every device has them; "tf32"
+    is refused for other models and devices."""
+    if precision not in ("auto", "bf16", "fp8", "tf32"):
+        raise UserError(f"--precision {precision!r}; valid: auto, bf16, fp8, tf32")
     if fp8_recipe is not None and fp8_recipe not in FP8_RECIPES:
         raise UserError(f"--fp8-recipe {fp8_recipe!r}; valid: {', '.join(FP8_RECIPES)}")
     bf16 = ("bf16", "tensorwise")
@@ -45,6 +47,17 @@ def precision_choices(system: System, precision: str = "auto", fp8_recipe: str |
         return (bf16,)
     fw = system.framework
     kinds = sorted(set(system.topology.kind_of))
+    if system.model.dtype == "fp32" or precision == "tf32":
+        tf32 = system.model.dtype == "fp32" and all("tf32" in device_type(k).peak_flop_per_s for k in kinds)
+        if precision == "tf32" and not tf32:
+            why = (f"model {system.model.name} is {system.model.dtype}" if system.model.dtype != "fp32"
+                   else f"device {', '.join(kinds)} has no TF32 tensor cores")
+            raise UserError(f"--precision tf32 runs an fp32 model's matmuls on TF32 tensor cores: {why}; "
+                            "use --precision bf16")
+        if precision == "tf32":
+            return (("tf32", "tensorwise"),)
+        if precision == "auto":
+            return (bf16, ("tf32", "tensorwise")) if tf32 else (bf16,)
 
     def runs(recipe, faster: bool):
         dtype = "mxfp8" if recipe == "mxfp8" else "fp8"

@@ -206,7 +206,7 @@ class Placer:
         return max(lt.forward_s + lt.backward_s, lt.host_forward_s + lt.host_backward_s)
 
     def _edge_s(self, kind: str, c: ParallelConfig, which: str) -> float:
-        lt = self.system.edge(kind, c.micro_batch_size, c.tp, which, c.cp)
+        lt = self.system.edge(kind, c.micro_batch_size, c.tp, which, c.cp, tf32=c.precision == "tf32")
         return max(lt.forward_s + lt.backward_s, lt.host_forward_s + lt.host_backward_s)
 
     # -- the local search ---------------------------------------------------------------------

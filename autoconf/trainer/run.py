@@ -107,6 +107,17 @@ def fp8_recipe(config: ParallelConfig) -> str | None:
     return config.fp8_recipe
 
 
+def set_matmul_precision(config: ParallelConfig) -> None:
+    """precision tf32: an fp32 model's matmuls and convolutions on TF32 tensor cores (PyTorch's
+    ``allow_tf32`` switches; CPUs have none and ignore them); else PyTorch's defaults (fp32 matmuls
+    in full fp32)."""
+    if config.precision == "tf32":
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
 def refuse_cp(model: ModelSpec, config: ParallelConfig) -> None:
     """The context-parallel combinations this trainer cannot run, as a TrainerError (one line)."""
     if config.cp > 1 and model.dropout > 0 and model.attention == "eager":
@@ -165,6 +176,7 @@ def train(args, rank: int, watchdog) -> dict:
     device, backend, groups = setup(config, args.step_timeout)
     watchdog.stop()
     torch.manual_seed(seed)
+    set_matmul_precision(config)
     dtype = gpt.TORCH_DTYPES[model.dtype]
     tp_group = groups.tp if config.tp > 1 else None
     common = dict(tp_size=config.tp, tp_group=tp_group, sequence_parallel=config.sequence_parallel,

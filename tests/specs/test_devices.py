@@ -39,7 +39,10 @@ def test_every_device_has_what_the_cost_model_reads(name):
         assert set(dev.collective) == {"base_latency_s", "intra_efficiency", "inter_efficiency", "short_ring_loss"}
         dev.collective_tuning()
         assert 0 < dev.attention_efficiency["forward"] <= 1 and 0 < dev.attention_efficiency["backward"] <= 1
-    assert set(dev.peak_flop_per_s) <= {"bf16", "fp16", "fp32", "fp8", "mxfp8", "fp4"}
+    assert set(dev.peak_flop_per_s) <= {"bf16", "fp16", "fp32", "tf32", "fp8", "mxfp8", "fp4"}
+    if "tf32" in dev.peak_flop_per_s:  # TF32 tensor cores: half the 16-bit rate, above fp32's
+        assert dev.peak("tf32") == pytest.approx(dev.peak("bf16") / 2, rel=0.02)
+        assert dev.peak("tf32") > dev.peak("fp32")
 
 
 @pytest.mark.parametrize("name,exact", [("h100-sxm", False), ("h100-pcie", False), ("h200", False),

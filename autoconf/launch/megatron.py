@@ -49,8 +49,11 @@ def megatron_args(plan) -> list:
         a += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", 1]
     if c.zero_stage == 1:
         a.append("--use-distributed-optimizer")
+    elif c.zero_stage == 3:  # Megatron FSDP, fully sharded; it runs without the fused wgrad accumulation
+        a += ["--use-distributed-optimizer", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+              "optim_grads_params", "--no-gradient-accumulation-fusion"]
     for knob in ("overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap"):
-        if _knob(plan, "megatron", knob) and (knob != "overlap_param_gather" or c.zero_stage == 1):
+        if _knob(plan, "megatron", knob) and (knob != "overlap_param_gather" or c.zero_stage in (1, 3)):
             a.append("--" + knob.replace("_", "-"))  # the parameter gather exists with the distributed optimizer
     a += ["--num-layers", m.num_layers, "--hidden-size", m.hidden_size, "--num-attention-heads",
           m.num_attention_heads, "--ffn-hidden-size", m.ffn_hidden_size, "--seq-length", m.seq_length,

@@ -510,9 +510,12 @@ FRAMEWORKS = {
         expert_parallel=True, expert_zero_stages=(0, 1), expert_tensor_parallel=False,
         capacity_factor=True, compression=True, tied_sync_after_pipeline=True,
         eager_elementwise=True, grad_accumulation_kernel=True, fp8_eager_quantize=True, host_syncs=("loss_read",)),
+    # ZeRO-3 without pipelining is Megatron FSDP (megatron-core 0.16.1 distributed/fsdp:
+    # data_parallel_sharding_strategy "optim_grads_params": parameters gathered before each
+    # module's forward and backward, gradients reduce-scattered in every backward)
     "megatron": Framework(
         name="megatron", schedules=("1f1b", "interleaved"),
-        zero_stages=(0, 1), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
+        zero_stages=(0, 1, 3), zero_stages_with_pp=(0, 1), layered_grad_accum=False,
         per_micro_batch_pipeline_buffers=False, fp32_grad_buffer_bf16=True, host=_MEGATRON_HOST,
         defaults={"overlap_grad_reduce": False, "overlap_param_gather": False, "tp_comm_overlap": False,
                   "ep_comm_overlap": False, "torch_compile": False},

@@ -53,10 +53,9 @@ def _add_target(p, cluster_required: bool = False):
     p.add_argument("--seq-length", type=positive_int, help="override the model's sequence length")
     p.add_argument("--global-batch", type=positive_int, required=True, help="sequences per optimizer step")
     p.add_argument("--framework", default="reference", type=framework_name,
-                   help="the runtime that will run the plan: its defaults, buffers, overlap and knobs are "
-                        "modelled, and search offers only what it can run (default: reference, this project's trainer); "
-                        f"one of {', '.join(FRAMEWORK_NAMES)}, or name:recipe for a release's or recipe's defaults "
-                        "(megatron:bridge-0.3)")
+                   help=f"the runtime that will run the plan ({', '.join(FRAMEWORK_NAMES)}; name:recipe for a "
+                        "release's or recipe's defaults, megatron:bridge-0.3): its defaults, buffers, overlap and knobs "
+                        "are modelled, and search offers only what it can run (default: reference, this project's trainer)")
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="mixture of experts: the busiest expert rank's tokens over the balanced share "
                         "(default 1.0, perfectly balanced)")
@@ -116,8 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=positive_int, default=1,
                    help="context-parallel degree: each sequence split over cp ranks (default 1)")
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp8", "tf32"),
-                   help="bf16: GEMMs in the model's dtype; fp8: the linear layers' GEMMs in FP8; tf32: an fp32 "
-                        "model's GEMMs on TF32 tensor cores (default bf16)")
+                   help="GEMMs in the model's dtype (bf16), the linear layers' in FP8, or TF32 tensor cores (default bf16)")
     p.add_argument("--fp8-recipe", default="tensorwise", choices=FP8_RECIPES,
                    help="FP8 scaling with --precision fp8 (default tensorwise)")
     p.add_argument("--ep", type=positive_int, default=1,

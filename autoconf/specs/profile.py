@@ -537,10 +537,7 @@ def check_profile_devices(profile: Profile, device_kinds, how: str = "a cluster 
 # -- helpers shared with the profiler --------------------------------------------------------------
 
 _CUDA_NAMES = (  # (substring of torch.cuda.get_device_name, catalog name); first match wins
-    ("GH200", "gh200"),
-    ("H200", "h200"),
-    ("MI325X", "mi325x"),
-    ("MI300X", "mi300x"),
+    ("GH200", "gh200"), ("H200", "h200"), ("MI325X", "mi325x"), ("MI300X", "mi300x"),
     ("H100 PCIe", "h100-pcie"),
     ("H100 NVL", "h100-pcie"),
     ("H100", "h100-sxm"),

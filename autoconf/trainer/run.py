@@ -36,6 +36,7 @@ def setup(config: ParallelConfig, timeout_s: float):
     from autoconf.trainer.parallel_dims import ParallelDims, build_groups
 
     timeout = datetime.timedelta(seconds=timeout_s)
+    set_matmul_precision(config)
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
@@ -176,7 +177,6 @@ def train(args, rank: int, watchdog) -> dict:
     device, backend, groups = setup(config, args.step_timeout)
     watchdog.stop()
     torch.manual_seed(seed)
-    set_matmul_precision(config)
     dtype = gpt.TORCH_DTYPES[model.dtype]
     tp_group = groups.tp if config.tp > 1 else None
     common = dict(tp_size=config.tp, tp_group=tp_group, sequence_parallel=config.sequence_parallel,

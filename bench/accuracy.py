@@ -42,7 +42,7 @@ from stats import spearman  # noqa: E402
 
 from autoconf.launch.plan import LaunchPlan  # noqa: E402
 from autoconf.runs.trial import run_trial, speed_vs_profile  # noqa: E402
-from autoconf.space.config import enumerate_space  # noqa: E402
+from autoconf.space.enumeration import enumerate_space  # noqa: E402
 from autoconf.specs.cluster import load_cluster  # noqa: E402
 from autoconf.specs.model import ModelSpec  # noqa: E402
 

@@ -211,7 +211,9 @@ class Assume:
     """A row without a micro-batch size (none in this data): 1."""
     moe_dispatcher: str = "alltoall"
     """Token dispatch with ep > 1: one all-to-all of every (token, expert) pair, every framework's
-    default; deepep (Megatron's flex dispatcher, DeepEP) only where tp is 1."""
+    default; deepep (Megatron's flex dispatcher, DeepEP, which Megatron-Bridge 0.3.1's Qwen3 and
+    GPT-OSS recipes pick on Hopper, its DeepSeek-V3 recipe HybridEP) where tp is 1 or the expert
+    group is folded over tp."""
 
 
 ASSUMED = Assume()
@@ -259,12 +261,16 @@ def config_of(row: dict, a: Assume, recompute: str, fw: str | None = None) -> Pa
         kw["tp_comm_overlap"] = True
     elif fw.startswith("megatron") and (a.megatron_tp_overlap == "off" or is_moe(row["model"])):
         kw["tp_comm_overlap"] = False
+    if fw.startswith("megatron") and ep > 1 and tp > 1:
+        # every Megatron-Bridge 0.3.1 MoE recipe sets expert_tensor_parallel_size = 1
+        # (recipes/qwen/qwen3_moe.py, recipes/deepseek/deepseek_v3.py): MoE parallel folding
+        kw["expert_tp"] = 1
     if row["src"].startswith("TT"):
         kw["torch_compile"] = "compile" in opts
     if row["prec"] == "FP8":
         recipe = next((o for o in opts if o in ("tensorwise", "rowwise")), a.fp8_recipe)
         kw.update(precision="fp8", fp8_recipe=recipe)
-    if ep > 1 and a.moe_dispatcher != "alltoall" and tp == 1:
+    if ep > 1 and a.moe_dispatcher != "alltoall" and (tp == 1 or "expert_tp" in kw):
         kw["moe_dispatcher"] = a.moe_dispatcher
     return ParallelConfig(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, micro_batch_size=mbs,
                           num_micro_batches=row["gbs"] // (dp * mbs),
@@ -345,8 +351,8 @@ VARIANTS = (
      lambda r: (r["tp"] or 1) > 1 and "asyncTP" not in r["opts"]),
     ("A100 network", "8 x 200 Gbit/s", (("4 x 100 Gbit/s", {"a100_nics": (4, "100 Gbit/s")}),),
      lambda r: r["system"] == "A100"),
-    ("MoE dispatcher (tp 1)", "alltoall", (("deepep", {"moe_dispatcher": "deepep"}),),
-     lambda r: (r["ep"] or 1) > 1 and (r["tp"] or 1) == 1),
+    ("MoE dispatcher", "alltoall", (("deepep", {"moe_dispatcher": "deepep"}),),
+     lambda r: (r["ep"] or 1) > 1 and ((r["tp"] or 1) == 1 or FRAMEWORK[r["src"]] == "megatron")),
 )
 """(setting, assumed value, ((alternative, Assume fields), ...), the rows it touches)."""
 

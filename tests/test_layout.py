@@ -22,8 +22,7 @@ LONG = {
     "class ModelSpec": (542, "one frozen dataclass: ~50 fields, each with its docstring, and derived shapes"),
     "class PointOptimizer": (549, "plan's exact per-point optimiser: its bounds share one cache per point"),
     "class System": (478, "device rates, caches and the framework's rules on one pricing context"),
-    "class Framework": (342, "a framework's defaults as data: one documented field per behaviour"),
-    "autoconf/specs/frameworks.py": (610, "the Framework dataclass, the four frameworks and their recipes as data"),
+    "class Framework": (360, "a framework's defaults as data: one documented field per behaviour"),
     "class _Study": (302, "the Optuna study's ask / tell loop, its resume and its branch and bound"),
     "def plan": (185, "the sweep's orchestration: budget, grid, networks, methods, placement, result"),
     "def search": (173, "the search's orchestration: space, study, sampler, exhaustive pass, placement"),
@@ -37,7 +36,7 @@ LONG = {
     "def timeline_figure": (100, "one matplotlib figure, element by element"),
     "def _run_shared": (99, "the schedule simulation under processor sharing (hot path, one function)"),
     "def train": (99, "the reference trainer's step loop on one rank"),
-    "def check": (99, "every validity rule of a configuration, each with its reason, in one place"),
+    "def check": (96, "every validity rule of a configuration, each with its reason, in one place"),
     "def cmd_search": (96, "the search command: inputs, search, verification, emission, output"),
     "def time_memory_figure": (82, "one matplotlib figure, element by element"),
 }

@@ -17,7 +17,7 @@ from autoconf.cost.layout import Layout
 from autoconf.cost.moe import a2a_exposed_s, a2a_times, block_for
 from autoconf.cost.system import System
 from autoconf.cost.tensor_parallel import TpTimes
-from autoconf.space.config import ParallelConfig
+from autoconf.space.config import ParallelConfig, expert_dp
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ def optimizer_step_s(system: System, c: ParallelConfig, lay: Layout) -> float:
         params = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev))
         experts = sum(lay.chunk_expert_params[ci] for ci in lay.chunks_of(c, dev)) if lay.chunk_expert_params else 0.0
         if system.state_zero_stage(c) >= 1:  # the experts are sharded over the ranks holding the same experts
-            local = (params - experts) / (c.dp * c.cp) + experts / max(1, c.dp * c.cp // c.ep)
+            local = (params - experts) / (c.dp * c.cp) + experts / max(1, expert_dp(c))
         else:
             local = params
         t = max(system.optimizer_time(k, local) for k in lay.stage_kinds[dev])

@@ -31,7 +31,7 @@ from autoconf.cost.layout import Layout, fp8_linear_params
 from autoconf.cost.memory import BUCKET_BYTES
 from autoconf.cost.powersgd import dp_compressed, exact_dp_links, powersgd_reduction_s
 from autoconf.cost.system import System
-from autoconf.space.config import ParallelConfig
+from autoconf.space.config import ParallelConfig, expert_dp
 
 
 def bucket_traffic(c: ParallelConfig) -> float:
@@ -64,7 +64,7 @@ def dp_reduction_s(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, 
     t = (collective_s(system, links, fn, n, dense * g_bytes,
                       all_reduce_algorithms(system, c, fn))
          + system.copy_time(kinds, bucket_traffic(c) * lay.chunk_params[ci] * g_bytes))
-    edp = c.dp * c.cp // c.ep
+    edp = expert_dp(c)
     if experts and edp > 1:  # the routed experts: over the ranks holding the same experts
         t += collective_s(system, axis_links(system, c, "edp"), fn, edp, experts * g_bytes,
                           all_reduce_algorithms(system, c, fn))

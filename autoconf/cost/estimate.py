@@ -35,8 +35,9 @@ from autoconf.cost.system import System
 from autoconf.cost.tensor_parallel import tp_times
 from autoconf.errors import UserError
 from autoconf.space.config import ParallelConfig, validate
-from autoconf.specs.frameworks import framework_spec, hierarchical_runs
+from autoconf.specs.frameworks import hierarchical_runs
 from autoconf.specs.model import ModelSpec
+from autoconf.specs.recipes import framework_spec
 
 __all__ = ["Estimate", "StageMemory", "System", "TIME_TERMS", "MEMORY_TERMS", "estimate"]
 

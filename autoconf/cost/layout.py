@@ -78,11 +78,10 @@ def layout(system: System, c: ParallelConfig) -> Layout:
 
 def chunk_experts(system: System, c: ParallelConfig, indices) -> tuple[tuple, tuple]:
     """Per chunk (its blocks' indices): its mixture-of-experts blocks, and its routed experts'
-    parameters on a rank (E/ep experts of each MoE block, split over tp where the framework splits
-    experts, ``Framework.expert_tensor_parallel``)."""
+    parameters on a rank (E/ep experts of each MoE block, split ``Framework.expert_split`` ways)."""
     m = system.model
     moe_layers = tuple(sum(m.is_moe_layer(i) for i in idx) for idx in indices)
-    etp = c.tp if system.framework.expert_tensor_parallel else 1
+    etp = system.framework.expert_split(c)
     return moe_layers, tuple(n * (m.num_experts // c.ep) * m.expert_params() / etp for n in moe_layers)
 
 
@@ -98,8 +97,7 @@ def chunk_params(system: System, c: ParallelConfig, chunk_layers) -> list[float]
             (m.layer_params(i) - m.is_moe_layer(i) * m.num_experts * m.expert_params(), m.is_moe_layer(i))
             for i in range(m.num_layers)])
         local_experts = (m.num_experts // c.ep) * m.expert_params()
-        if not system.framework.expert_tensor_parallel:  # whole experts on every tp rank (/ tp below)
-            local_experts *= c.tp
+        local_experts *= c.tp / system.framework.expert_split(c)  # (/ tp below): whole experts or a 1/etp split
     for ci, nl in enumerate(chunk_layers):
         if indices is None:
             p = nl * m.layer_params()

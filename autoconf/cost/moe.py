@@ -45,11 +45,6 @@ from autoconf.cost.system import System
 from autoconf.space.config import ParallelConfig, module_key, recomputed_modules
 
 
-def expert_dp(c: ParallelConfig) -> int:
-    """Ranks holding the same experts (they reduce the experts' gradients together)."""
-    return c.dp * c.cp // c.ep
-
-
 def load_factor(system: System, c: ParallelConfig) -> float:
     """The busiest expert rank's assignments over the balanced share: the load imbalance, capped
     by the capacity factor where tokens are dropped."""
@@ -60,7 +55,7 @@ def load_factor(system: System, c: ParallelConfig) -> float:
 def expert_tp(system: System, c: ParallelConfig) -> int:
     """How many ways each expert is split: tp where the framework splits experts like the dense
     MLP (Megatron-LM), else 1 (``Framework.expert_tensor_parallel``)."""
-    return c.tp if system.framework.expert_tensor_parallel else 1
+    return system.framework.expert_split(c)
 
 
 def routed_tokens(system: System, c: ParallelConfig) -> float:

@@ -23,7 +23,7 @@ from autoconf.cost.memory import BUCKET_BYTES, optimizer_temporary_bytes, state_
 from autoconf.cost.moe import moe_activation_bytes, paired_fraction
 from autoconf.cost.pipeline_memory import peak_memory
 from autoconf.cost.system import System
-from autoconf.space.config import ParallelConfig, module_key
+from autoconf.space.config import ParallelConfig, expert_dp, module_key
 from autoconf.specs.devices import device_type
 
 
@@ -68,7 +68,7 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
     else:
         peaks = activation_peaks(system, c, lay, act_layer["total"], 0.0 if up_front else st.gradients)
     # a mixture of experts' routed experts: sharded by ZeRO over the ranks holding the same experts
-    st_e = state_bytes_per_param(m.dtype, zero, max(1, c.dp * c.cp // c.ep),
+    st_e = state_bytes_per_param(m.dtype, zero, max(1, expert_dp(c)),
                                  fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
     # one block's recomputed tensors, alive during its backward (layered: inside _layered_peak):
     # (a dense block's, an MoE block's), each stage taking those of the blocks it holds

@@ -94,8 +94,8 @@ def megatron_moe_args(plan) -> list:
     (``--moe-router-num-groups`` / ``--moe-router-group-topk``), and each rank's experts run as
     one grouped GEMM. Without a capacity factor megatron-core is dropless;
     with one it drops the lowest-probability tokens beyond each expert's capacity (its default
-    policy) without padding to it. The experts' tensor-parallel size is megatron-core's default,
-    tp, as the plan splits them."""
+    policy) without padding to it. The experts' tensor-parallel size is the plan's ``expert_tp``
+    (1: whole experts, the expert-parallel group folded over tp), else megatron-core's default, tp."""
     c, m = plan.config, plan.model
     if not m.is_moe:
         return []
@@ -112,6 +112,8 @@ def megatron_moe_args(plan) -> list:
     a.append("--moe-grouped-gemm")
     if c.ep > 1:
         a += ["--expert-model-parallel-size", c.ep]
+        if c.expert_tp is not None:
+            a += ["--expert-tensor-parallel-size", c.expert_tp]
     if _knob(plan, "megatron", "ep_comm_overlap"):  # combined 1F1B: all-to-alls under the other micro-batch
         a.append("--overlap-moe-expert-parallel-comm")
     if c.moe_capacity_factor is not None:

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autoconf.specs.frameworks import framework as framework_model
-from autoconf.specs.frameworks import recipe_text
+from autoconf.specs.recipes import recipe_text
 from autoconf.specs.units import fmt_bytes, fmt_seconds
 
 # where each number comes from: one hop from the table to the formula

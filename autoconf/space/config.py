@@ -7,11 +7,10 @@ search's "rejected because" table.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from dataclasses import dataclass
 
 from autoconf.errors import UserError
-from autoconf.space.placement import check_placement, even_layers, order_reason
+from autoconf.space.placement import check_placement, even_layers, folds_experts, order_reason
 from autoconf.specs.model import ModelSpec
 from autoconf.specs.schema import Bool, Dict, Int, List, Null, Num, Str
 
@@ -33,7 +32,7 @@ makes after its last forward, e.g. stage s's last p - s under 1F1B); all (every 
 Forward activations are never compressed."""
 MOE_DISPATCHERS = ("alltoall", "deepep")
 """How a mixture of experts' tokens reach their experts' ranks (``ParallelConfig.moe_dispatcher``)."""
-DEFAULTED_FIELDS = {"moe_dispatcher": "alltoall", "ep_comm_overlap": None, "recompute_modules": ()}
+DEFAULTED_FIELDS = {"moe_dispatcher": "alltoall", "ep_comm_overlap": None, "recompute_modules": (), "expert_tp": None}
 """Written by :meth:`ParallelConfig.to_dict` only when not the default (later fields: earlier
 documents read as before)."""
 COMPRESSION_FIELDS = {"pp_compression": "none", "pp_compression_rank": 16, "dp_compression_stages": 0,
@@ -57,7 +56,7 @@ CONFIG_SCHEMA = Dict(
               "zero_stage": Int(0, 3), "recompute": Str(RECOMPUTE), "sequence_parallel": Bool(),
               "rank_order": Str(max_len=32), "overlap_grad_reduce": Null(Bool()),
               "overlap_param_gather": Null(Bool()), "tp_comm_overlap": Null(Bool()),
-              "ep_comm_overlap": Null(Bool()), "moe_dispatcher": Str(MOE_DISPATCHERS),
+              "ep_comm_overlap": Null(Bool()), "moe_dispatcher": Str(MOE_DISPATCHERS), "expert_tp": Null(_DEGREE),
               "recompute_modules": List(Str(RECOMPUTE_MODULES), max_len=len(RECOMPUTE_MODULES)),
               "dp_all_reduce": Str(DP_ALL_REDUCE),
               "pp_compression": Str(PP_COMPRESSION), "pp_compression_rank": Int(1, 1 << 16),
@@ -185,6 +184,13 @@ class ParallelConfig:
     """Tied embeddings under pp: sum the embedding gradient over the first and last stage and over
     the data-parallel replicas in one all-reduce, instead of a first/last all-reduce then the
     data-parallel one."""
+    expert_tp: int | None = None
+    """How many ways each routed expert is split (Megatron's ``--expert-tensor-parallel-size``).
+    None: the framework's own (Megatron-LM: tp; torchtitan and the reference trainer: whole
+    experts on every tp rank). 1 with tp > 1: whole experts, and the expert-parallel group folded
+    over the tp x cp x dp ranks of a stage (Megatron-Core's MoE parallel folding; every
+    Megatron-Bridge MoE recipe sets it): ep divides tp x dp x cp and may span tensor-parallel
+    ranks (:func:`expert_span`)."""
 
     def __post_init__(self):
         if isinstance(self.recompute_modules, list):  # a JSON-style list reads as the tuple it means
@@ -235,6 +241,8 @@ class ParallelConfig:
             s += f" ep{self.ep}"
         if self.moe_dispatcher != "alltoall":
             s += f" {self.moe_dispatcher}"
+        if self.expert_tp is not None and self.ep > 1:
+            s += f" etp{self.expert_tp}"
         if self.moe_capacity_factor is not None:
             s += f" cf{self.moe_capacity_factor:g}"
         if self.precision == "fp8":
@@ -291,6 +299,17 @@ layers_per_chunk = even_layers
 """Split layers as evenly as possible over chunks (``placement.even_layers``)."""
 
 
+def expert_span(c) -> int:
+    """The ranks of a stage the expert-parallel groups are cut from: dp x cp, or tp x dp x cp
+    where :func:`folds_experts`."""
+    return (c.tp if folds_experts(c) else 1) * c.dp * c.cp
+
+
+def expert_dp(c) -> int:
+    """Ranks holding the same experts (they reduce the experts' gradients together)."""
+    return expert_span(c) // c.ep
+
+
 def check(config: ParallelConfig, model: ModelSpec) -> str | None:
     """The reason this configuration is invalid for the model, or None if it is valid."""
     c = config
@@ -315,15 +334,9 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return f"precision={c.precision!r}; valid: {', '.join(PRECISIONS)}"
     if c.fp8_recipe not in FP8_RECIPES:
         return f"fp8_recipe={c.fp8_recipe!r}; valid: {', '.join(FP8_RECIPES)}"
-    if c.precision == "tf32" and model.dtype != "fp32":
-        return (f"precision tf32 runs an fp32 model's matmuls on TF32 tensor cores; model {model.name} is "
-                f"{model.dtype}: use precision bf16 (or fp8), or an fp32 model")
-    if c.ep > 1 and not model.is_moe:
-        return f"ep({c.ep}) splits experts: model {model.name} has none (num_experts = 0)"
-    if c.ep > 1 and (c.dp * c.cp) % c.ep:
-        return f"ep({c.ep}) must divide dp x cp ({c.dp} x {c.cp} = {c.dp * c.cp}): the expert group lies inside them"
-    if c.ep > 1 and model.num_experts % c.ep:
-        return f"ep({c.ep}) does not divide num_experts({model.num_experts})"
+    why = tf32_reason(c, model) or expert_group_reason(c, model)
+    if why:
+        return why
     cf = c.moe_capacity_factor
     if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not 0 < cf <= 64):
         return f"moe_capacity_factor={cf!r} must be a number above 0 and at most 64, or absent (dropless)"
@@ -380,15 +393,41 @@ def check(config: ParallelConfig, model: ModelSpec) -> str | None:
         return f"moe_dispatcher={c.moe_dispatcher!r}; valid: {', '.join(MOE_DISPATCHERS)}"
     if c.moe_dispatcher != "alltoall" and c.ep == 1:
         return f"moe_dispatcher={c.moe_dispatcher} dispatches tokens to other expert-parallel ranks: it needs ep > 1"
-    if c.moe_dispatcher == "deepep" and c.tp > 1:
+    if c.moe_dispatcher == "deepep" and c.tp > 1 and not folds_experts(c):
         return (f"moe_dispatcher=deepep with tp={c.tp}: autoconf prices DeepEP over the expert-parallel group "
-                "alone (Megatron's flex dispatcher spans tp x ep); valid: tp 1, or moe_dispatcher alltoall")
+                "alone (Megatron's flex dispatcher spans expert-tp x ep); valid: tp 1, expert_tp 1 (the group "
+                "folded over tp), or moe_dispatcher alltoall")
     if c.ep_comm_overlap:
         why = ep_overlap_reason(c, model)
         if why:
             return why
     if c.device_order is not None or c.stage_layers is not None:
         return check_placement(c.device_order, c.stage_layers, c.world_size, c.num_chunks, model.num_layers)
+    return None
+
+
+def tf32_reason(c: ParallelConfig, model: ModelSpec) -> str | None:
+    """Why precision tf32 cannot be (a model that is not fp32), or None."""
+    if c.precision == "tf32" and model.dtype != "fp32":
+        return (f"precision tf32 runs an fp32 model's matmuls on TF32 tensor cores; model {model.name} is "
+                f"{model.dtype}: use precision bf16 (or fp8), or an fp32 model")
+    return None
+
+
+def expert_group_reason(c: ParallelConfig, model: ModelSpec) -> str | None:
+    """Why the expert-parallel degree and the experts' split cannot be, or None."""
+    if c.ep > 1 and not model.is_moe:
+        return f"ep({c.ep}) splits experts: model {model.name} has none (num_experts = 0)"
+    if c.expert_tp not in (None, 1, c.tp):
+        return f"expert_tp={c.expert_tp}: each expert is split over tp ({c.tp}) ranks or none (1)"
+    if c.ep > 1 and folds_experts(c) and expert_span(c) % c.ep:
+        return (f"ep({c.ep}) must divide tp x dp x cp ({c.tp} x {c.dp} x {c.cp} = {expert_span(c)}): with "
+                "expert_tp 1 the expert group is folded over them")
+    if c.ep > 1 and (c.dp * c.cp) % c.ep and not folds_experts(c):
+        return (f"ep({c.ep}) must divide dp x cp ({c.dp} x {c.cp} = {c.dp * c.cp}): the expert group lies inside them"
+                + ("; or fold it over tp too with expert_tp 1 (Megatron)" if (c.tp * c.dp * c.cp) % c.ep == 0 else ""))
+    if c.ep > 1 and model.num_experts % c.ep:
+        return f"ep({c.ep}) does not divide num_experts({model.num_experts})"
     return None
 
 
@@ -502,98 +541,3 @@ def validate(config: ParallelConfig, model: ModelSpec) -> None:
     reason = check(config, model)
     if reason:
         raise UserError(f"invalid configuration ({config.short()}): {reason}")
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n`` in increasing order (pairs up to sqrt(n): a batch of 1e11 too)."""
-    low, high = [], []
-    d = 1
-    while d * d <= n:
-        if n % d == 0:
-            low.append(d)
-            if d * d != n:
-                high.append(n // d)
-        d += 1
-    return low + high[::-1]
-
-
-def factorizations(world: int, cps=None) -> list[tuple]:
-    """All (dp, pp, tp) with dp x pp x tp = world; with ``cps``, all (dp, pp, tp, cp) with
-    dp x pp x tp x cp = world and cp in ``cps``."""
-    if cps is None:
-        return [(world // (pp * tp), pp, tp) for tp in divisors(world) for pp in divisors(world // tp)]
-    return [(world // (pp * tp * cp), pp, tp, cp) for cp in cps if world % cp == 0
-            for tp in divisors(world // cp) for pp in divisors(world // (cp * tp))]
-
-
-def cp_choices(model: ModelSpec, world: int, max_cp: int | None = None) -> tuple:
-    """Context-parallel degrees worth searching: those the load-balanced split allows
-    (``seq_length`` divisible by 2 x cp) up to ``max_cp``; by default up to seq_length / 4096
-    (sequences of 8K tokens and more: shorter ones leave each rank's attention too short to hide
-    the ring's transfers, and their activations fit without it)."""
-    if max_cp is None:
-        max_cp = max(1, model.seq_length // 4096)
-    return tuple(c for c in divisors(world) if c <= max_cp and (c == 1 or model.seq_length % (2 * c) == 0))
-
-
-def pipeline_choices(pp: int, model: ModelSpec, max_virtual: int = 8) -> list[tuple[str, int, bool]]:
-    """(schedule, virtual_stages, layered) combinations worth considering for a pp degree."""
-    if pp == 1:
-        return [("1f1b", 1, False), ("1f1b", 1, True)]
-    out = [("gpipe", 1, False), ("gpipe", 1, True), ("1f1b", 1, False)]
-    max_v = min(max_virtual, model.num_layers // pp)
-    out += [("interleaved", v, False) for v in range(2, max_v + 1) if (model.num_layers // pp) % v == 0]
-    out += [("breadth_first", v, True) for v in range(2, max_v + 1) if (model.num_layers // pp) % v == 0]
-    return out
-
-
-def micro_batch_choices(per_replica_batch: int, max_micro_batch: int = 64) -> list[int]:
-    return [b for b in range(1, min(per_replica_batch, max_micro_batch) + 1) if per_replica_batch % b == 0]
-
-
-def outer_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch: int = 64,
-                rejected: dict | None = None, cps=(1,)):
-    """Yield the structural choices (dp, pp, tp, mbs, schedule, v, layered, cp) whose batch
-    splits, cp from ``cps`` (``cp_choices``).
-
-    Divisibility of the global batch by dp is counted in ``rejected`` (reason -> count).
-    """
-    for dp, pp, tp, cp in factorizations(world, cps):
-        if global_batch % dp:
-            if rejected is not None:
-                key = f"global batch({global_batch}) not divisible by dp"
-                rejected[key] = rejected.get(key, 0) + 1
-            continue
-        for mbs in micro_batch_choices(global_batch // dp, max_micro_batch):
-            for sched, v, layered in pipeline_choices(pp, model):
-                yield dp, pp, tp, mbs, sched, v, layered, cp
-
-
-def inner_choices(dp: int, tp: int, cp: int = 1):
-    """(zero_stage, recompute, sequence_parallel) combinations."""
-    zeros = (0, 1, 2, 3) if dp * cp > 1 else (0,)
-    sps = (False, True) if tp > 1 else (False,)
-    return list(itertools.product(zeros, RECOMPUTE, sps))
-
-
-def make_config(dp, pp, tp, mbs, sched, v, layered, zero, recompute, sp, global_batch, cp: int = 1) -> ParallelConfig:
-    return ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=mbs,
-                          num_micro_batches=global_batch // (dp * mbs), schedule=sched,
-                          virtual_stages=v, layered_grad_accum=layered, zero_stage=zero,
-                          recompute=recompute, sequence_parallel=sp, cp=cp)
-
-
-def point_config(point, zero, recompute, sp, global_batch) -> ParallelConfig:
-    """The configuration of an outer point (``outer_space``) with these inner choices."""
-    dp, pp, tp, mbs, sched, v, layered, cp = point
-    return make_config(dp, pp, tp, mbs, sched, v, layered, zero, recompute, sp, global_batch, cp)
-
-
-def enumerate_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch: int = 64, cps=(1,)):
-    """Yield (config, reason-or-None) for every configuration of the space."""
-    rejected: dict = {}
-    for point in outer_space(model, world, global_batch, max_micro_batch, rejected, cps):
-        dp, tp, cp = point[0], point[2], point[7]
-        for zero, rc, sp in inner_choices(dp, tp, cp):
-            c = point_config(point, zero, rc, sp, global_batch)
-            yield c, check(c, model)

@@ -105,13 +105,23 @@ def merged_groups(dp: int, pp: int, tp: int, order: str, axes: tuple, cp: int = 
     return [tuple(f + o for o in offsets) for f in sorted(firsts)]
 
 
-def expert_groups(dp: int, pp: int, tp: int, order: str, ep: int, cp: int = 1) -> tuple[list[tuple], list[tuple]]:
+def folds_experts(c) -> bool:
+    """Whether the expert-parallel group is folded over tp too (``ParallelConfig.expert_tp`` 1
+    with tp > 1: Megatron-Core's MoE parallel folding)."""
+    return getattr(c, "expert_tp", None) == 1 and c.tp > 1 and getattr(c, "ep", 1) > 1
+
+
+def expert_groups(dp: int, pp: int, tp: int, order: str, ep: int, cp: int = 1,
+                  fold: bool = False) -> tuple[list[tuple], list[tuple]]:
     """(expert-parallel groups, expert-data-parallel groups) of ranks. The expert-parallel group
     lies inside the dp x cp ranks that hold the same layers and tensor shard (Megatron-LM folds it
-    there): each such group, in rank order, is cut into consecutive runs of ep ranks; the ranks at
-    the same position of every run hold the same experts and reduce their gradients together."""
+    there), or with ``fold`` inside the tp x cp x dp ranks of a stage (Megatron-Core's MoE
+    parallel folding, expert tensor-parallel size 1: its expert rank generator orders them
+    ep-innermost over the same ranks): each such group, in rank order, is cut into consecutive
+    runs of ep ranks; the ranks at the same position of every run hold the same experts and
+    reduce their gradients together."""
     ep_groups, edp_groups = [], []
-    for g in merged_groups(dp, pp, tp, order, ("cp", "dp"), cp):
+    for g in merged_groups(dp, pp, tp, order, ("tp", "cp", "dp") if fold else ("cp", "dp"), cp):
         runs = [g[i:i + ep] for i in range(0, len(g), ep)]
         ep_groups += [tuple(r) for r in runs]
         edp_groups += [tuple(r[j] for r in runs) for j in range(ep)]
@@ -163,12 +173,15 @@ class Placement:
     stage_layers: tuple | None = None
     cp: int = 1
     ep: int = 1
+    expert_fold: bool = False
+    """The expert-parallel group is folded over tp too (``config.folds_experts``)."""
 
     @classmethod
     def of(cls, config, num_layers: int) -> "Placement":
         """The placement a ParallelConfig describes, for a model of ``num_layers`` blocks."""
         return cls(config.dp, config.pp, config.tp, config.rank_order, config.virtual_stages, num_layers,
-                   config.device_order, config.stage_layers, getattr(config, "cp", 1), getattr(config, "ep", 1))
+                   config.device_order, config.stage_layers, getattr(config, "cp", 1), getattr(config, "ep", 1),
+                   folds_experts(config))
 
     @property
     def world_size(self) -> int:
@@ -193,7 +206,7 @@ class Placement:
         once when ``axis`` is a tuple (:func:`merged_groups`); "ep" / "edp": the expert-parallel
         and expert-data-parallel groups (:func:`expert_groups`)."""
         if axis in ("ep", "edp"):
-            eg, edg = expert_groups(self.dp, self.pp, self.tp, self.rank_order, self.ep, self.cp)
+            eg, edg = expert_groups(self.dp, self.pp, self.tp, self.rank_order, self.ep, self.cp, self.expert_fold)
             return eg if axis == "ep" else edg
         if isinstance(axis, tuple):
             if len(axis) == 1:

@@ -91,6 +91,7 @@ import functools
 from dataclasses import dataclass, field
 
 from autoconf.errors import UserError
+from autoconf.specs.recipes import RECIPES
 
 
 @dataclass(frozen=True)
@@ -337,6 +338,10 @@ class Framework:
     in call order), and its reduce-scatter outputs; the rest is recomputed in the backward
     (``activations.op_checkpoint_parts``, ``compute.op_checkpoint_recompute_s``). False: the
     attention core alone is recomputed (Megatron-LM's selective recomputation)."""
+    moe_parallel_folding: bool = False
+    """Whether the experts' tensor-parallel split is a setting (``ParallelConfig.expert_tp``:
+    Megatron-Core's ``expert_tensor_parallel_size``, 1 folding the expert-parallel group over tp
+    as well)."""
     fsdp_reduce_bytes: int = 0
     """Bytes per gradient element of FSDP's (ZeRO-2/3's) reduce-scatter where they differ from the
     gradients' own: torchtitan reduces in fp32 (``training.mixed_precision_reduce = "float32"``,
@@ -373,6 +378,14 @@ class Framework:
         data-parallel one unless the configuration asks for another): gloo's ring on CPU
         processes, else the framework's (NCCL's ring or tree)."""
         return GLOO_ALL_REDUCE if gloo else self.all_reduce_algorithms["flat"]
+
+    def expert_split(self, config) -> int:
+        """How many ways each routed expert is split: the configuration's ``expert_tp`` where set,
+        else tp where the framework splits experts like the dense MLP (Megatron-LM), else 1."""
+        etp = getattr(config, "expert_tp", None)
+        if etp is not None:
+            return etp
+        return config.tp if self.expert_tensor_parallel else 1
 
     def knob(self, config, name: str) -> bool:
         """The knob's value for a configuration: its own if set, else this framework's default."""
@@ -431,6 +444,12 @@ class Framework:
                     "valid: another FP8 recipe, or leave them out of recompute_modules")
         if getattr(c, "ep", 1) > 1 and not self.expert_parallel:
             return f"framework {self.name} has no expert parallelism (ep={c.ep})"
+        etp = getattr(c, "expert_tp", None)
+        if etp is not None and getattr(c, "ep", 1) > 1 and not self.moe_parallel_folding:
+            own = c.tp if self.expert_tensor_parallel else 1
+            if etp != own or (etp == 1 and c.tp > 1):  # its expert group stays inside dp x cp
+                return (f"framework {self.name} cannot set expert_tp={etp} (its experts are split {own} ways "
+                        "inside dp x cp); Megatron's MoE parallel folding can")
         if getattr(c, "ep", 1) > 1 and c.zero_stage not in self.expert_zero_stages:
             return (f"framework {self.name} has no ZeRO-{c.zero_stage} with expert parallelism; valid: "
                     f"{', '.join(map(str, self.expert_zero_stages))}")
@@ -524,6 +543,7 @@ FRAMEWORKS = {
         all_reduce_algorithms=_NCCL_ALL_REDUCE, cp_comm="ring", fp8_recipes=("tensorwise", "delayed", "mxfp8"),
         fp8_host_ops=(1, 1), fp8_weight_copy_bytes=2.0, fp8_saves_inputs=True, expert_parallel=True,
         capacity_factor=True, moe_dispatchers=("alltoall", "deepep"), fused_glu=True, tp_backward_overlap=True,
+        moe_parallel_folding=True,
         recompute_modules=("core_attn", "layernorm", "moe_act", "mla_up_proj"), moe_output_weighted=False,
         param_gather_in_place=True, early_receive_schedules=("interleaved",), tied_pair_all_reduce=True,
         grad_norm_traffic=1.0, host_syncs=("p2p", "loss")),
@@ -551,29 +571,6 @@ FRAMEWORKS = {
 }
 
 
-RECIPES = {
-    "reference": {"autoconf": ("autoconf's reference trainer, as this autoconf runs it", {})},
-    "megatron": {
-        "core-0.16": ("Megatron-LM pretrain_gpt.py at its argument defaults (megatron-core 0.16.1): no "
-                      "communication overlap unless asked, BF16 parameters with FP8 weight copies", {}),
-        # Megatron-Bridge 0.3.1: recipes/llama/llama3.py sets cfg.ddp.overlap_grad_reduce and
-        # overlap_param_gather (distributed optimizer, grad_reduce_in_fp32), and its 70B and 405B
-        # pretrain recipes CommOverlapConfig(tp_comm_overlap=True) (userbuffers; its MoE recipes,
-        # e.g. recipes/deepseek/deepseek_v3.py, turn it off: set tp_comm_overlap there); every FP8
-        # preset of training/mixed_precision.py sets fp8_param_gather = True
-        "bridge-0.3": ("Megatron-Bridge 0.3.1 recipes: gradient reduction, parameter gather and "
-                       "tensor-parallel communication overlapped, FP8 parameters (fp8_param_gather) under FP8",
-                       {"defaults": {"overlap_grad_reduce": True, "overlap_param_gather": True,
-                                     "tp_comm_overlap": True},
-                        "fp8_param_gather": True}),
-    },
-    "torchtitan": {"0.3": ("torchtitan 0.3.0 defaults (FSDP2 with fp32 reduce, per-op selective checkpointing)", {})},
-    "deepspeed": {"0.19": ("DeepSpeed 0.19 engine defaults", {})},
-}
-"""Per framework, its named releases or recipe presets: (what it is, the Framework fields it sets).
-The first is the default; ``framework("megatron:bridge-0.3")`` names another."""
-
-
 def framework(name: str | None) -> Framework:
     """The framework model by name, ``name`` or ``name:recipe`` (``RECIPES``; the framework's
     first recipe by default; None: the reference trainer)."""
@@ -595,16 +592,3 @@ def _with_recipe(base: str, recipe: str) -> Framework:
     if "defaults" in changes:
         changes["defaults"] = {**fw.defaults, **changes["defaults"]}
     return dataclasses.replace(fw, recipe=recipe, **changes)
-
-
-def framework_spec(fw: Framework) -> str:
-    """``name`` where ``fw`` follows its framework's default recipe, else ``name:recipe``."""
-    return fw.name if not fw.recipe or fw.recipe == next(iter(RECIPES[fw.name])) else f"{fw.name}:{fw.recipe}"
-
-
-def recipe_text(fw: Framework) -> str:
-    """One line naming the release or recipe whose defaults ``fw`` follows."""
-    recipe = fw.recipe or next(iter(RECIPES[fw.name]))
-    return f"{fw.name}:{recipe}: {RECIPES[fw.name][recipe][0]}"
-
-

@@ -19,12 +19,10 @@ from autoconf.space.config import (
     ParallelConfig,
     check,
     ep_overlap_reason,
-    inner_choices,
-    make_config,
-    outer_space,
     reason_key,
     recompute_modules_reason,
 )
+from autoconf.space.enumeration import inner_choices, make_config, outer_space
 from autoconf.specs.devices import device_type
 from autoconf.specs.frameworks import framework as framework_model
 from autoconf.specs.frameworks import hierarchical_runs

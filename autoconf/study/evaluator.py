@@ -8,7 +8,8 @@ import dataclasses
 
 from autoconf.cost.estimate import Estimate, estimate_on
 from autoconf.cost.system import System
-from autoconf.space.config import ParallelConfig, check, ep_overlap_reason, make_config
+from autoconf.space.config import ParallelConfig, check, ep_overlap_reason
+from autoconf.space.enumeration import make_config
 from autoconf.study.choices import (
     compression_variants,
     dispatcher_at,

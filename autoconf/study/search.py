@@ -34,7 +34,8 @@ import time
 from autoconf.cost.system import System
 from autoconf.errors import UserError
 from autoconf.procs import deferred_signals
-from autoconf.space.config import ParallelConfig, cp_choices
+from autoconf.space.config import ParallelConfig
+from autoconf.space.enumeration import cp_choices
 from autoconf.study.choices import compression_savings, count_space, dp_hierarchical, precision_choices
 from autoconf.study.evaluator import Evaluator, _bound_s, _Repair
 from autoconf.study.placer import Placer
@@ -389,7 +390,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
     the placement too (``place``): every configuration is estimated with the graph heuristics'
     placement, and the ``top`` best are improved by a local search and ranked again; otherwise
     rank r runs on device r with the layers split evenly. ``max_cp``: the largest context-parallel
-    degree tried (``config.cp_choices``); ``precision`` ("auto", "bf16" or "fp8") and
+    degree tried (``enumeration.cp_choices``); ``precision`` ("auto", "bf16" or "fp8") and
     ``fp8_recipe``: the matmul precisions tried (:func:`precision_choices`). ``allow_compression``:
     lossy communication may be picked (compressed pipeline gradients, PowerSGD on data-parallel
     gradients, at the ranks given; :func:`compression_variants`), and the fused embedding sync.

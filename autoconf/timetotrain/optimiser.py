@@ -18,16 +18,8 @@ from autoconf.cost.moe import a2a_times, moe_activation_bytes, moe_shape
 from autoconf.cost.schedule_time import boundary_bytes, p2p_times
 from autoconf.cost.system import System
 from autoconf.cost.tensor_parallel import tp_times
-from autoconf.space.config import (
-    RECOMPUTE,
-    ParallelConfig,
-    check,
-    cp_choices,
-    ep_overlap_reason,
-    module_key,
-    outer_space,
-    point_config,
-)
+from autoconf.space.config import RECOMPUTE, ParallelConfig, check, ep_overlap_reason, module_key
+from autoconf.space.enumeration import cp_choices, outer_space, point_config
 from autoconf.space.placement import Placement, even_layers
 from autoconf.specs.devices import device_type
 from autoconf.study.choices import (
@@ -45,7 +37,7 @@ from autoconf.timetotrain.synthetic import METHODS, _prefill
 
 class PointOptimizer:
     """The fastest fitting configuration for each method, at one GPU count and batch: exact for
-    the cost model over ``search``'s space (``config.outer_space`` x ``study.choices.framework_inner``,
+    the cost model over ``search``'s space (``enumeration.outer_space`` x ``study.choices.framework_inner``,
     no placement search).
 
     Two cheap bounds decide most of the space without an estimate, both true bounds of what
@@ -63,7 +55,7 @@ class PointOptimizer:
                  precision: tuple = ("bf16", "tensorwise"), max_cp: int | None = None):
         self.system = system
         self.max_cp = max_cp
-        """Largest context-parallel degree (``config.cp_choices``; None: its default by sequence)."""
+        """Largest context-parallel degree (``enumeration.cp_choices``; None: its default by sequence)."""
         self.precision = precision
         """(precision, FP8 recipe) of every configuration (``study.choices.precision_choices``)."""
         self.fp8 = precision[1] if precision[0] == "fp8" else None

@@ -324,7 +324,7 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
     profile from ``autoconf profile`` taken on the cluster's device kind (``planning_system``);
     ``precision``: the matmul precision of every plan, bf16 (the model's dtype) or fp8 with
     ``fp8_recipe`` (default: the framework's first recipe the device runs); ``max_cp``: the largest
-    context-parallel degree (``config.cp_choices``; default by sequence length, as ``search``).
+    context-parallel degree (``enumeration.cp_choices``; default by sequence length, as ``search``).
     ``place``: after the sweep, the fastest plan of each GPU count, method and network gets
     ``search``'s placement (the graph heuristic, then its local search over device order and
     uneven layer splits; the reference trainer only), within ``place_budget_s`` in all.

@@ -18,7 +18,8 @@ from autoconf.cost.moe import block_for
 from autoconf.cost.roofline import Roofline
 from autoconf.cost.system import System
 from autoconf.errors import UserError
-from autoconf.space.config import ParallelConfig, check, cp_choices
+from autoconf.space.config import ParallelConfig, check
+from autoconf.space.enumeration import cp_choices
 from autoconf.specs.cluster import load_cluster
 from autoconf.specs.devices import device_type
 from autoconf.specs.model import preset

@@ -358,7 +358,7 @@ def test_deepep_at_tp_one_and_paired_memory_only_where_passes_pair():
     from autoconf.specs.frameworks import framework
     from autoconf.study.choices import framework_inner
 
-    assert "tp 1, or moe_dispatcher alltoall" in check(cfg(ep=4, tp=2, moe_dispatcher="deepep"), SMALL_MOE)
+    assert "or moe_dispatcher alltoall" in check(cfg(ep=4, tp=2, moe_dispatcher="deepep"), SMALL_MOE)
     inner = list(framework_inner(framework("megatron"), 4, 1, 2, 1, "1f1b", 1, False, 32, moe_experts=64,
                                  dispatcher="deepep"))
     assert inner and all(c.moe_dispatcher == "alltoall" for c in inner)  # priced as all-to-alls at tp 2
@@ -506,3 +506,25 @@ def test_megatron_dispatches_each_rank_s_sequence_shard_then_gathers_inside_expe
     assert a2a_times(ctx, c)[0] == pytest.approx(2 * one, rel=1e-6)
     # whole experts on every tp rank (torchtitan): the same shard, no gather
     assert expert_tp_gather_s(System(MIXTRAL, H100, framework="torchtitan"), c) == 0.0
+
+
+def test_megatron_folds_the_expert_group_over_tp_with_expert_tp_1():
+    """Megatron-Core's MoE parallel folding (expert_tensor_parallel_size 1): whole experts, the EP
+    group cut from the tp x cp x dp ranks of a stage (ep may exceed dp x cp), the experts'
+    gradients reduced over the tp x dp x cp / ep ranks holding the same ones."""
+    from autoconf.space.config import expert_dp
+    c = cfg(dp=4, tp=2, ep=8, expert_tp=1, sequence_parallel=True, zero_stage=1)
+    assert check(c, MIXTRAL) is None and expert_dp(c) == 1
+    assert "fold it over tp too with expert_tp 1" in check(cfg(dp=4, tp=2, ep=8, sequence_parallel=True), MIXTRAL)
+    eg, edg = expert_groups(4, 1, 2, "tp-cp-dp-pp", 8, 1, fold=True)
+    assert eg == [tuple(range(8))] and edg == [(r,) for r in range(8)]
+    meg = System(MIXTRAL, H100, framework="megatron")
+    lay = layout(meg, c)
+    assert lay.chunk_expert_params == (32 * 1 * MIXTRAL.expert_params(),)  # 8 experts / ep 8, whole
+    # each rank dispatches its own sequence shard, no expert-TP gather
+    assert a2a_bytes(meg, c) == pytest.approx(MIXTRAL.seq_length / 2 * 2 * 7 / 8 * 4096 * 2)
+    assert moe_shape(meg, c).etp == 1
+    for fw in ("torchtitan", "reference"):  # their expert groups stay inside dp x cp
+        z0 = dataclasses.replace(c, zero_stage=0)
+        assert "cannot set expert_tp=1" in System(MIXTRAL, H100, framework=fw).framework.check(z0)
+    assert check(cfg(dp=4, tp=2, ep=8, expert_tp=3), MIXTRAL).startswith("expert_tp=3")

@@ -220,6 +220,9 @@ MOE_CASES = {  # (model, config)
                       cfg(dp=2, pp=2, tp=2, cp=2, micro_batch_size=1, num_micro_batches=4, ep=2,
                           moe_capacity_factor=1.25, rank_order="tp-cp-dp-pp")),
     "every-other": (_dc.replace(MOE, moe_layer_freq=2), cfg(dp=8, micro_batch_size=1, num_micro_batches=2)),
+    # MoE parallel folding: whole experts, the expert group over tp x dp (ep 8 = tp 2 x dp 4)
+    "folded": (MOE, cfg(dp=4, tp=2, micro_batch_size=1, num_micro_batches=2, zero_stage=1, ep=8, expert_tp=1,
+                        sequence_parallel=True)),
     "paired-interleaved": (MOE, cfg(dp=4, pp=2, micro_batch_size=1, num_micro_batches=4, zero_stage=1, ep=4,
                                     schedule="interleaved", virtual_stages=2, recompute="selective",
                                     recompute_modules=("layernorm", "moe_act"), ep_comm_overlap=True,
@@ -270,6 +273,7 @@ def test_megatron_moe_args_parse_back_to_the_plan(tmp_path, case):
     assert o["moe_token_dispatcher_type"] == ("flex" if deepep else "alltoall")
     assert o.get("moe_flex_dispatcher_backend") == ("deepep" if deepep else None)
     assert o["moe_grouped_gemm"] is True and int(o.get("expert_model_parallel_size", 1)) == c.ep
+    assert o.get("expert_tensor_parallel_size") == (None if c.expert_tp is None else str(c.expert_tp))
     assert o.get("moe_expert_capacity_factor") == (None if c.moe_capacity_factor is None else f"{c.moe_capacity_factor:g}")
     assert o.get("overlap_moe_expert_parallel_comm", False) is bool(c.ep_comm_overlap)
     assert (int(o.get("moe_router_num_groups", 0)), int(o.get("moe_router_group_topk", 0))) == \
@@ -322,7 +326,8 @@ def test_megatron_core_accepts_the_moe_args(tmp_path, case):
         (m.num_experts, m.experts_per_token, m.expert_ffn)
     assert tc.moe_router_score_function == m.router
     assert tc.moe_token_dispatcher_type == ("flex" if c.moe_dispatcher == "deepep" else "alltoall")
-    assert tc.expert_model_parallel_size == c.ep and tc.expert_tensor_parallel_size == c.tp  # experts split tp ways
+    # experts split tp ways, or as the plan sets it (1: folded)
+    assert tc.expert_model_parallel_size == c.ep and tc.expert_tensor_parallel_size == (c.expert_tp or c.tp)
     assert tc.moe_expert_capacity_factor == c.moe_capacity_factor
     assert tc.overlap_moe_expert_parallel_comm is bool(c.ep_comm_overlap)  # its own checks passed
     assert (tc.moe_router_num_groups or 0, tc.moe_router_group_topk or 0) == (m.router_groups, m.router_group_topk)

@@ -1,7 +1,8 @@
 import pytest
 
 from autoconf.errors import UserError
-from autoconf.space.config import ParallelConfig, check, enumerate_space, factorizations
+from autoconf.space.config import ParallelConfig, check
+from autoconf.space.enumeration import enumerate_space, factorizations
 from autoconf.space.placement import axis_groups
 from autoconf.specs.cluster import cluster_from_mapping, load_cluster
 from autoconf.specs.model import preset
@@ -95,7 +96,7 @@ def test_enumeration_every_invalid_has_reason_and_batches_split():
 
 
 def test_divisors_and_micro_batch_choices_of_a_huge_batch():
-    from autoconf.space.config import divisors, micro_batch_choices
+    from autoconf.space.enumeration import divisors, micro_batch_choices
     n = 10**11  # 2^11 x 5^11: 144 divisors, found by pairs up to sqrt(n)
     d = divisors(n)
     assert len(d) == 144 and d == sorted(d) and d[0] == 1 and d[-1] == n and all(n % x == 0 for x in d)

@@ -15,8 +15,9 @@ from autoconf.errors import UserError
 from autoconf.launch.megatron import megatron_args
 from autoconf.launch.plan import LaunchPlan
 from autoconf.specs.cluster import load_cluster
-from autoconf.specs.frameworks import RECIPES, framework, framework_spec, recipe_text
+from autoconf.specs.frameworks import framework
 from autoconf.specs.model import preset
+from autoconf.specs.recipes import RECIPES, framework_spec, recipe_text
 
 H100 = load_cluster("examples/clusters/h100-8x8.yaml")
 

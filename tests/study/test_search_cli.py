@@ -7,7 +7,7 @@ import pytest
 
 from autoconf.cost.estimate import estimate_on
 from autoconf.cost.system import System
-from autoconf.space.config import enumerate_space
+from autoconf.space.enumeration import enumerate_space
 from autoconf.specs.cluster import load_cluster
 from autoconf.specs.model import preset
 from autoconf.study.search import search

@@ -17,7 +17,8 @@ from autoconf.cost.estimate import estimate_on
 from autoconf.cost.system import System
 from autoconf.errors import UserError
 from autoconf.output import plan_report
-from autoconf.space.config import ParallelConfig, check, inner_choices, make_config, point_config
+from autoconf.space.config import ParallelConfig, check
+from autoconf.space.enumeration import inner_choices, make_config, point_config
 from autoconf.specs.model import preset
 from autoconf.specs.topology import Topology
 from autoconf.study.choices import dp_hierarchical, framework_inner

@@ -153,18 +153,23 @@ def test_interrupted_profile_leaves_no_process_and_no_partial_file(tmp_path):
 
 
 def _study_trials(url, name):
-    """The study's trials as the CLI has stored them so far, read without writing: an optuna
-    storage that neither creates tables nor stamps its version, so polling while the CLI creates
-    the database cannot race it (a plain load_study writes version_info)."""
+    """The study's trials as the CLI has stored them so far, read through a read-only SQLite
+    connection: optuna's storage stamps ``version_info`` when it finds the table empty, which
+    raced the CLI creating the database (its own stamp then failed and the search died). A
+    database not created yet, or not stamped yet, reads as no trials."""
     import optuna
     import sqlalchemy.exc
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    path = url[len("sqlite:///"):]
+    if not os.path.exists(path):
+        return []
     try:
-        storage = optuna.storages.RDBStorage(url, skip_table_creation=True, skip_compatibility_check=True)
+        storage = optuna.storages.RDBStorage(f"sqlite:///file:{path}?mode=ro&uri=true", skip_table_creation=True,
+                                             skip_compatibility_check=True)
         return optuna.load_study(study_name=name, storage=storage).get_trials(deepcopy=False)
     except (KeyError, sqlalchemy.exc.OperationalError, optuna.exceptions.StorageInternalError):
-        return []  # not created yet (no study, or no tables)
+        return []
 
 
 def test_interrupted_search_verify_keeps_every_finished_trial_and_leaves_nothing(tmp_path):

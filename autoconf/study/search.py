@@ -36,6 +36,7 @@ from autoconf.errors import UserError
 from autoconf.procs import deferred_signals
 from autoconf.space.config import ParallelConfig
 from autoconf.space.enumeration import cp_choices
+from autoconf.specs.recipes import framework_spec
 from autoconf.study.choices import compression_savings, count_space, dp_hierarchical, precision_choices
 from autoconf.study.evaluator import Evaluator, _bound_s, _Repair
 from autoconf.study.placer import Placer
@@ -435,7 +436,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
                           compression=compression)
     budget = trials if trials is not None else 400
     signature = {"model": model.to_dict(), "global_batch": global_batch, "devices": world,
-                 "framework": ctx.framework.name, "cost_model": cost_model_digest(),
+                 "framework": framework_spec(ctx.framework), "cost_model": cost_model_digest(),
                  "max_micro_batch": max_micro_batch,
                  **{k: _digest(v.to_dict()) if v is not None else None
                     for k, v in (("cluster", cluster), ("profile", profile), ("calibration", calibration))}}
@@ -448,7 +449,7 @@ def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = Non
         ("compression", list(compression) if compression is not None else None, None)) if v != default})
     name = study_name or default_study_name(model, world, global_batch,
                                             cluster.name if cluster is not None else "profile",
-                                            ctx.framework.name, signature)
+                                            framework_spec(ctx.framework), signature)
 
     def enter(what):
         if phase is not None:

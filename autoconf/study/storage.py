@@ -13,7 +13,8 @@ import re
 from autoconf.errors import UserError
 from autoconf.space.config import ParallelConfig
 
-_COST_MODEL_SOURCES = ("cost", "space", "specs/frameworks.py", "specs/devices.py", "specs/model.py", "trainer/moe.py",
+_COST_MODEL_SOURCES = ("cost", "space", "specs/frameworks.py", "specs/recipes.py", "specs/devices.py", "specs/model.py",
+                       "trainer/moe.py",
                        "trainer/fp8.py", "data/devices.json", "data/models.json")
 
 

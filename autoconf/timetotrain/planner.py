@@ -48,6 +48,7 @@ from autoconf.specs.frameworks import framework as framework_model
 from autoconf.specs.hf import load_model
 from autoconf.specs.model import preset_names
 from autoconf.specs.profile import check_profile_matches
+from autoconf.specs.recipes import framework_spec
 from autoconf.study.choices import precision_choices
 from autoconf.study.placer import Placer
 from autoconf.timetotrain import laws as scaling
@@ -385,7 +386,7 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
     if fp8_recipe is not None and precision != "fp8":
         raise UserError(f"--fp8-recipe {fp8_recipe}: needs --precision fp8")
     # the first System
-    systems = {net_names[0]: planning_system(model, first, fw.name, profile, moe_imbalance, moe_dispatcher)}
+    systems = {net_names[0]: planning_system(model, first, framework_spec(fw), profile, moe_imbalance, moe_dispatcher)}
     (prec,) = precision_choices(systems[net_names[0]], precision, fp8_recipe)
     # GPU counts worth sweeping: the run would take at most --max-days at the datasheet peak
     flops = model.model_flops_per_token() * min(bud.plan(b).tokens for b in bud.batches)
@@ -424,7 +425,7 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
 
     for net in net_names:
         if net not in systems:
-            systems[net] = planning_system(model, clusters[net], framework=fw.name, profile=profile,
+            systems[net] = planning_system(model, clusters[net], framework=framework_spec(fw), profile=profile,
                                            moe_imbalance=moe_imbalance, moe_dispatcher=moe_dispatcher)
         system = systems[net]
         opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp)
@@ -493,7 +494,7 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
                      "this model, its GEMM table otherwise) and its collective efficiency; its measured links "
                      "replace the cluster's on the first hosts, in order (as `search --profile` does)")
     return PlanResult(model=model, device=device_name, network=net_names[0], networks=net_names,
-                      framework=fw.name, budget=bud, rows=rows, grid=tuple(grid), skipped=skipped,
+                      framework=framework_spec(fw), budget=bud, rows=rows, grid=tuple(grid), skipped=skipped,
                       cluster=clusters[net_names[0]], price=price_per_gpu_hour, deadline_days=deadline_days,
                       budget_cost=budget, mtbf_per_gpu_h=mtbf_per_gpu_h, checkpoint_s=checkpoint_s,
                       restart_s=restart_s, max_days=max_days, stats=stats, elapsed_s=time.perf_counter() - t0,

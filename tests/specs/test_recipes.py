@@ -70,3 +70,13 @@ def test_the_cli_refuses_an_unknown_recipe_in_one_line():
                         "examples/clusters/h100-8x8.yaml", "--global-batch", "64", "--framework", "megatron:nope",
                         "--dp", "8", "--pp", "1", "--tp", "1"], capture_output=True, text=True)
     assert p.returncode == 2 and "no recipe 'nope'" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_search_prices_with_the_recipe_and_keys_its_study_by_it():
+    from autoconf.study.search import search
+    m = dataclasses.replace(preset("llama-3-8b"), seq_length=2048)
+    cl = load_cluster("examples/clusters/h100-8x8.yaml")
+    core = search(m, cl, 64, gpus=8, top=1, framework="megatron", precision="bf16")
+    bridge = search(m, cl, 64, gpus=8, top=1, framework="megatron:bridge-0.3", precision="bf16")
+    assert bridge.top[0].framework == "megatron:bridge-0.3" and core.top[0].framework == "megatron"
+    assert bridge.study_name != core.study_name and "bridge-0.3" in bridge.study_name

@@ -116,6 +116,8 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
     links = axis_links(system, c, axis)
     step_gather = system.fsdp_step_gather(c)
     if step_gather:  # gathered once, in the first forward: kept through every backward
+        if c.zero_stage < 3:
+            return 0.0, 0.0
         f_l = f / nl
         ag_l = collective_s(system, links, comm.all_gather_s, n, lay.chunk_params[ci] / nl * gather_bytes(system, c))
         first_f = ag_l if ci < c.pp else 0.0
@@ -131,7 +133,7 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
         buckets = max(1, math.ceil(grads / BUCKET_BYTES))
         rs = (buckets * collective_s(system, links, comm.reduce_scatter_s, n, grads / buckets)
               + system.copy_time(kinds, bucket_traffic(c) * grads))
-        rs_l = rs / nl * (1.0 if c.zero_stage == 3 else (n_mb - 1) / n_mb)
+        rs_l = rs / nl * (1.0 if reduces_in_backward(system, c, lay) else (n_mb - 1) / n_mb)
     ag_l = 0.0
     if c.zero_stage == 3:
         ag_l = collective_s(system, links, comm.all_gather_s, n, lay.chunk_params[ci] / nl * gather_bytes(system, c))
@@ -147,6 +149,15 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
     else:
         bwd = nl * (ag_l + rs_l)
     return fwd * passes / n_mb, bwd * passes / n_mb
+
+
+def reduces_in_backward(system: System, c: ParallelConfig, lay: Layout) -> bool:
+    """Whether ZeRO-3 reduce-scatters each layer's gradients inside every micro-batch's backward,
+    the last one's too (``per_micro_batch_s`` prices them there; past the chunk's last backward
+    only its last layer's is left, :func:`reduction_spans`): standard accumulation, overlapped,
+    uncompressed, and not gathered once per step (``System.fsdp_step_gather``)."""
+    return (c.zero_stage == 3 and not lay.layered and lay.overlap_grad_reduce and not c.dp_compression_stages
+            and not system.fsdp_step_gather(c))
 
 
 def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makespan: float, bwd) -> float:
@@ -174,15 +185,13 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
     last_bucket = min(BUCKET_BYTES, m.layer_params() / c.tp * system.reduce_bytes(c))
     ends = sim.last_backward_end_s
     step_gather = system.fsdp_step_gather(c)
-    # ZeRO-3 reduce-scatters layer by layer inside every backward (``per_micro_batch_s``): past
-    # the chunk's last backward only its last layer's reduce-scatter is left
-    in_backward = c.zero_stage == 3 and not lay.layered and not step_gather and lay.overlap_grad_reduce
+    in_backward = reduces_in_backward(system, c, lay)
     out = []
     for dev in range(c.pp):
         t_free = 0.0
         spans = []
         for ci in sorted(lay.chunks_of(c, dev), key=lambda ci: ends[ci]):
-            if in_backward and not dp_compressed(c, dev):
+            if in_backward:
                 start = max(t_free, ends[ci])
                 t_free = start + collective_s(system, links, red, n, last_bucket, all_reduce_algorithms(system, c, red))
                 spans.append((start, t_free, ci))

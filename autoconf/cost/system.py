@@ -501,10 +501,10 @@ class System:
         return self.grad_bytes
 
     def fsdp_step_gather(self, c) -> bool:
-        """ZeRO-3 under pipelining gathers once per step and reduces once after the last
+        """FSDP (ZeRO-2/3) under pipelining gathers once per step and reduces once after the last
         micro-batch (``Framework.fsdp_step_gather_under_pp``: torchtitan over
-        ``torch.distributed.pipelining``)."""
-        return c.zero_stage == 3 and c.pp > 1 and self.framework.fsdp_step_gather_under_pp and c.dp * c.cp > 1
+        ``torch.distributed.pipelining``, which turns gradient sync off for every other one)."""
+        return c.zero_stage >= 2 and c.pp > 1 and self.framework.fsdp_step_gather_under_pp and c.dp * c.cp > 1
 
     def capacity_bytes(self, device: int) -> float:
         """Usable memory of a device: its memory less the allocator's fragmentation margin

@@ -18,11 +18,13 @@ How a row becomes an estimate:
   public Hugging Face ``config.json`` values read by ``from_hf_config`` (``HF_SHAPES``), at the
   row's sequence length;
 - cluster: the catalog device on hosts of 8, as the data's README describes them (``SYSTEMS``);
-- framework: torchtitan rows ``torchtitan``; Megatron-Bridge rows ``megatron``; NeMo AutoModel
-  rows ``torchtitan``, the closest autoconf runtime (PyTorch FSDP2 over DTensor,
+- framework: torchtitan rows ``torchtitan``; Megatron-Bridge rows ``megatron:bridge-0.3``
+  (Megatron-Bridge 0.3.1's recipe defaults, ``Assume.megatron_recipe``); NeMo AutoModel rows
+  ``torchtitan``, the closest autoconf runtime (PyTorch FSDP2 over DTensor,
   ``torch.distributed.pipelining``, eager PyTorch with fused kernels);
-- FSDP (torchtitan, AutoModel, and Megatron-Bridge rows marked FSDPn) is ZeRO-3 over dp;
-  Megatron-Bridge otherwise runs its distributed optimizer, ZeRO-1;
+- FSDP (torchtitan, AutoModel, and Megatron-Bridge rows marked FSDPn: Megatron FSDP) is ZeRO-3
+  over dp; Megatron-Bridge otherwise runs its distributed optimizer, ZeRO-1, and its MoE recipes'
+  expert_tp 1 (MoE parallel folding);
 - ``num_micro_batches = gbs / (dp x mbs)``; the interleaved schedule where vp > 1 (or where a
   torchtitan row says interleaved-1F1B), else 1F1B; tp, pp, cp, ep as stated; FP8 where stated,
   with the row's recipe or the framework's default; ``compile`` and ``asyncTP`` as
@@ -500,8 +502,10 @@ NOTES = (
     "H100-GT (Grand Teton) is the catalog's h100-sxm as deployed there: power_cap 500 W (0.88 of the 700 W GEMM "
     "rate, specs.devices.capped_clock_ratio), memory_bandwidth 2.4 TB/s, memory 95 GiB",
     "H200 hosts: NVLink 450 GB/s per GPU each way (HGX H200; the source states the network only)",
-    "NeMo AutoModel rows run as framework torchtitan (PyTorch FSDP2 over DTensor, torch.distributed.pipelining: "
-    "the closest autoconf runtime); Megatron-Bridge rows as megatron with its distributed optimizer (ZeRO-1)",
+    "NeMo AutoModel rows run as framework torchtitan (torchtitan 0.3.0: PyTorch FSDP2 over DTensor, "
+    "torch.distributed.pipelining; the closest autoconf runtime); Megatron-Bridge rows as megatron:bridge-0.3 "
+    "(Megatron-Bridge 0.3.1's recipe defaults) with its distributed optimizer (ZeRO-1), Megatron FSDP where "
+    "the row says FSDP, and MoE parallel folding (expert_tp 1) as its MoE recipes set it",
 )
 """Settings fixed for every row of a kind that the cost model cannot take as the source states them."""
 

@@ -8,7 +8,8 @@ The public API, by stage (each name is loaded from its subpackage on first use, 
   :class:`ClusterSpec`, :func:`load_profile`, :class:`Profile`;
 - split: :class:`ParallelConfig`, :class:`Placement`;
 - price: :func:`estimate`, :class:`Estimate`, :class:`System`;
-- search: :func:`search`, :class:`SearchResult`; plan a whole run: :func:`plan`, :class:`PlanResult`;
+- search: :func:`search`, :class:`SearchOptions`, :class:`SearchResult`; plan a whole run:
+  :func:`plan`, :class:`PlanOptions`, :class:`PlanResult`;
 - launch: :class:`LaunchPlan`, :func:`load_plan`, :func:`emit`;
 - run: :func:`run_trial`, :class:`TrialResult`;
 - errors: :class:`UserError` (bad input; its message is one line for the user).
@@ -29,8 +30,10 @@ _API = {
     "Profile": "autoconf.specs.profile", "load_profile": "autoconf.specs.profile",
     "ParallelConfig": "autoconf.space.config", "Placement": "autoconf.space.placement",
     "estimate": "autoconf.cost.estimate", "Estimate": "autoconf.cost.estimate", "System": "autoconf.cost.system",
-    "search": "autoconf.study.search", "SearchResult": "autoconf.study.result",
-    "plan": "autoconf.timetotrain.planner", "PlanResult": "autoconf.timetotrain.planner",
+    "search": "autoconf.study.search", "SearchOptions": "autoconf.study.options",
+    "SearchResult": "autoconf.study.result",
+    "plan": "autoconf.timetotrain.planner", "PlanOptions": "autoconf.timetotrain.options",
+    "PlanResult": "autoconf.timetotrain.planner",
     "LaunchPlan": "autoconf.launch.plan", "emit": "autoconf.launch.emit",
     "run_trial": "autoconf.runs.trial", "TrialResult": "autoconf.runs.trial",
     "UserError": "autoconf.errors",

@@ -25,7 +25,7 @@ LONG = {
     "class Framework": (360, "a framework's defaults as data: one documented field per behaviour"),
     "class _Study": (302, "the Optuna study's ask / tell loop, its resume and its branch and bound"),
     "def plan": (185, "the sweep's orchestration: budget, grid, networks, methods, placement, result"),
-    "def search": (173, "the search's orchestration: space, study, sampler, exhaustive pass, placement"),
+    "def search": (161, "the search's orchestration: space, study, sampler, exhaustive pass, placement"),
     "def run": (164, "the profiler's measurement sequence on one rank; also PointOptimizer.run (84)"),
     "def from_hf_config": (150, "one Hugging Face config read field by field, each refusal named"),
     "def plan_report": (144, "the plan command's report, table by table"),

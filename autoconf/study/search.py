@@ -39,6 +39,7 @@ from autoconf.space.enumeration import cp_choices
 from autoconf.specs.recipes import framework_spec
 from autoconf.study.choices import compression_savings, count_space, dp_hierarchical, precision_choices
 from autoconf.study.evaluator import Evaluator, _bound_s, _Repair
+from autoconf.study.options import SearchOptions
 from autoconf.study.placer import Placer
 from autoconf.study.result import SearchResult, _pipeline_label
 from autoconf.study.storage import (
@@ -369,34 +370,22 @@ class _Study:
         return len(rest)
 
 
-def search(model, cluster=None, global_batch: int = 0, *, gpus: int | None = None, top: int = 5,
-           trials: int | None = None, storage: str | None = None,
-           study_name: str | None = None, profile=None, calibration=None, max_micro_batch: int = 64,
-           seed: int = 0, exhaustive: bool = True, progress=None, framework=None,
-           place: bool = False, phase=None, max_cp: int | None = None, precision: str = "auto",
-           fp8_recipe: str | None = None, moe_imbalance: float = 1.0, allow_compression: bool = False,
-           pp_compression_rank: int = 16, dp_compression_rank: int = 128,
-           moe_dispatcher: str = "alltoall") -> SearchResult:
-    """Search the space for the ``top`` fastest configurations that fit (exactly the model's
-    ``top`` fastest, unless ``exhaustive=False``). ``storage``: an Optuna storage URL to keep the
-    trials in (``sqlite:///file.db``, optionally ``?timeout=SECONDS``; resumable), or None (or
-    ``sqlite://``, ``sqlite:///:memory:``) to keep them in memory only (:func:`check_storage`);
-    where it fails mid-search (a full disk) the search finishes in memory and raises a UserError
-    whose ``result`` is the whole result. ``study_name`` (at most 200 printable characters)
-    defaults to one derived from the inputs (see :func:`default_study_name`). ``progress(done, total)`` is called as trials finish, and
+def search(model, cluster=None, global_batch: int = 0, options: SearchOptions | None = None, *, progress=None,
+           phase=None, **overrides) -> SearchResult:
+    """Search the space for the ``options.top`` fastest configurations that fit (exactly the
+    model's fastest, unless ``exhaustive=False``). ``options``: a :class:`SearchOptions` (each
+    field documented there); keyword ``overrides`` replace its fields. Where the storage fails
+    mid-search (a full disk) the search finishes in memory and raises a UserError whose
+    ``result`` is the whole result. ``progress(done, total)`` is called as trials finish, and
     ``phase(name)`` as each phase starts ("brute force", "sampling", "sweep", "earlier trials",
-    "placement"). ``framework``: the runtime that will run the plan (a name from
-    ``frameworks.FRAMEWORK_NAMES``; default the reference trainer): only what it can run is
-    offered, its switchable knobs are searched, and its behaviour is modelled. ``place``: search
-    the placement too (``place``): every configuration is estimated with the graph heuristics'
-    placement, and the ``top`` best are improved by a local search and ranked again; otherwise
-    rank r runs on device r with the layers split evenly. ``max_cp``: the largest context-parallel
-    degree tried (``enumeration.cp_choices``); ``precision`` ("auto", "bf16" or "fp8") and
-    ``fp8_recipe``: the matmul precisions tried (:func:`precision_choices`). ``allow_compression``:
-    lossy communication may be picked (compressed pipeline gradients, PowerSGD on data-parallel
-    gradients, at the ranks given; :func:`compression_variants`), and the fused embedding sync.
-    ``moe_dispatcher``: the token dispatcher of a mixture of experts' configurations
-    (``config.MOE_DISPATCHERS``, one the framework runs)."""
+    "placement")."""
+    o = dataclasses.replace(options or SearchOptions(), **overrides)
+    gpus, top, trials, storage, study_name = o.gpus, o.top, o.trials, o.storage, o.study_name
+    profile, calibration, max_micro_batch, seed, exhaustive = o.profile, o.calibration, o.max_micro_batch, o.seed, \
+        o.exhaustive
+    framework, place, max_cp, precision, fp8_recipe = o.framework, o.place, o.max_cp, o.precision, o.fp8_recipe
+    moe_imbalance, allow_compression, moe_dispatcher = o.moe_imbalance, o.allow_compression, o.moe_dispatcher
+    pp_compression_rank, dp_compression_rank = o.pp_compression_rank, o.dp_compression_rank
     t0 = time.perf_counter()
     storage = check_storage(storage)
     check_study_name(study_name)

@@ -137,14 +137,15 @@ def models_table(models) -> list:
 
 def devices_table(devices) -> list:
     t = _table()
-    _columns(t, [("name", "text"), ("bf16 TF/s", "num"), ("fp8 TF/s", "num"), ("fp32 TF/s", "num"),
-                 ("memory", "num"), ("mem bw", "num"), ("GEMM eff", "num")])
+    _columns(t, [("name", "text"), ("bf16", "num"), ("fp8", "num"), ("tf32", "num"),
+                 ("fp32", "num"), ("memory", "num"), ("mem bw", "num"), ("GEMM eff", "num")])
     for d in devices:
-        fp8 = d.peak_flop_per_s.get("fp8")
+        fp8, tf32 = d.peak_flop_per_s.get("fp8"), d.peak_flop_per_s.get("tf32")
         t.add_row(d.name, f"{d.peak_flop_per_s.get('bf16', 0) / 1e12:g}", f"{fp8 / 1e12:g}" if fp8 else "-",
-                  f"{d.peak_flop_per_s['fp32'] / 1e12:g}", f"{d.memory_bytes / 2**30:.0f} GiB",
-                  f"{d.memory_bandwidth_bytes_per_s / 1e9:g} GB/s", f"{d.gemm_efficiency:g}")
-    return [_heading("device catalog (datasheet, dense; a profile replaces the efficiencies)"), t]
+                  f"{tf32 / 1e12:g}" if tf32 else "-", f"{d.peak_flop_per_s['fp32'] / 1e12:g}",
+                  f"{d.memory_bytes / 2**30:.0f} GiB", f"{d.memory_bandwidth_bytes_per_s / 1e9:g} GB/s",
+                  f"{d.gemm_efficiency:g}")
+    return [_heading("device catalog (datasheet, dense TFLOP/s; a profile replaces the efficiencies)"), t]
 
 
 # -- estimate ------------------------------------------------------------------------------------

@@ -81,6 +81,16 @@ def gather_bytes(system: System, c: ParallelConfig) -> float:
     return float(system.model.dtype_bytes)
 
 
+def reduce_calls(c: ParallelConfig, grads: float, layers: int) -> int:
+    """Reduce-scatter calls over a chunk's ``grads`` bytes: ZeRO-3 (FSDP2) reduces each unit's
+    gradients, one layer, in one call (torch 2.13 ``_fsdp_param_group.post_backward`` ->
+    ``_fsdp_collectives.foreach_reduce``: one reduce-scatter of the group's flattened
+    gradients); ZeRO-2 in DDP-style buckets of at most 25 MiB."""
+    if c.zero_stage == 3:
+        return max(1, layers)
+    return max(1, math.ceil(grads / BUCKET_BYTES))
+
+
 def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f: float, b: float):
     """(forward, backward) seconds per micro-batch that ZeRO-2/3's data-parallel traffic adds to
     chunk ``ci`` (compute f, b per micro-batch), averaged over the step's micro-batches.
@@ -130,7 +140,7 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
     rs_l = 0.0
     if not lay.layered:  # standard accumulation: every micro-batch's gradients (ZeRO-2: but the last)
         grads = lay.chunk_params[ci] * g_bytes
-        buckets = max(1, math.ceil(grads / BUCKET_BYTES))
+        buckets = reduce_calls(c, grads, nl)
         rs = (buckets * collective_s(system, links, comm.reduce_scatter_s, n, grads / buckets)
               + system.copy_time(kinds, bucket_traffic(c) * grads))
         rs_l = rs / nl * (1.0 if reduces_in_backward(system, c, lay) else (n_mb - 1) / n_mb)
@@ -182,7 +192,8 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
     m = system.model
     red = reduction_collective(c.zero_stage)
     links = axis_links(system, c, axis)
-    last_bucket = min(BUCKET_BYTES, m.layer_params() / c.tp * system.reduce_bytes(c))
+    layer_grads = m.layer_params() / c.tp * system.reduce_bytes(c)
+    last_bucket = layer_grads if c.zero_stage == 3 else min(BUCKET_BYTES, layer_grads)
     ends = sim.last_backward_end_s
     step_gather = system.fsdp_step_gather(c)
     in_backward = reduces_in_backward(system, c, lay)

@@ -80,3 +80,13 @@ def test_under_pipelining_torchtitan_gathers_and_reduces_once_per_step():
         assert "zero-3 gathered layers" not in other
     assert sum(dict(m.other_parts)["fsdp unsharded parameters"] for m in per[0].memory_by_stage) == pytest.approx(
         2 * MODEL.num_params(), rel=0.01)
+
+
+def test_fsdp_reduces_each_layer_in_one_call_zero2_in_25_mib_buckets():
+    """FSDP2 reduce-scatters a unit's (a layer's) gradients in one call (torch 2.13
+    ``_fsdp_collectives.foreach_reduce``); ZeRO-2 in DDP's 25 MiB buckets: a 70B model's 80 layers
+    are 80 calls per backward, not the ~11,000 buckets whose per-call latency would dominate."""
+    from autoconf.cost.data_parallel import reduce_calls
+    grads = 70e9 * 4
+    assert reduce_calls(_cfg(), grads, 80) == 80
+    assert reduce_calls(_cfg(zero_stage=2), grads, 80) == -(-grads // (25 * 2**20))

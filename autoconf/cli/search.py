@@ -67,14 +67,14 @@ def _search(args, model, cluster, profile, calibration, storage):
 
 
 def cmd_search(args) -> int:
-    from autoconf.cli import verify as verify_args
+    from autoconf.cli.verify import check_arguments, verify_devices
     from autoconf.output.progress import Bars, wanted
     from autoconf.runs import verify
     model, cluster, profile, calibration = _load_inputs(args)
     if cluster is not None and profile is not None and not args.allow_other_devices:
         check_profile_devices(profile, cluster.device_kinds(), allow="--allow-other-devices")
     storage = None if args.storage.lower() in ("none", "memory", "") else args.storage
-    verify_args.check_arguments(args)
+    check_arguments(args)
     if not args.allow_compression and (args.pp_compression_rank or args.dp_compression_rank):
         raise UserError("--pp-compression-rank / --dp-compression-rank set the ranks compression may use: "
                         "they need --allow-compression")
@@ -86,7 +86,7 @@ def cmd_search(args) -> int:
         from autoconf.launch.emit import check_script
         check_script(args.script, args.script_args)
     storage = _preflight(args, storage)
-    devices = verify_args.verify_devices(args, cluster) if args.verify > 0 else None
+    devices = verify_devices(args, cluster) if args.verify > 0 else None
     result, stored_why = _search(args, model, cluster, profile, calibration, storage)
     if not result.top:
         e = result.smallest_memory

@@ -374,14 +374,12 @@ def op_checkpoint_recompute_s(model: ModelSpec, T: float, tp: int, rf: Roofline,
     (``activations.checkpointed_matmuls``: the 2nd, 4th, ... in call order), each a GEMM of the
     block input's width into its output width (wo: from the attention output)."""
     h, B = model.hidden_size, model.dtype_bytes
-    k_of = {"wo": model.attn_out_size / tp, "w2": model.ffn_hidden_size / tp}
+    k_of = {"wo": model.attn_out_size / tp, "w2": model.ffn_hidden_size / tp}  # row-parallel: from a shard
     out = 0.0
     for i, (name, width) in enumerate(checkpointed_matmuls(model, tp)):
         if i % 2 == 1:
-            m, n, k = T, width, k_of.get(name, h)
-            if name in ("wo", "w2"):  # row-parallel: the full-width partial sum from a shard
-                n = h
-            out += fp8_gemm(fp8.rf, m, n, k) if fp8 is not None else rf.gemm(m, n, k, B)
+            k = k_of.get(name, h)
+            out += fp8_gemm(fp8.rf, T, width, k) if fp8 is not None else rf.gemm(T, width, k, B)
     return out
 
 

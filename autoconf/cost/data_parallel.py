@@ -124,7 +124,7 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
         return 0.0, 0.0
     kinds = lay.stage_kinds[ci % c.pp]
     links = axis_links(system, c, axis)
-    step_gather = system.fsdp_step_gather(c)
+    step_gather = system.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp)
     if step_gather:  # gathered once, in the first forward: kept through every backward
         if c.zero_stage < 3:
             return 0.0, 0.0
@@ -167,7 +167,7 @@ def reduces_in_backward(system: System, c: ParallelConfig, lay: Layout) -> bool:
     only its last layer's is left, :func:`reduction_spans`): standard accumulation, overlapped,
     uncompressed, and not gathered once per step (``System.fsdp_step_gather``)."""
     return (c.zero_stage == 3 and not lay.layered and lay.overlap_grad_reduce and not c.dp_compression_stages
-            and not system.fsdp_step_gather(c))
+            and not system.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp))
 
 
 def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makespan: float, bwd) -> float:
@@ -195,7 +195,7 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
     layer_grads = m.layer_params() / c.tp * system.reduce_bytes(c)
     last_bucket = layer_grads if c.zero_stage == 3 else min(BUCKET_BYTES, layer_grads)
     ends = sim.last_backward_end_s
-    step_gather = system.fsdp_step_gather(c)
+    step_gather = system.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp)
     in_backward = reduces_in_backward(system, c, lay)
     out = []
     for dev in range(c.pp):

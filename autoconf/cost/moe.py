@@ -25,7 +25,7 @@ folds it). Per MoE block and micro-batch, on each rank (T = b x s / cp tokens, k
 - **states**: expert weights are split over ep (and over tp where the framework splits experts:
   Megatron's expert tensor-parallel size defaults to tp; torchtitan under expert parallelism and
   the reference trainer keep whole experts on every tp rank, which then routes its own tokens:
-  ``expert_tp``), and their gradients reduced, and ZeRO-sharded, over the dp x cp / ep ranks
+  ``Framework.expert_split``), and their gradients reduced, and ZeRO-sharded, over the dp x cp / ep ranks
   holding the same experts (``expert_dp``);
 - **activations**: the permuted tokens (k per token, both directions), the experts' hidden
   activations for their T x k rows and the router's fp32 probabilities (``moe_activation_bytes``).
@@ -52,17 +52,11 @@ def load_factor(system: System, c: ParallelConfig) -> float:
     return min(f, c.moe_capacity_factor) if c.moe_capacity_factor is not None else f
 
 
-def expert_tp(system: System, c: ParallelConfig) -> int:
-    """How many ways each expert is split: tp where the framework splits experts like the dense
-    MLP (Megatron-LM), else 1 (``Framework.expert_tensor_parallel``)."""
-    return system.framework.expert_split(c)
-
-
 def routed_tokens(system: System, c: ParallelConfig) -> float:
     """Tokens one rank routes per micro-batch: its b x s / cp, or its sequence-parallel shard of
     them where every tp rank holds whole experts."""
     T = c.micro_batch_size * system.model.seq_length / c.cp
-    return T / c.tp if (c.sequence_parallel and expert_tp(system, c) == 1) else T
+    return T / c.tp if (c.sequence_parallel and system.framework.expert_split(c) == 1) else T
 
 
 def moe_shape(system: System, c: ParallelConfig) -> Moe:
@@ -73,7 +67,7 @@ def moe_shape(system: System, c: ParallelConfig) -> Moe:
     assignments = T * m.experts_per_token * load_factor(system, c)
     return Moe(local_experts=local, rows=assignments / local, expert_ffn=m.expert_ffn,
                shared_ffn=m.num_shared_experts * m.shared_expert_ffn if m.num_shared_experts else 0,
-               num_experts=m.num_experts, assignments=assignments, tokens=T, etp=expert_tp(system, c))
+               num_experts=m.num_experts, assignments=assignments, tokens=T, etp=system.framework.expert_split(c))
 
 
 def a2a_bytes(system: System, c: ParallelConfig) -> float:
@@ -103,7 +97,7 @@ def expert_tp_gather_s(system: System, c: ParallelConfig) -> float:
     """Megatron-LM's all-gather of the dispatched tokens inside the expert-tensor-parallel group
     (and, in the combine, the reduce-scatter of their outputs): each of the etp ranks contributes
     the ``k x a2a_tokens`` rows it received; 0 where experts are whole on every rank."""
-    et = expert_tp(system, c)
+    et = system.framework.expert_split(c)
     if et == 1 or c.ep == 1:
         return 0.0
     m = system.model

@@ -349,8 +349,8 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
     """
     m, chunks = system.model, lay.chunks_of(c, s)
     parts = [("runtime context", max(device_type(k).framework_overhead_bytes for k in lay.stage_kinds[s]))]
-    if system.fsdp_step_gather(c):  # gathered once per step: the stage's parameters (ZeRO-3;
-        # ZeRO-2's are never resharded) and their gradients stay unsharded through it, the
+    if system.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp):  # gathered once per step: the
+        # stage's parameters (ZeRO-3; ZeRO-2's are never resharded) and their gradients stay unsharded through it, the
         # gradients accumulated at the reduce dtype (FSDP2's ``unsharded_accumulated_grad``,
         # torch 2.13 ``_fsdp_param.py`` ``to_accumulated_grad_if_needed``)
         params = sum(lay.chunk_params[ci] for ci in chunks)

@@ -500,11 +500,11 @@ class System:
             return self.framework.fsdp_reduce_bytes
         return self.grad_bytes
 
-    def fsdp_step_gather(self, c) -> bool:
+    def fsdp_step_gather(self, zero_stage: int, pp: int, dp_cp: int) -> bool:
         """FSDP (ZeRO-2/3) under pipelining gathers once per step and reduces once after the last
         micro-batch (``Framework.fsdp_step_gather_under_pp``: torchtitan over
         ``torch.distributed.pipelining``, which turns gradient sync off for every other one)."""
-        return c.zero_stage >= 2 and c.pp > 1 and self.framework.fsdp_step_gather_under_pp and c.dp * c.cp > 1
+        return zero_stage >= 2 and pp > 1 and self.framework.fsdp_step_gather_under_pp and dp_cp > 1
 
     def capacity_bytes(self, device: int) -> float:
         """Usable memory of a device: its memory less the allocator's fragmentation margin

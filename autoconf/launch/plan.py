@@ -45,6 +45,7 @@ from autoconf.space.placement import AXES, Placement, full_order
 from autoconf.specs.cluster import SI_CLUSTER_SCHEMA, ClusterSpec
 from autoconf.specs.frameworks import framework
 from autoconf.specs.model import ModelSpec
+from autoconf.specs.recipes import base_name
 from autoconf.specs.schema import Dict, Int, Map, Null, Num, Opaque, Str, check_kind, parse_json, read_text, show_value
 from autoconf.version import __version__
 
@@ -147,7 +148,7 @@ class LaunchPlan:
     @property
     def framework_name(self) -> str:
         """The framework, without its recipe (what picks the emitter)."""
-        return self.framework.partition(":")[0]
+        return base_name(self.framework)
 
     def to_dict(self) -> dict:
         return {"version": PLAN_VERSION, "created_by": self.created_by, "framework": self.framework,

@@ -146,9 +146,11 @@ def device_names() -> list[str]:
     return list(_catalog())
 
 
+@lru_cache(maxsize=None)
 def device_type(name: str) -> DeviceType:
     """The catalog's device ``name``, or a device as deployed (``base@power=500W,...``:
-    :func:`deployed_name`)."""
+    :func:`deployed_name`). Built once per name (the cost model asks per stage and per estimate);
+    the DeviceType is frozen."""
     base, _, spec = name.partition("@")
     cat = _catalog()
     if base not in cat:
@@ -159,8 +161,8 @@ def device_type(name: str) -> DeviceType:
 
 # -- devices as deployed -------------------------------------------------------------------------------
 
-DEPLOYED_KEYS = {"power": "power_cap_w", "clock": "clock_hz", "hbm": "memory_bandwidth_bytes_per_s"}
-"""The short keys of a deployed device's name and the fields they set."""
+DEPLOYED_KEYS = (("power", "power_cap_w", "W"), ("clock", "clock_hz", "Hz"), ("hbm", "memory_bandwidth_bytes_per_s", "B/s"))
+"""(short key in a deployed device's name, the field it sets, its unit), in name order."""
 
 
 def deployed_name(base: str, power_cap_w: float | None = None, clock_hz: float | None = None,
@@ -169,20 +171,12 @@ def deployed_name(base: str, power_cap_w: float | None = None, clock_hz: float |
     bandwidth (a cluster file's node group states them; capacity is the group's ``memory``).
     ``h100-sxm@power=500W,hbm=2.4e+12B/s``; the base name alone where nothing differs. A
     ``base`` already deployed keeps what the arguments do not restate."""
-    if "@" in base:
-        base, _, spec = base.partition("@")
-        was = _parse_deployed(f"{base}@{spec}", spec)
-        power_cap_w = was.get("power_cap_w") if power_cap_w is None else power_cap_w
-        clock_hz = was.get("clock_hz") if clock_hz is None else clock_hz
-        if memory_bandwidth_bytes_per_s is None:
-            memory_bandwidth_bytes_per_s = was.get("memory_bandwidth_bytes_per_s")
-    parts = []
-    if power_cap_w is not None:
-        parts.append(f"power={power_cap_w:g}W")
-    if clock_hz is not None:
-        parts.append(f"clock={clock_hz:g}Hz")
-    if memory_bandwidth_bytes_per_s is not None:
-        parts.append(f"hbm={memory_bandwidth_bytes_per_s:g}B/s")
+    given = {"power_cap_w": power_cap_w, "clock_hz": clock_hz,
+             "memory_bandwidth_bytes_per_s": memory_bandwidth_bytes_per_s}
+    base, _, spec = base.partition("@")
+    how = {**(_parse_deployed(f"{base}@{spec}", spec) if spec else {}),
+           **{k: v for k, v in given.items() if v is not None}}
+    parts = [f"{key}={how[field]:g}{unit}" for key, field, unit in DEPLOYED_KEYS if field in how]
     return f"{base}@{','.join(parts)}" if parts else base
 
 
@@ -190,7 +184,7 @@ def _parse_deployed(name: str, spec: str) -> dict:
     out = {}
     for part in spec.split(","):
         key, _, value = part.partition("=")
-        unit = {"power": "W", "clock": "Hz", "hbm": "B/s"}.get(key)
+        field, unit = next(((f, u) for k, f, u in DEPLOYED_KEYS if k == key), (None, None))
         if unit is None or not value.endswith(unit):
             raise UserError(f"device {name!r}: cannot read {part!r}; valid: power=<W>W, clock=<Hz>Hz, hbm=<B/s>B/s")
         try:
@@ -199,7 +193,7 @@ def _parse_deployed(name: str, spec: str) -> dict:
             raise UserError(f"device {name!r}: {part!r} is not a number with its unit") from None
         if not (v > 0 and v < float("inf")):
             raise UserError(f"device {name!r}: {part!r} must be positive and finite")
-        out[DEPLOYED_KEYS[key]] = v
+        out[field] = v
     return out
 
 
@@ -236,8 +230,7 @@ def _deploy(dev: DeviceType, how: dict) -> DeviceType:
         ratio = min(ratio, capped_clock_ratio(dev, how["power_cap_w"]))
     changes = {"peak_flop_per_s": {k: v * ratio for k, v in dev.peak_flop_per_s.items()},
                "deployed": dict(how),
-               "name": deployed_name(dev.name, how.get("power_cap_w"), how.get("clock_hz"),
-                                     how.get("memory_bandwidth_bytes_per_s"))}
+               "name": deployed_name(dev.name, **how)}
     if dev.special_function_per_s:
         changes["special_function_per_s"] = dev.special_function_per_s * ratio
     if "memory_bandwidth_bytes_per_s" in how:

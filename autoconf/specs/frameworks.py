@@ -91,7 +91,7 @@ import functools
 from dataclasses import dataclass, field
 
 from autoconf.errors import UserError
-from autoconf.specs.recipes import RECIPES
+from autoconf.specs.recipes import RECIPES, default_recipe
 
 
 @dataclass(frozen=True)
@@ -348,15 +348,15 @@ class Framework:
     torchtitan 0.3.0 ``config/configs.py``, passed as FSDP2's ``reduce_dtype``), 4. 0: the
     gradients' bytes (``System.grad_bytes``)."""
     fsdp_step_gather_under_pp: bool = False
-    """Under pipeline parallelism FSDP (ZeRO-3) gathers each stage's parameters once per step and
+    """Under pipeline parallelism FSDP (ZeRO-2/3) gathers each stage's parameters once per step and
     reduce-scatters its gradients once, after the last micro-batch: torchtitan runs
     ``reshard_after_forward=False`` with pipelining (``fsdp_reshard_after_forward = "default"``,
     0.3.0 ``distributed/fsdp.py``), and ``torch.distributed.pipelining``'s stage turns off
     resharding after backward and gradient sync for every micro-batch but the last
     (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``; torch 2.13
     ``distributed/pipelining/stage.py``, ``backward_maybe_with_nosync`` and
-    ``perform_reduce_grad``). The stage then holds its parameters and their 16-bit gradients
-    unsharded through the step (``stage_memory``)."""
+    ``perform_reduce_grad``). The stage then holds its parameters and their gradients, accumulated
+    at the reduce dtype, unsharded through the step (``stage_memory``)."""
     compression: bool = False
     """Whether it runs Optimus-CC's compressed traffic (``pp_compression``, ``dp_compression_stages``,
     ``fused_embedding_sync``): the reference trainer only. Megatron-LM, torchtitan and DeepSpeed
@@ -380,11 +380,12 @@ class Framework:
         return GLOO_ALL_REDUCE if gloo else self.all_reduce_algorithms["flat"]
 
     def expert_split(self, config) -> int:
-        """How many ways each routed expert is split: the configuration's ``expert_tp`` where set,
-        else tp where the framework splits experts like the dense MLP (Megatron-LM), else 1."""
+        """How many ways each routed expert is split: ``expert_tp`` where set, else its own."""
         etp = getattr(config, "expert_tp", None)
-        if etp is not None:
-            return etp
+        return self.own_expert_split(config) if etp is None else etp
+
+    def own_expert_split(self, config) -> int:
+        """Its own split of a routed expert: tp where ``expert_tensor_parallel`` (Megatron-LM), else 1."""
         return config.tp if self.expert_tensor_parallel else 1
 
     def knob(self, config, name: str) -> bool:
@@ -446,8 +447,7 @@ class Framework:
             return f"framework {self.name} has no expert parallelism (ep={c.ep})"
         etp = getattr(c, "expert_tp", None)
         if etp is not None and getattr(c, "ep", 1) > 1 and not self.moe_parallel_folding:
-            own = c.tp if self.expert_tensor_parallel else 1
-            if etp != own or (etp == 1 and c.tp > 1):  # its expert group stays inside dp x cp
+            if etp != (own := self.own_expert_split(c)) or (etp == 1 and c.tp > 1):  # groups inside dp x cp
                 return (f"framework {self.name} cannot set expert_tp={etp} (its experts are split {own} ways "
                         "inside dp x cp); Megatron's MoE parallel folding can")
         if getattr(c, "ep", 1) > 1 and c.zero_stage not in self.expert_zero_stages:
@@ -578,7 +578,7 @@ def framework(name: str | None) -> Framework:
     if base not in FRAMEWORKS:
         raise UserError(f"unknown framework {base!r}; valid: {', '.join(FRAMEWORK_NAMES)}")
     recipes = RECIPES[base]
-    recipe = recipe or next(iter(recipes))
+    recipe = recipe or default_recipe(base)
     if recipe not in recipes:
         raise UserError(f"framework {base} has no recipe {recipe!r}; valid: "
                         f"{', '.join(f'{base}:{r}' for r in recipes)}")

@@ -26,14 +26,22 @@ RECIPES = {
 The first is the default; ``framework("megatron:bridge-0.3")`` names another."""
 
 
+def base_name(spec: str | None) -> str:
+    """The framework of ``name`` or ``name:recipe`` (None: the reference trainer)."""
+    return (spec or "reference").partition(":")[0]
+
+
+def default_recipe(name: str) -> str:
+    """The recipe a framework follows unless one is named: its first."""
+    return next(iter(RECIPES[name]))
+
+
 def framework_spec(fw) -> str:
     """``name`` where ``fw`` follows its framework's default recipe, else ``name:recipe``."""
-    return fw.name if not fw.recipe or fw.recipe == next(iter(RECIPES[fw.name])) else f"{fw.name}:{fw.recipe}"
+    return fw.name if fw.recipe in ("", default_recipe(fw.name)) else f"{fw.name}:{fw.recipe}"
 
 
 def recipe_text(fw) -> str:
     """One line naming the release or recipe whose defaults ``fw`` follows."""
-    recipe = fw.recipe or next(iter(RECIPES[fw.name]))
+    recipe = fw.recipe or default_recipe(fw.name)
     return f"{fw.name}:{recipe}: {RECIPES[fw.name][recipe][0]}"
-
-

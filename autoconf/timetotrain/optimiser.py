@@ -426,7 +426,7 @@ class PointOptimizer:
         lay = layered or sched == "breadth_first"
         if dp * cp == 1 or z < 2:
             return 0.0
-        if pp > 1 and self.system.framework.fsdp_step_gather_under_pp:
+        if self.system.fsdp_step_gather(z, pp, dp * cp):
             # gathered once per step and reduced after the last micro-batch (System.fsdp_step_gather)
             return max(r + (a if z == 3 else 0.0) for r, a in zip(rs, ag))
         per_mb = [0.0] * pp
@@ -461,8 +461,8 @@ class PointOptimizer:
         standard = dp * cp > 1 and ((v == 1 and (pp > 1 or not layered)) or sched == "breadth_first")
         # ZeRO-3 reduce-scatters inside each backward (``data_parallel.reduces_in_backward``): past
         # the last backward only a layer's is left, so its queue adds nothing to the floor there
-        step = pp > 1 and self.system.framework.fsdp_step_gather_under_pp
-        queued = [r[3] if z != 3 or step else [0.0] * pp for z, r in zip(zeros, red)]
+        queued = [r[3] if z != 3 or self.system.fsdp_step_gather(z, pp, dp * cp) else [0.0] * pp
+                  for z, r in zip(zeros, red)]
         got = self._floors(point, m, [rows[i][:6] for i in keep], [self._p2p(point, opts[i][0]) for i in keep],
                            queued if standard else None,
                            [mrows[i][:6] for i in keep] if mrows else None)

@@ -113,7 +113,7 @@ def main() -> None:
                 f"{days / pub_days:.2f}")
     # the same run with DeepSpeed's engine as it ran BLOOM: bf16 under its pipeline engine with
     # ZeRO stage 0 selects its BF16 optimizer, which shards the fp32 states as ZeRO-1 does and adds
-    # every micro-batch's gradients into its own copy (System.bf16_optimizer); but this framework's
+    # every micro-batch's gradients into its own copy (Policy.bf16_optimizer); but this framework's
     # layers are DeepSpeed's AutoTP ones, not the Megatron layers BLOOM ran, so the two rows
     # bracket Megatron-DeepSpeed rather than model it
     cfg_ds = dataclasses.replace(cfg, zero_stage=0)

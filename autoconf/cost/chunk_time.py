@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoconf.cost.compute import BF16_OPTIMIZER_UPDATE, gradient_passes
 from autoconf.cost.context_parallel import CpTimes
 from autoconf.cost.data_parallel import per_micro_batch_s
 from autoconf.cost.layout import Layout
@@ -60,6 +61,28 @@ def issue_bound_s(segments) -> float:
     return best
 
 
+def edge_gradient_s(system: System, kind: str, c: ParallelConfig, which: str) -> float:
+    """Seconds per micro-batch of the gradient passes ``System.block`` charges a block
+    (``compute.gradient_passes``), for the embedding's (``which="embedding"``) or output
+    layer's (``"head"``) weights on a rank: the vocabulary is split over tp, the position
+    table and the final norm are not; a tied output layer on another stage has its own copy,
+    at pp 1 it shares the embedding's. One tensor each. Not where ``System.edge`` takes a
+    measured profile's times (its layers are timed as they run)."""
+    acc = system.framework.grad_accumulation_kernel and system.policy.accumulates(c)
+    upd = system.policy.bf16_optimizer(c)
+    if (system.measured_for(kind) and c.cp == 1) or not (acc or upd):
+        return 0.0
+    m = system.policy.model_at(c.tp)
+    vocab = m.vocab_size * m.hidden_size
+    if which == "embedding":
+        params = vocab / c.tp + m.embedding_params() - vocab
+    else:
+        params = m.norm_params() + (vocab / c.tp if not m.tied_embeddings or c.pp > 1 else 0.0)
+    nbytes, kernels = gradient_passes(params, system.model.dtype_bytes, acc,
+                                      BF16_OPTIMIZER_UPDATE if upd else (0.0, 0))
+    return system.roofline(kind).elementwise(nbytes, kernels) * system.cpu_share(kind)
+
+
 def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tuple:
     """(forward, backward incl. recompute, recompute, host forward, host backward, edges) of chunk
     ``ci``'s layers on the slowest device kind of its stage: its blocks, the embedding on the
@@ -82,7 +105,7 @@ def chunk_compute(system: System, c: ParallelConfig, lay: Layout, ci: int) -> tu
         for which, here in (("embedding", ci == 0), ("head", ci == lay.num_chunks - 1)):
             e = system.edge(kind, b, tp, which, c.cp, tf32=c.precision == "tf32") if here else None
             if e is not None:
-                eb = e.backward_s + system.edge_gradient_s(kind, c, which)  # its weights' gradient passes
+                eb = e.backward_s + edge_gradient_s(system, kind, c, which)  # its weights' gradient passes
                 f, bw_, hf, hb = f + e.forward_s, bw_ + eb, hf + e.host_forward_s, hb + e.host_backward_s
                 e = (e.forward_s, e.host_forward_s, eb, e.host_backward_s)
             edges.append(e)
@@ -170,12 +193,12 @@ def optimizer_step_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     (``Framework.grad_norm_traffic``) over the gradients it holds: the shard where ZeRO shards them,
     every gradient of the stage under DeepSpeed's BF16 optimizer and without ZeRO."""
     opt = 0.0
-    norm_traffic = system.framework.grad_norm_traffic * system.grad_bytes
-    bf16_opt = norm_traffic and system.bf16_optimizer(c)
+    norm_traffic = system.framework.grad_norm_traffic * system.policy.grad_bytes
+    bf16_opt = norm_traffic and system.policy.bf16_optimizer(c)
     for dev in range(c.pp):
         params = sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, dev))
         experts = sum(lay.chunk_expert_params[ci] for ci in lay.chunks_of(c, dev)) if lay.chunk_expert_params else 0.0
-        if system.state_zero_stage(c) >= 1:  # the experts are sharded over the ranks holding the same experts
+        if system.policy.state_zero_stage(c) >= 1:  # the experts are sharded over the ranks holding the same experts
             local = (params - experts) / (c.dp * c.cp) + experts / max(1, expert_dp(c))
         else:
             local = params

@@ -86,10 +86,10 @@ def step_bytes(system, c, lay) -> list:
                 if dp_compressed(c, dev):
                     for shapes in powersgd_buckets(system, c, lay, ci):
                         exact, ps, qs, _ = powersgd_split(shapes, c.dp_compression_rank)
-                        dp += (exact + ps + qs) * system.grad_bytes
+                        dp += (exact + ps + qs) * system.policy.grad_bytes
                 else:  # ZeRO-2 with standard accumulation reduces after every micro-batch
                     times = mb if c.zero_stage == 2 and not c.layered_grad_accum else 1
-                    dp += times * (lay.chunk_params[ci] - tied_params(system, c, ci)) * system.grad_bytes
+                    dp += times * (lay.chunk_params[ci] - tied_params(system, c, ci)) * system.policy.grad_bytes
         emb = 0.0
         if system.model.tied_embeddings and c.pp > 1 and (dev == 0 or dev == (lay.num_chunks - 1) % c.pp):
             emb = tied_bytes(system, c)
@@ -102,7 +102,7 @@ def step_bytes(system, c, lay) -> list:
 def tied_bytes(system, c) -> float:
     """Bytes of the tied embedding gradient on a tp rank (its vocabulary shard)."""
     from autoconf.cost.groups import tied_params
-    return tied_params(system, c, 0) * system.grad_bytes
+    return tied_params(system, c, 0) * system.policy.grad_bytes
 
 
 def embedding_sync_s(system, c) -> tuple[float, float]:
@@ -126,7 +126,7 @@ def embedding_sync_s(system, c) -> tuple[float, float]:
         if not m.tied_embeddings or c.pp == 1 or not system.framework.tied_pair_all_reduce:
             return 0.0, 0.0
         # the rank's vocabulary shard as the framework pads it
-        nbytes, pair_only = -(-system.model_at(c.tp).vocab_size // c.tp) * m.hidden_size * system.grad_bytes, True
+        nbytes, pair_only = -(-system.policy.model_at(c.tp).vocab_size // c.tp) * m.hidden_size * system.policy.grad_bytes, True
     from autoconf.cost.groups import all_reduce_algorithms, axis_links, collective_s, grad_group, reduction_collective
     n_grad, axis = grad_group(c)
     fused = c.fused_embedding_sync and not pair_only
@@ -175,5 +175,5 @@ def memory_parts(system, c, lay, dev: int) -> list:
     if dp_compressed(c, dev):
         from autoconf.cost.groups import tied_params
         grads = sum(lay.chunk_params[ci] - tied_params(system, c, ci) for ci in lay.chunks_of(c, dev))
-        parts.append(("powersgd error feedback", 2 * grads * system.grad_bytes))
+        parts.append(("powersgd error feedback", 2 * grads * system.policy.grad_bytes))
     return parts

@@ -51,8 +51,8 @@ def bucket_traffic(c: ParallelConfig) -> float:
 def dp_reduction_s(system: System, c: ParallelConfig, lay: Layout, fn, ci: int, kinds, dev: int = 0) -> float:
     """One chunk's gradient reduction with ``fn`` plus its buckets' memory traffic (PowerSGD's
     three all-reduces per bucket where pipeline rank ``dev`` compresses its gradients), at the
-    framework's reduce dtype (``System.reduce_bytes``)."""
-    g_bytes = system.reduce_bytes(c)
+    framework's reduce dtype (``Policy.reduce_bytes``)."""
+    g_bytes = system.policy.reduce_bytes(c)
     n, axis = grad_group(c)
     if dp_compressed(c, dev):
         return (powersgd_reduction_s(system, c, lay, ci, kinds, axis_links(system, c, axis), n)
@@ -114,7 +114,7 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
       reduce-scatter and the next layer's gather share the links: a layer exposes
       max(0, gather + its share of the reduce-scatter - compute) when overlapped
       (``overlap_grad_reduce``), all of it otherwise.
-    - Under pipelining where the framework gathers once per step (``System.fsdp_step_gather``:
+    - Under pipelining where the framework gathers once per step (``Policy.fsdp_step_gather``:
       torchtitan over ``torch.distributed.pipelining``), the gather runs in the first
       micro-batch's forward only and the reduce-scatter after the last backward.
     """
@@ -124,7 +124,7 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
         return 0.0, 0.0
     kinds = lay.stage_kinds[ci % c.pp]
     links = axis_links(system, c, axis)
-    step_gather = system.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp)
+    step_gather = system.policy.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp)
     if step_gather:  # gathered once, in the first forward: kept through every backward
         if c.zero_stage < 3:
             return 0.0, 0.0
@@ -136,7 +136,7 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
     passes = 1 if lay.layered and c.pp == 1 else n_mb
     per_pass = n_mb / passes  # micro-batches per pass over the chunk
     f_l, b_l = f / nl * per_pass, b / nl * per_pass  # one layer's compute in one pass
-    g_bytes = system.reduce_bytes(c)
+    g_bytes = system.policy.reduce_bytes(c)
     rs_l = 0.0
     if not lay.layered:  # standard accumulation: every micro-batch's gradients (ZeRO-2: but the last)
         grads = lay.chunk_params[ci] * g_bytes
@@ -165,9 +165,9 @@ def reduces_in_backward(system: System, c: ParallelConfig, lay: Layout) -> bool:
     """Whether ZeRO-3 reduce-scatters each layer's gradients inside every micro-batch's backward,
     the last one's too (``per_micro_batch_s`` prices them there; past the chunk's last backward
     only its last layer's is left, :func:`reduction_spans`): standard accumulation, overlapped,
-    uncompressed, and not gathered once per step (``System.fsdp_step_gather``)."""
+    uncompressed, and not gathered once per step (``Policy.fsdp_step_gather``)."""
     return (c.zero_stage == 3 and not lay.layered and lay.overlap_grad_reduce and not c.dp_compression_stages
-            and not system.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp))
+            and not system.policy.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp))
 
 
 def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makespan: float, bwd) -> float:
@@ -192,10 +192,10 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
     m = system.model
     red = reduction_collective(c.zero_stage)
     links = axis_links(system, c, axis)
-    layer_grads = m.layer_params() / c.tp * system.reduce_bytes(c)
+    layer_grads = m.layer_params() / c.tp * system.policy.reduce_bytes(c)
     last_bucket = layer_grads if c.zero_stage == 3 else min(BUCKET_BYTES, layer_grads)
     ends = sim.last_backward_end_s
-    step_gather = system.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp)
+    step_gather = system.policy.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp)
     in_backward = reduces_in_backward(system, c, lay)
     out = []
     for dev in range(c.pp):
@@ -228,7 +228,7 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
 
 def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     """ZeRO-1/2, and DeepSpeed's BF16 optimizer (which shards its fp32 master weights and moments
-    as ZeRO-1 does, ``System.bf16_optimizer``): the updated parameter shards gathered back after
+    as ZeRO-1 does, ``Policy.bf16_optimizer``): the updated parameter shards gathered back after
     the optimizer step (each owner's shard is flattened, sent and copied back into the
     parameters, unless the framework gathers in place: ``Framework.param_gather_in_place``); 0
     otherwise. With ``overlap_param_gather`` (Megatron's distributed optimizer)
@@ -236,7 +236,7 @@ def post_all_gather_s(system: System, c: ParallelConfig, lay: Layout) -> float:
     layer's share waits; not where the framework gathers inside the step
     (``Framework.step_gather_overlaps``: DeepSpeed)."""
     n, axis = grad_group(c)
-    if n == 1 or system.state_zero_stage(c) not in (1, 2):
+    if n == 1 or system.policy.state_zero_stage(c) not in (1, 2):
         return 0.0
     links = axis_links(system, c, axis)
     post_ag = 0.0

@@ -86,7 +86,7 @@ def estimate(config: ParallelConfig, model: ModelSpec, cluster=None, profile=Non
         ctx = System(model, cluster, profile, calibration, framework=framework, moe_imbalance=moe_imbalance)
     validate(config, model)
     reason = ctx.framework.check(config) or next(
-        (r for r in (ctx.supports(k, config) for k in sorted(set(ctx.topology.kind_of))) if r), None)
+        (r for r in (ctx.policy.supports(k, config) for k in sorted(set(ctx.topology.kind_of))) if r), None)
     if reason:
         raise UserError(f"invalid configuration ({config.short()}): {reason}")
     if config.world_size > ctx.num_devices:
@@ -202,7 +202,7 @@ def _finish(c: ParallelConfig, ctx: System, breakdown: dict, memory: list, step:
                             "has one rank per host" if flat[0].local_size == 1 else
                             "spans hosts holding different numbers of its ranks")
                          + "; the trainer runs the flat all-reduce there, and so does this estimate")
-    if ctx.unfused_softmax(c.micro_batch_size, c.tp, c.cp):
+    if ctx.policy.unfused_softmax(c.micro_batch_size, c.tp, c.cp):
         batches = c.micro_batch_size * m.num_attention_heads / c.tp
         notes.append(f"{ctx.framework.name}'s fused softmax kernel does not take {batches:g} attention batches "
                      f"(micro-batch x local heads) of {m.seq_length // c.cp} keys (it needs keys 17-4096, a "

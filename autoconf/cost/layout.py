@@ -88,7 +88,7 @@ def chunk_experts(system: System, c: ParallelConfig, indices) -> tuple[tuple, tu
 def chunk_params(system: System, c: ParallelConfig, chunk_layers) -> list[float]:
     """Parameters per chunk shard: its blocks, the embedding on the first chunk, the output layer
     on the last (plus a copy of the tied embedding when it sits on another chunk)."""
-    m, n_chunks = system.model_at(c.tp), len(chunk_layers)
+    m, n_chunks = system.policy.model_at(c.tp), len(chunk_layers)
     out = []
     indices = (Placement.of(c, m.num_layers).chunk_layers() if m.is_moe and sum(chunk_layers) == m.num_layers
                and len(chunk_layers) == c.num_chunks else [[i] for i in range(m.num_layers)] if m.is_moe else None)

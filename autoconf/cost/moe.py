@@ -315,6 +315,6 @@ def block_for(system: System, kind: str, c, moe: bool = False, routed: bool = Tr
             shape = dataclasses.replace(shape, rows=0.0)
     return system.block(kind, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, c.cp,
                         c.fp8_recipe if c.precision == "fp8" else None,
-                        system.framework.knob(c, "torch_compile"), shape, system.accumulates(c),
-                        system.bf16_optimizer(c),
+                        system.framework.knob(c, "torch_compile"), shape, system.policy.accumulates(c),
+                        system.policy.bf16_optimizer(c),
                         module_key(c), tf32=c.precision == "tf32")

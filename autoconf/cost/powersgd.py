@@ -108,7 +108,7 @@ def powersgd_reduction_s(system, c, lay, ci: int, kinds, links, n: int) -> float
     """Chunk ``ci``'s gradient reduction under PowerSGD: per bucket three all-reduces in a row
     (the exact part, the Ps, the Qs, each waiting for the one before: the hook chains them) and
     its kernels; the buckets follow one another (the trainer keeps one in flight)."""
-    eb = system.grad_bytes
+    eb = system.policy.grad_bytes
     algos = all_reduce_algorithms(system, c, comm.all_reduce_s)
     t = 0.0
     for shapes in powersgd_buckets(system, c, lay, ci):

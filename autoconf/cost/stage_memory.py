@@ -55,9 +55,9 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
     """Memory of every pipeline stage for configuration ``c``."""
     m = system.model
     master = system.framework.master_weights
-    zero = system.state_zero_stage(c)  # DeepSpeed's BF16 optimizer: ZeRO-1's layout without ZeRO
+    zero = system.policy.state_zero_stage(c)  # DeepSpeed's BF16 optimizer: ZeRO-1's layout without ZeRO
     st = state_bytes_per_param(m.dtype, zero, c.dp * c.cp,
-                               fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
+                               fp32_grads=system.policy.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
     act_layer = system.layer_activations(c, mask_bytes(system, lay))
     layered_pp1 = c.pp == 1 and c.layered_grad_accum
     # a gradient buffer allocated up front (Megatron-Core) is there at every moment: the peak is
@@ -69,7 +69,7 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         peaks = activation_peaks(system, c, lay, act_layer["total"], 0.0 if up_front else st.gradients)
     # a mixture of experts' routed experts: sharded by ZeRO over the ranks holding the same experts
     st_e = state_bytes_per_param(m.dtype, zero, max(1, expert_dp(c)),
-                                 fp32_grads=system.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
+                                 fp32_grads=system.policy.grad_bytes == 4 and m.dtype != "fp32", master_copy=master)
     # one block's recomputed tensors, alive during its backward (layered: inside _layered_peak):
     # (a dense block's, an MoE block's), each stage taking those of the blocks it holds
     working = None
@@ -94,7 +94,7 @@ def stage_memory(system: System, c: ParallelConfig, lay: Layout) -> list[StageMe
         # the step holds every gradient; the activation peak may come before the last ones exist
         # (layered accumulation, interleaved schedules)
         shortfall = max(0.0, dense * st.gradients + experts * st_e.gradients - grads)
-        if system.bf16_optimizer(c):  # DeepSpeed's BF16 optimizer: a second copy of every gradient
+        if system.policy.bf16_optimizer(c):  # DeepSpeed's BF16 optimizer: a second copy of every gradient
             grads += m.dtype_bytes * params
         other = _other_bytes(system, c, lay, s, acts, optimizer, shortfall)
         parameters = dense * st.parameters + experts * st_e.parameters
@@ -182,13 +182,13 @@ def _paired_extra_bytes(system: System, c: ParallelConfig, lay: Layout, s: int) 
 def mask_bytes(system: System, lay: Layout) -> int:
     """Dropout mask bytes per element: the widest among the devices of the layout."""
     kinds = sorted({k for ks in lay.stage_kinds for k in ks})
-    return max(system.mask_bytes(k) for k in kinds)
+    return max(system.policy.mask_bytes(k) for k in kinds)
 
 
 def _chunk_activation_bytes(system: System, c: ParallelConfig, lay: Layout, layer_bytes: float) -> list[float]:
     """Activations each chunk saves per micro-batch: its blocks (``System.layer_activations``),
     plus the embedding's on the first chunk and the output layer's on the last (``activations``)."""
-    m, mask, n_chunks = system.model_at(c.tp, c.cp), mask_bytes(system, lay), lay.num_chunks
+    m, mask, n_chunks = system.policy.model_at(c.tp, c.cp), mask_bytes(system, lay), lay.num_chunks
     moe_bytes = 0.0
     if lay.chunk_moe_layers and any(lay.chunk_moe_layers):
         from autoconf.cost.moe import moe_activation_bytes
@@ -217,13 +217,13 @@ def activation_peaks(system: System, c: ParallelConfig, lay: Layout, layer_bytes
     flight next to the activations. Gradients coexist with the activations only from each chunk's
     first backward on (so GPipe / layered peak with almost none).
     """
-    m, n_chunks, sched = system.model_at(c.tp), lay.num_chunks, lay.schedule
+    m, n_chunks, sched = system.policy.model_at(c.tp), lay.num_chunks, lay.schedule
     m_sim = schedule_time.sim_size(sched, c.pp, c.num_micro_batches)
     grows = sched in ("gpipe", "breadth_first")
     ce_grad = loss_grad_bytes(system, c)
     in_flight = 0.0
     if c.dp * c.cp > 1 and c.zero_stage >= 2 and not c.layered_grad_accum:
-        in_flight = min(BUCKET_BYTES, m.layer_params() / c.tp * system.grad_bytes)
+        in_flight = min(BUCKET_BYTES, m.layer_params() / c.tp * system.policy.grad_bytes)
     return peak_memory(sched, c.pp, m_sim, lay.virtual_stages,
                        tuple(_chunk_activation_bytes(system, c, lay, layer_bytes)),
                        tuple(p * grad_bytes for p in lay.chunk_params),
@@ -243,7 +243,7 @@ def loss_grad_bytes(system: System, c: ParallelConfig) -> float:
     - 2 (torch's ``F.cross_entropy``): the nll loss's fp32 gradient and the log-softmax's, both
       alive while the saved softmax is; the cast that follows holds one fp32 and one 16-bit tensor
       after the saved softmax is freed, less than that."""
-    m = system.model_at(c.tp, c.cp)
+    m = system.policy.model_at(c.tp, c.cp)
     n = system.framework.loss_backward_fp32_tensors
     cast = m.dtype_bytes if m.dtype != "fp32" else 0.0
     per_logit = 8.0 if n >= 2 else 4.0 * n + cast
@@ -264,8 +264,8 @@ def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: di
     micro-batch's logits (``loss_grad_bytes``).
     Block and head inputs have a gradient (``schedule_time.boundary_bytes``), the token ids do not.
     """
-    m, mask = system.model_at(c.tp), mask_bytes(system, lay)
-    local = system.model_at(c.tp, c.cp)  # the rank's s/cp tokens
+    m, mask = system.policy.model_at(c.tp), mask_bytes(system, lay)
+    local = system.policy.model_at(c.tp, c.cp)  # the rank's s/cp tokens
     b, t, sp = c.micro_batch_size, c.tp, c.sequence_parallel
     ce_grad = loss_grad_bytes(system, c)
     dx = schedule_time.boundary_bytes(system, c)
@@ -290,7 +290,7 @@ def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: di
 def block_params(system: System, c: ParallelConfig) -> list:
     """Each block's parameters on a rank (its tp shard; a mixture of experts' E/ep routed experts
     per MoE block), as ``layout.chunk_params`` counts them one block per chunk."""
-    m = system.model_at(c.tp)
+    m = system.policy.model_at(c.tp)
     per = chunk_params(system, c, [1] * m.num_layers)
     per[0] -= m.embedding_params() / c.tp
     per[-1] -= m.output_params() / c.tp
@@ -305,9 +305,9 @@ def _with_reduction_in_flight(system: System, c: ParallelConfig, units: list) ->
     accumulation (``_other_bytes``). ZeRO-3 (FSDP) reduce-scatters into its own shards."""
     if c.dp * c.cp == 1 or c.zero_stage == 3:
         return units
-    m = system.model_at(c.tp)
+    m = system.policy.model_at(c.tp)
     blocks = block_params(system, c) if m.is_moe else [m.layer_params() / c.tp] * m.num_layers
-    copy = [p * system.grad_bytes for p in [m.embedding_params() / c.tp] + blocks + [m.output_params() / c.tp]]
+    copy = [p * system.policy.grad_bytes for p in [m.embedding_params() / c.tp] + blocks + [m.output_params() / c.tp]]
     return [(a, g, bt + (copy[i + 1] if i + 1 < len(units) else 0.0), ig)
             for i, (a, g, bt, ig) in enumerate(units)]
 
@@ -349,14 +349,14 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
     """
     m, chunks = system.model, lay.chunks_of(c, s)
     parts = [("runtime context", max(device_type(k).framework_overhead_bytes for k in lay.stage_kinds[s]))]
-    if system.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp):  # gathered once per step: the
+    if system.policy.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp):  # gathered once per step: the
         # stage's parameters (ZeRO-3; ZeRO-2's are never resharded) and their gradients stay unsharded through it, the
         # gradients accumulated at the reduce dtype (FSDP2's ``unsharded_accumulated_grad``,
         # torch 2.13 ``_fsdp_param.py`` ``to_accumulated_grad_if_needed``)
         params = sum(lay.chunk_params[ci] for ci in chunks)
         if c.zero_stage == 3:
             parts.append(("fsdp unsharded parameters", params * m.dtype_bytes))
-        parts.append(("fsdp unsharded gradients", params * system.reduce_bytes(c)))
+        parts.append(("fsdp unsharded gradients", params * system.policy.reduce_bytes(c)))
     elif c.zero_stage == 3 and c.dp * c.cp > 1:
         gathered = zero3_working_bytes(m, c.tp)
         if m.is_moe:  # an MoE block gathers its E/ep experts too: the largest block, twice
@@ -384,7 +384,7 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
     layered_pp1 = c.pp == 1 and c.layered_grad_accum  # its units carry their copies already
     after_backward = 0.0  # what the bucket copy already adds above the activations
     if c.dp * c.cp > 1 and c.zero_stage < 3 and not layered_pp1:
-        bucket = min(BUCKET_BYTES, max(lay.chunk_params[ci] for ci in chunks) * system.grad_bytes)
+        bucket = min(BUCKET_BYTES, max(lay.chunk_params[ci] for ci in chunks) * system.policy.grad_bytes)
         after_backward = max(0.0, bucket - acts)
         parts.append(("gradient bucket copy", after_backward))
     if fw.optimizer_foreach and any(k != "cpu" for k in lay.stage_kinds[s]):

@@ -8,6 +8,10 @@ of ``compute``. Every "measured, else datasheet" choice of the cost model is mad
 here; the modules that compose the step time (``schedule_time``, ``tensor_parallel``,
 ``data_parallel``, ``stage_memory``) ask the System for rates and never look at the profile.
 
+What the framework does with a configuration (its ZeRO layout, gradient precision, padded
+vocabulary: no rate in it) is the System's :class:`~autoconf.cost.policy.Policy`,
+``System.policy``.
+
 Pure: no torch, no I/O; the only state is a cache of pure results.
 """
 
@@ -19,13 +23,11 @@ from dataclasses import dataclass, field
 
 from autoconf.cost import comm, measured
 from autoconf.cost.activations import layer_activation_bytes
-from autoconf.cost.attention import fused_softmax_available
 from autoconf.cost.compute import (
     BF16_OPTIMIZER_UPDATE,
     adamw_bytes_per_param,
     block_times,
     embedding_times,
-    gradient_passes,
     head_times,
     optimizer_s,
     with_host,
@@ -42,8 +44,8 @@ from autoconf.cost.measured import (
     tp_comm_times,
 )
 from autoconf.cost.measured import block_times as measured_block
-from autoconf.cost.memory import bytes_per_param
 from autoconf.cost.pipeline import Sharing
+from autoconf.cost.policy import Policy, check_moe_options
 from autoconf.cost.roofline import LayerTimes, Roofline
 from autoconf.errors import UserError
 from autoconf.space.config import module_key
@@ -84,31 +86,11 @@ class System:
     def __post_init__(self):
         if self.framework is None or isinstance(self.framework, str):
             self.framework = framework_model(self.framework)
-        f = self.moe_imbalance
-        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 1.0 <= f <= 64.0:
-            raise UserError(f"--moe-imbalance {f!r}: the busiest expert rank's tokens over the balanced share, "
-                            "a number from 1.0 (balanced) to 64")
-        if self.moe_dispatcher != "alltoall" and not self.model.is_moe:
-            raise UserError(f"--moe-dispatcher {self.moe_dispatcher}: model {self.model.name} has no experts to "
-                            "dispatch to; valid: alltoall")
-        if self.moe_dispatcher not in self.framework.moe_dispatchers:
-            valid = ", ".join(self.framework.moe_dispatchers)
-            raise UserError(f"--moe-dispatcher {self.moe_dispatcher}: framework {self.framework.name} has no "
-                            f"{self.moe_dispatcher} token dispatcher; valid: {valid}")
+        check_moe_options(self.model, self.framework, self.moe_imbalance, self.moe_dispatcher)
+        self.policy = Policy(self.model, self.framework)
+        """The framework's rules applied to a configuration (``cost.policy``)."""
         if self.topology is None:
-            if self.cluster is not None:  # (the spec's own figures: no graph to build, O(devices))
-                self.topology = Topology.of_cluster(self.cluster)
-                if self.profile is not None:
-                    # the cluster file declares hosts and devices; what the profile measured overrides
-                    # (as measured_graph.overlay_measured_links lays it on the cluster's graph)
-                    devices_of: dict = {}
-                    for d, n in enumerate(self.topology.node_of):
-                        devices_of.setdefault(n, []).append(d)
-                    self.topology.with_measured(measured_device_links(devices_of, self.profile)[0])
-            elif self.profile is not None:
-                self.topology = Topology(topology_graph(self.profile))
-            else:
-                raise UserError("estimate needs a cluster file or a profile (--cluster or --profile)")
+            self.topology = system_topology(self.cluster, self.profile)
         self.num_devices = self.topology.num_devices
         self.profile_kind = None
         if self.profile is not None:
@@ -127,18 +109,6 @@ class System:
     def measured_everywhere(self, stage_kinds) -> bool:
         """Whether every pipeline stage runs on the profiled device kind alone."""
         return self.profile is not None and all(k == [self.profile_kind] for k in stage_kinds)
-
-    def model_at(self, tp: int, cp: int = 1) -> ModelSpec:
-        """The model as the framework builds it at tensor-parallel degree ``tp``: Megatron pads the
-        vocabulary to a multiple of 128 x tp (``Framework.padded_vocab``), which changes the
-        embedding and output layer's parameters, time and memory. With ``cp`` > 1, as one
-        context-parallel rank sees it: ``seq_length`` is its s/cp tokens (for what scales with the
-        rank's tokens: embedding, output layer, loss, boundary tensors; not for parameters)."""
-        vocab = self.framework.padded_vocab(self.model.vocab_size, tp)
-        if vocab == self.model.vocab_size and cp == 1:
-            return self.model
-        return self.cached(("model_at", tp, cp), lambda: dataclasses.replace(
-            self.model, vocab_size=vocab, seq_length=self.model.seq_length // cp))
 
     def cached(self, key, fn):
         hit = self._cache.get(key)
@@ -187,23 +157,7 @@ class System:
         if kind != "cpu" or not self.measured_for():
             return 1.0
 
-        def make():
-            hosts = self.profile.provenance.hosts
-            cores = [h.cpu_count for h in hosts if h.cpu_count]
-            if not cores:
-                return 1.0
-            per_host = max(Counter(self.topology.host_of).values())
-            # hosts of one machine (emulated nodes, containers: the same boot id) share its cores
-            machines: dict = {}
-            for h in hosts:
-                if h.machine:
-                    machines.setdefault(h.machine, []).append(h.name)
-            ranks_of = {}
-            for r in self.profile.ranks:
-                ranks_of[r.host] = ranks_of.get(r.host, 0) + 1
-            per_machine = max((sum(ranks_of.get(n, 0) for n in names) for names in machines.values()), default=0)
-            return max(1.0, max(per_host, per_machine) / min(cores))
-        return self.cached(("cpushare",), make)
+        return self.cached(("cpushare",), lambda: host_cpu_share(self.profile, self.topology))
 
     def cpu_sharing(self, stage_devs):
         """How the CPU ranks of a configuration share their machines' cores, for the schedule
@@ -216,35 +170,8 @@ class System:
         if self.cpu_share("cpu") <= 1.0:
             return None
 
-        def make():
-            topo, share = self.topology, self.cpu_share("cpu")
-            hosts = {h.name: h for h in self.profile.provenance.hosts}
-            machine_of, cores = {}, {}
-            on_host = Counter(topo.node_of)  # (one count per host, not one pass over the devices per device)
-            for d in {d for devs in stage_devs for d in devs}:
-                if topo.kind_of[d] != "cpu":
-                    continue
-                name = topo.host_name[topo.node_of[d]]
-                h = hosts.get(name)
-                if h is not None and h.cpu_count:
-                    key, n = h.machine or name, float(h.cpu_count)
-                else:
-                    key = ("host", topo.node_of[d])
-                    n = on_host[topo.node_of[d]] / share
-                machine_of[d] = key
-                cores[key] = min(cores.get(key, n), n)
-            if not cores:
-                return None
-            keys = sorted(cores, key=str)
-            per_stage = [Counter(machine_of.get(d) for d in devs) for devs in stage_devs]
-            weights = tuple(tuple(n[key] for n in per_stage) for key in keys)
-            shares = tuple(share if any(d in machine_of for d in devs) else 1.0 for devs in stage_devs)
-            return Sharing(shares, weights, tuple(cores[k] for k in keys))
-        return self.cached(("cpusharing", tuple(map(tuple, stage_devs))), make)
-
-    def mask_bytes(self, kind: str) -> int:
-        # PyTorch keeps dropout masks as bool (1 byte) on CUDA, at the activation's precision on CPU.
-        return self.model.dtype_bytes if kind == "cpu" else 1
+        return self.cached(("cpusharing", tuple(map(tuple, stage_devs))),
+                           lambda: cpu_ranks_sharing(self.profile, self.topology, self.cpu_share("cpu"), stage_devs))
 
     def block(self, kind: str, b: int, tp: int, sp: bool, recompute: str, cp: int = 1, fp8: str | None = None,
               compiled: bool = False, moe=None, accumulates: bool = True, bf16_optimizer: bool = False,
@@ -271,9 +198,9 @@ class System:
             f8 = None if fp8 is None else Fp8(self.fp8_roofline(kind, fp8), fp8, self.framework.fp8_host_ops,
                                               recast=not self.framework.fp8_saves_inputs,
                                               eager=self.framework.fp8_eager_quantize)
-            return block_times(self.model, b, tp, sp, recompute, self.gemm_roofline(kind, tf32), self.host_cost(kind),
+            return block_times(self.model, b, tp, sp, recompute, self.gemm_roofline(kind, tf32), self.policy.host_cost(kind),
                                cp=cp, fp8=f8, compiled=compiled, moe=moe, ring_math=self.framework.ring_math,
-                               unfused_softmax=self.unfused_softmax(b, tp, cp),
+                               unfused_softmax=self.policy.unfused_softmax(b, tp, cp),
                                eager_elementwise=self.framework.eager_elementwise,
                                grad_accumulation=self.framework.grad_accumulation_kernel and accumulates,
                                grad_update=BF16_OPTIMIZER_UPDATE if bf16_optimizer else (0.0, 0), modules=modules,
@@ -282,98 +209,16 @@ class System:
                             modules, tf32),
                            lambda: _shared(make(), self.cpu_share(kind)))
 
-    def unfused_softmax(self, b: int, tp: int, cp: int = 1) -> bool:
-        """Whether this framework's eager attention falls back from its fused softmax kernel to
-        torch's fp32 path at micro-batch ``b`` on tp ranks (``Framework.megatron_softmax``,
-        ``cost.attention.fused_softmax_available``)."""
-        m = self.model
-        return (self.framework.megatron_softmax and m.attention == "eager" and m.dtype != "fp32"
-                and not fused_softmax_available(b, m.num_attention_heads / tp, m.seq_length / cp, m.seq_length / cp))
-
-    def accumulates(self, c) -> bool:
-        """Whether autograd adds micro-batches' weight gradients into ``.grad``: more than one
-        micro-batch, or DeepSpeed's BF16 optimizer, which zeroes the gradients before each
-        backward instead of freeing them (``clear_lp_grads``); not where ZeRO-2/3 with data
-        parallelism reduce each micro-batch's gradients and drop them (outside layered
-        accumulation)."""
-        return ((c.num_micro_batches > 1 or self.bf16_optimizer(c))
-                and (c.zero_stage <= 1 or c.dp * c.cp == 1 or c.layered_grad_accum))
-
-    def edge_gradient_s(self, kind: str, c, which: str) -> float:
-        """Seconds per micro-batch of the gradient passes :meth:`block` charges a block
-        (``compute.gradient_passes``), for the embedding's (``which="embedding"``) or output
-        layer's (``"head"``) weights on a rank: the vocabulary is split over tp, the position
-        table and the final norm are not; a tied output layer on another stage has its own copy,
-        at pp 1 it shares the embedding's. One tensor each. Not where :meth:`edge` takes a
-        measured profile's times (its layers are timed as they run)."""
-        acc = self.framework.grad_accumulation_kernel and self.accumulates(c)
-        upd = self.bf16_optimizer(c)
-        if (self.measured_for(kind) and c.cp == 1) or not (acc or upd):
-            return 0.0
-        m = self.model_at(c.tp)
-        vocab = m.vocab_size * m.hidden_size
-        if which == "embedding":
-            params = vocab / c.tp + m.embedding_params() - vocab
-        else:
-            params = m.norm_params() + (vocab / c.tp if not m.tied_embeddings or c.pp > 1 else 0.0)
-        nbytes, kernels = gradient_passes(params, self.model.dtype_bytes, acc,
-                                          BF16_OPTIMIZER_UPDATE if upd else (0.0, 0))
-        return self.roofline(kind).elementwise(nbytes, kernels) * self.cpu_share(kind)
-
-    def bf16_optimizer(self, c) -> bool:
-        """Whether configuration ``c`` runs DeepSpeed's ``BF16_Optimizer``: bf16 training without
-        ZeRO under its pipeline engine (``Framework.bf16_optimizer_with_pp``; DeepSpeed's engine
-        picks it there, ``_do_optimizer_sanity_check``). It keeps a second copy of every gradient
-        in the model's dtype (``stage_memory``), adds each micro-batch's gradients into it
-        (``compute.BF16_OPTIMIZER_UPDATE``), all-reduces those copies, and shards its fp32 master
-        weights and moments over dp, gathering the updated parameters inside the step, as ZeRO-1
-        does (``data_parallel``)."""
-        return (self.framework.bf16_optimizer_with_pp and self.model.dtype == "bf16" and c.pp > 1
-                and c.zero_stage == 0)
-
-    def state_zero_stage(self, c) -> int:
-        """The ZeRO stage by which configuration ``c`` lays out its fp32 master weights and
-        optimizer moments (memory, the optimizer step, the gather after it): its own, or 1 where
-        DeepSpeed's BF16 optimizer shards them over dp without ZeRO (:meth:`bf16_optimizer`)."""
-        return 1 if self.bf16_optimizer(c) else c.zero_stage
-
     def fp8_roofline(self, kind: str, recipe: str) -> Roofline:
         """The roofline of FP8 GEMMs on ``kind``: the catalog's FP8 peak (MXFP8's for the mxfp8
         recipe) at its FP8 GEMM efficiency; a profile's measured FP8 GEMM table where it has one.
         A one-line error where the device has no such tensor cores."""
         def make():
-            dev = device_type(kind)
-            dtype = "mxfp8" if recipe == "mxfp8" else "fp8"
-            if not dev.supports(dtype):
-                raise UserError(f"device {kind} has no {dtype.upper()} tensor cores (fp8_recipe={recipe}); "
-                                f"use precision bf16, or a device that has them")
-            eff = None
-            if self.measured_for(kind):
-                if fp8_gemm_efficiency(self.profile, recipe, 8192, 8192, 8192) is not None:
-                    eff = lambda m, n, k: fp8_gemm_efficiency(self.profile, recipe, m, n, k)  # noqa: E731
+            profile = self.profile if self.measured_for(kind) else None
             # the scaling and casts around FP8 GEMMs run in fp32 (the model's dtype where the
             # profile has no fp32 curve)
-            mt = self._memory_time(kind, "fp32") or self._memory_time(kind)
-            rf = Roofline.of(dev, dtype, eff, mt)
-            return dataclasses.replace(rf, gemm_efficiency=dev.gemm_efficiency_of(dtype))
+            return fp8_roofline_of(kind, recipe, profile, self._memory_time(kind, "fp32") or self._memory_time(kind))
         return self.cached(("rf8", kind, recipe), make)
-
-    def supports(self, kind: str, c) -> str | None:
-        """Why devices of ``kind`` cannot run configuration ``c`` (FP8 without FP8 tensor cores),
-        or None."""
-        if c.precision == "tf32":
-            return None if "tf32" in device_type(kind).peak_flop_per_s else f"device {kind} has no TF32 tensor cores"
-        if c.precision != "fp8":
-            return None
-        dtype = "mxfp8" if c.fp8_recipe == "mxfp8" else "fp8"
-        if not device_type(kind).supports(dtype):
-            return f"device {kind} has no {dtype.upper()} tensor cores (precision fp8, recipe {c.fp8_recipe})"
-        return None
-
-    def host_cost(self, kind: str):
-        """The framework's host cost per operation on an accelerator; None on CPU processes,
-        where the host is the device (its dispatch cost is inside the measured or roofline time)."""
-        return None if kind == "cpu" else self.framework.host
 
     def edge(self, kind: str, b: int, tp: int, which: str, cp: int = 1, tf32: bool = False) -> LayerTimes:
         """The embedding (``which="embedding"``) or output layer (``"head"``) shard per micro-batch,
@@ -387,8 +232,8 @@ class System:
                 if got:
                     return LayerTimes(got[0], got[1])
             fn = embedding_times if which == "embedding" else head_times
-            return with_host(fn(self.model_at(tp, cp), b, tp, self.gemm_roofline(kind, tf32)), which,
-                             self.host_cost(kind))
+            return with_host(fn(self.policy.model_at(tp, cp), b, tp, self.gemm_roofline(kind, tf32)), which,
+                             self.policy.host_cost(kind))
         return self.cached((which, kind, b, tp, cp, tf32), lambda: _shared(make(), self.cpu_share(kind)))
 
     def layer_activations(self, c, mask: int) -> dict:
@@ -412,7 +257,7 @@ class System:
                                                   c.recompute, mask)["total"]
                     return {**base, "total": float(got) * base["total"] / full if full else float(got)}
             return layer_activation_bytes(self.model, c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute,
-                                          mask, **kw, fp32_softmax=self.unfused_softmax(c.micro_batch_size, c.tp, c.cp))
+                                          mask, **kw, fp32_softmax=self.policy.unfused_softmax(c.micro_batch_size, c.tp, c.cp))
         return self.cached(("act", c.micro_batch_size, c.tp, c.sequence_parallel, c.recompute, mask, c.cp, fp8_inputs,
                             mods), make)
 
@@ -485,27 +330,6 @@ class System:
                                          short_ring_loss=max(t.short_ring_loss for t in tunes))
         return self.cached(("tune",), make)
 
-    @property
-    def grad_bytes(self) -> int:
-        """Bytes per gradient element as the framework keeps and reduces them: the parameters'
-        precision, or fp32 where it accumulates bf16 gradients in an fp32 buffer (Megatron)."""
-        if self.framework.fp32_grad_buffer_bf16 and self.model.dtype == "bf16":
-            return 4
-        return bytes_per_param(self.model.dtype, self.framework.master_weights)[1]
-
-    def reduce_bytes(self, c) -> int:
-        """Bytes per gradient element the data-parallel reduction moves: ``grad_bytes``, or the
-        framework's FSDP reduce dtype under ZeRO-2/3 (``Framework.fsdp_reduce_bytes``)."""
-        if c.zero_stage >= 2 and self.framework.fsdp_reduce_bytes:
-            return self.framework.fsdp_reduce_bytes
-        return self.grad_bytes
-
-    def fsdp_step_gather(self, zero_stage: int, pp: int, dp_cp: int) -> bool:
-        """FSDP (ZeRO-2/3) under pipelining gathers once per step and reduces once after the last
-        micro-batch (``Framework.fsdp_step_gather_under_pp``: torchtitan over
-        ``torch.distributed.pipelining``, which turns gradient sync off for every other one)."""
-        return zero_stage >= 2 and pp > 1 and self.framework.fsdp_step_gather_under_pp and dp_cp > 1
-
     def capacity_bytes(self, device: int) -> float:
         """Usable memory of a device: its memory less the allocator's fragmentation margin
         (``Framework.memory_fragmentation``; the CUDA context is counted in ``other``). CPU
@@ -540,6 +364,88 @@ class System:
         return self.cached(("peak", world_size), make)
 
 
+
+
+def fp8_roofline_of(kind: str, recipe: str, profile, memory_time) -> Roofline:
+    """``System.fp8_roofline``: the catalog's FP8 (or MXFP8) peak of ``kind`` at its FP8 GEMM
+    efficiency, with ``profile``'s measured FP8 GEMM table where it has one (None: no profile of
+    this kind); ``memory_time``: the measured memory-bound kernel time, or None."""
+    dev = device_type(kind)
+    dtype = "mxfp8" if recipe == "mxfp8" else "fp8"
+    if not dev.supports(dtype):
+        raise UserError(f"device {kind} has no {dtype.upper()} tensor cores (fp8_recipe={recipe}); "
+                        f"use precision bf16, or a device that has them")
+    eff = None
+    if profile is not None and fp8_gemm_efficiency(profile, recipe, 8192, 8192, 8192) is not None:
+        eff = lambda m, n, k: fp8_gemm_efficiency(profile, recipe, m, n, k)  # noqa: E731
+    rf = Roofline.of(dev, dtype, eff, memory_time)
+    return dataclasses.replace(rf, gemm_efficiency=dev.gemm_efficiency_of(dtype))
+
+
+def host_cpu_share(profile, topology) -> float:
+    """``System.cpu_share`` for CPU ranks: the most ranks on one host, or on one machine (hosts
+    with the profile's boot id), over the fewest cores the profile recorded; at least 1.0."""
+    hosts = profile.provenance.hosts
+    cores = [h.cpu_count for h in hosts if h.cpu_count]
+    if not cores:
+        return 1.0
+    per_host = max(Counter(topology.host_of).values())
+    # hosts of one machine (emulated nodes, containers: the same boot id) share its cores
+    machines: dict = {}
+    for h in hosts:
+        if h.machine:
+            machines.setdefault(h.machine, []).append(h.name)
+    ranks_of = {}
+    for r in profile.ranks:
+        ranks_of[r.host] = ranks_of.get(r.host, 0) + 1
+    per_machine = max((sum(ranks_of.get(n, 0) for n in names) for names in machines.values()), default=0)
+    return max(1.0, max(per_host, per_machine) / min(cores))
+
+
+def cpu_ranks_sharing(profile, topo, share: float, stage_devs):
+    """``System.cpu_sharing`` once the fixed ``share`` is above 1: each machine's cores and how
+    many of each pipeline device's ranks it runs (``pipeline.Sharing``); None without CPU ranks."""
+    hosts = {h.name: h for h in profile.provenance.hosts}
+    machine_of, cores = {}, {}
+    on_host = Counter(topo.node_of)  # (one count per host, not one pass over the devices per device)
+    for d in {d for devs in stage_devs for d in devs}:
+        if topo.kind_of[d] != "cpu":
+            continue
+        name = topo.host_name[topo.node_of[d]]
+        h = hosts.get(name)
+        if h is not None and h.cpu_count:
+            key, n = h.machine or name, float(h.cpu_count)
+        else:
+            key = ("host", topo.node_of[d])
+            n = on_host[topo.node_of[d]] / share
+        machine_of[d] = key
+        cores[key] = min(cores.get(key, n), n)
+    if not cores:
+        return None
+    keys = sorted(cores, key=str)
+    per_stage = [Counter(machine_of.get(d) for d in devs) for devs in stage_devs]
+    weights = tuple(tuple(n[key] for n in per_stage) for key in keys)
+    shares = tuple(share if any(d in machine_of for d in devs) else 1.0 for devs in stage_devs)
+    return Sharing(shares, weights, tuple(cores[k] for k in keys))
+
+
+def system_topology(cluster, profile) -> Topology:
+    """The topology the cost model prices: the cluster file's (its own figures, no graph to build,
+    O(devices)) with what the profile measured laid over it, else the profile's measured graph. A
+    one-line error with neither."""
+    if cluster is not None:
+        topology = Topology.of_cluster(cluster)
+        if profile is not None:
+            # the cluster file declares hosts and devices; what the profile measured overrides
+            # (as measured_graph.overlay_measured_links lays it on the cluster's graph)
+            devices_of: dict = {}
+            for d, n in enumerate(topology.node_of):
+                devices_of.setdefault(n, []).append(d)
+            topology.with_measured(measured_device_links(devices_of, profile)[0])
+        return topology
+    if profile is not None:
+        return Topology(topology_graph(profile))
+    raise UserError("estimate needs a cluster file or a profile (--cluster or --profile)")
 
 
 def _shared(t: LayerTimes, k: float) -> LayerTimes:

@@ -317,7 +317,7 @@ class Framework:
     """bf16 without ZeRO under pipeline parallelism runs DeepSpeed's ``BF16_Optimizer``, which
     keeps a second copy of every gradient (in bf16 unless ``grad_accum_dtype`` says otherwise),
     adds each micro-batch's gradients into it and shards its fp32 master weights and moments over
-    dp (``System.bf16_optimizer``, ``compute.BF16_OPTIMIZER_UPDATE``): DeepSpeed."""
+    dp (``Policy.bf16_optimizer``, ``compute.BF16_OPTIMIZER_UPDATE``): DeepSpeed."""
     fused_glu: bool = False
     """A gated MLP's activation is one autograd function that keeps only its input and recomputes
     act(gate) in the backward: Megatron-LM's ``bias_swiglu_impl`` (``bias_swiglu_fusion``, on
@@ -346,7 +346,7 @@ class Framework:
     """Bytes per gradient element of FSDP's (ZeRO-2/3's) reduce-scatter where they differ from the
     gradients' own: torchtitan reduces in fp32 (``training.mixed_precision_reduce = "float32"``,
     torchtitan 0.3.0 ``config/configs.py``, passed as FSDP2's ``reduce_dtype``), 4. 0: the
-    gradients' bytes (``System.grad_bytes``)."""
+    gradients' bytes (``Policy.grad_bytes``)."""
     fsdp_step_gather_under_pp: bool = False
     """Under pipeline parallelism FSDP (ZeRO-2/3) gathers each stage's parameters once per step and
     reduce-scatters its gradients once, after the last micro-batch: torchtitan runs

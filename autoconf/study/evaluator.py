@@ -121,7 +121,7 @@ class Evaluator:
         ``point`` (the bound ``_dominated`` takes): ZeRO-1, which stands for ZeRO-0 too (the same
         floor, its step sharded) whether or not the framework runs it; and ZeRO-2 where the
         framework runs it and charges autograd's own accumulation pass, which ZeRO-2 escapes
-        (``System.accumulates``: data parallelism outside layered accumulation). ZeRO-3 has
+        (``Policy.accumulates``: data parallelism outside layered accumulation). ZeRO-3 has
         ZeRO-2's floor and its gathers besides. (Over the whole step the order can differ, e.g.
         DeepSpeed's ZeRO-1 gathers after the step in the open; the floor leaves the tail out.)"""
         dp, pp, tp, mbs, sched, v, layered, cp = point

@@ -165,7 +165,7 @@ class Placer:
         m = self.system.model
         key = (c.pp, c.virtual_stages, c.tp, c.micro_batch_size, c.sequence_parallel, c.recompute, c.dp,
                c.rank_order, device_order, c.cp, c.precision, c.fp8_recipe, c.torch_compile, module_key(c),
-               self.system.accumulates(c), self.system.bf16_optimizer(c))
+               self.system.policy.accumulates(c), self.system.policy.bf16_optimizer(c))
         hit = self._splits.get(key, False)
         if hit is not False:
             return hit

@@ -112,7 +112,7 @@ class PointOptimizer:
                               modules=module_key(c_))
                    for k in self.kinds for comp in self.compiled for sh in shapes for c_ in cs]
             tpt = tp_times(sys_, c, [self.kinds]) if tp > 1 else None
-            mask = min(sys_.mask_bytes(k) for k in self.kinds)
+            mask = min(sys_.policy.mask_bytes(k) for k in self.kinds)
             if moe:
                 act = min(moe_activation_bytes(sys_, c_, mask)["total"] for c_ in cs)
             else:
@@ -325,7 +325,7 @@ class PointOptimizer:
         if pp > 1 and sys_.framework.per_micro_batch_pipeline_buffers:
             sp_div = tp if tp > 1 and mod.seq_length % tp == 0 else 1
             rest = rest + buffers * m * mbs * mod.seq_length / cp / sp_div * mod.hidden_size * mod.dtype_bytes
-        fp32 = sys_.grad_bytes == 4 and mod.dtype != "fp32"
+        fp32 = sys_.policy.grad_bytes == 4 and mod.dtype != "fp32"
         # ZeRO shards over the gradient group: dp x cp (``cost.groups.grad_group``)
         master = sys_.framework.master_weights
         per_param = np.array([(lambda st: st.parameters + st.optimizer)(state_bytes_per_param(
@@ -344,9 +344,9 @@ class PointOptimizer:
                              for k in self.kinds) for z in zeros])
 
     def _state_zero(self, point, zero: int) -> int:
-        """``System.state_zero_stage`` at an outer point and ZeRO stage."""
+        """``Policy.state_zero_stage`` at an outer point and ZeRO stage."""
         dp, pp, tp, mbs, sched, v, layered, cp = point
-        return self.system.state_zero_stage(ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1,
+        return self.system.policy.state_zero_stage(ParallelConfig(dp=dp, pp=pp, tp=tp, micro_batch_size=1,
                                                            num_micro_batches=1, zero_stage=zero))
 
     def _reduction_floor(self, point, zeros) -> list:
@@ -426,8 +426,8 @@ class PointOptimizer:
         lay = layered or sched == "breadth_first"
         if dp * cp == 1 or z < 2:
             return 0.0
-        if self.system.fsdp_step_gather(z, pp, dp * cp):
-            # gathered once per step and reduced after the last micro-batch (System.fsdp_step_gather)
+        if self.system.policy.fsdp_step_gather(z, pp, dp * cp):
+            # gathered once per step and reduced after the last micro-batch (Policy.fsdp_step_gather)
             return max(r + (a if z == 3 else 0.0) for r, a in zip(rs, ag))
         per_mb = [0.0] * pp
         if not lay:
@@ -461,7 +461,7 @@ class PointOptimizer:
         standard = dp * cp > 1 and ((v == 1 and (pp > 1 or not layered)) or sched == "breadth_first")
         # ZeRO-3 reduce-scatters inside each backward (``data_parallel.reduces_in_backward``): past
         # the last backward only a layer's is left, so its queue adds nothing to the floor there
-        queued = [r[3] if z != 3 or self.system.fsdp_step_gather(z, pp, dp * cp) else [0.0] * pp
+        queued = [r[3] if z != 3 or self.system.policy.fsdp_step_gather(z, pp, dp * cp) else [0.0] * pp
                   for z, r in zip(zeros, red)]
         got = self._floors(point, m, [rows[i][:6] for i in keep], [self._p2p(point, opts[i][0]) for i in keep],
                            queued if standard else None,

@@ -176,7 +176,7 @@ def test_fused_embedding_sync_is_one_all_reduce_after_the_pipeline():
     pair = ctx.topology.group_links((0, 3))  # replica 0's first and last stage, on one node
     for fw, grad_bytes, vocab in (("megatron", 4, 50304), ("deepspeed", 2, m.vocab_size)):
         sys_ = System(m, slow, framework=fw)
-        assert sys_.grad_bytes == grad_bytes
+        assert sys_.policy.grad_bytes == grad_bytes
         nbytes = vocab * m.hidden_size * grad_bytes
         assert embedding_sync_s(sys_, c) == (0.0, pytest.approx(collective_s(sys_, [pair], comm.all_reduce_s, 2, nbytes)))
     assert embedding_sync_s(System(m, slow, framework="megatron"), dataclasses.replace(c, pp=1, dp=8)) == (0, 0)

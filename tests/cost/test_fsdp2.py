@@ -38,8 +38,8 @@ def _cfg(**kw):
 def test_torchtitan_reduces_in_fp32_the_others_in_the_gradients_dtype():
     tt = System(MODEL, _cluster("100 Gbit/s"), framework="torchtitan")
     ref = System(MODEL, _cluster("100 Gbit/s"), framework="reference")
-    assert tt.reduce_bytes(_cfg()) == 4 and tt.reduce_bytes(_cfg(zero_stage=0)) == tt.grad_bytes == 2
-    assert ref.reduce_bytes(_cfg()) == 2
+    assert tt.policy.reduce_bytes(_cfg()) == 4 and tt.policy.reduce_bytes(_cfg(zero_stage=0)) == tt.policy.grad_bytes == 2
+    assert ref.policy.reduce_bytes(_cfg()) == 2
 
 
 def test_comm_bound_zero3_moves_gather_gather_reduce_each_micro_batch():

@@ -87,7 +87,7 @@ def test_loss_gradient_is_an_fp32_copy_and_its_16_bit_cast():
     assert loss_grad_bytes(System(m, _one("h100-sxm")), c) == pytest.approx(6 * logits)
     # Megatron-LM pads the vocabulary and writes the gradient into the saved softmax
     mg = System(m, _one("h100-sxm"), framework="megatron")
-    vp = mg.model_at(2).vocab_size
+    vp = mg.policy.model_at(2).vocab_size
     assert loss_grad_bytes(mg, c) == pytest.approx(2 * 2 * m.seq_length * (-(-vp // 2)))
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from autoconf.cost import comm
+from autoconf.cost.chunk_time import edge_gradient_s
 from autoconf.cost.compute import block_op_counts, block_times
 from autoconf.cost.moe import block_for
 from autoconf.cost.roofline import Roofline, tile_efficiency
@@ -437,7 +438,7 @@ def test_deepspeed_gradient_handling():
     acc = block(dp=1, pp=1, num_micro_batches=4)
     bf16opt = block(dp=1, pp=2, num_micro_batches=4)
     zero1 = block(dp=2, pp=2, num_micro_batches=4, zero_stage=1)
-    assert s.bf16_optimizer(ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4))
+    assert s.policy.bf16_optimizer(ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4))
     assert acc.backward_s - plain.backward_s == pytest.approx(
         (2 + 2 + 2) * m.layer_params() / bw + tensors * rf.kernel_launch_s, rel=1e-6)
     assert zero1.backward_s == pytest.approx(acc.backward_s)
@@ -459,7 +460,7 @@ def test_deepspeed_gradient_handling():
     assert gather > 0 and gather > 4 * post_all_gather_s(meg, c_meg, layout(meg, c_meg))
     # Megatron-LM fuses its accumulation into the weight-gradient GEMM: no such pass
     c = ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=4)
-    assert not meg.bf16_optimizer(c)
+    assert not meg.policy.bf16_optimizer(c)
     assert block_for(meg, "a100-80gb", c).backward_s == pytest.approx(
         block_for(meg, "a100-80gb", dataclasses.replace(c, num_micro_batches=1)).backward_s)
 
@@ -492,7 +493,7 @@ def test_deepspeed_overlaps_the_gradient_reduction_only_with_zero_and_no_pipelin
 
 def test_deepspeed_gradient_passes_cover_the_embedding_and_output_layer():
     """The embedding's and the output layer's weights take the same gradient passes as a block's
-    (``System.edge_gradient_s``): per micro-batch, autograd's read-read-write over their 16-bit
+    (``chunk_time.edge_gradient_s``): per micro-batch, autograd's read-read-write over their 16-bit
     gradients and, under the BF16 optimizer, its 8 bytes per parameter; a tied output layer on
     the last stage has its own copy. The BF16 optimizer zeroes the gradients instead of freeing
     them, so autograd's pass runs even at one micro-batch."""
@@ -504,9 +505,9 @@ def test_deepspeed_gradient_passes_cover_the_embedding_and_output_layer():
     s = System(m, cl, framework="deepspeed")
     rf = s.roofline("a100-80gb")
     bw = rf.memory_bandwidth_bytes_per_s * rf.memory_efficiency
-    mp = s.model_at(1)
+    mp = s.policy.model_at(1)
     c = ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=1, num_micro_batches=1)  # gpt2 trains in bf16
-    assert s.bf16_optimizer(c) and s.accumulates(c)
+    assert s.policy.bf16_optimizer(c) and s.policy.accumulates(c)
     lay = layout(s, c)
     first, last = chunk_compute(s, c, lay, 0), chunk_compute(s, c, lay, 1)
     blk = block_for(s, "a100-80gb", c)
@@ -520,8 +521,8 @@ def test_deepspeed_gradient_passes_cover_the_embedding_and_output_layer():
     # pp 1 (ZeRO-0, 4 micro-batches: autograd's pass only) the tied output layer is the
     # embedding's matrix, so the head adds its norm only
     c2 = ParallelConfig(dp=1, pp=1, tp=2, micro_batch_size=1, num_micro_batches=4)
-    m2 = s.model_at(2)
-    assert not s.bf16_optimizer(c2) and s.accumulates(c2)
+    m2 = s.policy.model_at(2)
+    assert not s.policy.bf16_optimizer(c2) and s.policy.accumulates(c2)
     lay2 = layout(s, c2)
     only = chunk_compute(s, c2, lay2, 0)[1] - lay2.chunk_layers[0] * block_for(s, "a100-80gb", c2).backward_s \
         - s.edge("a100-80gb", 1, 2, "embedding").backward_s - s.edge("a100-80gb", 1, 2, "head").backward_s
@@ -531,7 +532,7 @@ def test_deepspeed_gradient_passes_cover_the_embedding_and_output_layer():
     # Megatron-LM: fused accumulation, no BF16 optimizer: nothing added
     meg = System(m, cl, framework="megatron")
     lay_m = layout(meg, c)
-    assert meg.edge_gradient_s("a100-80gb", c, "embedding") == meg.edge_gradient_s("a100-80gb", c, "head") == 0.0
+    assert edge_gradient_s(meg, "a100-80gb", c, "embedding") == edge_gradient_s(meg, "a100-80gb", c, "head") == 0.0
     assert chunk_compute(meg, c, lay_m, 0)[1] == pytest.approx(
         lay_m.chunk_layers[0] * block_for(meg, "a100-80gb", c).backward_s
         + meg.edge("a100-80gb", 1, 1, "embedding").backward_s, rel=1e-9)
@@ -606,9 +607,9 @@ def test_the_global_gradient_norm_is_a_pass_over_the_gradients_each_framework_ho
         c = ParallelConfig(tp=1, micro_batch_size=1, num_micro_batches=4, **kw)
         lay = layout(s, c)
         dev_params = [sum(lay.chunk_params[ci] for ci in lay.chunks_of(c, d)) for d in range(c.pp)]
-        sharded = s.state_zero_stage(c) >= 1
+        sharded = s.policy.state_zero_stage(c) >= 1
         expect = max(s.optimizer_time("a100-80gb", p / (c.dp if sharded else 1))
                      + (s.copy_time(["a100-80gb"], traffic * (p if full_stage else p / (c.dp if sharded else 1)))
                         if traffic else 0.0) for p in dev_params)
         assert optimizer_step_s(s, c, lay) == pytest.approx(expect, rel=1e-9), (fw, kw)
-        assert s.framework.grad_norm_traffic * s.grad_bytes == traffic, fw
+        assert s.framework.grad_norm_traffic * s.policy.grad_bytes == traffic, fw

@@ -117,11 +117,11 @@ def test_fallback_saves_what_torch_saves():
 def test_only_megatron_falls_back_and_only_where_the_kernel_refuses():
     m = _gpt()
     meg = System(m, NODE, framework="megatron")
-    assert meg.unfused_softmax(1, 8) and not meg.unfused_softmax(2, 8) and not meg.unfused_softmax(1, 4)
-    assert not System(m, NODE, framework="reference").unfused_softmax(1, 8)
-    assert not System(_gpt(attention="flash"), NODE, framework="megatron").unfused_softmax(1, 8)
-    assert not System(_gpt(dtype="fp32"), NODE, framework="megatron").unfused_softmax(1, 8)
-    assert System(_gpt(seq=8192), NODE, framework="megatron").unfused_softmax(4, 1)
+    assert meg.policy.unfused_softmax(1, 8) and not meg.policy.unfused_softmax(2, 8) and not meg.policy.unfused_softmax(1, 4)
+    assert not System(m, NODE, framework="reference").policy.unfused_softmax(1, 8)
+    assert not System(_gpt(attention="flash"), NODE, framework="megatron").policy.unfused_softmax(1, 8)
+    assert not System(_gpt(dtype="fp32"), NODE, framework="megatron").policy.unfused_softmax(1, 8)
+    assert System(_gpt(seq=8192), NODE, framework="megatron").policy.unfused_softmax(4, 1)
 
 
 def test_estimate_says_when_the_softmax_falls_back_and_prices_it():

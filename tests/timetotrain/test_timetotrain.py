@@ -512,7 +512,7 @@ def test_deepspeed_bf16_optimizer_memory_floor_shards_the_optimizer():
     c = ParallelConfig(dp=8, pp=4, tp=2, micro_batch_size=1, num_micro_batches=16)
     e = estimate_on(c, system)
     assert floors[0][0] <= e.peak_memory_bytes
-    assert system.bf16_optimizer(c) and not system.bf16_optimizer(dataclasses.replace(c, pp=1, dp=32))
+    assert system.policy.bf16_optimizer(c) and not system.policy.bf16_optimizer(dataclasses.replace(c, pp=1, dp=32))
 
 
 def test_cluster_yaml_keeps_the_host_names(tmp_path):

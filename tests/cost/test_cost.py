@@ -37,6 +37,16 @@ def test_breakdown_adds_up_and_json_fields():
     for mm in d["memory_by_stage"]:
         assert {"parameters", "gradients", "optimizer", "activations", "other"} <= set(mm)
     assert 0.2 < e.mfu < 0.8
+    # MFU from its definition (Narayanan et al., arXiv 2104.04473): model FLOPs per token, three
+    # times the forward's matmuls (projections 2 x weights, scores and weighted sum 2 s q each,
+    # the output layer 2 V h), x tokens per second over the 32 GPUs' bf16 peak
+    m, c = preset("llama-3-8b"), e.config
+    h, q, kv, f = m.hidden_size, m.q_size, m.kv_size, m.ffn_hidden_size
+    block = 2 * (h * (q + 2 * kv) + q * h + 3 * h * f) + 4 * m.seq_length * q
+    per_token = 3 * (m.num_layers * block + 2 * m.vocab_size * h)
+    assert e.tokens_per_s == pytest.approx(c.dp * c.micro_batch_size * c.num_micro_batches * m.seq_length
+                                           / e.step_time_s, rel=1e-12)
+    assert e.mfu == pytest.approx(per_token * e.tokens_per_s / (32 * 312e12), rel=1e-9)
 
 
 def test_gpt3_175b_megatron_config_is_plausible():
@@ -47,6 +57,11 @@ def test_gpt3_175b_megatron_config_is_plausible():
                        virtual_stages=2, recompute="full")
     e = estimate(c, preset("gpt3-175b"), big)
     assert 0.3 < e.mfu < 0.6 and e.fits
+    # and its MFU is the paper's 72 B s l h^2 (1 + s/6h + V/12hl) FLOPs per batch of B sequences
+    m = preset("gpt3-175b")
+    ln, h, s, V = m.num_layers, m.hidden_size, m.seq_length, m.vocab_size
+    batch_flops = 72 * c.global_batch * s * ln * h * h * (1 + s / (6 * h) + V / (12 * h * ln))
+    assert e.mfu == pytest.approx(batch_flops / e.step_time_s / (1024 * 312e12), rel=1e-9)
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

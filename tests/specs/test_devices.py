@@ -64,6 +64,16 @@ def test_blackwell_and_h200_figures():
     assert h200.memory_bytes == 141e9  # the datasheet's 141 GB, not GiB
 
 
+def test_a100_and_h100_datasheet_figures():
+    """Dense tensor-core peaks, HBM bandwidth, 80 GiB of HBM and SMs (NVIDIA A100 and H100 SXM
+    datasheets): 312 / 156 (TF32) / 19.5 TFLOP/s and 2,039 GB/s; 989 / 494.5 / 67 and 3.35 TB/s."""
+    a100, h100 = device_type("a100-80gb"), device_type("h100-sxm")
+    assert (a100.peak("bf16"), a100.peak("tf32"), a100.peak("fp32")) == (312e12, 156e12, 19.5e12)
+    assert (a100.memory_bandwidth_bytes_per_s, a100.memory_bytes, a100.sm_count) == (2039e9, 80 * 2**30, 108)
+    assert (h100.peak("bf16"), h100.peak("tf32"), h100.peak("fp32")) == (989e12, 494.5e12, 67e12)
+    assert (h100.memory_bandwidth_bytes_per_s, h100.memory_bytes, h100.sm_count) == (3.35e12, 80 * 2**30, 132)
+
+
 def test_supports_and_peak_agree():
     for name in device_names():
         dev = device_type(name)

@@ -5,7 +5,8 @@ DESIGN. One small declarative vocabulary (``Int``, ``Num``, ``Bool``, ``Str``, `
 the checked value or raises :class:`UserError` naming the path (``node_groups[0].nics.bandwidth``)
 and what would be valid. The file kinds (model YAML / JSON, Hugging Face config.json, cluster
 YAML, profile JSON, calibration JSON, the launch plan's config.json) are ``Dict`` specs next to the
-loaders that use them; the frozen dataclasses stay plain.
+loaders that use them. A frozen dataclass whose fields are a file's keys declares each field once,
+with its spec (:func:`checked`), and :func:`schema_of` derives the ``Dict`` from the fields.
 
 The rules, for every kind:
 
@@ -26,6 +27,7 @@ the CLI's one line on stderr. Pure Python, no torch.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -257,6 +259,57 @@ class Opaque(Spec):
 def _did_you_mean(word: str, options) -> str:
     close = difflib.get_close_matches(str(word), [str(o) for o in options], n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# -- schemas from dataclasses ----------------------------------------------------------------------
+
+def checked(spec: Spec, default=dataclasses.MISSING, **kw):
+    """A dataclass field whose file form ``spec`` checks (:func:`schema_of`); without a default
+    (or ``default_factory``, passed through with the other ``dataclasses.field`` arguments) the
+    key is required."""
+    return dataclasses.field(default=default, metadata={"schema": spec}, **kw)
+
+
+def schema_of(cls, what: str, order: tuple = (), **extra: Spec) -> Dict:
+    """The :class:`Dict` spec of ``cls``'s file form, from its fields' :func:`checked` specs.
+
+    A field without a default is required, one with a default optional; a field that is not an
+    ``__init__`` argument is not in the file form. ``extra``: optional keys of the file form that
+    are not fields. Messages list the required keys in declaration order, then the optional keys
+    named in ``order`` in that order, then the others in declaration order. A field without a
+    spec, an ``extra`` key that is a field, or an ``order`` name that is no optional key is a
+    programming error: TypeError, at import.
+    """
+    required, optional = {}, {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        spec = f.metadata.get("schema")
+        if not isinstance(spec, Spec):
+            raise TypeError(f"{cls.__name__}.{f.name} has no schema: declare it with checked(spec)")
+        has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        (optional if has_default else required)[f.name] = spec
+    for k, spec in extra.items():
+        if k in required or k in optional or not isinstance(spec, Spec):
+            raise TypeError(f"{cls.__name__}: extra key {k!r} must be a Spec and not a field")
+        optional[k] = spec
+    wrong = [k for k in order if k not in optional]
+    if wrong or len(set(order)) != len(order):
+        raise TypeError(f"{cls.__name__}: order names {wrong or 'a key twice'}; it lists optional keys once")
+    optional = {k: optional[k] for k in (*order, *optional)}
+    return Dict(required=required, optional=optional, what=what)
+
+
+def defaults_of(cls, names) -> dict:
+    """name -> default of each of ``cls``'s fields ``names`` (TypeError for a field without one)."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = {}
+    for k in names:
+        f = fields.get(k)
+        if f is None or (f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING):
+            raise TypeError(f"{cls.__name__}.{k} is no field with a default")
+        out[k] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return out
 
 
 # -- reading files ----------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from functools import lru_cache
 from importlib import resources
 
 from autoconf.errors import UserError
-from autoconf.specs.schema import Bool, Dict, Int, Null, Num, Str
+from autoconf.specs.schema import Bool, Int, Null, Num, Str, checked, defaults_of, schema_of
 
 ACTIVATIONS = ("gelu", "swiglu", "geglu")
 GATED_ACTIVATIONS = ("swiglu", "geglu")
@@ -24,164 +24,131 @@ ATTENTIONS = ("flash", "eager")
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
-# Shape limits: generous for any real model (Llama-3-405B: 126 layers, h=16384, V=128256), small
-# enough that no count, table or simulation built from them runs out of memory.
-LIMITS = {"num_layers": (1, 4096), "hidden_size": (1, 1 << 18), "num_attention_heads": (1, 1 << 14),
-          "num_kv_heads": (1, 1 << 14), "ffn_hidden_size": (1, 1 << 20), "vocab_size": (1, 1 << 24),
-          "seq_length": (1, 1 << 22)}
 HEAD_DIM_LIMITS = (1, 1 << 14)
 LORA_RANK_LIMITS = (1, 1 << 20)
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
-
-# Fields added after the first model documents (presets, YAML files, profiles, trial documents): their
-# defaults are the block every earlier document described, and to_dict leaves them out at their
-# defaults, so that those documents (and the search's cache signatures) are unchanged.
-LATER_FIELDS = {"head_dim": None, "qkv_bias": False, "parallel_attention": False, "shared_norm": False,
-                "rotary_fraction": 1.0, "num_experts": 0, "experts_per_token": 0, "expert_ffn_hidden_size": None,
-                "num_shared_experts": 0, "shared_expert_ffn_hidden_size": None, "first_dense_layers": 0,
-                "moe_layer_freq": 1, "router": "softmax", "router_bias": False, "shared_expert_gate": False,
-                "qk_norm": False, "q_lora_rank": None, "kv_lora_rank": None, "qk_rope_head_dim": None,
-                "qk_nope_head_dim": None, "v_head_dim": None, "sliding_window": None, "full_attention_every": 0,
-                "attention_sinks": False, "router_groups": 0, "router_group_topk": 0}
+_SEQ = Int(1, 1 << 22)
 ROUTERS = ("softmax", "sigmoid")
 """How a mixture-of-experts layer scores its experts: softmax over the experts, then the top k
 (Mixtral, Qwen-MoE, GPT-OSS), or a sigmoid per expert, top k, renormalised (DeepSeek-V3)."""
-
-MODEL_SCHEMA = Dict(
-    required={k: Int(lo, hi) for k, (lo, hi) in LIMITS.items()},
-    optional={"activation": Str(ACTIVATIONS), "tied_embeddings": Bool(), "dtype": Str(DTYPES),
-              "norm": Str(NORMS), "position_embedding": Str(POSITION_EMBEDDINGS), "bias": Bool(),
-              "dropout": Num(0.0, 1.0, hi_open=True), "attention": Str(ATTENTIONS),
-              "head_dim": Null(Int(*HEAD_DIM_LIMITS)), "qkv_bias": Bool(), "parallel_attention": Bool(),
-              "shared_norm": Bool(), "rotary_fraction": Num(0.0, 1.0, lo_open=True), "name": Str(max_len=200),
-              "num_experts": Int(0, 1 << 14), "experts_per_token": Int(0, 1 << 10),
-              "expert_ffn_hidden_size": Null(Int(1, 1 << 20)), "num_shared_experts": Int(0, 1 << 10),
-              "shared_expert_ffn_hidden_size": Null(Int(1, 1 << 20)), "first_dense_layers": Int(0, 4096),
-              "moe_layer_freq": Int(1, 4096), "router": Str(ROUTERS), "router_bias": Bool(),
-              "shared_expert_gate": Bool(), "qk_norm": Bool(), "q_lora_rank": Null(Int(*LORA_RANK_LIMITS)),
-              "kv_lora_rank": Null(Int(*LORA_RANK_LIMITS)), "qk_rope_head_dim": Null(Int(*HEAD_DIM_LIMITS)),
-              "qk_nope_head_dim": Null(Int(*HEAD_DIM_LIMITS)), "v_head_dim": Null(Int(*HEAD_DIM_LIMITS)),
-              "sliding_window": Null(Int(*LIMITS["seq_length"])), "full_attention_every": Int(0, 4096),
-              "attention_sinks": Bool(), "router_groups": Int(0, 1 << 14), "router_group_topk": Int(0, 1 << 14)},
-    what="a model")
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer, described by its shapes."""
 
-    num_layers: int
+    num_layers: int = checked(Int(1, 4096))
     """Transformer blocks."""
-    hidden_size: int
+    hidden_size: int = checked(Int(1, 1 << 18))
     """Width of the residual stream, h."""
-    num_attention_heads: int
+    num_attention_heads: int = checked(Int(1, 1 << 14))
     """Query heads, a."""
-    num_kv_heads: int
+    num_kv_heads: int = checked(Int(1, 1 << 14))
     """Key/value heads (grouped-query attention when fewer than the query heads)."""
-    ffn_hidden_size: int
+    ffn_hidden_size: int = checked(Int(1, 1 << 20))
     """Inner width of the MLP, f (per branch for the gated SwiGLU / GeGLU)."""
-    vocab_size: int
+    vocab_size: int = checked(Int(1, 1 << 24))
     """Vocabulary size, V."""
-    seq_length: int
+    seq_length: int = checked(_SEQ)
     """Training sequence length, s."""
-    activation: str = "gelu"
+    activation: str = checked(Str(ACTIVATIONS), "gelu")
     """'gelu' (two-matrix MLP: fc2(gelu(fc1 x))), or gated with three matrices, down(act(gate x) * up x):
     'swiglu' (act = SiLU: Llama, Mistral, Qwen2) or 'geglu' (act = GELU: Gemma)."""
-    tied_embeddings: bool = False
+    tied_embeddings: bool = checked(Bool(), False)
     """Whether the output layer reuses the input embedding matrix."""
-    dtype: str = "bf16"
+    dtype: str = checked(Str(DTYPES), "bf16")
     """Training precision of parameters and activations: bf16, fp16 (mixed precision) or fp32."""
-    norm: str = "layernorm"
+    norm: str = checked(Str(NORMS), "layernorm")
     """'layernorm' (weight and bias) or 'rmsnorm' (weight only)."""
-    position_embedding: str = "learned"
+    position_embedding: str = checked(Str(POSITION_EMBEDDINGS), "learned")
     """'learned' (a seq_length x hidden table) or 'rope' (no parameters)."""
-    bias: bool = False
+    bias: bool = checked(Bool(), False)
     """Whether every linear layer of a block carries a bias (GPT-2/3, GPT-NeoX do, Llama does not)."""
-    dropout: float = 0.0
+    dropout: float = checked(Num(0.0, 1.0, hi_open=True), 0.0)
     """Dropout probability on attention probabilities and block outputs (0 disables it)."""
-    attention: str = "flash"
+    attention: str = checked(Str(ATTENTIONS), "flash")
     """'flash' (fused attention, no s x s tensors kept) or 'eager' (explicit softmax, as in
     Megatron-LM's unfused path and Korthikanti et al.)."""
-    head_dim: int | None = None
+    head_dim: int | None = checked(Null(Int(*HEAD_DIM_LIMITS)), None)
     """Width of one attention head, when it is not hidden_size / num_attention_heads (Gemma-7B: 16
     heads of 256 on a 3072-wide stream). Q is then num_attention_heads x head_dim wide and the
     attention's output projection maps that back to hidden_size. None: hidden_size / heads
     (see :attr:`head_size` for the width in use)."""
-    qkv_bias: bool = False
+    qkv_bias: bool = checked(Bool(), False)
     """Biases on the Q, K and V projections only (Qwen2); implied by ``bias``."""
-    parallel_attention: bool = False
+    parallel_attention: bool = checked(Bool(), False)
     """Attention and MLP both read the block's input and are added to it together,
     x + attn(norm1(x)) + mlp(norm2(x)) (GPT-J, GPT-NeoX's use_parallel_residual, Falcon's
     parallel_attn), instead of the sequential x + attn(norm1(x)), then + mlp(norm2(.))."""
-    shared_norm: bool = False
+    shared_norm: bool = checked(Bool(), False)
     """With ``parallel_attention``: one norm feeds both, x + attn(norm(x)) + mlp(norm(x)) (Falcon-7B)."""
-    rotary_fraction: float = 1.0
+    rotary_fraction: float = checked(Num(0.0, 1.0, lo_open=True), 1.0)
     """Share of each head's dimensions that the rotary embedding rotates (GPT-NeoX's rotary_pct,
     0.25); the others pass through. Rotated: int(head_size x rotary_fraction), even, at least 2."""
-    num_experts: int = 0
+    num_experts: int = checked(Int(0, 1 << 14), 0)
     """Routed experts of each mixture-of-experts layer (0: a dense model)."""
-    experts_per_token: int = 0
+    experts_per_token: int = checked(Int(0, 1 << 10), 0)
     """Experts each token is routed to, the top k."""
-    expert_ffn_hidden_size: int | None = None
+    expert_ffn_hidden_size: int | None = checked(Null(Int(1, 1 << 20)), None)
     """Inner width of one expert's MLP (gated like ``activation``); None: ``ffn_hidden_size``."""
-    num_shared_experts: int = 0
+    num_shared_experts: int = checked(Int(0, 1 << 10), 0)
     """Experts every token goes through besides its routed ones (DeepSeek, Qwen2-MoE)."""
-    shared_expert_ffn_hidden_size: int | None = None
+    shared_expert_ffn_hidden_size: int | None = checked(Null(Int(1, 1 << 20)), None)
     """Inner width of one shared expert; None: ``expert_ffn_hidden_size``."""
-    first_dense_layers: int = 0
+    first_dense_layers: int = checked(Int(0, 4096), 0)
     """The first k blocks are dense, with an MLP of ``ffn_hidden_size`` (DeepSeek-V3: 3)."""
-    moe_layer_freq: int = 1
+    moe_layer_freq: int = checked(Int(1, 4096), 1)
     """After the dense ones, every n-th block is a mixture of experts (the others dense)."""
-    router: str = "softmax"
+    router: str = checked(Str(ROUTERS), "softmax")
     """'softmax' or 'sigmoid' scoring (``ROUTERS``); the router is an h x E matrix."""
-    router_bias: bool = False
+    router_bias: bool = checked(Bool(), False)
     """The router carries E more parameters per mixture-of-experts block: a bias on its logits (GPT-OSS)
     or DeepSeek-V3's e_score_correction_bias (added to the scores for the top-k choice only)."""
-    router_groups: int = 0
+    router_groups: int = checked(Int(0, 1 << 14), 0)
     """Group-limited routing (DeepSeek-V3's ``n_group``; Megatron-LM's ``--moe-router-num-groups``):
     the experts form this many equal groups, and each token picks its top-k experts inside its
     ``router_group_topk`` best groups (a group's score: the sum of its top k / router_group_topk
     expert scores). 0: no groups. With a group per host the routing is node-limited: a token's
     experts lie on at most router_group_topk hosts, which a deduplicating dispatcher exploits
     (``cost.moe``)."""
-    router_group_topk: int = 0
+    router_group_topk: int = checked(Int(0, 1 << 14), 0)
     """Groups each token may route to (DeepSeek-V3's ``topk_group``: 4 of 8)."""
 
     @property
     def group_limited(self) -> bool:
         """Whether group-limited routing limits anything (more than one group, not all allowed)."""
         return self.router_groups > 1 and self.router_group_topk < self.router_groups
-    shared_expert_gate: bool = False
+    shared_expert_gate: bool = checked(Bool(), False)
     """Each mixture-of-experts block scales its shared experts' output by sigmoid(x . g), g an h-vector
     (Qwen2-MoE's shared_expert_gate): h parameters, counted in :meth:`shared_expert_params`."""
-    qk_norm: bool = False
+    qk_norm: bool = checked(Bool(), False)
     """A norm of one head's width on each query head and each key head (Qwen3): 2 x head_size weights
     per block (twice that for LayerNorm), counted in :meth:`attention_params`."""
-    q_lora_rank: int | None = None
+    q_lora_rank: int | None = checked(Null(Int(*LORA_RANK_LIMITS)), None)
     """Multi-head latent attention (DeepSeek-V2/V3; set with ``kv_lora_rank``): queries go through a
     low-rank h -> q_lora_rank projection, a norm and q_lora_rank -> heads x (nope + rope). None: one
     h -> heads x (nope + rope) projection."""
-    kv_lora_rank: int | None = None
+    kv_lora_rank: int | None = checked(Null(Int(*LORA_RANK_LIMITS)), None)
     """Multi-head latent attention: width of the compressed key/value latent (h -> kv_lora_rank + rope,
     a norm, then kv_lora_rank -> heads x (nope + v)). None: standard attention. With it set, the
     three head widths below are required, num_kv_heads equals num_attention_heads, and :attr:`head_size`
     is qk_nope_head_dim + qk_rope_head_dim."""
-    qk_rope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = checked(Null(Int(*HEAD_DIM_LIMITS)), None)
     """MLA: the rotary part of each query/key head (the key's is shared by all heads)."""
-    qk_nope_head_dim: int | None = None
+    qk_nope_head_dim: int | None = checked(Null(Int(*HEAD_DIM_LIMITS)), None)
     """MLA: the part of each query/key head without positions."""
-    v_head_dim: int | None = None
+    v_head_dim: int | None = checked(Null(Int(*HEAD_DIM_LIMITS)), None)
     """MLA: width of each value head (and of each head of the attention's output)."""
-    sliding_window: int | None = None
+    sliding_window: int | None = checked(Null(_SEQ), None)
     """Windowed blocks attend to the last ``sliding_window`` positions only (GPT-OSS: 128). None: every
     block attends to the whole sequence. Which blocks are windowed: ``full_attention_every``."""
-    full_attention_every: int = 0
+    full_attention_every: int = checked(Int(0, 4096), 0)
     """With ``sliding_window``: every n-th block (blocks n-1, 2n-1, ... 0-based) attends to the whole
     sequence, the others are windowed (GPT-OSS alternates: 2). 0: every block is windowed."""
-    attention_sinks: bool = False
+    attention_sinks: bool = checked(Bool(), False)
     """One learned logit per query head and block that joins each softmax (GPT-OSS's sinks):
     num_attention_heads parameters per block."""
-    name: str = "custom"
+    name: str = checked(Str(max_len=200), "custom")
     """A label for tables and files."""
 
     def __post_init__(self) -> None:
@@ -609,6 +576,31 @@ class ModelSpec:
         if name is not None:
             kwargs["name"] = name
         return cls(**kwargs)
+
+
+MODEL_SCHEMA = schema_of(
+    ModelSpec, "a model",
+    # the order messages have always listed the keys in (router_groups, router_group_topk follow)
+    order=("activation", "tied_embeddings", "dtype", "norm", "position_embedding", "bias", "dropout", "attention",
+           "head_dim", "qkv_bias", "parallel_attention", "shared_norm", "rotary_fraction", "name", "num_experts",
+           "experts_per_token", "expert_ffn_hidden_size", "num_shared_experts", "shared_expert_ffn_hidden_size",
+           "first_dense_layers", "moe_layer_freq", "router", "router_bias", "shared_expert_gate", "qk_norm",
+           "q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "sliding_window",
+           "full_attention_every", "attention_sinks"))
+LIMITS = {k: (spec.lo, spec.hi) for k, spec in MODEL_SCHEMA.required.items()}
+"""Shape limits, the required fields' ranges (name -> (lo, hi)): generous for any real model
+(Llama-3-405B: 126 layers, h=16384, V=128256), small enough that no count, table or simulation
+built from them runs out of memory."""
+
+# Fields added after the first model documents (presets, YAML files, profiles, trial documents): their
+# defaults are the block every earlier document described, and to_dict leaves them out at their
+# defaults, so that those documents (and the search's cache signatures) are unchanged.
+LATER_FIELDS = defaults_of(ModelSpec, (
+    "head_dim", "qkv_bias", "parallel_attention", "shared_norm", "rotary_fraction", "num_experts", "experts_per_token",
+    "expert_ffn_hidden_size", "num_shared_experts", "shared_expert_ffn_hidden_size", "first_dense_layers",
+    "moe_layer_freq", "router", "router_bias", "shared_expert_gate", "qk_norm", "q_lora_rank", "kv_lora_rank",
+    "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "sliding_window", "full_attention_every",
+    "attention_sinks", "router_groups", "router_group_topk"))
 
 
 @lru_cache(maxsize=1)

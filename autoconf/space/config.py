@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from autoconf.errors import UserError
 from autoconf.space.placement import check_placement, even_layers, folds_experts, order_reason
 from autoconf.specs.model import ModelSpec
-from autoconf.specs.schema import Bool, Dict, Int, List, Null, Num, Str
+from autoconf.specs.schema import Bool, Int, List, Null, Num, Str, checked, defaults_of, schema_of
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 RECOMPUTE = ("none", "selective", "full")
@@ -32,13 +32,6 @@ makes after its last forward, e.g. stage s's last p - s under 1F1B); all (every 
 Forward activations are never compressed."""
 MOE_DISPATCHERS = ("alltoall", "deepep")
 """How a mixture of experts' tokens reach their experts' ranks (``ParallelConfig.moe_dispatcher``)."""
-DEFAULTED_FIELDS = {"moe_dispatcher": "alltoall", "ep_comm_overlap": None, "recompute_modules": (), "expert_tp": None}
-"""Written by :meth:`ParallelConfig.to_dict` only when not the default (later fields: earlier
-documents read as before)."""
-COMPRESSION_FIELDS = {"pp_compression": "none", "pp_compression_rank": 16, "dp_compression_stages": 0,
-                      "dp_compression_rank": 128, "fused_embedding_sync": False}
-"""Lossy communication and its defaults: written by :meth:`ParallelConfig.to_dict` only when not
-the default, so documents without compression read as before."""
 PRECISIONS = ("bf16", "fp8", "tf32")
 FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "mxfp8")
 """Scaling of FP8 operands: one scale per tensor computed from the current amax (tensorwise,
@@ -47,24 +40,6 @@ recipe), one per row (rowwise: torchao), one per 32-element block (mxfp8: Blackw
 microscaling format, MX-compliant E8M0 scales)."""
 
 _DEGREE = Int(1, 1 << 16)
-CONFIG_SCHEMA = Dict(
-    required={"dp": _DEGREE, "pp": _DEGREE, "tp": _DEGREE, "micro_batch_size": Int(1, 1 << 20),
-              "num_micro_batches": Int(1, 1 << 20)},
-    optional={"cp": _DEGREE, "precision": Str(PRECISIONS), "fp8_recipe": Str(FP8_RECIPES),
-              "torch_compile": Null(Bool()), "ep": _DEGREE, "moe_capacity_factor": Null(Num(0.0, 64.0, lo_open=True)),
-              "schedule": Str(SCHEDULES), "virtual_stages": Int(1, 1 << 10), "layered_grad_accum": Bool(),
-              "zero_stage": Int(0, 3), "recompute": Str(RECOMPUTE), "sequence_parallel": Bool(),
-              "rank_order": Str(max_len=32), "overlap_grad_reduce": Null(Bool()),
-              "overlap_param_gather": Null(Bool()), "tp_comm_overlap": Null(Bool()),
-              "ep_comm_overlap": Null(Bool()), "moe_dispatcher": Str(MOE_DISPATCHERS), "expert_tp": Null(_DEGREE),
-              "recompute_modules": List(Str(RECOMPUTE_MODULES), max_len=len(RECOMPUTE_MODULES)),
-              "dp_all_reduce": Str(DP_ALL_REDUCE),
-              "pp_compression": Str(PP_COMPRESSION), "pp_compression_rank": Int(1, 1 << 16),
-              "dp_compression_stages": Int(0, 1 << 16), "dp_compression_rank": Int(1, 1 << 16),
-              "fused_embedding_sync": Bool(),
-              "device_order": Null(List(Int(0, (1 << 16) - 1), min_len=1, max_len=1 << 16)),
-              "stage_layers": Null(List(Int(1, 1 << 20), min_len=1, max_len=1 << 16))},
-    what="a parallel configuration")
 PLACEMENT_FIELDS = ("device_order", "stage_layers")
 """Written by :meth:`ParallelConfig.to_dict` only when set, so documents without a placement read
 as before."""
@@ -74,81 +49,81 @@ as before."""
 class ParallelConfig:
     """Degrees, batching, schedule and memory savers for one training run."""
 
-    dp: int
+    dp: int = checked(_DEGREE)
     """Data-parallel degree (replicas, or ZeRO shards)."""
-    pp: int
+    pp: int = checked(_DEGREE)
     """Pipeline-parallel degree (stages)."""
-    tp: int
+    tp: int = checked(_DEGREE)
     """Tensor-parallel degree (Megatron-style column/row sharding of each block)."""
-    micro_batch_size: int
+    micro_batch_size: int = checked(Int(1, 1 << 20))
     """Sequences per micro-batch on one data-parallel replica."""
-    num_micro_batches: int
+    num_micro_batches: int = checked(Int(1, 1 << 20))
     """Micro-batches per step per replica; global batch = dp x micro_batch_size x num_micro_batches."""
-    schedule: str = "1f1b"
+    schedule: str = checked(Str(SCHEDULES), "1f1b")
     """gpipe, 1f1b, interleaved (modular pipeline: v round-robin chunks per device), breadth_first
     (looped breadth-first: modular placement with layered gradient accumulation)."""
-    virtual_stages: int = 1
+    virtual_stages: int = checked(Int(1, 1 << 10), 1)
     """Chunks per device, v (interleaved / breadth_first); 1 otherwise."""
-    layered_grad_accum: bool = False
+    layered_grad_accum: bool = checked(Bool(), False)
     """Run each layer (or chunk) for all micro-batches before the next (arXiv 2106.02679)."""
-    zero_stage: int = 0
+    zero_stage: int = checked(Int(0, 3), 0)
     """0: replicated; 1: optimizer state sharded; 2: + gradients; 3: + parameters."""
-    recompute: str = "none"
+    recompute: str = checked(Str(RECOMPUTE), "none")
     """none, selective (attention core recomputed, or ``recompute_modules``), full (only each
     block's input kept)."""
-    sequence_parallel: bool = False
+    sequence_parallel: bool = checked(Bool(), False)
     """Shard norms/dropout along the sequence over the TP group (all-gather/reduce-scatter)."""
-    rank_order: str = "tp-dp-pp"
+    rank_order: str = checked(Str(max_len=32), "tp-dp-pp")
     """Axes from innermost (consecutive ranks) to outermost, as Megatron's RankGenerator."""
-    overlap_grad_reduce: bool | None = None
+    overlap_grad_reduce: bool | None = checked(Null(Bool()), None)
     """Overlap the data-parallel gradient reduction with the backward pass (Megatron
     ``--overlap-grad-reduce``, DeepSpeed ``overlap_comm``). None: the framework's default."""
-    overlap_param_gather: bool | None = None
+    overlap_param_gather: bool | None = checked(Null(Bool()), None)
     """Prefetch ZeRO's parameter all-gathers behind compute (Megatron ``--overlap-param-gather``,
     FSDP2 prefetch). None: the framework's default."""
-    tp_comm_overlap: bool | None = None
+    tp_comm_overlap: bool | None = checked(Null(Bool()), None)
     """Overlap tensor-parallel communication with the GEMMs (Megatron ``--tp-comm-overlap`` with
     sequence parallelism, torchtitan's asynchronous TP). None: the framework's default."""
-    ep_comm_overlap: bool | None = None
+    ep_comm_overlap: bool | None = checked(Null(Bool()), None)
     """Overlap a mixture of experts' token all-to-alls with another micro-batch's computation
     (Megatron ``--overlap-moe-expert-parallel-comm``: forward and backward of two micro-batches run
     together layer by layer on two streams, ``cost.moe.paired_layer_s``). Needs ep > 1, no full
     recomputation, and the interleaved schedule when pp > 1. None: the framework's default."""
-    moe_dispatcher: str = "alltoall"
+    moe_dispatcher: str = checked(Str(MOE_DISPATCHERS), "alltoall")
     """How tokens reach their experts' ranks with ep > 1 (``MOE_DISPATCHERS``): "alltoall", one
     all-to-all of every (token, expert) pair (Megatron-LM's alltoall dispatcher, torchtitan's,
     the reference trainer's); "deepep", DeepSeek's DeepEP kernels (Megatron-LM's flex dispatcher,
     torchtitan 0.3's DeepEPTokenDispatcher), which send a token once to each host holding any of
     its experts, over the NICs, and forward it inside the host over NVLink, once per GPU
     (``cost.moe.deepep_bytes``)."""
-    dp_all_reduce: str = "flat"
+    dp_all_reduce: str = checked(Str(DP_ALL_REDUCE), "flat")
     """ZeRO-0/1's gradient all-reduce: "flat" (the collective library's own: gloo's ring in the
     reference trainer, NCCL's ring or tree elsewhere) or "hierarchical" (reduce-scatter inside each
     host, all-reduce across hosts, all-gather inside each host; the reference trainer only,
     ``trainer/collectives.py``)."""
-    device_order: tuple | None = None
+    device_order: tuple | None = checked(Null(List(Int(0, (1 << 16) - 1), min_len=1, max_len=1 << 16)), None)
     """The device each rank runs on (rank r on device ``device_order[r]``; a permutation of
     0..world-1 in the cluster's device numbering). None: rank r on device r. See ``placement``."""
-    stage_layers: tuple | None = None
+    stage_layers: tuple | None = checked(Null(List(Int(1, 1 << 20), min_len=1, max_len=1 << 16)), None)
     """Transformer blocks of each pipeline chunk (pp x virtual_stages entries, each >= 1, summing
     to the model's layers). None: as even as possible. See ``placement``."""
-    cp: int = 1
+    cp: int = checked(_DEGREE, 1)
     """Context-parallel degree: each sequence is split over cp ranks (load-balanced causal split:
     2 x cp chunks, rank i holding chunks i and 2cp-1-i); attention exchanges keys and values over
     the group, every other layer works on the rank's tokens only. Gradients are reduced, and ZeRO
     shards, over dp x cp."""
-    precision: str = "bf16"
+    precision: str = checked(Str(PRECISIONS), "bf16")
     """Matmul precision. bf16: every GEMM in the model's dtype (bf16, fp16 or fp32). fp8: the
     linear layers' GEMMs in FP8 (E4M3 forward, E4M3/E5M2 backward) with ``fp8_recipe``'s scaling;
     the attention core and the output layer stay in the model's dtype. tf32: an fp32 model whose
     GEMMs run on TF32 tensor cores (PyTorch's ``allow_tf32``; storage and every other kernel in
     fp32)."""
-    fp8_recipe: str = "tensorwise"
+    fp8_recipe: str = checked(Str(FP8_RECIPES), "tensorwise")
     """With precision fp8: tensorwise, delayed, rowwise or mxfp8 (see ``FP8_RECIPES``)."""
-    torch_compile: bool | None = None
+    torch_compile: bool | None = checked(Null(Bool()), None)
     """Compile each block with ``torch.compile`` (torchtitan ``--compile.enable``): element-wise
     kernels fused, Python dispatch gone. None: the framework's default."""
-    ep: int = 1
+    ep: int = checked(_DEGREE, 1)
     """Expert-parallel degree (mixture-of-experts models): the routed experts of each MoE layer are
     split over ep ranks, which exchange tokens twice per layer (dispatch, combine: all-to-alls, or
     DeepEP's kernels, ``moe_dispatcher``).
@@ -156,35 +131,35 @@ class ParallelConfig:
     dp x cp; the ranks of a pipeline stage and tensor-parallel rank that hold different tokens):
     attention is replicated over them as usual, the experts are not. Expert weights are reduced,
     and ZeRO-sharded, over the dp x cp / ep ranks holding the same experts."""
-    moe_capacity_factor: float | None = None
+    moe_capacity_factor: float | None = checked(Null(Num(0.0, 64.0, lo_open=True)), None)
     """Token dropping: each expert takes at most capacity_factor x (tokens x top-k / experts)
     tokens per micro-batch, the rest skip it. None: dropless routing (every token reaches its
     top-k experts; an expert's load is what the router gives it)."""
-    pp_compression: str = "none"
+    pp_compression: str = checked(Str(PP_COMPRESSION), "none")
     """Compressed backpropagation between pipeline stages (``PP_COMPRESSION``): the activation
     gradient [b, s, h] a stage sends backwards goes as a rank-``pp_compression_rank`` product
     P Q^T (one power iteration, warm-started from the previous Q); the residual is added to the
     next gradient the chunk sends (lazy error propagation): the next micro-batch's, and after a
     step's last compressed send the next step's first (with the epilogue mode, always). Lossy: it
     changes the numerics."""
-    pp_compression_rank: int = 16
+    pp_compression_rank: int = checked(Int(1, 1 << 16), 16)
     """Rank r of the pipeline-gradient factors: n x m -> (n + m) x r values."""
-    dp_compression_stages: int = 0
+    dp_compression_stages: int = checked(Int(0, 1 << 16), 0)
     """PowerSGD with error feedback on the data-parallel gradients of pipeline ranks
     0 .. k-1 (those whose gradients are final last, so whose reduction the pipeline cannot
     hide); 0: none. Only ZeRO-0/1's all-reduce is compressed. Lossy."""
-    dp_compression_rank: int = 128
+    dp_compression_rank: int = checked(Int(1, 1 << 16), 128)
     """PowerSGD's rank on the data-parallel gradients (a matrix is compressed only where its
     factors are less than half of it, as torch's ``powerSGD_hook`` decides)."""
-    recompute_modules: tuple = ()
+    recompute_modules: tuple = checked(List(Str(RECOMPUTE_MODULES), max_len=len(RECOMPUTE_MODULES)), ())
     """With recompute="selective": what is recomputed (``RECOMPUTE_MODULES``; Megatron-LM's
     ``--recompute-modules``). Empty: the attention core alone, as every framework's selective
     recomputation does. Megatron-LM only."""
-    fused_embedding_sync: bool = False
+    fused_embedding_sync: bool = checked(Bool(), False)
     """Tied embeddings under pp: sum the embedding gradient over the first and last stage and over
     the data-parallel replicas in one all-reduce, instead of a first/last all-reduce then the
     data-parallel one."""
-    expert_tp: int | None = None
+    expert_tp: int | None = checked(Null(_DEGREE), None)
     """How many ways each routed expert is split (Megatron's ``--expert-tensor-parallel-size``).
     None: the framework's own (Megatron-LM: tp; torchtitan and the reference trainer: whole
     experts on every tp rank). 1 with tp > 1: whole experts, and the expert-parallel group folded
@@ -293,6 +268,23 @@ class ParallelConfig:
             if d.get(k) is not None:
                 d[k] = tuple(d[k])
         return cls(**d)
+
+
+CONFIG_SCHEMA = schema_of(
+    ParallelConfig, "a parallel configuration",
+    # the order messages have always listed the keys in (device_order, stage_layers follow)
+    order=("cp", "precision", "fp8_recipe", "torch_compile", "ep", "moe_capacity_factor", "schedule", "virtual_stages",
+           "layered_grad_accum", "zero_stage", "recompute", "sequence_parallel", "rank_order", "overlap_grad_reduce",
+           "overlap_param_gather", "tp_comm_overlap", "ep_comm_overlap", "moe_dispatcher", "expert_tp",
+           "recompute_modules", "dp_all_reduce", "pp_compression", "pp_compression_rank", "dp_compression_stages",
+           "dp_compression_rank", "fused_embedding_sync"))
+DEFAULTED_FIELDS = defaults_of(ParallelConfig, ("moe_dispatcher", "ep_comm_overlap", "recompute_modules", "expert_tp"))
+"""Written by :meth:`ParallelConfig.to_dict` only when not the default (later fields: earlier
+documents read as before)."""
+COMPRESSION_FIELDS = defaults_of(ParallelConfig, ("pp_compression", "pp_compression_rank", "dp_compression_stages",
+                                                  "dp_compression_rank", "fused_embedding_sync"))
+"""Lossy communication and its defaults: written by :meth:`ParallelConfig.to_dict` only when not
+the default, so documents without compression read as before."""
 
 
 layers_per_chunk = even_layers

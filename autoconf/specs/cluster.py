@@ -37,28 +37,54 @@ from dataclasses import dataclass, field
 from autoconf.errors import UserError
 from autoconf.specs.devices import deployed_name, device_type
 from autoconf.specs.measured_graph import ranks_by_host, topology_graph
-from autoconf.specs.schema import Dict, Int, List, Null, Num, Quantity, Str, check_kind, load_yaml
+from autoconf.specs.schema import Dict, Int, List, Null, Num, Quantity, Str, check_kind, checked, load_yaml, schema_of
+
+# -- ranges shared by the YAML schema (quantities written with units, below) and the SI one
+# (ClusterSpec.to_dict's form: the dataclasses' fields) ----------------------------------------------
+
+MAX_DEVICES = 1 << 16
+"""Devices in one cluster (the largest training runs published use ~16k-100k; the graph and the
+search over this many stay within seconds and a few GB)."""
+BANDWIDTH = ("bytes_per_s", 1e3, 1e15)     # 1 kB/s .. 1 PB/s, per direction
+LATENCY = ("seconds", 0.0, 1.0)            # 0 .. 1 s
+MEMORY = ("bytes", float(1 << 20), float(1 << 50))  # 1 MiB .. 1 PiB per device
+POWER = ("watts", 1.0, 1e5)                # a board power cap: 1 W .. 100 kW
+CLOCK = ("hertz", 1e6, 1e11)               # a sustained clock: 1 MHz .. 100 GHz
+
+
+def _quantity(kind, lo, hi):
+    """A person writes it with a unit ("300 GB/s")."""
+    return Quantity(kind, lo, hi)
+
+
+def _si(kind, lo, hi):
+    """A machine wrote it in SI (the field name carries the unit: ``*_bytes_per_s``)."""
+    return Num(lo, hi)
+
+
+HOSTS_SCHEMA = List(Str(max_len=253, nonempty=True), min_len=1, max_len=MAX_DEVICES)
+"""Host names of a group's nodes (one per node, in rank order), e.g. [gpu-a1, gpu-a2]."""
 
 
 @dataclass(frozen=True)
 class NodeGroup:
-    count: int
+    count: int = checked(Int(1, MAX_DEVICES))
     """Number of identical nodes (hosts)."""
-    device: str
+    device: str = checked(Str(max_len=160))
     """Catalog name of the accelerator (or 'cpu'); as deployed where the cluster file states a
     power cap, clock or HBM bandwidth (``specs.devices.deployed_name``)."""
-    gpus_per_node: int
-    intra_node_bandwidth_bytes_per_s: float
+    gpus_per_node: int = checked(Int(1, 1024))
+    intra_node_bandwidth_bytes_per_s: float = checked(_si(*BANDWIDTH))
     """Per device, per direction."""
-    nic_count: int = 1
-    nic_bandwidth_bytes_per_s: float = 12.5e9
+    nic_count: int = checked(Int(1, 256), 1)
+    nic_bandwidth_bytes_per_s: float = checked(_si(*BANDWIDTH), 12.5e9)
     """Per NIC, per direction."""
-    nic_kind: str = "infiniband"
-    memory_bytes: float | None = None
+    nic_kind: str = checked(Str(max_len=64), "infiniband")
+    memory_bytes: float | None = checked(Null(_si(*MEMORY)), None)
     """Overrides the catalog's device memory (e.g. a share of host RAM for CPU processes)."""
-    hosts: tuple | None = None
+    hosts: tuple | None = checked(Null(HOSTS_SCHEMA), None)
     """Host names of the group's nodes, in rank order (``count`` of them); None: ``node-K``."""
-    nvlink_domain: int = 1
+    nvlink_domain: int = checked(Int(1, MAX_DEVICES), 1)
     """Consecutive hosts of the group that share one NVLink fabric (18 in a GB200 NVL72 rack);
     1: each host's fabric is its own. Divides ``count``."""
 
@@ -67,13 +93,16 @@ class NodeGroup:
         return self.memory_bytes if self.memory_bytes is not None else device_type(self.device).memory_bytes
 
 
+SI_GROUP_SCHEMA = schema_of(NodeGroup, "a node group")
+
+
 @dataclass(frozen=True)
 class ClusterSpec:
-    name: str
-    node_groups: tuple
-    intra_node_latency_s: float = 2e-6
-    inter_node_latency_s: float = 10e-6
-    inter_group_bandwidth_bytes_per_s: float | None = None
+    name: str = checked(Str(max_len=200))
+    node_groups: tuple = checked(List(SI_GROUP_SCHEMA, min_len=1, max_len=256))
+    intra_node_latency_s: float = checked(_si(*LATENCY), 2e-6)
+    inter_node_latency_s: float = checked(_si(*LATENCY), 10e-6)
+    inter_group_bandwidth_bytes_per_s: float | None = checked(Null(_si(*BANDWIDTH)), None)
     """Optional cap on any path between two node groups."""
     _graph_cache: dict = field(default_factory=dict, init=False, compare=False, repr=False, hash=False)
 
@@ -151,6 +180,9 @@ class ClusterSpec:
         return cls(**d)
 
 
+SI_CLUSTER_SCHEMA = schema_of(ClusterSpec, "a cluster")
+
+
 def _build_graph(spec: ClusterSpec):
     import networkx as nx
 
@@ -181,32 +213,10 @@ def _build_graph(spec: ClusterSpec):
     return g
 
 
-# -- the YAML schema (quantities written with units) and the SI one (ClusterSpec.to_dict) -----------
-
-MAX_DEVICES = 1 << 16
-"""Devices in one cluster (the largest training runs published use ~16k-100k; the graph and the
-search over this many stay within seconds and a few GB)."""
-BANDWIDTH = ("bytes_per_s", 1e3, 1e15)     # 1 kB/s .. 1 PB/s, per direction
-LATENCY = ("seconds", 0.0, 1.0)            # 0 .. 1 s
-MEMORY = ("bytes", float(1 << 20), float(1 << 50))  # 1 MiB .. 1 PiB per device
-POWER = ("watts", 1.0, 1e5)                # a board power cap: 1 W .. 100 kW
-CLOCK = ("hertz", 1e6, 1e11)               # a sustained clock: 1 MHz .. 100 GHz
-
-
-def _quantity(kind, lo, hi):
-    """A person writes it with a unit ("300 GB/s")."""
-    return Quantity(kind, lo, hi)
-
-
-def _si(kind, lo, hi):
-    """A machine wrote it in SI (the field name carries the unit: ``*_bytes_per_s``)."""
-    return Num(lo, hi)
-
+# -- the YAML schema (quantities written with units) -------------------------------------------
 
 NIC_SCHEMA = Dict(optional={"count": Int(1, 256), "bandwidth": _quantity(*BANDWIDTH), "kind": Str(max_len=64)},
                   what="nics, like {count: 8, bandwidth: 200 Gbit/s, kind: infiniband}")
-HOSTS_SCHEMA = List(Str(max_len=253, nonempty=True), min_len=1, max_len=MAX_DEVICES)
-"""Host names of a group's nodes (one per node, in rank order), e.g. [gpu-a1, gpu-a2]."""
 GROUP_SCHEMA = Dict(
     required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=64), "gpus_per_node": Int(1, 1024),
               "intra_node_bandwidth": _quantity(*BANDWIDTH)},
@@ -222,18 +232,6 @@ CLUSTER_SCHEMA = Dict(
     required={"node_groups": List(GROUP_SCHEMA, min_len=1, max_len=256)},
     optional={"name": Str(max_len=200), "inter_group_bandwidth": Null(_quantity(*BANDWIDTH)),
               "latency": Null(LATENCY_SCHEMA)},
-    what="a cluster")
-
-SI_GROUP_SCHEMA = Dict(
-    required={"count": Int(1, MAX_DEVICES), "device": Str(max_len=160), "gpus_per_node": Int(1, 1024),
-              "intra_node_bandwidth_bytes_per_s": _si(*BANDWIDTH)},
-    optional={"nic_count": Int(1, 256), "nic_bandwidth_bytes_per_s": _si(*BANDWIDTH), "nic_kind": Str(max_len=64),
-              "memory_bytes": Null(_si(*MEMORY)), "hosts": Null(HOSTS_SCHEMA), "nvlink_domain": Int(1, MAX_DEVICES)},
-    what="a node group")
-SI_CLUSTER_SCHEMA = Dict(
-    required={"name": Str(max_len=200), "node_groups": List(SI_GROUP_SCHEMA, min_len=1, max_len=256)},
-    optional={"intra_node_latency_s": _si(*LATENCY), "inter_node_latency_s": _si(*LATENCY),
-              "inter_group_bandwidth_bytes_per_s": Null(_si(*BANDWIDTH))},
     what="a cluster")
 
 

@@ -1,4 +1,4 @@
-"""Big clusters: one estimate on a cluster of MAX_DEVICES (65,536) devices, shape by shape.
+"""Big clusters: one estimate on a cluster of 65,536 devices, shape by shape.
 
     python bench/big_cluster.py [--shapes 64x1024,8192x8,...] [--timeout S] [--code DIR] [--no-cli]
 
@@ -42,7 +42,7 @@ H100 = {"device": "h100-sxm", "intra_node_bandwidth": "450 GB/s", "nics": {"coun
 A100 = {"device": "a100-80gb", "intra_node_bandwidth": "300 GB/s", "nics": {"count": 8, "bandwidth": "200 Gbit/s"}}
 GB200 = {"device": "gb200", "intra_node_bandwidth": "900 GB/s", "nics": {"count": 4, "bandwidth": "400 Gbit/s"}}
 
-SHAPES = {  # name -> the cluster mapping: 65,536 devices each (MAX_DEVICES)
+SHAPES = {  # name -> the cluster mapping: 65,536 devices each
     "64x1024": [{"count": 64, "gpus_per_node": 1024, **H100}],
     "8192x8": [{"count": 8192, "gpus_per_node": 8, **H100}],
     "512x128": [{"count": 512, "gpus_per_node": 128, **H100}],

@@ -4,8 +4,10 @@
     python bench/time_to_train.py --timing   # the 60-s target: `autoconf plan` for the 1T model
     python bench/time_to_train.py --check-exact   # the optimiser against search() at 175B scale
 
-For each model and device, ``autoconf plan`` (``timetotrain.planner.plan``) sweeps GPU counts up to 65,536
-(powers of two; counts that would take over a year even at the datasheet peak left out), batches
+For each model and device, ``autoconf plan`` (``timetotrain.planner.plan``) sweeps GPU counts
+(powers of two; counts that would take over a year even at the datasheet peak left out) until more
+GPUs stop paying on each network (``--max-gpus N`` bounds them instead; a shortest time at the
+largest count swept is marked "edge": more GPUs might still pay), batches
 around the critical batch (Kaplan's law), every configuration of the cost model's space at each
 point, with each method switched off in turn, on InfiniBand (a NIC per GPU) and on one 100 or 25
 Gbit/s Ethernet NIC per node. Tokens: Chinchilla's 20 per parameter. Printed per model and
@@ -81,7 +83,7 @@ def main() -> None:
     ap.add_argument("--check-exact", action="store_true", help="only the comparison with search() at 175B scale")
     ap.add_argument("--models", default="gpt3-175b,1t")
     ap.add_argument("--devices", default="a100-80gb,h100-sxm")
-    ap.add_argument("--max-gpus", type=int, default=65536)
+    ap.add_argument("--max-gpus", type=int, default=0, help="the largest GPU count (default 0: until more stop paying)")
     args = ap.parse_args()
     if args.timing:
         timing()
@@ -95,7 +97,7 @@ def main() -> None:
         model = load_model(ONE_T) if mname == "1t" else preset(mname)
         for dev in args.devices.split(","):
             t0 = time.perf_counter()
-            r = plan(model, device=dev, max_gpus=args.max_gpus, compare_networks=NETS[1:])
+            r = plan(model, device=dev, max_gpus=args.max_gpus or None, compare_networks=NETS[1:])
             t = Table(title=f"{model.name} on {dev}: {r.budget.tokens / 1e12:.3g}T tokens, B_crit "
                             f"{r.budget.b_crit_tokens / model.seq_length:,.0f} sequences, batches "
                             f"{', '.join(map(str, r.budget.batches))}; GPU counts {r.grid[0]:,}-{r.grid[-1]:,} "
@@ -113,7 +115,8 @@ def main() -> None:
                         cells += ["none fits", ""]
                         continue
                     cells.append(f"{x.days:.1f}" + (f" ({x.days / a.days:.2f}x)" if meth.name != "all" else ""))
-                    cells.append(f"{x.gpus:,}, {compact(x.estimate.config)}, "
+                    edge = x.gpus == max(y.gpus for y in r.select(net, meth.name))
+                    cells.append(f"{x.gpus:,}{' (edge)' if edge else ''}, {compact(x.estimate.config)}, "
                                  f"{x.estimate.peak_memory_bytes / 2**30:.0f}")
                 t.add_row(*cells)
             con.print(t)

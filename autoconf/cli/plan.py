@@ -20,7 +20,8 @@ def add_plan_parser(sub):
     p.add_argument("--model", required=True, help="preset name (see `autoconf models`), model YAML, or HF config.json")
     p.add_argument("--seq-length", type=int, help="override the model's sequence length")
     p.add_argument("--device", help=f"GPU kind of a synthetic DGX-style cluster ({', '.join(NODES)})")
-    p.add_argument("--max-gpus", type=int, help="the largest GPU count worth considering")
+    p.add_argument("--max-gpus", type=int, help="the largest GPU count worth considering (default with --device: "
+                   "until more GPUs stop paying; with --cluster: its size)")
     p.add_argument("--network", default="ib", help="ib (InfiniBand, a NIC per GPU), 100gbe or 25gbe (one "
                    "Ethernet NIC per node) (default ib)")
     p.add_argument("--compare-networks", default="25gbe",

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from autoconf.errors import UserError
 from autoconf.space.placement import check_placement, even_layers, folds_experts, order_reason
+from autoconf.specs.cluster import MAX_DEVICES
 from autoconf.specs.model import ModelSpec
 from autoconf.specs.schema import Bool, Int, List, Null, Num, Str, checked, defaults_of, schema_of
 
@@ -39,7 +40,7 @@ FP8_RECIPES = ("tensorwise", "delayed", "rowwise", "mxfp8")
 recipe), one per row (rowwise: torchao), one per 32-element block (mxfp8: Blackwell's
 microscaling format, MX-compliant E8M0 scales)."""
 
-_DEGREE = Int(1, 1 << 16)
+_DEGREE = Int(1, MAX_DEVICES)
 PLACEMENT_FIELDS = ("device_order", "stage_layers")
 """Written by :meth:`ParallelConfig.to_dict` only when set, so documents without a placement read
 as before."""
@@ -101,7 +102,7 @@ class ParallelConfig:
     reference trainer, NCCL's ring or tree elsewhere) or "hierarchical" (reduce-scatter inside each
     host, all-reduce across hosts, all-gather inside each host; the reference trainer only,
     ``trainer/collectives.py``)."""
-    device_order: tuple | None = checked(Null(List(Int(0, (1 << 16) - 1), min_len=1, max_len=1 << 16)), None)
+    device_order: tuple | None = checked(Null(List(Int(0, MAX_DEVICES - 1), min_len=1, max_len=MAX_DEVICES)), None)
     """The device each rank runs on (rank r on device ``device_order[r]``; a permutation of
     0..world-1 in the cluster's device numbering). None: rank r on device r. See ``placement``."""
     stage_layers: tuple | None = checked(Null(List(Int(1, 1 << 20), min_len=1, max_len=1 << 16)), None)

@@ -19,7 +19,8 @@ class PlanOptions:
     device: str | None = None
     """GPU kind of a synthetic DGX-style cluster (``synthetic.NODES``); or give ``cluster``."""
     max_gpus: int | None = None
-    """The largest GPU count worth considering (default: as many as can still pay)."""
+    """The largest GPU count worth considering (None: with ``device``, GPU counts double until more
+    stop paying, ``counts.stops_paying``; with ``cluster``, its size)."""
     network: str = "ib"
     """The main network: ib (a NIC per GPU), 100gbe or 25gbe (one Ethernet NIC per node)."""
     cluster: object = None

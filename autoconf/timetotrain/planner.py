@@ -53,6 +53,7 @@ from autoconf.study.choices import precision_choices
 from autoconf.study.placer import Placer
 from autoconf.timetotrain import laws as scaling
 from autoconf.timetotrain.budget import DEFAULT_FACTORS, Budget, make_budget
+from autoconf.timetotrain.counts import OPEN_SIZE, gpu_grid, space_bound, stops_paying
 from autoconf.timetotrain.optimiser import PointOptimizer
 from autoconf.timetotrain.options import MAX_MICRO_BATCH, PlanOptions
 from autoconf.timetotrain.points import PointStats
@@ -113,18 +114,6 @@ class Row:
                 "memory_bytes": {k: getattr(mm, k) for k in ("parameters", "gradients", "optimizer", "activations",
                                                              "other", "capacity")},
                 "goodput": self.goodput.to_dict() if self.goodput else None}
-
-
-def gpu_grid(max_gpus: int, per_node: int, start: int = 1) -> list:
-    """Powers of two times a node, from ``start`` GPUs up to ``max_gpus``, and ``max_gpus`` itself."""
-    out, g = [], per_node
-    while g <= max_gpus:
-        if g >= start:
-            out.append(g)
-        g *= 2
-    if max_gpus not in out and max_gpus >= start:
-        out.append(max_gpus)
-    return out
 
 
 @dataclass
@@ -362,14 +351,17 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
         if top > cluster.num_devices:
             raise UserError(f"--max-gpus {top}: the cluster has only {cluster.num_devices} devices")
     else:
-        if device is None or max_gpus is None:
-            raise UserError("give --device NAME and --max-gpus N (or --cluster FILE)")
+        if device is None:
+            raise UserError("give --device NAME (or --cluster FILE)")
         for n in (network, *compare_networks):
             if n not in NETWORKS:
                 raise UserError(f"network {n!r}; valid: {', '.join(NETWORKS)}")
         net_names = (network,) + tuple(n for n in dict.fromkeys(compare_networks) if n != network)
-        clusters = {n: synthetic_cluster(device, max_gpus, n) for n in net_names}
-        device_name, per_node, top = device, NODES[device][0], max_gpus
+        per_node = NODES.get(device, (1,))[0]
+        top = max_gpus if max_gpus is not None else space_bound(model, bud, per_node, max_cp)
+        clusters = {n: synthetic_cluster(device, min(top, OPEN_SIZE) if max_gpus is None else top, n)
+                    for n in net_names}
+        device_name = device
     first = next(iter(clusters.values()))
     prof_kind = None
     if profile is not None:
@@ -423,6 +415,7 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
                    work_days=work / 86400, days=wall / 86400, gpu_hours=gh,
                    cost=gh * price_per_gpu_hour if price_per_gpu_hour else None, goodput=gp)
 
+    swept: dict = {}  # network -> the GPU counts swept on it
     for net in net_names:
         if net not in systems:
             systems[net] = planning_system(model, clusters[net], framework=framework_spec(fw), profile=profile,
@@ -432,6 +425,16 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
         opt.oom = shared_oom
         prev_by_batch: dict = {}
         for g in grid:
+            if max_gpus is None and cluster is None and stops_paying(rows, net, swept.get(net, [])):
+                break
+            if g > clusters[net].num_devices:  # open-ended: a cluster 16x larger (its System anew)
+                clusters[net] = synthetic_cluster(device, min(top, max(g, 16 * clusters[net].num_devices)), net)
+                systems[net] = system = planning_system(model, clusters[net], framework=framework_spec(fw),
+                                                        profile=profile, moe_imbalance=moe_imbalance,
+                                                        moe_dispatcher=moe_dispatcher)
+                opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp)
+                opt.oom = shared_oom
+            swept.setdefault(net, []).append(g)
             prev_g: list = []
             for b in bud.batches:
                 if b % 1:
@@ -450,6 +453,11 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
                 done += 1
                 if progress:
                     progress(done, total)
+    if swept and max_gpus is None and cluster is None:  # what was swept, and the largest cluster of it
+        grid = sorted({g for gs in swept.values() for g in gs})
+        clusters[net_names[0]] = synthetic_cluster(device, max(swept[net_names[0]]), net_names[0])
+        if progress:
+            progress(total, total)
     notes = []
     placed = None
     if place and fw.name != "reference":

@@ -5,6 +5,7 @@ prefilled from one group per axis on uniform clusters.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from autoconf.cost.system import System
@@ -94,10 +95,13 @@ def synthetic_cluster(device: str, gpus: int, network: str = "ib"):
         raise UserError(f"--max-gpus {gpus}: must be a multiple of {per_node} (GPUs per {device} node)")
     nics = ({"count": n_ib, "bandwidth": ib_rate, "kind": "infiniband"} if network == "ib" else
             {"count": 1, "bandwidth": "100 Gbit/s" if network == "100gbe" else "25 Gbit/s", "kind": "ethernet"})
-    return cluster_from_mapping({"name": f"{device}-{gpus // per_node}x{per_node}-{network}",
-                                 "node_groups": [{"count": gpus // per_node, "device": device,
-                                                  "gpus_per_node": per_node, "intra_node_bandwidth": nvlink,
-                                                  "nics": nics}]}, where="synthetic cluster")
+    # one node through the file schema, then as many as asked: a cluster file is bounded
+    # (``cluster.MAX_DEVICES``), a sweep is not (its uniform topology is linear in the devices)
+    one = cluster_from_mapping({"name": f"{device}-{gpus // per_node}x{per_node}-{network}",
+                                "node_groups": [{"count": 1, "device": device, "gpus_per_node": per_node,
+                                                 "intra_node_bandwidth": nvlink, "nics": nics}]},
+                               where="synthetic cluster")
+    return dataclasses.replace(one, node_groups=(dataclasses.replace(one.node_groups[0], count=gpus // per_node),))
 
 
 def cluster_yaml(cluster) -> str:

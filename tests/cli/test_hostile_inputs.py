@@ -275,7 +275,7 @@ NAMED = {
     "cluster nics bandwith": ("cluster", _cluster(nics={"count": 1, "bandwith": "1 Gbit/s"}), "did you mean 'bandwidth'"),
     "cluster nics count true": ("cluster", _cluster(nics={"count": True, "bandwidth": "1 Gbit/s"}), "count"),
     "cluster huge gpus": ("cluster", _cluster(gpus_per_node=1_000_000_000), "gpus_per_node"),
-    "cluster too many devices": ("cluster", _cluster(count=60000, gpus_per_node=8), "devices"),
+    "cluster too many devices": ("cluster", _cluster(count=600000, gpus_per_node=8), "devices"),
     "cluster bare memory": ("cluster", _cluster(memory=4e9), "unit"),
     "cluster latency intra": ("cluster", yaml.safe_dump({**CPU_CLUSTER, "latency": {"intra": "2 us"}}).encode(),
                               "did you mean 'intra_node'"),

@@ -304,7 +304,7 @@ def _run(*argv, env_extra=None):
     (["--device", "a100-80gb", "--max-gpus", "64", "--batch-law", "fixed"], "needs --global-batch"),
     (["--device", "a100-80gb", "--max-gpus", "64", "--batch-law", "huge"], "valid: kaplan, deepseek, fixed"),
     (["--device", "a100-80gb", "--max-gpus", "64", "--budget", "1M"], "give --price-per-gpu-hour"),
-    (["--max-gpus", "64"], "give --device NAME and --max-gpus N"),
+    (["--max-gpus", "64"], "give --device NAME (or --cluster FILE)"),
     (["--device", "a100-80gb", "--max-gpus", "64", "--precision", "fp8"], "device a100-80gb has no FP8 tensor cores"),
     (["--device", "h100-sxm", "--max-gpus", "64", "--fp8-recipe", "rowwise"], "--fp8-recipe rowwise: needs --precision fp8"),
     (["--device", "h100-sxm", "--max-gpus", "64", "--precision", "fp8", "--fp8-recipe", "delayed"],

@@ -7,12 +7,12 @@ No import of any of these libraries here.
 from __future__ import annotations
 
 from autoconf.launch.shell import comment_line
-from autoconf.space.placement import full_order
+from autoconf.space.degrees import full_order
 from autoconf.specs.frameworks import framework as framework_model
 
 MEGATRON_RANK_ORDERS = {"tp-cp-dp-pp": [], "tp-cp-pp-dp": ["--use-tp-pp-dp-mapping"]}
 """Megatron-LM's rank orders (megatron-core's "tp-cp-ep-dp-pp", or "tp-cp-ep-pp-dp" with
---use-tp-pp-dp-mapping), as autoconf's full orders (``placement.full_order``)."""
+--use-tp-pp-dp-mapping), as autoconf's full orders (``degrees.full_order``)."""
 
 
 TORCHTITAN_RANK_ORDER = "tp-cp-dp-pp"

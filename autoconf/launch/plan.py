@@ -18,7 +18,7 @@ Ranks: torchrun gives the process on device d (hosts in the cluster's order, eac
 order) ``RANK`` = d. The plan's rank order may put another rank there (``device_order``, a
 placement): that process plays rank :meth:`LaunchPlan.rank_on` (d). :meth:`coords` and
 :meth:`groups` take care of it; coordinates come from the project's one rank-order
-implementation, ``autoconf.space.placement``.
+implementation, ``autoconf.space.degrees``.
 
 The document (version 2)::
 
@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from autoconf.errors import UserError
 from autoconf.files import write_text
 from autoconf.space.config import CONFIG_SCHEMA, ParallelConfig, check
-from autoconf.space.placement import AXES, Placement, full_order
+from autoconf.space.degrees import AXES, full_order
+from autoconf.space.placement import Placement
 from autoconf.specs.cluster import SI_CLUSTER_SCHEMA, ClusterSpec
 from autoconf.specs.frameworks import framework
 from autoconf.specs.model import ModelSpec

@@ -2,7 +2,7 @@
 
 ``rank_order`` lists the axes from innermost (consecutive ranks) to outermost, as Megatron's
 ``RankGenerator(order=...)``: with "tp-dp-pp", ranks 0..tp-1 form the first tensor-parallel group.
-The arithmetic is ``autoconf.space.placement``'s, the same the cost model prices. The ranks here are
+The arithmetic is ``autoconf.space.degrees``'s, the same the cost model prices. The ranks here are
 ranks of the rank order: ``run.setup`` starts the default process group with each process at the
 rank its device plays (``Placement.rank_on``), so every group below is in those ranks.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autoconf.space.placement import AXES, axis_groups, expert_groups, merged_groups, order_reason, rank_coords, rank_of
+from autoconf.space.degrees import AXES, axis_groups, expert_groups, merged_groups, order_reason, rank_coords, rank_of
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from autoconf.cost.moe import a2a_bytes, a2a_times, moe_activation_bytes, moe_sh
 from autoconf.cost.system import System
 from autoconf.errors import UserError
 from autoconf.space.config import ParallelConfig, check
-from autoconf.space.placement import expert_groups
+from autoconf.space.degrees import expert_groups
 from autoconf.specs.cluster import load_cluster
 from autoconf.specs.model import ModelSpec
 from autoconf.study.search import search

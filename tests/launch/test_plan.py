@@ -14,7 +14,7 @@ from autoconf.cost.estimate import estimate
 from autoconf.errors import UserError
 from autoconf.launch.plan import PLAN_ENV, Expected, LaunchPlan, load
 from autoconf.space.config import ParallelConfig
-from autoconf.space.placement import rank_coords
+from autoconf.space.degrees import rank_coords
 from autoconf.specs.cluster import load_cluster
 from autoconf.specs.model import preset
 

@@ -500,7 +500,7 @@ def test_emitted_node_scripts_keep_the_plan_across_the_testbed(tmp_path):
     from autoconf.launch.emit import emit
     from autoconf.launch.hosts import node_plan
     from autoconf.space.config import ParallelConfig, layers_per_chunk
-    from autoconf.space.placement import rank_coords
+    from autoconf.space.degrees import rank_coords
     from autoconf.specs.cluster import load_cluster
     from autoconf.specs.model import preset
 

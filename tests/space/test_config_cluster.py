@@ -2,8 +2,8 @@ import pytest
 
 from autoconf.errors import UserError
 from autoconf.space.config import ParallelConfig, check
+from autoconf.space.degrees import axis_groups
 from autoconf.space.enumeration import enumerate_space, factorizations
-from autoconf.space.placement import axis_groups
 from autoconf.specs.cluster import cluster_from_mapping, load_cluster
 from autoconf.specs.model import preset
 from autoconf.specs.topology import Topology

@@ -22,7 +22,7 @@ import pytest
 from autoconf.cost.estimate import estimate
 from autoconf.cost.system import System
 from autoconf.errors import UserError
-from autoconf.space import placement
+from autoconf.space import degrees
 from autoconf.space.config import ParallelConfig
 from autoconf.specs.cluster import MAX_DEVICES, cluster_from_mapping, load_cluster
 from autoconf.specs.hf import from_hf_config, load_model
@@ -199,19 +199,19 @@ def reference_groups(dp, pp, tp, order, axes, cp):
     """Ranks that differ only in ``axes``, found by decoding every rank's coordinates."""
     by_key: dict = {}
     for r in range(dp * pp * tp * cp):
-        c = placement.rank_coords(r, dp, pp, tp, order, cp)
-        by_key.setdefault(tuple(c[a] for a in placement.AXES if a not in axes), []).append(r)
+        c = degrees.rank_coords(r, dp, pp, tp, order, cp)
+        by_key.setdefault(tuple(c[a] for a in degrees.AXES if a not in axes), []).append(r)
     return sorted(tuple(g) for g in by_key.values())
 
 
 def test_groups_by_arithmetic_are_the_coordinates_groups():
     for dp, pp, tp, cp in itertools.product((1, 2, 3), (1, 2, 4), (1, 2), (1, 3)):
         for order in ("tp-dp-pp", "tp-cp-dp-pp", "dp-tp-pp", "pp-dp-tp", "cp-pp-dp-tp"):
-            for axis in placement.AXES:
-                assert placement.axis_groups(dp, pp, tp, order, axis, cp) == \
+            for axis in degrees.AXES:
+                assert degrees.axis_groups(dp, pp, tp, order, axis, cp) == \
                     reference_groups(dp, pp, tp, order, (axis,), cp)
-            for axes in itertools.combinations(placement.AXES, 2):
-                assert placement.merged_groups(dp, pp, tp, order, axes, cp) == \
+            for axes in itertools.combinations(degrees.AXES, 2):
+                assert degrees.merged_groups(dp, pp, tp, order, axes, cp) == \
                     reference_groups(dp, pp, tp, order, axes, cp)
 
 

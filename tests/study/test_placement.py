@@ -15,7 +15,8 @@ from autoconf.cost.estimate import estimate, estimate_on
 from autoconf.cost.system import System
 from autoconf.errors import UserError
 from autoconf.space.config import ParallelConfig, check
-from autoconf.space.placement import AXES, Placement, axis_groups, even_layers, rank_coords, rank_of
+from autoconf.space.degrees import AXES, axis_groups, rank_coords, rank_of
+from autoconf.space.placement import Placement, even_layers
 from autoconf.specs.cluster import cluster_from_mapping, load_cluster
 from autoconf.specs.model import preset
 from autoconf.study.placer import Placer, describe

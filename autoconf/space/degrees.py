@@ -2,7 +2,7 @@
 
 The one rank-order implementation of the project: the cost model (through ``space.placement``,
 ``cost.layout``, ``cost.tensor_parallel``, ``cost.schedule_time``) and the trainer
-(``trainer.parallel_dims``, ``trainer.run``) both read it, so the groups the model prices are the
+(``trainer.process_groups``, ``trainer.run``) both read it, so the groups the model prices are the
 groups the trainer builds.
 
 A **rank** is a position in the rank order. ``rank_order`` lists the axes from innermost

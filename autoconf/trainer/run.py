@@ -1,6 +1,6 @@
 """One rank's training run: groups, model share, optimizer, steps, measurements.
 
-The parts, one file per technique: parallel_dims (groups in rank order), pipeline (stages and
+The parts, one file per technique: process_groups (groups in rank order), pipeline (stages and
 schedules), accumulation (pp = 1: standard or layered), data_parallel (ZeRO 0-3), memory.
 """
 
@@ -14,6 +14,7 @@ import time
 
 from autoconf.launch.plan import load as load_plan
 from autoconf.space.config import ParallelConfig
+from autoconf.space.degrees import Degrees
 from autoconf.space.placement import Placement
 from autoconf.specs.model import ModelSpec
 
@@ -33,7 +34,7 @@ def setup(config: ParallelConfig, timeout_s: float):
     import torch
     import torch.distributed as dist
 
-    from autoconf.trainer.parallel_dims import ParallelDims, build_groups
+    from autoconf.trainer.process_groups import build_groups
 
     timeout = datetime.timedelta(seconds=timeout_s)
     set_matmul_precision(config)
@@ -43,7 +44,7 @@ def setup(config: ParallelConfig, timeout_s: float):
         device, backend = torch.device("cuda", local), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    dims = ParallelDims(config.dp, config.pp, config.tp, config.rank_order, config.cp, config.ep)
+    degrees = Degrees(config.dp, config.pp, config.tp, config.rank_order, cp=config.cp, ep=config.ep)
     if config.device_order is None:
         dist.init_process_group(backend, timeout=timeout)
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -51,14 +52,14 @@ def setup(config: ParallelConfig, timeout_s: float):
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = None
     try:
-        dims.validate(world)
+        degrees.validate(world)
     except ValueError as e:
         raise TrainerError(str(e)) from None
     if rank is None:
         rank = Placement.of(config, 0).rank_on(int(os.environ["RANK"]))
         dist.init_process_group(backend, timeout=timeout, store=_store(world, timeout), rank=rank,
                                 world_size=world)
-    groups = build_groups(dims, rank, timeout, fused_embedding=config.fused_embedding_sync and config.pp > 1)
+    groups = build_groups(degrees, rank, timeout, fused_embedding=config.fused_embedding_sync and config.pp > 1)
     if config.dp_all_reduce == "hierarchical" and config.dp * config.cp > 1:
         add_hierarchical(groups, rank, timeout)
     return device, backend, groups
@@ -76,7 +77,7 @@ def add_hierarchical(groups, rank: int, timeout, host_mapping=None) -> None:
         host_of = collectives.rank_hosts(host_mapping)
     except ValueError as e:
         raise TrainerError(str(e)) from None
-    groups.dp_all_reduce, groups.dp_all_reduce_note = collectives.build(groups.dims.grad_groups(), host_of, rank,
+    groups.dp_all_reduce, groups.dp_all_reduce_note = collectives.build(groups.degrees.grad_groups(), host_of, rank,
                                                                         timeout)
     if groups.dp_all_reduce is None:
         print(f"rank {rank}: dp_all_reduce: {groups.dp_all_reduce_note}", file=sys.stderr, flush=True)

@@ -23,7 +23,6 @@ from autoconf.runs.trial import TrialResult, collect
 from autoconf.space.config import ParallelConfig
 from autoconf.specs.model import preset
 from autoconf.trainer.data_parallel import partition
-from autoconf.trainer.parallel_dims import ParallelDims
 
 TINY = preset("tiny")
 DP2 = ParallelConfig(dp=2, pp=1, tp=1, micro_batch_size=2, num_micro_batches=2)
@@ -86,20 +85,6 @@ def test_collect_failures_are_results_not_exceptions(tmp_path):
 
 
 # -- trainer helpers ----------------------------------------------------------------------------------
-
-def test_rank_order_tp_innermost_like_megatron():
-    d = ParallelDims(dp=2, pp=2, tp=2, rank_order="tp-dp-pp")
-    assert sorted(d.groups("tp")) == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert sorted(d.groups("dp")) == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert sorted(d.groups("pp")) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert sorted(d.embedding_groups()) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    for r in range(8):
-        assert d.rank_of(d.coords(r)) == r
-    d2 = ParallelDims(dp=2, pp=1, tp=2, rank_order="dp-tp-pp")
-    assert sorted(d2.groups("dp")) == [[0, 1], [2, 3]] and sorted(d2.groups("tp")) == [[0, 2], [1, 3]]
-    with pytest.raises(ValueError, match=r"dp\(2\) \* pp\(1\) \* tp\(2\) \* cp\(1\) = 4 != world_size\(2\)"):
-        d2.validate(2)
-
 
 def test_partition_balances_and_is_deterministic():
     sizes = [100, 10, 60, 50, 5, 5]

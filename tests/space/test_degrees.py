@@ -57,6 +57,23 @@ def test_groups_along_each_axis_partition_the_ranks(order, shape):
     assert d.grad_groups() == (d.groups("dp") if d.cp == 1 else d.groups(("cp", "dp")))
 
 
+def test_rank_order_tp_innermost_like_megatron():
+    d = Degrees(dp=2, pp=2, tp=2, rank_order="tp-dp-pp")
+    assert d.groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert d.groups("dp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert d.groups("pp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert d.embedding_groups() == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert d.fused_embedding_groups() == [(0, 2, 4, 6), (1, 3, 5, 7)]
+    assert d.order == ("tp", "dp", "pp")
+    d2 = Degrees(dp=2, pp=1, tp=2, rank_order="dp-tp-pp")
+    assert d2.groups("dp") == [(0, 1), (2, 3)] and d2.groups("tp") == [(0, 2), (1, 3)]
+    assert d2.embedding_groups() == [] and d2.fused_embedding_groups() == []
+    with pytest.raises(ValueError, match=r"dp\(2\) \* pp\(1\) \* tp\(2\) \* cp\(1\) = 4 != world_size\(2\)"):
+        d2.validate(2)
+    with pytest.raises(ValueError, match="rank_order='tp-pp' must order tp, dp, pp"):
+        Degrees(1, 1, 1, "tp-pp").validate(1)
+
+
 def test_a_placement_is_its_degrees_plus_devices_and_layers():
     """The positional fields of a Placement are the ones it always had (dp, pp, tp, rank_order,
     virtual_stages, num_layers, device_order, stage_layers); cp, ep and expert_fold are keywords."""

@@ -15,13 +15,12 @@ from autoconf.cost.estimate import estimate, estimate_on
 from autoconf.cost.system import System
 from autoconf.errors import UserError
 from autoconf.space.config import ParallelConfig, check
-from autoconf.space.degrees import AXES, axis_groups, rank_coords, rank_of
+from autoconf.space.degrees import AXES, Degrees, axis_groups, rank_coords, rank_of
 from autoconf.space.placement import Placement, even_layers
 from autoconf.specs.cluster import cluster_from_mapping, load_cluster
 from autoconf.specs.model import preset
 from autoconf.study.placer import Placer, describe
 from autoconf.study.search import search
-from autoconf.trainer.parallel_dims import ParallelDims
 
 TWO = load_cluster("examples/clusters/two-kinds.yaml")
 A100 = load_cluster("examples/clusters/a100-4x8.yaml")
@@ -63,10 +62,10 @@ def test_rank_order_is_one_bijection_and_groups_partition_the_ranks(order):
 
 @pytest.mark.parametrize("order", ORDERS)
 def test_trainer_groups_are_the_cost_models_groups(order):
-    dims, place = ParallelDims(2, 2, 2, order), Placement(2, 2, 2, order)
+    degrees, place = Degrees(2, 2, 2, order), Placement(2, 2, 2, order)
     for axis in AXES:
-        assert dims.groups(axis) == [list(g) for g in place.groups(axis)]
-    assert [dims.coords(r) for r in range(8)] == [place.coords(r) for r in range(8)]
+        assert degrees.groups(axis) == place.groups(axis)
+    assert [degrees.coords(r) for r in range(8)] == [place.coords(r) for r in range(8)]
     stages = place.stage_ranks()
     assert all(place.coords(r)["pp"] == s for s, ranks in enumerate(stages) for r in ranks)
 
@@ -310,8 +309,8 @@ def _grads_worker(rank: int, world: int, port: int, splits: list) -> None:
 
     from autoconf.trainer import data
     from autoconf.trainer import layers as gpt
-    from autoconf.trainer.parallel_dims import ParallelDims, build_groups
     from autoconf.trainer.piped import Piped
+    from autoconf.trainer.process_groups import build_groups
     from autoconf.trainer.run import chunk_layers
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -324,7 +323,7 @@ def _grads_worker(rank: int, world: int, port: int, splits: list) -> None:
     expected = {n: p.grad for n, p in ref.named_parameters()}
     for split in splits:
         config = ParallelConfig(dp=1, pp=2, tp=1, micro_batch_size=2, num_micro_batches=4, stage_layers=split)
-        groups = build_groups(ParallelDims(1, 2, 1), rank, timeout)
+        groups = build_groups(Degrees(1, 2, 1), rank, timeout)
         common = dict(tp_size=1, tp_group=None, sequence_parallel=False, recompute="none", dtype=torch.float32,
                       seed=SEED, device=torch.device("cpu"))
         runner = Piped(TINY, config, groups, torch.device("cpu"), chunk_layers(TINY, config), common)

@@ -89,9 +89,10 @@ def _grads_worker(rank, world, port, queue):
 
     import torch.distributed as dist
 
+    from autoconf.space.degrees import Degrees
     from autoconf.trainer import data
     from autoconf.trainer import layers as gpt
-    from autoconf.trainer.parallel_dims import ParallelDims, build_groups
+    from autoconf.trainer.process_groups import build_groups
     from autoconf.trainer.run import chunk_layers
     from autoconf.trainer.single import SingleStage
 
@@ -99,7 +100,7 @@ def _grads_worker(rank, world, port, queue):
     torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=120)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    groups = build_groups(ParallelDims(1, 1, 1, "tp-cp-dp-pp", cp=world), rank, timeout)
+    groups = build_groups(Degrees(1, 1, 1, "tp-cp-dp-pp", cp=world), rank, timeout)
     assert groups.cp_rank == rank and groups.grad_ranks == list(range(world))
     worst = {}
     for model, rc in GRAD_CASES:

@@ -164,8 +164,9 @@ def _grads_worker(rank: int, world: int, port: int, cases: list) -> None:
 
     import torch.distributed as dist
 
+    from autoconf.space.degrees import Degrees
     from autoconf.trainer import data
-    from autoconf.trainer.parallel_dims import ParallelDims, build_groups
+    from autoconf.trainer.process_groups import build_groups
     from autoconf.trainer.run import chunk_layers
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -173,7 +174,7 @@ def _grads_worker(rank: int, world: int, port: int, cases: list) -> None:
     timeout = datetime.timedelta(seconds=120)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     for model, config in cases:
-        groups = build_groups(ParallelDims(config.dp, config.pp, config.tp, config.rank_order), rank, timeout)
+        groups = build_groups(Degrees(config.dp, config.pp, config.tp, config.rank_order), rank, timeout)
         common = dict(tp_size=config.tp, tp_group=groups.tp if config.tp > 1 else None,
                       sequence_parallel=config.sequence_parallel, recompute=config.recompute,
                       dtype=torch.float32, seed=SEED, device=torch.device("cpu"))
@@ -244,8 +245,9 @@ def _hier_grads_worker(rank: int, world: int, port: int, cases: list) -> None:
 
     import torch.distributed as dist
 
+    from autoconf.space.degrees import Degrees
     from autoconf.trainer import data
-    from autoconf.trainer.parallel_dims import ParallelDims, build_groups
+    from autoconf.trainer.process_groups import build_groups
     from autoconf.trainer.run import add_hierarchical, chunk_layers
     from autoconf.trainer.single import SingleStage
 
@@ -254,7 +256,7 @@ def _hier_grads_worker(rank: int, world: int, port: int, cases: list) -> None:
     timeout = datetime.timedelta(seconds=120)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
     for model, config in cases:
-        flat = build_groups(ParallelDims(config.dp, config.pp, config.tp, config.rank_order), rank, timeout)
+        flat = build_groups(Degrees(config.dp, config.pp, config.tp, config.rank_order), rank, timeout)
         hier = dataclasses.replace(flat)
         add_hierarchical(hier, rank, timeout, host_mapping=HOSTS_2X2)
         assert hier.dp_all_reduce is not None, hier.dp_all_reduce_note

@@ -10,7 +10,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from autoconf.errors import UserError
-from autoconf.space.placement import check_placement, even_layers, folds_experts, order_reason
+from autoconf.space.degrees import Degrees, folds_experts, order_reason
+from autoconf.space.placement import check_placement, even_layers
 from autoconf.specs.cluster import MAX_DEVICES
 from autoconf.specs.model import ModelSpec
 from autoconf.specs.schema import Bool, Int, List, Null, Num, Str, checked, defaults_of, schema_of
@@ -171,6 +172,13 @@ class ParallelConfig:
     def __post_init__(self):
         if isinstance(self.recompute_modules, list):  # a JSON-style list reads as the tuple it means
             object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
+
+    @property
+    def degrees(self) -> Degrees:
+        """The parallel degrees and rank order, with their ranks and groups (``space.degrees``):
+        the arithmetic the cost model and the trainer share."""
+        return Degrees(self.dp, self.pp, self.tp, self.rank_order, cp=self.cp, ep=self.ep,
+                       expert_fold=folds_experts(self))
 
     @property
     def modules_label(self) -> str:

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# order_reason and folds_experts: space.config imports them from here
-from autoconf.space.degrees import Degrees, folds_experts, order_reason  # noqa: F401
+from autoconf.space.degrees import Degrees, folds_experts
 
 
 def even_layers(num_layers: int, num_chunks: int) -> list[int]:

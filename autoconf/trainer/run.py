@@ -14,7 +14,6 @@ import time
 
 from autoconf.launch.plan import load as load_plan
 from autoconf.space.config import ParallelConfig
-from autoconf.space.degrees import Degrees
 from autoconf.space.placement import Placement
 from autoconf.specs.model import ModelSpec
 
@@ -44,7 +43,7 @@ def setup(config: ParallelConfig, timeout_s: float):
         device, backend = torch.device("cuda", local), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-    degrees = Degrees(config.dp, config.pp, config.tp, config.rank_order, cp=config.cp, ep=config.ep)
+    degrees = config.degrees
     if config.device_order is None:
         dist.init_process_group(backend, timeout=timeout)
         world, rank = dist.get_world_size(), dist.get_rank()

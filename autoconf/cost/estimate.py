@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoconf.cost.bounds import lower_bound
 from autoconf.cost.chunk_time import ChunkTimes, chunk_times, optimizer_step_s
 from autoconf.cost.compression import embedding_sync_s, pipeline_compression
 from autoconf.cost.context_parallel import cp_times
@@ -97,7 +98,8 @@ def estimate(config: ParallelConfig, model: ModelSpec, cluster=None, profile=Non
 
 def estimate_on(c: ParallelConfig, ctx: System, bound: float | None = None,
               time_if_oom: bool = True) -> Estimate | None:
-    """The estimate; with ``bound``, None as soon as a lower bound on the step time reaches it;
+    """The estimate; with ``bound``, None as soon as a lower bound on the step time reaches it
+    (``bounds.lower_bound`` over ``schedule_time.pipeline_floor`` and the optimizer step);
     with ``time_if_oom=False``, a configuration that does not fit gets memory only (step time inf)."""
     lay = layout(ctx, c)
     runtime = ctx.pipeline_runtime(c, lay.stage_kinds)
@@ -105,7 +107,7 @@ def estimate_on(c: ParallelConfig, ctx: System, bound: float | None = None,
     opt = optimizer_step_s(ctx, c, lay)
     shared = sharing(ctx, lay, ct)
     floor = pipeline_floor(c, ct.forward_s, ct.backward_s, lay.num_chunks, shared)
-    if bound is not None and _lower_bound(ctx, floor, opt) >= bound:
+    if bound is not None and lower_bound(ctx, floor, opt) >= bound:
         return None
 
     memory = stage_memory(ctx, c, lay)
@@ -161,15 +163,6 @@ def _breakdown(c: ParallelConfig, lay: Layout, ct: ChunkTimes, sim, sim0, runtim
             "pp_comm": pp_t,
             "dp_comm": dp_in + dp_tail_s + post_gather_s,
             "optimizer": optimizer_s}
-
-
-def _lower_bound(ctx: System, floor: float, opt: float) -> float:
-    """Lower bound on the step time (to skip dominated configurations in the search)."""
-    cal = ctx.calibration
-    if cal is not None:  # calibration scales the terms the floor is made of
-        floor_terms = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "bubble", "pp_comm")
-        return floor * min(cal.factor(k) for k in floor_terms) + opt * cal.factor("optimizer")
-    return floor + opt
 
 
 def _finish(c: ParallelConfig, ctx: System, breakdown: dict, memory: list, step: float) -> Estimate:

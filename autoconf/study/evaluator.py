@@ -91,7 +91,7 @@ class Evaluator:
         choice can beat it. Least work: no recomputation, either sequence-parallel setting, the
         ZeRO stages of which one has the least (``_least_work_zero_stages``), every precision and
         expert-parallel degree tried; each bounded by the pipeline floor plus the optimizer step
-        (``cost.estimate._lower_bound``)."""
+        (``cost.bounds.lower_bound``)."""
         dp, pp, tp, mbs, sched, v, layered, cp = point
         fw = self.ctx.framework
         zeros = self._least_work_zero_stages(point)

@@ -12,11 +12,11 @@ The space is split in two:
 When the outer space is no bigger than the trial budget every point is evaluated (brute force).
 Otherwise a constrained TPE sampler explores it for the budget (seeded with every point already
 in the study) and then every remaining point is evaluated by branch and bound: a configuration
-whose least possible work (``schedule_time.pipeline_floor`` plus the optimizer step; a true lower
-bound for every schedule) is already slower than the ``top``-th fastest found is skipped without
-simulating its schedule. The result is the model's exhaustive ``top`` fastest configurations (the
-runners-up included, so ``--verify K`` checks the real K best), at a fraction of the cost
-(``--sample-only`` stops after the sampler).
+whose least possible work (``schedule_time.pipeline_floor`` plus the optimizer step,
+``cost.bounds.lower_bound``; a true lower bound for every schedule) is already slower than the
+``top``-th fastest found is skipped without simulating its schedule. The result is the model's
+exhaustive ``top`` fastest configurations (the runners-up included, so ``--verify K`` checks the
+real K best), at a fraction of the cost (``--sample-only`` stops after the sampler).
 
 Trials are sampled in memory (about 2 ms each) and, with a storage (``sqlite:///file.db``; the
 library keeps nothing by default, the CLI keeps a file), written in batches, so an interrupted

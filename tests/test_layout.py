@@ -20,7 +20,6 @@ PACKAGES = ("autoconf", "profiler")
 LONG = {
     "autoconf/specs/model.py": (640, "ModelSpec's ~50 documented fields, its schema and derived shapes"),
     "class ModelSpec": (542, "one frozen dataclass: ~50 fields, each with its docstring, and derived shapes"),
-    "class PointOptimizer": (549, "plan's exact per-point optimiser: its bounds share one cache per point"),
     "class Framework": (360, "a framework's defaults as data: one documented field per behaviour"),
     "class _Study": (302, "the Optuna study's ask / tell loop, its resume and its branch and bound"),
     "def plan": (185, "the sweep's orchestration: budget, grid, networks, methods, placement, result"),

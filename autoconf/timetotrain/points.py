@@ -1,14 +1,11 @@
-"""What the per-point optimiser keeps and shares: its statistics (:class:`PointStats`), the
-live micro-batches per schedule (:func:`live_counts`) and the neighbouring points whose best
-configurations warm-start a point (:func:`_neighbours`).
+"""What the per-point optimiser keeps and shares: its statistics (:class:`PointStats`) and the
+neighbouring points whose best configurations warm-start a point (:func:`_neighbours`).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 from dataclasses import dataclass
-
-from autoconf.space.schedules import device_orders
 
 
 @dataclass
@@ -26,28 +23,6 @@ class PointStats:
     def add(self, other: "PointStats") -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-
-@dataclass(frozen=True)
-class _ChunkParams:
-    """What ``data_parallel.dp_reduction_s`` reads of a layout: each chunk's parameters (the planner's
-    reduction floor takes a mixture of experts' dense parameters only: no routed experts)."""
-
-    chunk_params: tuple
-    chunk_expert_params: tuple = ()
-
-
-def live_counts(schedule: str, pp: int, m: int, v: int) -> tuple:
-    """Per device, the most activation sets (micro-batch x chunk) alive at once in the schedule's
-    order (``space.schedules.device_orders``): what ``stage_memory`` sees at the activation peak."""
-    out = []
-    for order in device_orders(schedule, pp, m, v):
-        live = peak = 0
-        for op, _mb, _c in order:
-            live += -1 if op == "B" else 1
-            peak = max(peak, live)
-        out.append(peak)
-    return tuple(out)
 
 
 def _neighbours(seeds, world: int, global_batch: int):

@@ -23,7 +23,7 @@ from autoconf.specs.model import preset
 from autoconf.specs.topology import Topology
 from autoconf.study.choices import dp_hierarchical, framework_inner
 from autoconf.study.search import search
-from autoconf.timetotrain import budget, optimiser, synthetic
+from autoconf.timetotrain import budget, synthetic
 from autoconf.timetotrain import planner as T
 
 GPT = preset("gpt3-1.3b")
@@ -225,6 +225,7 @@ def test_methods_restrict_the_space():
 def test_live_counts_closed_forms():
     cl = T.synthetic_cluster("a100-80gb", 8, "ib")
     opt = T.PointOptimizer(T.planning_system(GPT, cl))
+    from autoconf.cost import bounds
     from autoconf.cost.schedule_time import sim_size
     for sched, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("breadth_first", (2, 3))):
         for pp in (2, 3, 4, 8):
@@ -232,7 +233,7 @@ def test_live_counts_closed_forms():
                 for v in vs:
                     m_sim = sim_size(sched, pp, m)
                     scale = m / m_sim if sched in ("gpipe", "breadth_first") else 1.0
-                    want = [x * scale for x in optimiser.live_counts(sched, pp, m_sim, v)]
+                    want = [x * scale for x in bounds.live_counts(sched, pp, m_sim, v)]
                     assert list(opt._live(sched, pp, m, v, False)) == pytest.approx(want), (sched, pp, m, v)
 
 

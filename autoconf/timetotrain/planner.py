@@ -323,11 +323,11 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
     ``options``: a :class:`~autoconf.timetotrain.options.PlanOptions` (each field documented
     there); keyword ``overrides`` replace its fields. ``progress``: a progress callback."""
     o = dataclasses.replace(options or PlanOptions(), **overrides)
-    device, max_gpus, network, cluster, framework = o.device, o.max_gpus, o.network, o.cluster, o.framework
+    device, max_gpus, cluster, framework = o.device, o.max_gpus, o.cluster, o.framework
     tokens, batch_law, loss_law, global_batch, batch_factors = (o.tokens, o.batch_law, o.loss_law, o.global_batch,
                                                                  o.batch_factors)
     price_per_gpu_hour, deadline_days, budget = o.price_per_gpu_hour, o.deadline_days, o.budget
-    compare_networks, methods, mtbf_per_gpu_h = o.compare_networks, o.methods, o.mtbf_per_gpu_h
+    methods, mtbf_per_gpu_h = o.methods, o.mtbf_per_gpu_h
     checkpoint_s, restart_s, max_days, max_micro_batch = o.checkpoint_s, o.restart_s, o.max_days, o.max_micro_batch
     profile, precision, fp8_recipe, max_cp = o.profile, o.precision, o.fp8_recipe, o.max_cp
     place, place_budget_s, moe_imbalance, moe_dispatcher = o.place, o.place_budget_s, o.moe_imbalance, o.moe_dispatcher
@@ -340,28 +340,7 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
             raise UserError(f"{name} {v!r}: must be a positive number")
     if checkpoint_s <= 0 or restart_s < 0:
         raise UserError("--checkpoint-time must be positive and --restart-time 0 or more")
-    if cluster is not None:
-        if device is not None:
-            raise UserError("give --cluster FILE or --device NAME, not both")
-        clusters = {"cluster": cluster}
-        net_names: tuple = ("cluster",)
-        device_name = ", ".join(cluster.device_kinds())
-        per_node = cluster.node_groups[0].gpus_per_node
-        top = cluster.num_devices if max_gpus is None else max_gpus
-        if top > cluster.num_devices:
-            raise UserError(f"--max-gpus {top}: the cluster has only {cluster.num_devices} devices")
-    else:
-        if device is None:
-            raise UserError("give --device NAME (or --cluster FILE)")
-        for n in (network, *compare_networks):
-            if n not in NETWORKS:
-                raise UserError(f"network {n!r}; valid: {', '.join(NETWORKS)}")
-        net_names = (network,) + tuple(n for n in dict.fromkeys(compare_networks) if n != network)
-        per_node = NODES.get(device, (1,))[0]
-        top = max_gpus if max_gpus is not None else space_bound(model, bud, per_node, max_cp)
-        clusters = {n: synthetic_cluster(device, min(top, OPEN_SIZE) if max_gpus is None else top, n)
-                    for n in net_names}
-        device_name = device
+    clusters, net_names, device_name, per_node, top = _clusters(o, model, bud)
     first = next(iter(clusters.values()))
     prof_kind = None
     if profile is not None:
@@ -509,6 +488,31 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
                       methods=tuple(methods), notes=notes, precision=prec, profile_kind=prof_kind,
                       max_cp=max_cp, placed=placed, never_finish=tuple(gone),
                       max_micro_batch=max_micro_batch, moe_imbalance=moe_imbalance, moe_dispatcher=moe_dispatcher)
+
+
+def _clusters(o: PlanOptions, model, bud) -> tuple:
+    """(clusters by network, networks, device name, GPUs per node, the largest GPU count): the
+    user's cluster, or synthetic ones of ``o.device`` on each network (open-ended without
+    ``o.max_gpus``: a first size, grown as the sweep passes it)."""
+    cluster, device, max_gpus = o.cluster, o.device, o.max_gpus
+    if cluster is not None:
+        if device is not None:
+            raise UserError("give --cluster FILE or --device NAME, not both")
+        top = cluster.num_devices if max_gpus is None else max_gpus
+        if top > cluster.num_devices:
+            raise UserError(f"--max-gpus {top}: the cluster has only {cluster.num_devices} devices")
+        return ({"cluster": cluster}, ("cluster",), ", ".join(cluster.device_kinds()),
+                cluster.node_groups[0].gpus_per_node, top)
+    if device is None:
+        raise UserError("give --device NAME (or --cluster FILE)")
+    for n in (o.network, *o.compare_networks):
+        if n not in NETWORKS:
+            raise UserError(f"network {n!r}; valid: {', '.join(NETWORKS)}")
+    net_names = (o.network,) + tuple(n for n in dict.fromkeys(o.compare_networks) if n != o.network)
+    per_node = NODES.get(device, (1,))[0]
+    top = max_gpus if max_gpus is not None else space_bound(model, bud, per_node, o.max_cp)
+    clusters = {n: synthetic_cluster(device, min(top, OPEN_SIZE) if max_gpus is None else top, n) for n in net_names}
+    return clusters, net_names, device, per_node, top
 
 
 def _place_rows(rows: list, systems: dict, methods, make_row, budget_s: float) -> dict:

@@ -76,7 +76,7 @@ class Topology:
     @classmethod
     def of_cluster(cls, spec) -> "Topology":
         """The topology of a ``ClusterSpec`` read from its node groups, without building its graph:
-        the same fields as ``Topology(spec.graph())`` (``tests/specs/test_bounds.py`` compares
+        the same fields as ``Topology(spec.graph())`` (``tests/specs/test_size_limits.py`` compares
         them), in time and memory linear in the devices, and without importing networkx."""
         self = cls.__new__(cls)
         domains = spec.domains()

@@ -129,3 +129,13 @@ def test_modules_functions_and_classes_stay_short_or_say_why():
             over.append(f"{where}: {kind} of {n} lines (limit {LIMITS[kind]}"
                         + (f", allowed {allowed[0]})" if allowed else ")"))
     assert over == []
+
+
+def test_test_modules_have_unique_basenames():
+    """pytest imports test modules by basename (no packages under tests/): two alike fail collection."""
+    seen: dict = {}
+    for dirpath, _dirs, files in os.walk(os.path.join(ROOT, "tests")):
+        for f in files:
+            if f.startswith("test_") and f.endswith(".py"):
+                seen.setdefault(f, []).append(os.path.relpath(os.path.join(dirpath, f), ROOT))
+    assert {f: p for f, p in seen.items() if len(p) > 1} == {}

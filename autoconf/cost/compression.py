@@ -23,7 +23,14 @@ Pure: no torch.
 from __future__ import annotations
 
 from autoconf.cost import comm
-from autoconf.cost.groups import grad_group, tied_params
+from autoconf.cost.groups import (
+    all_reduce_algorithms,
+    axis_links,
+    collective_s,
+    grad_group,
+    reduction_collective,
+    tied_params,
+)
 from autoconf.cost.pipeline import Compression
 from autoconf.cost.powersgd import dp_compressed, low_rank_kernel_s, powersgd_buckets
 from autoconf.cost.schedule_time import boundary_bytes, boundary_tokens, p2p_times
@@ -101,7 +108,6 @@ def step_bytes(system, c, lay) -> list:
 
 def tied_bytes(system, c) -> float:
     """Bytes of the tied embedding gradient on a tp rank (its vocabulary shard)."""
-    from autoconf.cost.groups import tied_params
     return tied_params(system, c, 0) * system.policy.grad_bytes
 
 
@@ -127,7 +133,6 @@ def embedding_sync_s(system, c) -> tuple[float, float]:
             return 0.0, 0.0
         # the rank's vocabulary shard as the framework pads it
         nbytes, pair_only = -(-system.policy.model_at(c.tp).vocab_size // c.tp) * m.hidden_size * system.policy.grad_bytes, True
-    from autoconf.cost.groups import all_reduce_algorithms, axis_links, collective_s, grad_group, reduction_collective
     n_grad, axis = grad_group(c)
     fused = c.fused_embedding_sync and not pair_only
 
@@ -173,7 +178,6 @@ def memory_parts(system, c, lay, dev: int) -> list:
                 keep += (n + m) * r * eb
         parts.append(("compression residuals", keep))
     if dp_compressed(c, dev):
-        from autoconf.cost.groups import tied_params
         grads = sum(lay.chunk_params[ci] - tied_params(system, c, ci) for ci in lay.chunks_of(c, dev))
         parts.append(("powersgd error feedback", 2 * grads * system.policy.grad_bytes))
     return parts

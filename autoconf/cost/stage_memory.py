@@ -155,7 +155,6 @@ def _module_working(system: System, c: ParallelConfig, lay: Layout) -> tuple:
     out_dense = side(system.layer_activations(core, mask), system.layer_activations(mods, mask))
     out_moe = 0.0
     if lay.chunk_moe_layers and any(lay.chunk_moe_layers):
-        from autoconf.cost.moe import moe_activation_bytes
         out_moe = side(moe_activation_bytes(system, core, mask), moe_activation_bytes(system, mods, mask))
     return out_dense, out_moe
 
@@ -175,7 +174,6 @@ def _paired_extra_bytes(system: System, c: ParallelConfig, lay: Layout, s: int) 
     if c.pp > 1:
         per_chunk = _chunk_activation_bytes(system, c, lay, system.layer_activations(c, mask)["total"])
         return max(per_chunk[ci] for ci in lay.chunks_of(c, s))
-    from autoconf.cost.moe import moe_activation_bytes
     return moe_activation_bytes(system, c, mask)["total"]
 
 
@@ -191,7 +189,6 @@ def _chunk_activation_bytes(system: System, c: ParallelConfig, lay: Layout, laye
     m, mask, n_chunks = system.policy.model_at(c.tp, c.cp), mask_bytes(system, lay), lay.num_chunks
     moe_bytes = 0.0
     if lay.chunk_moe_layers and any(lay.chunk_moe_layers):
-        from autoconf.cost.moe import moe_activation_bytes
         moe_bytes = moe_activation_bytes(system, c, mask)["total"]
     per_chunk = []
     for ci in range(n_chunks):
@@ -272,7 +269,6 @@ def _layered_units(system: System, c: ParallelConfig, lay: Layout, act_layer: di
     units = [(embedding_activation_bytes(local, b, t, sp, mask), m.embedding_params() / t * grad_bytes, 0.0, 0.0)]
     block_transient = act_layer.get("recompute_working_bytes", 0.0) + block_backward_temporary_bytes(local, b, t)
     if m.is_moe:  # its MoE blocks: their own activations, working set and E/ep experts' gradients
-        from autoconf.cost.moe import moe_activation_bytes
         moe_act = moe_activation_bytes(system, c, mask)
         moe_transient = (max(act_layer.get("recompute_working_bytes", 0.0), _moe_working(system, c, lay))
                          if c.recompute == "full" else moe_act.get("recompute_working_bytes", 0.0))

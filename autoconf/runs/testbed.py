@@ -64,6 +64,7 @@ import threading
 import time
 
 from autoconf.errors import UserError
+from autoconf.procs import ProcessTree, Terminated, deferred_signals
 from autoconf.runs.testbed_plan import (
     DEFAULT_PORT,
     DEFAULT_SUBNET,
@@ -247,7 +248,6 @@ class Testbed:
         _open.add(self)
         self._hold_terminate()
         try:
-            from autoconf.procs import deferred_signals
             for cmd in setup_commands(self.nodes, self.prefix):
                 with deferred_signals():  # a namespace created is recorded before a signal acts
                     self._run_setup(cmd)
@@ -275,7 +275,6 @@ class Testbed:
     def close(self) -> None:
         """Kill what was started in the nodes, delete the namespaces and /etc/netns entries.
         Idempotent; signals are held back while it runs."""
-        from autoconf.procs import deferred_signals
 
         with self._lock, deferred_signals():
             for tree in self._trees:
@@ -301,7 +300,6 @@ class Testbed:
         (where nothing else handles them), so ``with`` blocks clean up for them too."""
         if threading.current_thread() is not threading.main_thread():
             return
-        from autoconf.procs import Terminated
 
         def handler(signum, frame):
             raise Terminated(signum)
@@ -344,7 +342,6 @@ class Testbed:
     def popen(self, k: int, argv: list[str], env: dict | None = None, **kw):
         """Start ``argv`` in node ``k`` as a :class:`autoconf.procs.ProcessTree` (killed with the
         testbed at the latest)."""
-        from autoconf.procs import ProcessTree
 
         tree = ProcessTree(self.argv(k, argv), env=self.env(k, env), **kw)
         self._trees.append(tree)

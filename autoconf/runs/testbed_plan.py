@@ -11,6 +11,8 @@ import secrets
 from dataclasses import dataclass
 
 from autoconf.errors import UserError
+from autoconf.launch.shell import python_torchrun
+from autoconf.launch.shell import torchrun_argv as argv
 from autoconf.specs.units import MAX_RATE_BIT_S, MIN_RATE_BIT_S, fmt_rate, parse_rate
 
 IFACE = "tb0"
@@ -157,8 +159,6 @@ def torchrun_argv(nodes: list[Node], k: int, nproc_per_node: int, master_port: i
     """One node's torchrun with the static rendezvous: node ``k`` is group rank ``k`` and its
     workers take the global ranks after those of nodes 0..k-1. ``script``: ``["-m", "mod", ...]``
     or ``["file.py", ...]``."""
-    from autoconf.launch.shell import python_torchrun
-    from autoconf.launch.shell import torchrun_argv as argv
 
     launcher = python_torchrun() if python is None else (python, "-m", "torch.distributed.run")
     return argv(script, nproc_per_node, len(nodes), k, nodes[0].address, master_port, launcher=launcher)

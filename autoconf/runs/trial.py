@@ -23,9 +23,12 @@ import time
 from dataclasses import dataclass, field
 
 from autoconf import procs
+from autoconf.cost.measured import block_times
 from autoconf.errors import UserError
+from autoconf.launch.hosts import node_plan
 from autoconf.launch.plan import LaunchPlan, load
 from autoconf.launch.shell import python_torchrun, torchrun_argv
+from autoconf.runs.testbed import attached, node_commands
 from autoconf.space.config import ParallelConfig, check
 from autoconf.specs.model import ModelSpec
 
@@ -130,11 +133,9 @@ def _launch(plan, config, out_dir, steps, warmup, timeout_s, nproc, env_extra, s
     env.update(env_extra or {})
     oom_before = procs.oom_kills()
     t0 = time.perf_counter()
-    from autoconf.runs.testbed import attached
     tb = attached()
     with open(os.path.join(out_dir, "torchrun.log"), "w") as log:
         if tb is not None:  # under `autoconf testbed --driver`: one torchrun per emulated node
-            from autoconf.runs.testbed import node_commands
             returncode, timed_out = _launch_nodes(node_commands(tb, _host_counts(plan, nproc, tb), script, env),
                                                   log, timeout_s)
         else:
@@ -152,7 +153,6 @@ def _host_counts(plan: LaunchPlan, nproc: int, tb: dict) -> list[int]:
     """Processes per host as the plan was priced: the first ``nproc`` devices of the plan's
     cluster, host by host; without a cluster, spread evenly over the testbed's nodes."""
     if plan.cluster is not None:
-        from autoconf.launch.hosts import node_plan
         return [p["nproc"] for p in node_plan(plan.cluster, nproc)]
     n = len(tb["nodes"])
     if nproc % n:
@@ -273,7 +273,6 @@ def speed_vs_profile(result: TrialResult, profile, model: ModelSpec) -> float | 
     or throttled machine drifts; this separates that drift from the cost model's own error."""
     if result.speed_probe_s is None or profile is None:
         return None
-    from autoconf.cost.measured import block_times
 
     got = block_times(profile, model, 1, 1, "none")
     return result.speed_probe_s / (got[0] + got[1]) if got and got[0] + got[1] > 0 else None

@@ -322,8 +322,6 @@ class Placer:
         even split (``default_fits``: whether that fits in memory; ``gain``: how many times slower
         it is, None when it does not fit), after the heuristic and after the local search; and
         where its stages run."""
-        from autoconf.cost.estimate import estimate_on
-
         c = placed.config
         default = estimate_on(dataclasses.replace(c, device_order=None, stage_layers=None), self.system)
         return {"default_step_time_s": default.step_time_s, "default_fits": default.fits,

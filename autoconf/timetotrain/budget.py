@@ -55,7 +55,6 @@ class Budget:
     learning_rate: float | None = None
 
     def plan(self, batch: int) -> BatchPlan:
-        from autoconf.timetotrain import laws as scaling
         b_tok = batch * self.seq_length
         if self.law == "kaplan":
             # D is what a run processes at B = B_crit: E_min = D / 2, S_min = D / (2 B_crit)
@@ -65,7 +64,6 @@ class Budget:
         return BatchPlan(batch, self.tokens / b_tok, self.tokens)
 
     def to_dict(self) -> dict:
-        from autoconf.timetotrain import laws as scaling
         laws = {"kaplan": ["kaplan-bcrit"], "deepseek": ["deepseek-batch"], "fixed": []}[self.law]
         laws.append("kaplan-loss" if self.loss_law == "kaplan" else "chinchilla-loss")
         return {"law": self.law, "tokens": self.tokens, "tokens_rule": self.tokens_rule,

@@ -41,12 +41,14 @@ def cp_choices(model: ModelSpec, world: int, max_cp: int | None = None) -> tuple
     return tuple(c for c in divisors(world) if c <= max_cp and (c == 1 or model.seq_length % (2 * c) == 0))
 
 
-def pipeline_choices(pp: int, model: ModelSpec, max_virtual: int = 8) -> list[tuple[str, int, bool]]:
-    """(schedule, virtual_stages, layered) combinations worth considering for a pp degree."""
+def pipeline_choices(pp: int, model: ModelSpec, max_virtual: int | None = None) -> list[tuple[str, int, bool]]:
+    """(schedule, virtual_stages, layered) combinations worth considering for a pp degree: every
+    number of chunks per device that divides its layers, up to one layer per chunk (fully modular
+    placement, Lamy-Poirier's arXiv 2106.02679), or up to ``max_virtual``."""
     if pp == 1:
         return [("1f1b", 1, False), ("1f1b", 1, True)]
     out = [("gpipe", 1, False), ("gpipe", 1, True), ("1f1b", 1, False)]
-    max_v = min(max_virtual, model.num_layers // pp)
+    max_v = model.num_layers // pp if max_virtual is None else min(max_virtual, model.num_layers // pp)
     out += [("interleaved", v, False) for v in range(2, max_v + 1) if (model.num_layers // pp) % v == 0]
     out += [("breadth_first", v, True) for v in range(2, max_v + 1) if (model.num_layers // pp) % v == 0]
     return out

@@ -58,7 +58,9 @@ def test_branch_and_bound_sweep_is_exact():
     bnb = search(m, A100, 64, gpus=8, storage=None, trials=20)
     assert bnb.sampler.startswith("TPE, then every point")
     assert bnb.top[0].step_time_s == pytest.approx(exact.top[0].step_time_s)
-    assert bnb.estimates < exact.estimates
+    # the bound skips most of the space (brute force, in listing order, is bounded by its incumbent
+    # too: which does fewer estimates depends on the order the best is met, not on exactness)
+    assert bnb.estimates < bnb.valid / 4 and exact.estimates < exact.valid / 4
 
 
 def test_cli_estimate_json():
@@ -222,7 +224,9 @@ def test_a_resumed_study_asked_for_more_finds_the_new_runners_up(tmp_path):
     assert more.study_name == one.study_name and more.resumed and more.trials_run > 0
     assert [e.step_time_s for e in more.top] == pytest.approx(_gpt13_times()[:7], rel=1e-12)
     again = search(m, A100, 64, gpus=8, storage=url, trials=20, top=7)  # now all known: nothing re-evaluated
-    assert again.trials_run == 0 and again.earlier_trials == more.trials_total
+    # every trial is known; top 1's trials that top 7's sweep had left dominated now hold as well
+    # (their bound is above the 7th best), so there may be more of them than the second run stored
+    assert again.trials_run == 0 and again.earlier_trials >= more.trials_total
     assert [e.step_time_s for e in again.top] == pytest.approx(_gpt13_times()[:7], rel=1e-12)
 
 

@@ -90,3 +90,66 @@ def device_orders(schedule: str, pp: int, num_micro_batches: int,
     make = ORDERS[schedule]
     return tuple(tuple(("B" if b else "F", mb, c) for b, mb, c in make(pp, num_micro_batches, virtual_stages, r))
                  for r in range(pp))
+
+
+def fsdp_gathers(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int = 1,
+                 layered: bool = False) -> dict[int, tuple[int, int]]:
+    """{chunk: (forward gathers, backward gathers)} per step of an FSDP (ZeRO-3) unit of each
+    chunk, under ``torch.distributed.pipelining`` running ``device_orders``; every unit
+    reduce-scatters its gradients once per step, after the chunk's last backward.
+
+    FSDP2 gathers a unit's parameters before a pass that finds them sharded. The pipeline stage
+    (torch 2.13 ``pipelining/stage.py``, ``backward_one_chunk``) keeps them gathered after every
+    backward but the chunk's last (``set_reshard_after_backward(False)``, and no gradient sync
+    until ``perform_reduce_grad``). After a forward they are resharded at once under standard
+    accumulation (``reshard_after_forward``), so an interleaving of forwards and backwards
+    gathers again and again; with layered accumulation (breadth-first, gpipe-layered) the reference
+    trainer keeps them through the chunk's forwards and reshards after its last one, so that each
+    chunk gathers once in the forward and once in the backward (Lamy-Poirier, arXiv 2106.02679)."""
+    out: dict[int, tuple[int, int]] = {}
+    for ops in device_orders(schedule, pp, num_micro_batches, virtual_stages):
+        state: dict = {}  # chunk -> gathered now
+        fwd: dict = {}
+        bwd: dict = {}
+        seen_f: dict = {}
+        seen_b: dict = {}
+        for kind, _mb, c in ops:
+            gathered = state.get(c, False)
+            if kind == "F":
+                fwd[c] = fwd.get(c, 0) + (not gathered)
+                seen_f[c] = seen_f.get(c, 0) + 1
+                state[c] = layered and seen_f[c] < num_micro_batches
+            else:
+                bwd[c] = bwd.get(c, 0) + (not gathered)
+                seen_b[c] = seen_b.get(c, 0) + 1
+                state[c] = seen_b[c] < num_micro_batches
+        for c in fwd:
+            out[c] = (fwd[c], bwd.get(c, 0))
+    return out
+
+
+def fsdp_unsharded_peak(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int, layered: bool,
+                        device: int, param_bytes: dict, grad_bytes: dict) -> float:
+    """The most bytes device ``device``'s chunks hold unsharded at once under
+    ``fsdp_gathers``'s rules: a chunk's gathered parameters (``param_bytes[chunk]``) while they
+    are gathered, and its unsharded gradients (``grad_bytes[chunk]``) from its first backward to
+    its last, which reduce-scatters them (no gradient sync before it)."""
+    ops = device_orders(schedule, pp, num_micro_batches, virtual_stages)[device]
+    gathered: dict = {}
+    grads: dict = {}
+    seen_f: dict = {}
+    seen_b: dict = {}
+    peak = 0.0
+    for kind, _mb, c in ops:
+        gathered[c] = True  # during the pass
+        if kind == "B":
+            grads[c] = True
+        peak = max(peak, sum(param_bytes[k] for k, g in gathered.items() if g)
+                   + sum(grad_bytes[k] for k, g in grads.items() if g))
+        if kind == "F":
+            seen_f[c] = seen_f.get(c, 0) + 1
+            gathered[c] = layered and seen_f[c] < num_micro_batches
+        else:
+            seen_b[c] = seen_b.get(c, 0) + 1
+            gathered[c] = grads[c] = seen_b[c] < num_micro_batches
+    return peak

@@ -112,10 +112,14 @@ class CommCounter:
 
     def take(self, grad_sync) -> dict:
         """This step's bytes, the data-parallel payload taken from ``grad_sync`` (None without one:
-        ZeRO-3), then the counts restart."""
+        ZeRO-3, whose FSDP collectives are counted instead), then the counts restart."""
         snap = {"pp_send": {k: dict(v) for k, v in sorted(self.pp_send.items(), key=lambda kv: int(kv[0]))},
                 "dp_payload": grad_sync.take_payload() if grad_sync is not None else None,
                 "embedding_payload": int(self.embedding_payload)}
+        if grad_sync is None:  # ZeRO-3: FSDP2's gathers and reduce-scatters this step, by unit
+            from autoconf.trainer.fsdp_counts import take_fsdp_calls
+
+            snap["fsdp_calls"] = take_fsdp_calls()
         self.reset()
         return snap
 

@@ -371,14 +371,19 @@ class Optimizers:
         return [o.tracked() for o in self.optimizers]
 
 
-def apply_fsdp(units, container, dp_group, device_type: str):
-    """ZeRO-3: shard every unit, then the container (the pipeline stage or the whole model)."""
+def apply_fsdp(units, container, dp_group, device_type: str, reshard_after_forward: bool = True):
+    """ZeRO-3: shard every unit, then the container (the pipeline stage or the whole model).
+    ``reshard_after_forward=False``: the units stay gathered after a forward (a layered pipeline
+    chunk reshards them itself after its last micro-batch, ``piped.Piped``)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
+    from autoconf.trainer.fsdp_counts import count_fsdp_collectives
+
+    count_fsdp_collectives()
     mesh = DeviceMesh.from_group(dp_group, device_type, mesh_dim_names=("dp",))
     for unit in units:
-        fully_shard(unit, mesh=mesh)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
     if container is not None:
         fully_shard(container, mesh=mesh)
     return mesh

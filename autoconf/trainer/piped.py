@@ -35,9 +35,13 @@ class Piped:
         self.tied_ids = {id(p) for p in self.tied}
         self.grad_sync = None
         self.partitioned = False  # ZeRO-2 reducing every micro-batch's gradients
+        # ZeRO-3 with layered accumulation: a chunk's units stay gathered through its forwards and
+        # are resharded after the last (_forwards_done), one gather per pass (space.schedules.fsdp_gathers)
+        self.layered_fsdp = config.zero_stage == 3 and config.layered_grad_accum
         if config.zero_stage == 3:
             for mod in self.chunks.values():
-                data_parallel.apply_fsdp(_units(mod), mod, groups.grad, device.type)
+                data_parallel.apply_fsdp(_units(mod), mod, groups.grad, device.type,
+                                         reshard_after_forward=not self.layered_fsdp)
         else:
             self.grad_sync = data_parallel.grad_sync(self.parameters(), config, groups)
             if not config.layered_grad_accum:
@@ -65,7 +69,8 @@ class Piped:
                             seed=common.get("seed", 0) * 1_000_003 + stage.stage_index)
 
         self.sched, self.stages = build_schedule(self.chunks, config.schedule, n, config.num_micro_batches,
-                                                 groups.pp, device, loss_fn, self._grads_final, configure)
+                                                 groups.pp, device, loss_fn, self._grads_final, configure,
+                                                 self._forwards_done if self.layered_fsdp else None)
         self._torch = torch
 
     def modules(self):
@@ -73,6 +78,12 @@ class Piped:
 
     def parameters(self):
         return [p for c in self.chunk_ids for p in self.chunks[c].parameters()]
+
+    def _forwards_done(self, stage) -> None:
+        """Layered ZeRO-3: every micro-batch went through the chunk's forward; free its gathered
+        parameters until its backward gathers them again."""
+        for unit in _units(self.chunks[stage.stage_index]):
+            unit.reshard()
 
     def _grads_final(self, stage) -> None:
         """A stage's backward has seen every micro-batch: sum SP grads, launch its dp reduction."""

@@ -61,9 +61,17 @@ def make_stage_class():
     from torch.distributed.pipelining import PipelineStage
 
     class ReducingStage(PipelineStage):
-        """A PipelineStage that calls ``on_grads_final(self)`` once its gradients are final."""
+        """A PipelineStage that calls ``on_grads_final(self)`` once its gradients are final, and
+        ``on_forwards_done(self)`` after its last micro-batch's forward."""
 
         on_grads_final = None
+        on_forwards_done = None
+
+        def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+            out = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            if self.on_forwards_done is not None and fwd_chunk_id == self.chunks - 1:
+                self.on_forwards_done(self)
+            return out
 
         def perform_reduce_grad(self, grad_scale_factor: int):
             super().perform_reduce_grad(grad_scale_factor)
@@ -74,7 +82,7 @@ def make_stage_class():
 
 
 def build_schedule(chunks: dict, schedule: str, num_chunks: int, num_micro_batches: int, pp_group,
-                   device, loss_fn, on_grads_final=None, configure=None):
+                   device, loss_fn, on_grads_final=None, configure=None, on_forwards_done=None):
     """Wrap this rank's chunk modules ({chunk index: module}) in stages and a schedule.
 
     The stages count their sends and can compress their backward sends
@@ -87,6 +95,7 @@ def build_schedule(chunks: dict, schedule: str, num_chunks: int, num_micro_batch
     for idx in sorted(chunks):
         st = stage_cls(chunks[idx], idx, num_chunks, device, group=pp_group)
         st.on_grads_final = on_grads_final
+        st.on_forwards_done = on_forwards_done
         if configure is not None:
             configure(st)
         stages.append(st)

@@ -33,7 +33,7 @@ from autoconf.cost.system import System
 from autoconf.cost.tensor_parallel import tp_times
 from autoconf.space.config import ParallelConfig, module_key
 from autoconf.space.placement import Placement, even_layers
-from autoconf.space.schedules import device_orders
+from autoconf.space.schedules import device_orders, fsdp_gathers
 from autoconf.specs.devices import device_type
 
 FLOOR_TERMS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm", "bubble", "pp_comm")
@@ -311,7 +311,11 @@ def memory_floors(system: System, point, m: int, acts, zeros, stage, live, kinds
     master = system.framework.master_weights
     per_param = np.array([(lambda st: st.parameters + st.optimizer)(state_bytes_per_param(
         mod.dtype, state_zero(system, point, z), dp * cp, fp32, master)) for z in zeros])
-    z3 = np.array([zero3_working_bytes(mod, tp) if (z == 3 and dp * cp > 1) else 0.0 for z in zeros])
+    # (under pipelining the reference trainer's FSDP2 holds whole chunks instead, Policy.fsdp_per_pass:
+    # at least 0, a chunk's share of a mixture of experts' layer being smaller than a layer)
+    z3 = np.array([zero3_working_bytes(mod, tp) if (z == 3 and dp * cp > 1 and not
+                                                    system.policy.fsdp_per_pass(z, pp, dp * cp)) else 0.0
+                   for z in zeros])
     # options x zeros x stages
     tot = (np.asarray(acts, dtype=float)[:, None, None] * units[None, None, :]
            + per_param[None, :, None] * params[None, None, :] + rest[None, None, :] + z3[None, :, None])
@@ -400,7 +404,10 @@ def micro_batch_dp_floor(system: System, point, m: int, zero: int, rs, ag) -> fl
     bound of ``data_parallel.per_micro_batch_s``: each micro-batch but the last reduce-scatters
     its gradients (not in layered accumulation, which reduces once per unit), ZeRO-3 gathers its
     parameters for the forward and again for the backward (except layered accumulation at
-    pp = 1); where the framework gathers once per step (``Policy.fsdp_step_gather``) once."""
+    pp = 1); where the framework gathers once per step (``Policy.fsdp_step_gather``) once; under
+    the reference trainer's pipelining (``Policy.fsdp_per_pass``) as often as the fewest-gathered
+    of a device's chunks (``space.schedules.fsdp_gathers``), reduce-scattering after the last
+    backward (:func:`reduction_queues`)."""
     dp, pp, tp, mbs, sched, v, layered, cp = point
     lay = layered or sched == "breadth_first"
     if dp * cp == 1 or zero < 2:
@@ -408,6 +415,13 @@ def micro_batch_dp_floor(system: System, point, m: int, zero: int, rs, ag) -> fl
     if system.policy.fsdp_step_gather(zero, pp, dp * cp):
         # gathered once per step and reduced after the last micro-batch (Policy.fsdp_step_gather)
         return max(r + (a if zero == 3 else 0.0) for r, a in zip(rs, ag))
+    if system.policy.fsdp_per_pass(zero, pp, dp * cp):
+        # gathered as often as the schedule finds a chunk resharded, at least the fewest times
+        # any of the device's chunks is; reduce-scattered after the last backward (the queue)
+        if sched == "interleaved" and m % pp:  # (no such configuration: nothing to bound)
+            return 0.0
+        passes = fsdp_gathers(sched, pp, m, v, lay)
+        return max(min(sum(passes[ci]) for ci in range(d, pp * v, pp)) * a for d, a in enumerate(ag))
     per_mb = [0.0] * pp
     if not lay:
         per_mb = [r * (m - 1) / m for r in rs]
@@ -424,12 +438,13 @@ def reduction_queues(system: System, point, zeros, red):
     chunks' last backwards interleave with the cool-down). ZeRO-3 reduce-scatters inside each
     backward (``data_parallel.reduces_in_backward``): past the last backward only a layer's is
     left, so its queue adds nothing to the floor there (zeros), unless the framework reduces once
-    per step (``Policy.fsdp_step_gather``)."""
+    per step (``Policy.fsdp_step_gather``, ``Policy.fsdp_per_pass``)."""
     dp, pp, tp, mbs, sched, v, layered, cp = point
     standard = dp * cp > 1 and ((v == 1 and (pp > 1 or not layered)) or sched == "breadth_first")
     if not standard:
         return None
-    return [r[3] if z != 3 or system.policy.fsdp_step_gather(z, pp, dp * cp) else [0.0] * pp for z, r in zip(zeros, red)]
+    once = (system.policy.fsdp_step_gather(3, pp, dp * cp) or system.policy.fsdp_per_pass(3, pp, dp * cp))
+    return [r[3] if z != 3 or once else [0.0] * pp for z, r in zip(zeros, red)]
 
 
 def step_floors(system: System, point, m: int, zeros, floors, red, opt, tails=None) -> list:

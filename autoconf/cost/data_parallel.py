@@ -32,6 +32,7 @@ from autoconf.cost.memory import BUCKET_BYTES
 from autoconf.cost.powersgd import dp_compressed, exact_dp_links, powersgd_reduction_s
 from autoconf.cost.system import System
 from autoconf.space.config import ParallelConfig, expert_dp
+from autoconf.space.schedules import fsdp_gathers
 
 
 def bucket_traffic(c: ParallelConfig) -> float:
@@ -99,10 +100,12 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
 
     - ZeRO-3 gathers each layer's parameters once per pass over the chunk: every micro-batch
       (standard accumulation), or once per step (layered: all micro-batches go through a chunk
-      together), in the forward and again in the backward. With pipelining the gather is per
-      micro-batch even for breadth-first: FSDP2 under ``torch.distributed.pipelining`` (the
-      reference trainer) reshards after every micro-batch's forward and backward; the model
-      follows what the trainer runs. With prefetching
+      together), in the forward and again in the backward. Under pipelining (FSDP2 over
+      ``torch.distributed.pipelining``, the reference trainer: ``Policy.fsdp_per_pass``) as often
+      as the schedule finds the chunk resharded (``space.schedules.fsdp_gathers``: a forward
+      reshards, a backward but the last does not; with layered accumulation the chunk stays
+      gathered through its forwards: once per pass), and each chunk reduce-scatters once,
+      after its last backward (:func:`reduction_spans`). With prefetching
       (``overlap_param_gather``) the next layer's gather runs during this layer's compute, so a
       layer exposes max(0, gather - compute); the first layer's gather of each pass over the
       device's chunks is exposed. Without it every gather is exposed.
@@ -133,12 +136,15 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
         first_f = ag_l if ci < c.pp else 0.0
         fwd = first_f + nl * max(0.0, ag_l - f_l) if lay.overlap_param_gather else nl * ag_l
         return fwd / n_mb, 0.0
-    passes = 1 if lay.layered and c.pp == 1 else n_mb
-    per_pass = n_mb / passes  # micro-batches per pass over the chunk
-    f_l, b_l = f / nl * per_pass, b / nl * per_pass  # one layer's compute in one pass
+    per_pass = system.policy.fsdp_per_pass(c.zero_stage, c.pp, c.dp * c.cp)
+    if per_pass:  # FSDP2 under torch.distributed.pipelining: as often as the schedule finds it resharded
+        passes_f, passes_b = fsdp_gathers(c.schedule, c.pp, n_mb, c.virtual_stages, lay.layered)[ci]
+    else:
+        passes_f = passes_b = 1 if lay.layered and c.pp == 1 else n_mb
+    f_l, b_l = f / nl * n_mb / passes_f, b / nl * n_mb / max(passes_b, 1)  # one layer's compute in one pass
     g_bytes = system.policy.reduce_bytes(c)
     rs_l = 0.0
-    if not lay.layered:  # standard accumulation: every micro-batch's gradients (ZeRO-2: but the last)
+    if not lay.layered and not per_pass:  # standard accumulation: every micro-batch's gradients (ZeRO-2: but the last)
         grads = lay.chunk_params[ci] * g_bytes
         buckets = reduce_calls(c, grads, nl)
         rs = (buckets * collective_s(system, links, comm.reduce_scatter_s, n, grads / buckets)
@@ -158,7 +164,7 @@ def per_micro_batch_s(system: System, c: ParallelConfig, lay: Layout, ci: int, f
         bwd = nl * (ag_l + max(0.0, rs_l - b_l))
     else:
         bwd = nl * (ag_l + rs_l)
-    return fwd * passes / n_mb, bwd * passes / n_mb
+    return fwd * passes_f / n_mb, bwd * passes_b / n_mb
 
 
 def reduces_in_backward(system: System, c: ParallelConfig, lay: Layout) -> bool:
@@ -167,7 +173,8 @@ def reduces_in_backward(system: System, c: ParallelConfig, lay: Layout) -> bool:
     only its last layer's is left, :func:`reduction_spans`): standard accumulation, overlapped,
     uncompressed, and not gathered once per step (``Policy.fsdp_step_gather``)."""
     return (c.zero_stage == 3 and not lay.layered and lay.overlap_grad_reduce and not c.dp_compression_stages
-            and not system.policy.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp))
+            and not system.policy.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp)
+            and not system.policy.fsdp_per_pass(c.zero_stage, c.pp, c.dp * c.cp))
 
 
 def reduction_tail_s(system: System, c: ParallelConfig, lay: Layout, sim, makespan: float, bwd) -> float:
@@ -195,7 +202,8 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
     layer_grads = m.layer_params() / c.tp * system.policy.reduce_bytes(c)
     last_bucket = layer_grads if c.zero_stage == 3 else min(BUCKET_BYTES, layer_grads)
     ends = sim.last_backward_end_s
-    step_gather = system.policy.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp)
+    # torch.distributed.pipelining's REDUCE_GRAD: after the stage's last backward
+    step_gather = system.policy.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp) or system.policy.fsdp_per_pass(c.zero_stage, c.pp, c.dp * c.cp)
     in_backward = reduces_in_backward(system, c, lay)
     out = []
     for dev in range(c.pp):

@@ -139,3 +139,12 @@ class Policy:
         micro-batch (``Framework.fsdp_step_gather_under_pp``: torchtitan over
         ``torch.distributed.pipelining``, which turns gradient sync off for every other one)."""
         return zero_stage >= 2 and pp > 1 and self.framework.fsdp_step_gather_under_pp and dp_cp > 1
+
+    def fsdp_per_pass(self, zero_stage: int, pp: int, dp_cp: int) -> bool:
+        """ZeRO-3 under pipelining that gathers per pass over a chunk and reduce-scatters once,
+        after the chunk's last backward: FSDP2 over ``torch.distributed.pipelining`` as the
+        reference trainer runs it (``space.schedules.fsdp_gathers``; its stage turns gradient sync
+        off before every backward but the last, torch 2.13 ``pipelining/stage.py``). A framework
+        that runs ZeRO-3 with pp > 1 does this or gathers once per step
+        (:meth:`fsdp_step_gather`); the others refuse it (``Framework.check``)."""
+        return zero_stage == 3 and pp > 1 and dp_cp > 1 and not self.fsdp_step_gather(zero_stage, pp, dp_cp)

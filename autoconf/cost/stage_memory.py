@@ -18,12 +18,14 @@ from autoconf.cost import schedule_time
 from autoconf.cost.activations import block_backward_temporary_bytes, embedding_activation_bytes, head_activation_bytes
 from autoconf.cost.compression import memory_parts
 from autoconf.cost.context_parallel import kv_chunk_bytes
+from autoconf.cost.data_parallel import gather_bytes
 from autoconf.cost.layout import Layout, chunk_params, fp8_linear_params
 from autoconf.cost.memory import BUCKET_BYTES, optimizer_temporary_bytes, state_bytes_per_param, zero3_working_bytes
 from autoconf.cost.moe import moe_activation_bytes, paired_fraction
 from autoconf.cost.pipeline_memory import peak_memory
 from autoconf.cost.system import System
 from autoconf.space.config import ParallelConfig, expert_dp, module_key
+from autoconf.space.schedules import fsdp_unsharded_peak
 from autoconf.specs.devices import device_type
 
 
@@ -353,6 +355,13 @@ def _other_bytes(system: System, c: ParallelConfig, lay: Layout, s: int, acts: f
         if c.zero_stage == 3:
             parts.append(("fsdp unsharded parameters", params * m.dtype_bytes))
         parts.append(("fsdp unsharded gradients", params * system.policy.reduce_bytes(c)))
+    elif system.policy.fsdp_per_pass(c.zero_stage, c.pp, c.dp * c.cp):  # FSDP2 under torch.distributed.pipelining: a chunk's units
+        # stay gathered after every backward but its last, its gradients unsharded until then
+        # (space.schedules.fsdp_gathers; torch 2.13 pipelining/stage.py, backward_one_chunk)
+        pb = {ci: lay.chunk_params[ci] * gather_bytes(system, c) for ci in chunks}
+        gb = {ci: lay.chunk_params[ci] * system.policy.reduce_bytes(c) for ci in chunks}
+        parts.append(("fsdp unsharded chunks", fsdp_unsharded_peak(c.schedule, c.pp, c.num_micro_batches,
+                                                                   c.virtual_stages, lay.layered, s, pb, gb)))
     elif c.zero_stage == 3 and c.dp * c.cp > 1:
         gathered = zero3_working_bytes(m, c.tp)
         if m.is_moe:  # an MoE block gathers its E/ep experts too: the largest block, twice

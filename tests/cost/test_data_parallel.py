@@ -23,6 +23,7 @@ from autoconf.cost.data_parallel import (
     per_micro_batch_s,
     post_all_gather_s,
     reduce_calls,
+    reduces_in_backward,
     reduction_tail_s,
 )
 from autoconf.cost.groups import reduction_collective
@@ -245,3 +246,28 @@ def test_overlapped_reduction_hides_all_but_the_last_layer_s_bucket_behind_the_b
         # the buckets go once the last backward is 1/nl in; the last can only go at its end
         want = max(t - b * (1 - 1 / nl), last_bucket)
         assert reduction_tail_s(system, c, lay, sim, sim.makespan_s, (b,)) == pytest.approx(want, rel=1e-9)
+
+
+def test_pipelined_fsdp_gathers_as_often_as_the_schedule_finds_a_chunk_resharded():
+    """The reference trainer's FSDP2 under torch.distributed.pipelining (Policy.fsdp_per_pass):
+    with no compute to hide them, a pass's gathers are all exposed (the first layer's twice: it is
+    not prefetched), and a chunk gathers per ``space.schedules.fsdp_gathers``: GPipe every forward
+    and one backward sweep, layered GPipe once each way, 1F1B's first stage twice forward and
+    three times backward (m = 4, pp = 2); every reduce-scatter waits for the last backward."""
+    m = 4
+    per_pass = {}
+    for name, kw in (("gpipe", {"schedule": "gpipe"}), ("layered", {"schedule": "gpipe", "layered_grad_accum": True}),
+                     ("1f1b", {"schedule": "1f1b"})):
+        system, c, lay = setup(nodes=2, zero_stage=3, pp=2, num_micro_batches=m, **kw)
+        assert system.policy.fsdp_per_pass(3, 2, 8) and not reduces_in_backward(system, c, lay)
+        nl = lay.chunk_layers[0]
+        bw, lat = intra(8)
+        ag_l = ring_gather(lay.chunk_params[0] / nl * 2, 8, bw, lat)
+        one = ag_l + nl * ag_l  # one pass over the chunk's layers, nothing hidden
+        per_pass[name] = per_micro_batch_s(system, c, lay, 0, 0.0, 0.0), one
+    (f, b), one = per_pass["gpipe"]
+    assert f == pytest.approx(m * one / m, rel=1e-9) and b == pytest.approx(one / m, rel=1e-9)
+    (f, b), one = per_pass["layered"]
+    assert f == pytest.approx(one / m, rel=1e-9) and b == pytest.approx(one / m, rel=1e-9)
+    (f, b), one = per_pass["1f1b"]
+    assert f == pytest.approx(2 * one / m, rel=1e-9) and b == pytest.approx(3 * one / m, rel=1e-9)

@@ -5,8 +5,9 @@ until more GPUs stop paying (:func:`stops_paying`) within the most the space can
 from __future__ import annotations
 
 OPEN_SIZE = 1 << 16
-"""An open-ended sweep (no ``max_gpus``) prices its GPU counts on a cluster of this many GPUs, then
-16x larger ones as the counts pass it (the uniform topology is linear in its devices)."""
+"""An open-ended sweep (no ``max_gpus``) prices its GPU counts up to this many on one cluster of
+that size, each larger count on a cluster of its own size (the uniform topology is linear in its
+devices: a cluster far larger than the count swept would cost memory for nothing)."""
 
 PATIENCE = 2
 """Doublings past the shortest time after which an open-ended sweep stops (:func:`stops_paying`)."""

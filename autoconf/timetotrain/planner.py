@@ -406,8 +406,8 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
         for g in grid:
             if max_gpus is None and cluster is None and stops_paying(rows, net, swept.get(net, [])):
                 break
-            if g > clusters[net].num_devices:  # open-ended: a cluster 16x larger (its System anew)
-                clusters[net] = synthetic_cluster(device, min(top, max(g, 16 * clusters[net].num_devices)), net)
+            if g > clusters[net].num_devices:  # open-ended: a cluster of g GPUs (its System anew)
+                clusters[net] = synthetic_cluster(device, g, net)
                 systems[net] = system = planning_system(model, clusters[net], framework=framework_spec(fw),
                                                         profile=profile, moe_imbalance=moe_imbalance,
                                                         moe_dispatcher=moe_dispatcher)

@@ -1,0 +1,95 @@
+"""Simulated annealing over a configuration's placement: the alternative to ``Placer.improve``'s
+hill climb, compared with it in ``bench/placement_methods.py``.
+
+Pipette ("Pipette: Automatic Fine-grained LLM Training Configurator for Real-World Clusters",
+arXiv, May 2024) anneals over the assignment of GPUs to ranks with its
+latency model as the energy. Here the moves are the hill climb's own (``Placer._device_moves``:
+two stages' devices swapped, or one tensor-parallel group swapped between two differently built
+stages, each with the current layer split or the heuristic's split for the new stages; one layer
+shifted between adjacent chunks), drawn at random with a seeded generator, and priced by the same
+cost model (``cost.estimate.estimate_on``).
+
+Acceptance is Metropolis on the relative change of the step time: a move from t to t' is taken
+when (t' - t) / t < -T ln u, u uniform in (0, 1], drawn before the move is priced so that the
+threshold becomes the estimate's bound (a move whose least possible work is already past it is
+skipped unpriced). The temperature falls geometrically from ``t_start`` to ``t_end`` over the
+budget (the evaluations, or the time to the deadline where that is nearer). The best plan seen is
+returned, so the result is never worse than the start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+
+from autoconf.cost.estimate import estimate_on
+from autoconf.space.placement import Placement, even_layers
+
+
+def anneal(placer, c, max_evaluations: int = 200, deadline: float | None = None, seed: int = 0,
+           t_start: float = 0.02, t_end: float = 0.0005):
+    """Anneal ``c``'s placement with ``placer``'s moves (a ``study.placer.Placer``).
+    Returns (best estimate, estimates evaluated), as ``Placer.improve`` does."""
+    ctx = placer.system
+    rng = random.Random(seed)
+    start_clock = time.perf_counter()
+    cur = estimate_on(c, ctx)
+    if not cur.fits:
+        return cur, 1
+    seq = placer._sequence_of(c)
+    best = cur
+    evals = 1
+
+    def progress() -> float:
+        done = evals / max(max_evaluations, 1)
+        if deadline is not None:
+            span = deadline - start_clock
+            done = max(done, (time.perf_counter() - start_clock) / span if span > 0 else 1.0)
+        return min(done, 1.0)
+
+    stale = 0
+    while evals < max_evaluations and (deadline is None or time.perf_counter() <= deadline):
+        moves = _moves(placer, cur.config, seq)
+        if not moves:
+            break
+        cand, new_seq = moves[rng.randrange(len(moves))]
+        temperature = t_start * (t_end / t_start) ** progress()
+        threshold = -temperature * math.log(1.0 - rng.random())  # accept a relative slowdown below it
+        limit = cur.step_time_s * (1.0 + threshold)
+        evals += 1
+        e = estimate_on(cand, ctx, bound=limit, time_if_oom=False)
+        if e is None or not e.fits or e.step_time_s >= limit or cand == cur.config:
+            stale += 1
+            if stale > 4 * len(moves):  # frozen: nothing near is accepted any more
+                break
+            continue
+        stale = 0
+        cur, seq = e, (new_seq if new_seq is not None else seq)
+        if e.step_time_s < best.step_time_s:
+            best = e
+    return best, evals
+
+
+def _moves(placer, c, seq) -> list:
+    """(candidate configuration, its canonical sequence or None where unchanged) for every move the
+    hill climb would try from ``c``."""
+    out = []
+    for new_seq in placer._device_moves(c, seq):
+        order = placer.device_order(c, new_seq)
+        for split in dict.fromkeys([c.stage_layers, placer.stage_layers(c, order)]):
+            out.append((dataclasses.replace(c, device_order=order, stage_layers=split), new_seq))
+    if placer.layers and c.pp > 1:
+        num_layers = placer.system.model.num_layers
+        counts = Placement.of(c, num_layers).chunk_layer_counts()
+        even = even_layers(num_layers, c.num_chunks)
+        for i in range(len(counts) - 1):
+            for src, dst in ((i, i + 1), (i + 1, i)):
+                if counts[src] <= 1:
+                    continue
+                new = list(counts)
+                new[src] -= 1
+                new[dst] += 1
+                out.append((dataclasses.replace(c, stage_layers=None if new == even else tuple(new)), None))
+    return out

@@ -15,6 +15,10 @@ threshold becomes the estimate's bound (a move whose least possible work is alre
 skipped unpriced). The temperature falls geometrically from ``t_start`` to ``t_end`` over the
 budget (the evaluations, or the time to the deadline where that is nearer). The best plan seen is
 returned, so the result is never worse than the start.
+
+Not the default: on mixed-1024 (llama-2-70b, the search's best three configurations, 200
+estimates each) one seed gained at most 1.5% over the hill climb, another lost 2%, and each run
+took 2.5 to 5 times the hill climb's wall time (fewer moves are cut by the bound).
 """
 
 from __future__ import annotations

@@ -16,9 +16,11 @@ from autoconf.cost.system import System
 from autoconf.errors import UserError
 from autoconf.space.config import ParallelConfig, check
 from autoconf.space.degrees import AXES, Degrees, axis_groups, rank_coords, rank_of
+from autoconf.space.enumeration import outer_space
 from autoconf.space.placement import Placement, even_layers
 from autoconf.specs.cluster import cluster_from_mapping, load_cluster
 from autoconf.specs.model import preset
+from autoconf.study.evaluator import Evaluator
 from autoconf.study.placer import Placer, describe
 from autoconf.study.search import search
 
@@ -221,6 +223,36 @@ def test_search_result_does_not_depend_on_the_order_of_node_groups():
     # without the placement search the file's order changes the answer of the same configuration
     assert a.placement[0]["default_step_time_s"] != b.placement[0]["default_step_time_s"]
     assert a.top[0].step_time_s < min(a.placement[0]["default_step_time_s"], b.placement[0]["default_step_time_s"])
+
+
+def test_a_configuration_is_never_priced_slower_than_in_the_files_order():
+    # the graph heuristic can place a configuration worse than the file's order (here some of
+    # gpt3-2.7b's 6-stage ones on two kinds): the search prices both and keeps the faster
+    m = preset("gpt3-2.7b")
+    ctx = System(m, TWO)
+    placer = Placer(ctx, TWO.num_devices)
+    ev = Evaluator(ctx, 48, {}, placer, top=1000)
+    heuristic_worse = 0
+    for point in outer_space(m, TWO.num_devices, 48, max_micro_batch=1):
+        if point[1] != 6:
+            continue
+        for e in ev(point)[0]:
+            plain = dataclasses.replace(e.config, device_order=None, stage_layers=None)
+            default = estimate_on(plain, ctx)
+            assert e.step_time_s <= default.step_time_s or not default.fits
+            heuristic = estimate_on(placer(plain), ctx)
+            heuristic_worse += heuristic.fits and default.fits and heuristic.step_time_s > default.step_time_s
+    assert heuristic_worse > 0  # (else this test could not fail)
+
+
+def test_placed_search_never_loses_to_a_placement_blind_one_in_any_listing():
+    # every configuration is priced placed and in the file's own order, the faster kept: the
+    # placed search's best is at most the blind search's of the file, whatever its listing
+    m = preset("gpt3-2.7b")
+    kw = dict(storage=None, top=1, max_micro_batch=1)
+    for cl in (TWO, dataclasses.replace(TWO, node_groups=tuple(reversed(TWO.node_groups)))):
+        placed, blind = search(m, cl, 48, place=True, **kw), search(m, cl, 48, place=False, **kw)
+        assert placed.top[0].step_time_s <= blind.top[0].step_time_s
 
 
 def test_faster_gpus_change_the_searched_prediction():

@@ -84,6 +84,8 @@ def main() -> None:
     ap.add_argument("--models", default="gpt3-175b,1t")
     ap.add_argument("--devices", default="a100-80gb,h100-sxm")
     ap.add_argument("--max-gpus", type=int, default=0, help="the largest GPU count (default 0: until more stop paying)")
+    ap.add_argument("--max-virtual-stages", default="all", help="chunks per device tried (default all: up to one "
+                    "layer per chunk, the paper's fully modular pipeline; 8 is search's default, much faster)")
     args = ap.parse_args()
     if args.timing:
         timing()
@@ -97,7 +99,8 @@ def main() -> None:
         model = load_model(ONE_T) if mname == "1t" else preset(mname)
         for dev in args.devices.split(","):
             t0 = time.perf_counter()
-            r = plan(model, device=dev, max_gpus=args.max_gpus or None, compare_networks=NETS[1:])
+            r = plan(model, device=dev, max_gpus=args.max_gpus or None, compare_networks=NETS[1:],
+                     max_virtual=None if args.max_virtual_stages == "all" else int(args.max_virtual_stages))
             t = Table(title=f"{model.name} on {dev}: {r.budget.tokens / 1e12:.3g}T tokens, B_crit "
                             f"{r.budget.b_crit_tokens / model.seq_length:,.0f} sequences, batches "
                             f"{', '.join(map(str, r.budget.batches))}; GPU counts {r.grid[0]:,}-{r.grid[-1]:,} "

@@ -14,7 +14,15 @@ import re
 import sys
 import threading
 
-from autoconf.cli.argtypes import framework_name, int_list, port, positive_int, recompute_modules
+from autoconf.cli.argtypes import (
+    VIRTUAL_STAGES_HELP,
+    framework_name,
+    int_list,
+    port,
+    positive_int,
+    recompute_modules,
+    virtual_stages,
+)
 from autoconf.cli.catalog import cmd_devices, cmd_models
 from autoconf.cli.estimate import cmd_estimate
 from autoconf.cli.plan import add_plan_parser, cmd_plan
@@ -169,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--study-name", help="resume or share a study by name (default: one named after the inputs, "
                    "with a fingerprint of them: the same inputs resume it, changed ones start a new study)")
     p.add_argument("--max-micro-batch", type=positive_int, default=64)
+    p.add_argument("--max-virtual-stages", type=virtual_stages, default=8, dest="max_virtual", help=VIRTUAL_STAGES_HELP)
     p.add_argument("--allow-compression", action="store_true",
                    help="let the search pick lossy communication: low-rank pipeline gradients, PowerSGD on "
                         "data-parallel gradients (Optimus-CC), and the fused embedding sync; it changes the "

@@ -15,6 +15,21 @@ def positive_int(text: str) -> int:
     return v
 
 
+VIRTUAL_STAGES_HELP = ("the most chunks per device (virtual stages) tried, or all: up to one layer per chunk, "
+                       "fully modular (default 8; each chunk more costs search time)")
+
+
+def virtual_stages(text: str) -> int | None:
+    """--max-virtual-stages: a positive integer, or "all" (None: up to one layer per chunk)."""
+    if text == "all":
+        return None
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive number of chunks per device, or all "
+                                         "(one layer per chunk)") from None
+
+
 def non_negative_int(text: str) -> int:
     try:
         v = int(text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from autoconf.cli.argtypes import VIRTUAL_STAGES_HELP, virtual_stages
 from autoconf.errors import UserError
 from autoconf.output.plots import write_plots
 from autoconf.space.config import MOE_DISPATCHERS
@@ -60,6 +61,7 @@ def add_plan_parser(sub):
     p.add_argument("--max-days", default="365", help="leave out GPU counts that would take longer even at the "
                    "datasheet peak (default 365 days)")
     p.add_argument("--max-micro-batch", type=int, default=MAX_MICRO_BATCH)
+    p.add_argument("--max-virtual-stages", type=virtual_stages, default=8, dest="max_virtual", help=VIRTUAL_STAGES_HELP)
     p.add_argument("--moe-imbalance", type=float, default=1.0,
                    help="mixture of experts: the busiest expert rank's tokens over the balanced share "
                         "(default 1.0, perfectly balanced; as `search`)")
@@ -148,7 +150,7 @@ def cmd_plan(args) -> int:
                  global_batch=args.global_batch, batch_factors=factors, price_per_gpu_hour=price,
                  deadline_days=deadline, budget=budget, compare_networks=compare if cluster is None else (),
                  mtbf_per_gpu_h=mtbf, checkpoint_s=ckpt, restart_s=restart, max_days=max_days,
-                 max_micro_batch=args.max_micro_batch, progress=progress, profile=profile,
+                 max_micro_batch=args.max_micro_batch, max_virtual=args.max_virtual, progress=progress, profile=profile,
                  precision=args.precision, fp8_recipe=args.fp8_recipe, max_cp=args.max_cp, place=args.place,
                  moe_imbalance=args.moe_imbalance, moe_dispatcher=args.moe_dispatcher)
     finally:

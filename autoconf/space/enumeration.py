@@ -41,10 +41,16 @@ def cp_choices(model: ModelSpec, world: int, max_cp: int | None = None) -> tuple
     return tuple(c for c in divisors(world) if c <= max_cp and (c == 1 or model.seq_length % (2 * c) == 0))
 
 
-def pipeline_choices(pp: int, model: ModelSpec, max_virtual: int | None = None) -> list[tuple[str, int, bool]]:
+MAX_VIRTUAL = 8
+"""Chunks per device the space offers by default (``--max-virtual-stages``): each chunk more makes
+every estimate's schedule longer to simulate (gpt-1t on 3,072 A100s: 34 s of search up to 8, 852 s
+up to one layer per chunk)."""
+
+
+def pipeline_choices(pp: int, model: ModelSpec, max_virtual: int | None = MAX_VIRTUAL) -> list[tuple[str, int, bool]]:
     """(schedule, virtual_stages, layered) combinations worth considering for a pp degree: every
-    number of chunks per device that divides its layers, up to one layer per chunk (fully modular
-    placement, Lamy-Poirier's arXiv 2106.02679), or up to ``max_virtual``."""
+    number of chunks per device that divides its layers up to ``max_virtual``; None: up to one
+    layer per chunk (fully modular placement, Lamy-Poirier's arXiv 2106.02679)."""
     if pp == 1:
         return [("1f1b", 1, False), ("1f1b", 1, True)]
     out = [("gpipe", 1, False), ("gpipe", 1, True), ("1f1b", 1, False)]
@@ -59,7 +65,7 @@ def micro_batch_choices(per_replica_batch: int, max_micro_batch: int = 64) -> li
 
 
 def outer_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch: int = 64,
-                rejected: dict | None = None, cps=(1,)):
+                rejected: dict | None = None, cps=(1,), max_virtual: int | None = MAX_VIRTUAL):
     """Yield the structural choices (dp, pp, tp, mbs, schedule, v, layered, cp) whose batch
     splits, cp from ``cps`` (``cp_choices``).
 
@@ -72,7 +78,7 @@ def outer_space(model: ModelSpec, world: int, global_batch: int, max_micro_batch
                 rejected[key] = rejected.get(key, 0) + 1
             continue
         for mbs in micro_batch_choices(global_batch // dp, max_micro_batch):
-            for sched, v, layered in pipeline_choices(pp, model):
+            for sched, v, layered in pipeline_choices(pp, model, max_virtual):
                 yield dp, pp, tp, mbs, sched, v, layered, cp
 
 

@@ -6,6 +6,8 @@ interleaved 1F1B (modular pipelines) and breadth-first (looped BFS), as
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "breadth_first")
 
 
@@ -92,6 +94,7 @@ def device_orders(schedule: str, pp: int, num_micro_batches: int,
                  for r in range(pp))
 
 
+@lru_cache(maxsize=4096)
 def fsdp_gathers(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int = 1,
                  layered: bool = False) -> dict[int, tuple[int, int]]:
     """{chunk: (forward gathers, backward gathers)} per step of an FSDP (ZeRO-3) unit of each
@@ -134,22 +137,33 @@ def fsdp_unsharded_peak(schedule: str, pp: int, num_micro_batches: int, virtual_
     ``fsdp_gathers``'s rules: a chunk's gathered parameters (``param_bytes[chunk]``) while they
     are gathered, and its unsharded gradients (``grad_bytes[chunk]``) from its first backward to
     its last, which reduce-scatters them (no gradient sync before it)."""
-    ops = device_orders(schedule, pp, num_micro_batches, virtual_stages)[device]
-    gathered: dict = {}
-    grads: dict = {}
+    peak = 0.0
+    for gathered, grads in _fsdp_live(schedule, pp, num_micro_batches, virtual_stages, layered, device):
+        peak = max(peak, sum(param_bytes[c] for c in gathered) + sum(grad_bytes[c] for c in grads))
+    return peak
+
+
+@lru_cache(maxsize=1024)
+def _fsdp_live(schedule: str, pp: int, m: int, v: int, layered: bool, device: int) -> tuple:
+    """The distinct (gathered chunks, chunks with unsharded gradients) a device passes through,
+    each during some pass (:func:`fsdp_unsharded_peak`)."""
+    gathered: set = set()
+    grads: set = set()
     seen_f: dict = {}
     seen_b: dict = {}
-    peak = 0.0
-    for kind, _mb, c in ops:
-        gathered[c] = True  # during the pass
+    states = set()
+    for kind, _mb, c in device_orders(schedule, pp, m, v)[device]:
+        gathered.add(c)  # during the pass
         if kind == "B":
-            grads[c] = True
-        peak = max(peak, sum(param_bytes[k] for k, g in gathered.items() if g)
-                   + sum(grad_bytes[k] for k, g in grads.items() if g))
+            grads.add(c)
+        states.add((frozenset(gathered), frozenset(grads)))
         if kind == "F":
             seen_f[c] = seen_f.get(c, 0) + 1
-            gathered[c] = layered and seen_f[c] < num_micro_batches
+            if not (layered and seen_f[c] < m):
+                gathered.discard(c)
         else:
             seen_b[c] = seen_b.get(c, 0) + 1
-            gathered[c] = grads[c] = seen_b[c] < num_micro_batches
-    return peak
+            if seen_b[c] >= m:
+                gathered.discard(c)
+                grads.discard(c)
+    return tuple(states)

@@ -22,7 +22,7 @@ from autoconf.space.config import (
     reason_key,
     recompute_modules_reason,
 )
-from autoconf.space.enumeration import inner_choices, make_config, outer_space
+from autoconf.space.enumeration import MAX_VIRTUAL, inner_choices, make_config, outer_space
 from autoconf.specs.devices import device_type
 from autoconf.specs.frameworks import framework as framework_model
 from autoconf.specs.frameworks import hierarchical_runs
@@ -256,7 +256,7 @@ def framework_inner(fw, dp, pp, tp, mbs, sched, v, layered, global_batch, dp_hie
 
 
 def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=None, dp_hier=None, cps=(1,),
-                precisions=(("bf16", "tensorwise"),)):
+                precisions=(("bf16", "tensorwise"),), max_virtual: int | None = MAX_VIRTUAL):
     """(outer points, total configs, valid configs, rejected reason counts).
 
     ZeRO, recomputation and sequence parallelism only add reasons to an outer point's own, so an
@@ -268,7 +268,7 @@ def count_space(model, world: int, global_batch: int, max_micro_batch: int, fw=N
     fw = fw or framework_model(None)
     rejected: dict = {}
     points = []
-    for point in outer_space(model, world, global_batch, max_micro_batch, rejected, cps):
+    for point in outer_space(model, world, global_batch, max_micro_batch, rejected, cps, max_virtual):
         dp, pp, tp, mbs, sched, v, layered, cp = point
         why = fw.check(make_config(dp, pp, tp, mbs, sched, v, layered, 0, "none", False, global_batch, cp))
         if why:

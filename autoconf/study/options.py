@@ -30,6 +30,9 @@ class SearchOptions:
     """A calibration from verified trials (``search --verify K --calibrate``)."""
     max_micro_batch: int = 64
     """The largest micro-batch size tried."""
+    max_virtual: int | None = 8
+    """The most chunks per device (virtual stages) tried; None: up to one layer per chunk, fully
+    modular (``enumeration.MAX_VIRTUAL``: each chunk more costs search time)."""
     seed: int = 0
     """The sampler's seed."""
     exhaustive: bool = True

@@ -35,7 +35,7 @@ from autoconf.cost.system import System
 from autoconf.errors import UserError
 from autoconf.procs import deferred_signals
 from autoconf.space.config import ParallelConfig
-from autoconf.space.enumeration import cp_choices
+from autoconf.space.enumeration import MAX_VIRTUAL, cp_choices
 from autoconf.specs.recipes import framework_spec
 from autoconf.study.choices import compression_savings, count_space, dp_hierarchical, precision_choices
 from autoconf.study.evaluator import Evaluator, _bound_s, _Repair
@@ -402,7 +402,7 @@ def search(model, cluster=None, global_batch: int = 0, options: SearchOptions | 
     precisions = precision_choices(ctx, precision, fp8_recipe)
     points, total, valid, rejected, valid_per_point = count_space(
         model, world, global_batch, max_micro_batch, ctx.framework,
-        lambda dp, pp, tp: dp_hierarchical(ctx, dp, pp, tp), cps, precisions)
+        lambda dp, pp, tp: dp_hierarchical(ctx, dp, pp, tp), cps, precisions, o.max_virtual)
     if not points or not valid:
         raise UserError(f"no valid configuration: global batch {global_batch} on {world} devices; "
                         f"rejected: {', '.join(f'{k} ({v})' for k, v in rejected.items())}")
@@ -435,7 +435,8 @@ def search(model, cluster=None, global_batch: int = 0, options: SearchOptions | 
         ("placement", "searched" if place else None, None), ("cp", list(cps), [1]),
         ("precisions", [list(p) for p in precisions], [["bf16", "tensorwise"]]),
         ("moe_imbalance", moe_imbalance, 1.0), ("moe_dispatcher", moe_dispatcher, "alltoall"),
-        ("compression", list(compression) if compression is not None else None, None)) if v != default})
+        ("max_virtual", o.max_virtual, MAX_VIRTUAL), ("compression", list(compression) if compression else None, None))
+        if v != default})
     name = study_name or default_study_name(model, world, global_batch,
                                             cluster.name if cluster is not None else "profile",
                                             framework_spec(ctx.framework), signature)

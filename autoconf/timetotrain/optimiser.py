@@ -28,7 +28,7 @@ from autoconf.cost.moe import a2a_times
 from autoconf.cost.schedule_time import boundary_bytes, p2p_times
 from autoconf.cost.system import System
 from autoconf.space.config import RECOMPUTE, ParallelConfig, check, ep_overlap_reason
-from autoconf.space.enumeration import cp_choices, outer_space, point_config
+from autoconf.space.enumeration import MAX_VIRTUAL, cp_choices, outer_space, point_config
 from autoconf.space.placement import even_layers
 from autoconf.study.choices import (
     dispatcher_at,
@@ -59,8 +59,8 @@ class PointOptimizer:
       buffers (``bounds.memory_floors``).
     """
 
-    def __init__(self, system: System, methods=METHODS, max_micro_batch: int = 64,
-                 precision: tuple = ("bf16", "tensorwise"), max_cp: int | None = None):
+    def __init__(self, system: System, methods=METHODS, max_micro_batch: int = 64, precision: tuple = ("bf16", "tensorwise"),
+                 max_cp: int | None = None, max_virtual: int | None = MAX_VIRTUAL):
         self.system = system
         self.max_cp = max_cp
         """Largest context-parallel degree (``enumeration.cp_choices``; None: its default by sequence)."""
@@ -69,7 +69,7 @@ class PointOptimizer:
         self.fp8 = precision[1] if precision[0] == "fp8" else None
         self.model = system.model
         self.methods = tuple(methods)
-        self.max_micro_batch = max_micro_batch
+        self.max_micro_batch, self.max_virtual = max_micro_batch, max_virtual
         self.kinds = sorted(set(system.topology.kind_of))
         fw = system.framework
         self.tp_overlap = fw.defaults.get("tp_comm_overlap", False) or "tp_comm_overlap" in fw.knobs
@@ -251,7 +251,8 @@ class PointOptimizer:
         out = []
         # (dp, pp, tp, mbs, schedule, v, layered, cp), cp as ``search`` chooses it
         cps = cp_choices(self.model, world, self.max_cp) if fw.cp_comm else (1,)
-        for p in outer_space(self.model, world, global_batch, self.max_micro_batch, cps=cps):
+        for p in outer_space(self.model, world, global_batch, self.max_micro_batch, cps=cps,
+                             max_virtual=self.max_virtual):
             base = self._prec(point_config(p, 0, "none", False, global_batch))
             if fw.check(base) or check(base, self.model):
                 continue

@@ -57,6 +57,9 @@ class PlanOptions:
     """GPU counts that would take longer even at the datasheet peak are left out."""
     max_micro_batch: int = MAX_MICRO_BATCH
     """The largest micro-batch tried."""
+    max_virtual: int | None = 8
+    """The most chunks per device (virtual stages) tried, as ``search``'s; None: up to one layer
+    per chunk (fully modular, Lamy-Poirier's setting)."""
     profile: object = None
     """A profile taken on the cluster's device kind (``planning_system``)."""
     precision: str = "bf16"

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from autoconf.cost.estimate import Estimate
 from autoconf.cost.system import profile_device_kind
 from autoconf.errors import UserError
+from autoconf.space.enumeration import MAX_VIRTUAL
 from autoconf.specs.devices import device_type, stated_accuracy
 from autoconf.specs.frameworks import framework as framework_model
 from autoconf.specs.hf import load_model
@@ -160,6 +161,8 @@ class PlanResult:
     progresses (``timetotrain.laws.expected_wall_time``)."""
     max_micro_batch: int = MAX_MICRO_BATCH
     """The largest micro-batch tried (``--max-micro-batch``), for the printed search command."""
+    max_virtual: int | None = MAX_VIRTUAL
+    """The most chunks per device tried (``--max-virtual-stages``; None: one layer per chunk)."""
     moe_imbalance: float = 1.0
     """A mixture of experts' load imbalance the plans were priced at (``--moe-imbalance``)."""
     moe_dispatcher: str = "alltoall"
@@ -226,6 +229,8 @@ class PlanResult:
         extra = "" if self.max_cp is None else f" --max-cp {self.max_cp}"
         if self.max_micro_batch != MAX_MICRO_BATCH:
             extra += f" --max-micro-batch {self.max_micro_batch}"
+        if self.max_virtual != MAX_VIRTUAL:
+            extra += f" --max-virtual-stages {self.max_virtual or 'all'}"
         if self.moe_imbalance != 1.0:
             extra += f" --moe-imbalance {self.moe_imbalance:g}"
         if self.moe_dispatcher != "alltoall":
@@ -400,7 +405,7 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
             systems[net] = planning_system(model, clusters[net], framework=framework_spec(fw), profile=profile,
                                            moe_imbalance=moe_imbalance, moe_dispatcher=moe_dispatcher)
         system = systems[net]
-        opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp)
+        opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp, o.max_virtual)
         opt.oom = shared_oom
         prev_by_batch: dict = {}
         for g in grid:
@@ -411,7 +416,7 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
                 systems[net] = system = planning_system(model, clusters[net], framework=framework_spec(fw),
                                                         profile=profile, moe_imbalance=moe_imbalance,
                                                         moe_dispatcher=moe_dispatcher)
-                opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp)
+                opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp, o.max_virtual)
                 opt.oom = shared_oom
             swept.setdefault(net, []).append(g)
             prev_g: list = []
@@ -487,7 +492,8 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
                       restart_s=restart_s, max_days=max_days, stats=stats, elapsed_s=time.perf_counter() - t0,
                       methods=tuple(methods), notes=notes, precision=prec, profile_kind=prof_kind,
                       max_cp=max_cp, placed=placed, never_finish=tuple(gone),
-                      max_micro_batch=max_micro_batch, moe_imbalance=moe_imbalance, moe_dispatcher=moe_dispatcher)
+                      max_micro_batch=max_micro_batch, moe_imbalance=moe_imbalance, moe_dispatcher=moe_dispatcher,
+                      max_virtual=o.max_virtual)
 
 
 def _clusters(o: PlanOptions, model, bud) -> tuple:

@@ -20,7 +20,7 @@ class PlanOptions:
     """GPU kind of a synthetic DGX-style cluster (``synthetic.NODES``); or give ``cluster``."""
     max_gpus: int | None = None
     """The largest GPU count worth considering (None: with ``device``, GPU counts double until more
-    stop paying, ``counts.stops_paying``; with ``cluster``, its size)."""
+    stop paying, ``counts.stops_paying``, up to ``cluster.MAX_DEVICES``; with ``cluster``, its size)."""
     network: str = "ib"
     """The main network: ib (a NIC per GPU), 100gbe or 25gbe (one Ethernet NIC per node)."""
     cluster: object = None

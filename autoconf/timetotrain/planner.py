@@ -44,6 +44,7 @@ from autoconf.cost.estimate import Estimate
 from autoconf.cost.system import profile_device_kind
 from autoconf.errors import UserError
 from autoconf.space.enumeration import MAX_VIRTUAL
+from autoconf.specs.cluster import MAX_DEVICES
 from autoconf.specs.devices import device_type, stated_accuracy
 from autoconf.specs.frameworks import framework as framework_model
 from autoconf.specs.hf import load_model
@@ -516,7 +517,9 @@ def _clusters(o: PlanOptions, model, bud) -> tuple:
             raise UserError(f"network {n!r}; valid: {', '.join(NETWORKS)}")
     net_names = (o.network,) + tuple(n for n in dict.fromkeys(o.compare_networks) if n != o.network)
     per_node = NODES.get(device, (1,))[0]
-    top = max_gpus if max_gpus is not None else space_bound(model, bud, per_node, o.max_cp)
+    # open-ended: up to what the space can use, and at most the largest cluster a file may declare
+    # (a 1T model's sweep past it held 24 GB): beyond it give --max-gpus
+    top = max_gpus if max_gpus is not None else min(space_bound(model, bud, per_node, o.max_cp), MAX_DEVICES)
     clusters = {n: synthetic_cluster(device, min(top, OPEN_SIZE) if max_gpus is None else top, n) for n in net_names}
     return clusters, net_names, device, per_node, top
 

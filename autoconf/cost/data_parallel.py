@@ -203,7 +203,8 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
     last_bucket = layer_grads if c.zero_stage == 3 else min(BUCKET_BYTES, layer_grads)
     ends = sim.last_backward_end_s
     # torch.distributed.pipelining's REDUCE_GRAD: after the stage's last backward
-    step_gather = system.policy.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp) or system.policy.fsdp_per_pass(c.zero_stage, c.pp, c.dp * c.cp)
+    reduce_once = (system.policy.fsdp_step_gather(c.zero_stage, c.pp, c.dp * c.cp)
+                   or system.policy.fsdp_per_pass(c.zero_stage, c.pp, c.dp * c.cp))
     in_backward = reduces_in_backward(system, c, lay)
     out = []
     for dev in range(c.pp):
@@ -216,7 +217,7 @@ def reduction_spans(system: System, c: ParallelConfig, lay: Layout, sim, makespa
                 spans.append((start, t_free, ci))
                 continue
             t = dp_reduction_s(system, c, lay, red, ci, lay.stage_kinds[dev], dev)
-            if step_gather:  # torch.distributed.pipelining's REDUCE_GRAD: after the stage's last backward
+            if reduce_once:
                 start = max(t_free, ends[ci])
                 t_free = start + t
             elif dp_compressed(c, dev):  # one bucket per chunk (the trainer's PowerSGD), once it is final

@@ -109,26 +109,12 @@ def fsdp_gathers(schedule: str, pp: int, num_micro_batches: int, virtual_stages:
     gathers again and again; with layered accumulation (breadth-first, gpipe-layered) the reference
     trainer keeps them through the chunk's forwards and reshards after its last one, so that each
     chunk gathers once in the forward and once in the backward (Lamy-Poirier, arXiv 2106.02679)."""
-    out: dict[int, tuple[int, int]] = {}
-    for ops in device_orders(schedule, pp, num_micro_batches, virtual_stages):
-        state: dict = {}  # chunk -> gathered now
-        fwd: dict = {}
-        bwd: dict = {}
-        seen_f: dict = {}
-        seen_b: dict = {}
-        for kind, _mb, c in ops:
-            gathered = state.get(c, False)
-            if kind == "F":
-                fwd[c] = fwd.get(c, 0) + (not gathered)
-                seen_f[c] = seen_f.get(c, 0) + 1
-                state[c] = layered and seen_f[c] < num_micro_batches
-            else:
-                bwd[c] = bwd.get(c, 0) + (not gathered)
-                seen_b[c] = seen_b.get(c, 0) + 1
-                state[c] = seen_b[c] < num_micro_batches
-        for c in fwd:
-            out[c] = (fwd[c], bwd.get(c, 0))
-    return out
+    out: dict[int, list[int]] = {}
+    for device in range(pp):
+        for kind, c, gathered, _live, _grads in _fsdp_walk(schedule, pp, num_micro_batches, virtual_stages, layered,
+                                                          device):
+            out.setdefault(c, [0, 0])[kind == "B"] += not gathered
+    return {c: (f, b) for c, (f, b) in out.items()}
 
 
 def fsdp_unsharded_peak(schedule: str, pp: int, num_micro_batches: int, virtual_stages: int, layered: bool,
@@ -147,23 +133,25 @@ def fsdp_unsharded_peak(schedule: str, pp: int, num_micro_batches: int, virtual_
 def _fsdp_live(schedule: str, pp: int, m: int, v: int, layered: bool, device: int) -> tuple:
     """The distinct (gathered chunks, chunks with unsharded gradients) a device passes through,
     each during some pass (:func:`fsdp_unsharded_peak`)."""
+    return tuple({(live, grads) for _k, _c, _g, live, grads in _fsdp_walk(schedule, pp, m, v, layered, device)})
+
+
+def _fsdp_walk(schedule: str, pp: int, m: int, v: int, layered: bool, device: int):
+    """Each pass of ``device_orders(...)[device]`` under :func:`fsdp_gathers`'s rules, as (kind,
+    chunk, whether its units were already gathered, the chunks gathered during it, the chunks
+    holding unsharded gradients during it)."""
     gathered: set = set()
     grads: set = set()
-    seen_f: dict = {}
-    seen_b: dict = {}
-    states = set()
+    seen: dict = {}
     for kind, _mb, c in device_orders(schedule, pp, m, v)[device]:
-        gathered.add(c)  # during the pass
+        before = c in gathered
+        gathered.add(c)
         if kind == "B":
             grads.add(c)
-        states.add((frozenset(gathered), frozenset(grads)))
-        if kind == "F":
-            seen_f[c] = seen_f.get(c, 0) + 1
-            if not (layered and seen_f[c] < m):
-                gathered.discard(c)
-        else:
-            seen_b[c] = seen_b.get(c, 0) + 1
-            if seen_b[c] >= m:
-                gathered.discard(c)
-                grads.discard(c)
-    return tuple(states)
+        yield kind, c, before, frozenset(gathered), frozenset(grads)
+        n = seen[kind, c] = seen.get((kind, c), 0) + 1
+        if kind == "B" and n >= m:  # the last backward reshards and reduce-scatters
+            gathered.discard(c)
+            grads.discard(c)
+        elif kind == "F" and not (layered and n < m):  # a forward reshards, but a layered chunk's last
+            gathered.discard(c)

@@ -400,25 +400,25 @@ def plan(model, options: PlanOptions | None = None, *, progress=None, **override
                    work_days=work / 86400, days=wall / 86400, gpu_hours=gh,
                    cost=gh * price_per_gpu_hour if price_per_gpu_hour else None, goodput=gp)
 
-    swept: dict = {}  # network -> the GPU counts swept on it
-    for net in net_names:
+    def optimiser(net: str) -> PointOptimizer:  # (the network's System made where it is not yet)
         if net not in systems:
             systems[net] = planning_system(model, clusters[net], framework=framework_spec(fw), profile=profile,
                                            moe_imbalance=moe_imbalance, moe_dispatcher=moe_dispatcher)
-        system = systems[net]
-        opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp, o.max_virtual)
+        opt = PointOptimizer(systems[net], methods, max_micro_batch, prec, max_cp, o.max_virtual)
         opt.oom = shared_oom
+        return opt
+
+    swept: dict = {}  # network -> the GPU counts swept on it
+    for net in net_names:
+        opt = optimiser(net)
         prev_by_batch: dict = {}
         for g in grid:
             if max_gpus is None and cluster is None and stops_paying(rows, net, swept.get(net, [])):
                 break
             if g > clusters[net].num_devices:  # open-ended: a cluster of g GPUs (its System anew)
                 clusters[net] = synthetic_cluster(device, g, net)
-                systems[net] = system = planning_system(model, clusters[net], framework=framework_spec(fw),
-                                                        profile=profile, moe_imbalance=moe_imbalance,
-                                                        moe_dispatcher=moe_dispatcher)
-                opt = PointOptimizer(system, methods, max_micro_batch, prec, max_cp, o.max_virtual)
-                opt.oom = shared_oom
+                del systems[net]
+                opt = optimiser(net)
             swept.setdefault(net, []).append(g)
             prev_g: list = []
             for b in bud.batches:

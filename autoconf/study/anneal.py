@@ -23,13 +23,11 @@ took 2.5 to 5 times the hill climb's wall time (fewer moves are cut by the bound
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import random
 import time
 
 from autoconf.cost.estimate import estimate_on
-from autoconf.space.placement import Placement, even_layers
 
 
 def anneal(placer, c, max_evaluations: int = 200, deadline: float | None = None, seed: int = 0,
@@ -79,21 +77,7 @@ def anneal(placer, c, max_evaluations: int = 200, deadline: float | None = None,
 def _moves(placer, c, seq) -> list:
     """(candidate configuration, its canonical sequence or None where unchanged) for every move the
     hill climb would try from ``c``."""
-    out = []
-    for new_seq in placer._device_moves(c, seq):
-        order = placer.device_order(c, new_seq)
-        for split in dict.fromkeys([c.stage_layers, placer.stage_layers(c, order)]):
-            out.append((dataclasses.replace(c, device_order=order, stage_layers=split), new_seq))
+    out = list(placer.device_candidates(c, seq))
     if placer.layers and c.pp > 1:
-        num_layers = placer.system.model.num_layers
-        counts = Placement.of(c, num_layers).chunk_layer_counts()
-        even = even_layers(num_layers, c.num_chunks)
-        for i in range(len(counts) - 1):
-            for src, dst in ((i, i + 1), (i + 1, i)):
-                if counts[src] <= 1:
-                    continue
-                new = list(counts)
-                new[src] -= 1
-                new[dst] += 1
-                out.append((dataclasses.replace(c, stage_layers=None if new == even else tuple(new)), None))
+        out += [(cand, None) for cand in placer.layer_shifts(c)]
     return out

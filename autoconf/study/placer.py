@@ -235,38 +235,49 @@ class Placer:
             # devices: the best swap of stages, or of tensor-parallel groups between stages, with
             # the current layer split and with the heuristic's split for the new stages
             found, found_seq = None, None
-            for new_seq in self._device_moves(best.config, seq):
-                order = self.device_order(best.config, new_seq)
-                splits = dict.fromkeys([best.config.stage_layers, self.stage_layers(best.config, order)])
-                for split in splits:
-                    if out_of_budget():
-                        break
-                    e = trial(dataclasses.replace(best.config, device_order=order, stage_layers=split))
-                    if e is not None and e.step_time_s < (found or best).step_time_s:
-                        found, found_seq = e, new_seq
+            for cand, new_seq in self.device_candidates(best.config, seq):
+                if out_of_budget():
+                    break
+                e = trial(cand)
+                if e is not None and e.step_time_s < (found or best).step_time_s:
+                    found, found_seq = e, new_seq
             if found is not None:
                 best, best_t, seq, moved = found, found.step_time_s, found_seq, True
             # layers: the best single shift between adjacent chunks, repeated
             while self.layers and best.config.pp > 1 and not out_of_budget():
-                cur = best.config
-                counts = Placement.of(cur, ctx.model.num_layers).chunk_layer_counts()
                 found = None
-                for i in range(len(counts) - 1):
-                    for src, dst in ((i, i + 1), (i + 1, i)):
-                        if counts[src] <= 1 or out_of_budget():
-                            continue
-                        new = list(counts)
-                        new[src] -= 1
-                        new[dst] += 1
-                        e = trial(dataclasses.replace(cur, stage_layers=_layers_or_none(new, cur, ctx)))
-                        if e is not None and e.step_time_s < (found or best).step_time_s:
-                            found = e
+                for cand in self.layer_shifts(best.config):
+                    if out_of_budget():
+                        break
+                    e = trial(cand)
+                    if e is not None and e.step_time_s < (found or best).step_time_s:
+                        found = e
                 if found is None:
                     break
                 best, best_t, moved = found, found.step_time_s, True
             if not moved:
                 break
         return best, evals
+
+    def device_candidates(self, c: ParallelConfig, seq: list[int]):
+        """(configuration, its sequence) for each device move from ``c`` (:meth:`_device_moves`),
+        with the current layer split and with the heuristic's split for the new stages."""
+        for new_seq in self._device_moves(c, seq):
+            order = self.device_order(c, new_seq)
+            for split in dict.fromkeys([c.stage_layers, self.stage_layers(c, order)]):
+                yield dataclasses.replace(c, device_order=order, stage_layers=split), new_seq
+
+    def layer_shifts(self, c: ParallelConfig):
+        """``c`` with one layer shifted between two adjacent chunks, each way it can be."""
+        counts = Placement.of(c, self.system.model.num_layers).chunk_layer_counts()
+        for i in range(len(counts) - 1):
+            for src, dst in ((i, i + 1), (i + 1, i)):
+                if counts[src] <= 1:
+                    continue
+                new = list(counts)
+                new[src] -= 1
+                new[dst] += 1
+                yield dataclasses.replace(c, stage_layers=_layers_or_none(new, c, self.system))
 
     def _sequence_of(self, c: ParallelConfig) -> list[int]:
         """The canonical-position sequence a placed configuration uses (inverse of device_order)."""

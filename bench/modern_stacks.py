@@ -18,7 +18,9 @@ How a row becomes an estimate:
   public Hugging Face ``config.json`` values read by ``from_hf_config`` (``HF_SHAPES``), at the
   row's sequence length;
 - cluster: the catalog device on hosts of 8, as the data's README describes them (``SYSTEMS``);
-- framework: torchtitan rows ``torchtitan``; Megatron-Bridge rows ``megatron:bridge-0.3``
+- framework: torchtitan rows ``torchtitan:torch-2.6`` (its 2024 runs on the PyTorch nightlies of
+  then, whose SDPA ran FlashAttention-2 on Hopper; the 2025-06 rows as ``Assume.torchtitan_2025``);
+  Megatron-Bridge rows ``megatron:bridge-0.3``
   (Megatron-Bridge 0.3.1's recipe defaults, ``Assume.megatron_recipe``); NeMo AutoModel rows
   ``torchtitan``, the closest autoconf runtime (PyTorch FSDP2 over DTensor,
   ``torch.distributed.pipelining``, eager PyTorch with fused kernels);
@@ -184,7 +186,11 @@ class Assume:
     """ac=op (torchtitan's per-op selective checkpointing: matmul outputs kept, the rest
     recomputed): autoconf's selective recomputation (the attention core recomputed)."""
     unstated_ac: str = "none"
-    """ac empty (none, or not stated)."""
+    """ac empty (none, or not stated) on a Megatron-Bridge or AutoModel row."""
+    torchtitan_unstated_ac: str = "selective"
+    """ac empty on a torchtitan row: the framework's own default, per-op selective checkpointing
+    (its Llama 3 train configs, ``[activation_checkpoint] mode = "selective"``,
+    ``selective_ac_option = "op"``; autoconf's ``selective`` under torchtitan is that policy)."""
     fp8_recipe: str = "tensorwise"
     """FP8 without a stated recipe: tensorwise (current) scaling, torchtitan's default
     (``float8.recipe_name`` unset) and Megatron-Bridge's FP8-CS on H100."""
@@ -211,6 +217,10 @@ class Assume:
     """The A100 hosts' network (unstated): a DGX A100's 8 x 200 Gbit/s InfiniBand."""
     missing_mbs: int = 1
     """A row without a micro-batch size (none in this data): 1."""
+    torchtitan_2025: str = "torch-2.6"
+    """The torchtitan rows of 2025-06 (TTATP, TTH200; their PyTorch nightly is not stated):
+    ``torchtitan:torch-2.6``, SDPA running FlashAttention-2 on Hopper as in the 2024 runs; "0.3":
+    cuDNN's attention, what torch 2.11's SDPA picks on an H100."""
     moe_dispatcher: str = "alltoall"
     """Token dispatch with ep > 1: one all-to-all of every (token, expert) pair, every framework's
     default; deepep (Megatron's flex dispatcher, DeepEP, which Megatron-Bridge 0.3.1's Qwen3 and
@@ -239,7 +249,7 @@ def recompute_of(row: dict, a: Assume) -> tuple:
             return (("full", 1.0),)
         return (("full", 1.0 / k), ("none", 1.0 - 1.0 / k))
     if ac == "":
-        return ((a.unstated_ac, 1.0),)
+        return ((a.torchtitan_unstated_ac if row["src"].startswith("TT") else a.unstated_ac, 1.0),)
     raise ValueError(f"row {row['id']}: unknown ac {ac!r}")
 
 
@@ -251,7 +261,7 @@ def config_of(row: dict, a: Assume, recompute: str, fw: str | None = None) -> Pa
     mbs = row["mbs"] or a.missing_mbs
     if row["gbs"] % (dp * mbs):
         raise UserError(f"global batch {row['gbs']} does not split into dp {dp} x micro-batch {mbs}")
-    fsdp = fw == "torchtitan" or any(o.startswith("FSDP") for o in opts)
+    fsdp = fw.startswith("torchtitan") or any(o.startswith("FSDP") for o in opts)
     zero = (a.fsdp_under_pp if pp > 1 else 3) if fsdp else 1 if fw.startswith("megatron") else 0
     vp = row["vp"] or 1
     if "interleaved-1F1B" in opts and vp == 1:
@@ -300,6 +310,10 @@ def price(row: dict, a: Assume = ASSUMED) -> dict:
     fw = FRAMEWORK[row["src"]]
     if fw == "megatron":
         fw = f"megatron:{a.megatron_recipe}"
+    elif row["src"] in ("TT24", "TT24B"):
+        fw = "torchtitan:torch-2.6"
+    elif row["src"] in ("TTATP", "TTH200"):
+        fw = f"torchtitan:{a.torchtitan_2025}"
     try:
         spec, ctx = system_for(row, fw, a.a100_nics)
         parts = [(w, estimate(config_of(row, a, rc, fw), spec, ctx=ctx)) for rc, w in recompute_of(row, a)]
@@ -337,7 +351,10 @@ VARIANTS = (
     ("ac=op", "selective", (("none", {"op_sac": "none"}), ("full", {"op_sac": "full"})),
      lambda r: r["ac"] == "op"),
     ("ac unstated", "none", (("selective", {"unstated_ac": "selective"}), ("full", {"unstated_ac": "full"})),
-     lambda r: r["ac"] == ""),
+     lambda r: r["ac"] == "" and not r["src"].startswith("TT")),
+    ("ac unstated (torchtitan)", "selective (its default)", (("none", {"torchtitan_unstated_ac": "none"}),
+                                                             ("full", {"torchtitan_unstated_ac": "full"})),
+     lambda r: r["ac"] == "" and r["src"].startswith("TT")),
     ("FP8 recipe unstated", "tensorwise",
      (("delayed (megatron) / rowwise (torchtitan)", {"fp8_recipe": "other"}),),
      lambda r: r["prec"] == "FP8" and not {"tensorwise", "rowwise"} & set(r["opts"])),
@@ -353,6 +370,8 @@ VARIANTS = (
      lambda r: (r["tp"] or 1) > 1 and "asyncTP" not in r["opts"]),
     ("A100 network", "8 x 200 Gbit/s", (("4 x 100 Gbit/s", {"a100_nics": (4, "100 Gbit/s")}),),
      lambda r: r["system"] == "A100"),
+    ("torchtitan of 2025-06", "torch-2.6 (FlashAttention-2)", (("0.3 (cuDNN attention)", {"torchtitan_2025": "0.3"}),),
+     lambda r: r["src"] in ("TTATP", "TTH200")),
     ("MoE dispatcher", "alltoall", (("deepep", {"moe_dispatcher": "deepep"}),),
      lambda r: (r["ep"] or 1) > 1 and ((r["tp"] or 1) == 1 or FRAMEWORK[r["src"]] == "megatron")),
 )
@@ -502,6 +521,8 @@ NOTES = (
     "H100-GT (Grand Teton) is the catalog's h100-sxm as deployed there: power_cap 500 W (0.88 of the 700 W GEMM "
     "rate, specs.devices.capped_clock_ratio), memory_bandwidth 2.4 TB/s, memory 95 GiB",
     "H200 hosts: NVLink 450 GB/s per GPU each way (HGX H200; the source states the network only)",
+    "torchtitan's 2024 rows as torchtitan:torch-2.6 (SDPA ran FlashAttention-2 on Hopper, cuDNN's attention "
+    "opt-in on the nightlies of then; torch 2.11 prefers cuDNN's there, measured)",
     "NeMo AutoModel rows run as framework torchtitan (torchtitan 0.3.0: PyTorch FSDP2 over DTensor, "
     "torch.distributed.pipelining; the closest autoconf runtime); Megatron-Bridge rows as megatron:bridge-0.3 "
     "(Megatron-Bridge 0.3.1's recipe defaults) with its distributed optimizer (ZeRO-1), Megatron FSDP where "

@@ -38,8 +38,10 @@ class Roofline:
     efficiency plus a launch per kernel."""
 
     @classmethod
-    def of(cls, dev: DeviceType, dtype: str, gemm_eff=None, memory_time=None) -> "Roofline":
-        att = dev.attention_efficiency or {}
+    def of(cls, dev: DeviceType, dtype: str, gemm_eff=None, memory_time=None, attention_kernel: str = "") -> "Roofline":
+        """``dev``'s roofline for ``dtype``; its fused attention at ``attention_kernel``'s rate
+        (``Framework.attention_kernel``; "": the device's default kernel)."""
+        att = dev.attention_efficiency_of(attention_kernel) or {}
         return cls(dev.peak(dtype), dev.memory_bandwidth_bytes_per_s, dev.gemm_efficiency,
                    dev.memory_efficiency, dev.kernel_launch_s, gemm_eff, dev.sm_count,
                    dev.peak_flop_per_s.get("fp32", 0.0) if dev.sm_count else 0.0,

@@ -122,8 +122,8 @@ class System:
         """The catalog roofline of ``kind``, with the profile's GEMM efficiency table where measured."""
         key = ("rf", kind)
         if key not in self._cache:
-            eff = self._gemm_eff if self.measured_for(kind) else None
-            self._cache[key] = Roofline.of(device_type(kind), self.model.dtype, eff, self._memory_time(kind))
+            eff, att = self._gemm_eff if self.measured_for(kind) else None, self.framework.attention_kernel
+            self._cache[key] = Roofline.of(device_type(kind), self.model.dtype, eff, self._memory_time(kind), att)
         return self._cache[key]
 
     def gemm_roofline(self, kind: str, tf32: bool = False) -> Roofline:

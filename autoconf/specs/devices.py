@@ -66,6 +66,16 @@ class DeviceType:
     A100, cuDNN's on Hopper; ``cost.attention.attention_shape_efficiency`` scales it to the shape).
     None: the GEMM efficiency."""
 
+    attention_kernels: dict = None
+    """The same fractions (``forward``, ``backward``) of other fused attention kernels a framework
+    may run instead (``Framework.attention_kernel``), by name: ``flash2`` (FlashAttention-2, what
+    torch's SDPA ran on Hopper before it preferred cuDNN's). None, or a kernel not listed: the
+    device's default kernel, ``attention_efficiency``."""
+
+    def attention_efficiency_of(self, kernel: str = "") -> dict | None:
+        """``attention_efficiency``, or that of ``kernel`` where the device lists it."""
+        return (self.attention_kernels or {}).get(kernel) or self.attention_efficiency
+
     special_function_per_s: float = 0.0
     """Exponentials per second of the special-function units (GPUs): the softmax's share of fused
     attention, which makes a small head dimension slower per FLOP. 0: not modelled."""

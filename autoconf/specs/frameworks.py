@@ -137,16 +137,15 @@ class Framework:
     knobs: tuple
     """The knobs a user can switch in this framework (the search tries both values)."""
     master_weights: bool = True
-    """16-bit training keeps an fp32 master copy of the parameters and fp32 Adam moments
-    (Megatron-LM's and DeepSpeed's mixed precision: 12 bytes of optimizer state per parameter).
-    False: ``torch.optim.AdamW`` steps the 16-bit parameters themselves and its moments take their
-    dtype (4 bytes), as the reference trainer does."""
+    """16-bit training keeps fp32 master parameters and Adam moments (Megatron-LM's and DeepSpeed's
+    mixed precision: 12 bytes per parameter). False: ``torch.optim.AdamW`` steps the 16-bit
+    parameters, its moments in their dtype (4 bytes), as the reference trainer does."""
     grad_buffer_up_front: bool = False
-    """Every gradient lives in one buffer allocated when the model is wrapped and zeroed, not freed,
-    between steps (Megatron-Core's ``_ParamAndGradBuffer``, whose ``grad_data`` the parameters'
-    ``main_grad`` views): the whole stage's gradients count at the activation peak. False:
-    autograd creates each ``.grad`` at its first backward and ``zero_grad(set_to_none=True)`` frees
-    it after the step, so a peak that comes before a chunk's first backward holds none of its."""
+    """Every gradient lives in one buffer allocated when the model is wrapped, zeroed, not freed,
+    between steps (Megatron-Core's ``_ParamAndGradBuffer``, viewed by each ``main_grad``): the
+    stage's gradients count at the activation peak. False: autograd creates each ``.grad`` at its
+    first backward and ``zero_grad(set_to_none=True)`` frees it, so a peak before a chunk's first
+    backward holds none of its."""
     moe_output_weighted: bool = True
     """Its mixture-of-experts combine weights the experts' outputs by the router's scores in fp32
     (``(y.float() * w).to(dtype)``: the reference trainer's ``autoconf.trainer.moe``, torchtitan's token
@@ -190,8 +189,7 @@ class Framework:
     ``context_parallel``, which torchtitan uses, rotates with ``allgather`` by default); None:
     no context parallelism."""
     ring_math: bool = False
-    """Its ring attention computes each block with explicit tensor operations and recomputes
-    them in the backward (the reference trainer's ``ring_attention``), not with a fused kernel."""
+    """Its ring attention is tensor operations recomputed in the backward, not a fused kernel."""
     fp8_recipes: tuple = ()
     """The FP8 scaling recipes it runs (``config.FP8_RECIPES``); empty: no FP8."""
     fp8_host_ops: tuple = (0, 0)
@@ -254,11 +252,10 @@ class Framework:
     Engine, torchao under torch.compile as torchtitan runs it)."""
     eager_elementwise: bool = False
     """Its norms, rotary embedding, gated activation and QKV split run as eager torch operations
-    (the reference trainer's ``autoconf.trainer.layers``: RMSNorm as 8 kernels forward and 14 backward, mostly
-    fp32, the rotary embedding as five per tensor; ``compute.eager_elementwise_bytes``), not as
-    fused kernels (Megatron-LM's and
-    DeepSpeed's Transformer Engine / Apex kernels; torchtitan is taken as fused too: its
-    ``nn.RMSNorm`` and, usually, ``torch.compile``). Not under ``torch_compile``."""
+    (the reference trainer's ``autoconf.trainer.layers``: RMSNorm as 8 kernels forward and 14
+    backward, mostly fp32, the rotary embedding as five per tensor; torchtitan's eager PyTorch;
+    ``compute.eager_elementwise_bytes``), not as the fused kernels of Megatron-LM and DeepSpeed
+    (Transformer Engine / Apex). Not under ``torch_compile``."""
     grad_accumulation_kernel: bool = False
     """Every micro-batch's weight gradients are added into ``.grad`` by a separate kernel per
     parameter (eager torch autograd; the reference trainer, measured on an H100; DeepSpeed, whose
@@ -331,6 +328,9 @@ class Framework:
     Megatron-LM's ``--fp8-param-gather``): 1 byte per such parameter instead of 2, the cached FP8
     transpose the only copy beside it, and the distributed optimizer's parameter all-gather in FP8
     (``stage_memory``, ``data_parallel.post_all_gather_s``)."""
+    attention_kernel: str = ""
+    """Its fused attention kernel where not the device's (``DeviceType.attention_kernels``; why in
+    ``specs.recipes``: "flash2" under ``torchtitan:torch-2.6``)."""
     op_selective_checkpoint: bool = False
     """recompute="selective" is per-operation selective checkpointing (torchtitan's default
     ``SelectiveAC`` policy, 0.3.0 ``distributed/activation_checkpoint.py``): a dense block keeps

@@ -19,7 +19,17 @@ RECIPES = {
                                      "tp_comm_overlap": True},
                         "fp8_param_gather": True}),
     },
-    "torchtitan": {"0.3": ("torchtitan 0.3.0 defaults (FSDP2 with fp32 reduce, per-op selective checkpointing)", {})},
+    "torchtitan": {
+        "0.3": ("torchtitan 0.3.0 defaults (FSDP2 with fp32 reduce, per-op selective checkpointing)", {}),
+        # torch's SDPA tries its backends in a static order, FLASH_ATTENTION first and
+        # CUDNN_ATTENTION fourth (torch 2.13: torch._C._get_sdp_priority_order() == [1, 2, 0, 3, 4]);
+        # torch 2.11 on an H100 picked cuDNN's kernel by default (measured, `default_is` in
+        # bench/data/h100-2026-11-24/kernels.json), a preference for Hopper that the late-2024
+        # nightlies torchtitan's published H100 runs used did not have (cuDNN attention was opt-in
+        # there): their attention ran FlashAttention-2, about half cuDNN's rate on an H100
+        "torch-2.6": ("torchtitan on PyTorch 2.4-2.7 (its 2024 to mid-2025 runs): as 0.3, with SDPA "
+                      "running FlashAttention-2 on Hopper, cuDNN's attention opt-in", {"attention_kernel": "flash2"}),
+    },
     "deepspeed": {"0.19": ("DeepSpeed 0.19 engine defaults", {})},
 }
 """Per framework, its named releases or recipe presets: (what it is, the Framework fields it sets).

@@ -80,3 +80,30 @@ def test_search_prices_with_the_recipe_and_keys_its_study_by_it():
     bridge = search(m, cl, 64, gpus=8, top=1, framework="megatron:bridge-0.3", precision="bf16")
     assert bridge.top[0].framework == "megatron:bridge-0.3" and core.top[0].framework == "megatron"
     assert bridge.study_name != core.study_name and "bridge-0.3" in bridge.study_name
+
+
+def test_torchtitan_on_older_torch_runs_flashattention_2_on_hopper_only():
+    """torchtitan:torch-2.6: SDPA ran FlashAttention-2 on Hopper (cuDNN's attention opt-in then);
+    the attention core is priced at the catalog's flash2 rate there, the other terms alike, and
+    nothing changes on an A100 (FlashAttention-2 is its default kernel already)."""
+    from autoconf.cost.attention import attention_core_times
+    from autoconf.cost.roofline import Roofline
+    from autoconf.specs.devices import device_type
+    old = framework("torchtitan:torch-2.6")
+    assert old.attention_kernel == "flash2" and framework("torchtitan").attention_kernel == ""
+    m = dataclasses.replace(preset("llama-3-8b"), seq_length=16384)
+    h100 = device_type("h100-sxm")
+    new_f, new_b = attention_core_times(m, 1, 1, Roofline.of(h100, "bf16"))
+    old_f, old_b = attention_core_times(m, 1, 1, Roofline.of(h100, "bf16", attention_kernel="flash2"))
+    # compute-bound at 16K keys: the time scales with the inverse of the kernel's long-sequence rate
+    # (the tile and launch terms are the same for both kernels)
+    fa2, cudnn = h100.attention_kernels["flash2"], h100.attention_efficiency
+    assert old_f / new_f == pytest.approx(cudnn["forward"] / fa2["forward"], rel=1e-3)
+    assert old_b / new_b == pytest.approx(cudnn["backward"] / fa2["backward"], rel=1e-3)
+    c = ParallelConfig(dp=8, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1, zero_stage=3)
+    e_new, e_old = (estimate(c, m, H100, framework=f) for f in ("torchtitan", "torchtitan:torch-2.6"))
+    assert e_old.breakdown_s["compute"] > e_new.breakdown_s["compute"]
+    assert e_old.breakdown_s["dp_comm"] == pytest.approx(e_new.breakdown_s["dp_comm"])
+    a100 = load_cluster("examples/clusters/a100-4x8.yaml")
+    assert (estimate(c, m, a100, framework="torchtitan").step_time_s
+            == estimate(c, m, a100, framework="torchtitan:torch-2.6").step_time_s)

@@ -221,11 +221,15 @@ class Assume:
     """The torchtitan rows of 2025-06 (TTATP, TTH200; their PyTorch nightly is not stated):
     ``torchtitan:torch-2.6``, SDPA running FlashAttention-2 on Hopper as in the 2024 runs; "0.3":
     cuDNN's attention, what torch 2.11's SDPA picks on an H100."""
-    moe_dispatcher: str = "alltoall"
-    """Token dispatch with ep > 1: one all-to-all of every (token, expert) pair, every framework's
-    default; deepep (Megatron's flex dispatcher, DeepEP, which Megatron-Bridge 0.3.1's Qwen3 and
-    GPT-OSS recipes pick on Hopper, its DeepSeek-V3 recipe HybridEP) where tp is 1 or the expert
-    group is folded over tp."""
+    moe_dispatcher: str = "recipe"
+    """Token dispatch with ep > 1: "recipe", what the row's framework runs by default on Hopper:
+    DeepEP on the Megatron-Bridge rows (0.3.1's MoE recipes set ``moe_flex_dispatcher_backend =
+    "deepep"``, recipes/qwen/qwen3_moe.py, and ``apply_flex_dispatcher_backend`` switches the
+    dispatcher to ``flex`` on Ampere / Hopper, training/flex_dispatcher_backend.py) and on the
+    AutoModel rows (nemo_automodel 0.7.0 ``BackendConfig.dispatcher`` defaults to "deepep" where
+    DeepEP is installed, as in the NeMo container, components/models/common/utils.py);
+    "alltoall": one all-to-all of every (token, expert) pair, the Megatron-Core and torchtitan
+    default. DeepEP only where tp is 1 or the expert group is folded over tp."""
 
 
 ASSUMED = Assume()
@@ -282,8 +286,11 @@ def config_of(row: dict, a: Assume, recompute: str, fw: str | None = None) -> Pa
     if row["prec"] == "FP8":
         recipe = next((o for o in opts if o in ("tensorwise", "rowwise")), a.fp8_recipe)
         kw.update(precision="fp8", fp8_recipe=recipe)
-    if ep > 1 and a.moe_dispatcher != "alltoall" and (tp == 1 or "expert_tp" in kw):
-        kw["moe_dispatcher"] = a.moe_dispatcher
+    dispatcher = a.moe_dispatcher
+    if dispatcher == "recipe":
+        dispatcher = "deepep" if row["src"] in ("MB", "AM") else "alltoall"
+    if ep > 1 and dispatcher != "alltoall" and (tp == 1 or "expert_tp" in kw):
+        kw["moe_dispatcher"] = dispatcher
     return ParallelConfig(dp=dp, pp=pp, tp=tp, cp=cp, ep=ep, micro_batch_size=mbs,
                           num_micro_batches=row["gbs"] // (dp * mbs),
                           schedule="interleaved" if pp > 1 and vp > 1 else "1f1b",
@@ -372,7 +379,7 @@ VARIANTS = (
      lambda r: r["system"] == "A100"),
     ("torchtitan of 2025-06", "torch-2.6 (FlashAttention-2)", (("0.3 (cuDNN attention)", {"torchtitan_2025": "0.3"}),),
      lambda r: r["src"] in ("TTATP", "TTH200")),
-    ("MoE dispatcher", "alltoall", (("deepep", {"moe_dispatcher": "deepep"}),),
+    ("MoE dispatcher", "recipe (DeepEP)", (("alltoall", {"moe_dispatcher": "alltoall"}),),
      lambda r: (r["ep"] or 1) > 1 and ((r["tp"] or 1) == 1 or FRAMEWORK[r["src"]] == "megatron")),
 )
 """(setting, assumed value, ((alternative, Assume fields), ...), the rows it touches)."""

@@ -31,6 +31,10 @@ def add_testbed_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (default: one per --rates entry)")
     p.add_argument("--rates", default=None,
                    help="NIC rate per node, comma-separated (200mbit, 10gbit, '1 Gbit/s'); one rate applies to all")
+    p.add_argument("--fabrics", default=None, metavar="F,F,...",
+                   help="the network of each node's NIC, comma-separated (e.g. ib,eth,ib,eth): nodes of one fabric "
+                   "talk at their NICs' rates, of different ones at --between")
+    p.add_argument("--between", default=None, metavar="RATE", help="the rate between nodes of different --fabrics")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="processes per node: {nproc_per_node} and AUTOCONF_NPROC_PER_NODE, and the cluster file's "
                    "devices per node (default 2)")
@@ -89,7 +93,10 @@ def cmd_testbed(args) -> int:
     if command[:1] == ["--"]:
         command = command[1:]
     prefix = new_prefix()
-    nodes = plan_nodes(rates, prefix, args.subnet)
+    fabrics = [f.strip() for f in args.fabrics.split(",")] if args.fabrics else None
+    if fabrics is not None and len(fabrics) == 1:
+        fabrics *= len(rates)
+    nodes = plan_nodes(rates, prefix, args.subnet, fabrics=fabrics, between=args.between)
     if args.print_commands:
         for c in setup_commands(nodes, prefix):
             print(" ".join(c))
@@ -108,10 +115,12 @@ def cmd_testbed(args) -> int:
     if args.driver and command[:1] == ["autoconf"]:
         command = [sys.executable, "-m", "autoconf", *command[1:]]
     with Testbed(rates, nproc_per_node=nproc or 2, master_port=args.master_port, subnet=args.subnet,
-                 prefix=prefix) as tb:
+                 prefix=prefix, fabrics=fabrics, between=args.between) as tb:
         for n in tb.nodes:
             sys.stderr.write(f"testbed: {n.host} = namespace {n.namespace}, {n.address} on {IFACE}, "
-                             f"{fmt_rate(n.rate_bit_s)}\n")
+                             f"{fmt_rate(n.rate_bit_s)}"
+                             + (f", fabric {n.fabric} ({fmt_rate(n.cross_rate_bit_s)} to others)" if n.fabric else "")
+                             + "\n")
         if args.driver:
             env = dict(os.environ, **{ATTACH_ENV: describe(tb.nodes, tb.master_port, tb.nproc_per_node)})
             try:

@@ -9,7 +9,10 @@ a node sees its own host name and reaches the others by name or address.
 
 Every node's NIC is rate-limited with ``tc`` token-bucket filters (``tbf``) in both directions: on
 the node's ``tb0`` (what it sends) and on its bridge port (what it receives), so a transfer
-between nodes A and B runs at min(rate A, rate B). Ranks of one node talk over the namespace's
+between nodes A and B runs at min(rate A, rate B). With fabrics (``--fabrics ib,eth,ib,eth
+--between 100mbit``) each direction is an ``htb`` instead, whose second class carries the traffic
+to and from nodes of another fabric at the rate between them: two kinds of NIC, each fast among
+its own, slow across (Holmes's clusters). Ranks of one node talk over the namespace's
 loopback, unshaped: fast inside a node, slow between nodes. There is no delay or loss emulation
 (netem is not available on every kernel; this module does not use it).
 
@@ -201,16 +204,19 @@ class Testbed:
     """N emulated nodes; a context manager that builds them on entry and removes them on exit.
 
     ``nodes``: one NIC rate per node ("200mbit", "10gbit", or bits per second as a number).
+    ``fabrics`` and ``between``: the network of each node's NIC and the rate between nodes of
+    different ones (``testbed_plan.plan_nodes``: two kinds of NIC, fast inside each kind).
     ``nproc_per_node``: what :meth:`launch` tells the processes (``{nproc_per_node}``,
     ``AUTOCONF_NPROC_PER_NODE``). ``master_port``: the rendezvous port on node 0.
     """
 
     def __init__(self, nodes: list, *, nproc_per_node: int | None = None, master_port: int = DEFAULT_PORT,
-                 subnet: str = DEFAULT_SUBNET, prefix: str | None = None):
+                 subnet: str = DEFAULT_SUBNET, prefix: str | None = None, fabrics: list | None = None,
+                 between=None):
         if not (isinstance(master_port, int) and 1 <= master_port <= 65535):
             raise UserError(f"master port {master_port!r}: expected a TCP port, 1 to 65535")
         self.prefix = prefix or new_prefix()
-        self.nodes = plan_nodes(list(nodes), self.prefix, subnet)
+        self.nodes = plan_nodes(list(nodes), self.prefix, subnet, fabrics=fabrics, between=between)
         self.nproc_per_node = nproc_per_node
         self.master_port = master_port
         self._made: list[str] = []    # namespaces created, in order

@@ -54,6 +54,11 @@ class Node:
     """NIC rate, each direction."""
     port: str
     """Its bridge port (in the bridge's namespace)."""
+    fabric: str = ""
+    """The network its NIC is on ("": the testbed has one). Between nodes of different fabrics
+    traffic runs at ``cross_rate_bit_s``: fast inside each kind of NIC, slow between kinds."""
+    cross_rate_bit_s: float = 0.0
+    """Its rate to and from nodes of another fabric, each direction (at most its NIC's)."""
 
 
 def new_prefix() -> str:
@@ -73,17 +78,38 @@ def check_subnet(subnet: str) -> str:
     return subnet
 
 
-def plan_nodes(rates: list, prefix: str, subnet: str = DEFAULT_SUBNET, host_prefix: str = "node-") -> list[Node]:
-    """The nodes: namespace ``<prefix>n<K>``, host ``node-K``, address ``<subnet>.<K+1>``."""
+FABRIC_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+
+def _bits(r) -> float:
+    bits = r if isinstance(r, (int, float)) and not isinstance(r, bool) else parse_rate(r)
+    if not MIN_RATE_BIT_S <= bits <= MAX_RATE_BIT_S:
+        raise UserError(f"rate {r!r} bit/s: expected 1mbit to 100gbit")
+    return float(bits)
+
+
+def plan_nodes(rates: list, prefix: str, subnet: str = DEFAULT_SUBNET, host_prefix: str = "node-",
+               fabrics: list | None = None, between=None) -> list[Node]:
+    """The nodes: namespace ``<prefix>n<K>``, host ``node-K``, address ``<subnet>.<K+1>``.
+    ``fabrics``: the network of each node's NIC (e.g. ["ib", "eth", "ib", "eth"]), with
+    ``between`` the rate between nodes of different fabrics; both or neither."""
     if not 1 <= len(rates) <= MAX_NODES:
         raise UserError(f"{len(rates)} nodes: expected 1 to {MAX_NODES}")
     check_subnet(subnet)
-    bits = [r if isinstance(r, (int, float)) and not isinstance(r, bool) else parse_rate(r) for r in rates]
-    for r in bits:
-        if not MIN_RATE_BIT_S <= r <= MAX_RATE_BIT_S:
-            raise UserError(f"rate {r!r} bit/s: expected 1mbit to 100gbit")
+    bits = [_bits(r) for r in rates]
+    if (fabrics is None) != (between is None):
+        raise UserError("fabrics and the rate between them go together: give both (e.g. --fabrics ib,eth,ib,eth "
+                        "--between 100mbit) or neither")
+    fabrics = list(fabrics or [""] * len(bits))
+    if len(fabrics) != len(bits):
+        raise UserError(f"{len(fabrics)} fabrics for {len(bits)} nodes: give one per node")
+    for f in fabrics:
+        if f and not FABRIC_RE.match(f):
+            raise UserError(f"fabric {f!r}: expected a short lower-case name (letters, digits, - or _), e.g. ib")
+    cross = _bits(between) if between is not None else 0.0
     return [Node(index=k, host=f"{host_prefix}{k}", namespace=f"{prefix}n{k}", address=f"{subnet}.{k + 1}",
-                 rate_bit_s=float(r), port=f"p{k}") for k, r in enumerate(bits)]
+                 rate_bit_s=r, port=f"p{k}", fabric=f, cross_rate_bit_s=min(cross, r) if f else 0.0)
+            for k, (r, f) in enumerate(zip(bits, fabrics))]
 
 
 def bridge_namespace(prefix: str) -> str:
@@ -100,16 +126,35 @@ def setup_commands(nodes: list[Node], prefix: str) -> list[list[str]]:
     for n in nodes:
         burst, limit = tbf_params(n.rate_bit_s)
         tbf = ["root", "tbf", "rate", f"{int(n.rate_bit_s)}bit", "burst", str(burst), "limit", str(limit)]
+        others = [m for m in nodes if n.fabric and m.fabric != n.fabric]
+        shape = ((lambda ns, dev, match: _fabric_shaping(n, others, ns, dev, match)) if others else
+                 (lambda ns, dev, match: [["tc", "-n", ns, "qdisc", "add", "dev", dev, *tbf]]))
         cmds += [["ip", "netns", "add", n.namespace],
                  ["ip", "-n", br, "link", "add", n.port, "type", "veth", "peer", "name", IFACE, "netns", n.namespace],
                  ["ip", "-n", br, "link", "set", n.port, "master", BRIDGE],
                  ["ip", "-n", br, "link", "set", n.port, "up"],
                  ["ip", "-n", n.namespace, "link", "set", "lo", "up"],
                  ["ip", "-n", n.namespace, "addr", "add", f"{n.address}/24", "dev", IFACE],
-                 ["ip", "-n", n.namespace, "link", "set", IFACE, "up"],
-                 ["tc", "-n", n.namespace, "qdisc", "add", "dev", IFACE, *tbf],   # what the node sends
-                 ["tc", "-n", br, "qdisc", "add", "dev", n.port, *tbf]]           # what it receives
+                 ["ip", "-n", n.namespace, "link", "set", IFACE, "up"]]
+        cmds += shape(n.namespace, IFACE, "dst")  # what the node sends
+        cmds += shape(br, n.port, "src")          # what it receives
     return cmds
+
+
+def _fabric_shaping(n: Node, others: list[Node], ns: str, dev: str, match: str) -> list[list[str]]:
+    """A node's NIC on a testbed of several fabrics (one direction, on ``dev`` in ``ns``): an htb
+    with a class at the NIC's rate (the default) and one at the rate between fabrics, which the
+    packets to (``match`` "dst") or from ("src") every node of another fabric take (u32 filters on
+    their addresses). The classes' buckets are ``tbf_params``'s."""
+    out = [["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"]]
+    for cls, bit_s in (("1:1", n.rate_bit_s), ("1:2", n.cross_rate_bit_s)):
+        burst, _ = tbf_params(bit_s)
+        out.append(["tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", cls, "htb",
+                    "rate", f"{int(bit_s)}bit", "burst", str(burst), "cburst", str(burst)])
+    for m in others:
+        out.append(["tc", "-n", ns, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1",
+                    "u32", "match", "ip", match, f"{m.address}/32", "flowid", "1:2"])
+    return out
 
 
 def hosts_file(nodes: list[Node]) -> str:
@@ -167,13 +212,14 @@ def torchrun_argv(nodes: list[Node], k: int, nproc_per_node: int, master_port: i
 def cluster_yaml(nodes: list[Node], nproc_per_node: int, name: str | None = None,
                  memory_gib: float | None = None) -> str:
     """A cluster file (``autoconf search --cluster``) describing the testbed: CPU processes, one
-    node group per run of consecutive nodes of equal rate, the nodes' host names and NIC rates."""
+    node group per run of consecutive nodes of equal rate and fabric, the nodes' host names, NIC
+    rates and fabrics, and the rate between fabrics as the cap between groups of different ones."""
     if memory_gib is None:
         memory_gib = default_memory_gib(len(nodes) * nproc_per_node)
     name = name or f"testbed-{len(nodes)}x{nproc_per_node}"
     groups: list[list[Node]] = []
     for n in nodes:
-        if groups and groups[-1][0].rate_bit_s == n.rate_bit_s:
+        if groups and (groups[-1][0].rate_bit_s, groups[-1][0].fabric) == (n.rate_bit_s, n.fabric):
             groups[-1].append(n)
         else:
             groups.append([n])
@@ -188,7 +234,12 @@ def cluster_yaml(nodes: list[Node], nproc_per_node: int, name: str | None = None
                 "    intra_node_bandwidth: 4.5 GB/s", f"    memory: {memory_gib:g} GiB",
                 f"    nics: {{count: 1, bandwidth: {fmt_rate(g[0].rate_bit_s)}, kind: ethernet}}",
                 f"    hosts: [{', '.join(n.host for n in g)}]"]
+        if g[0].fabric:
+            out.append(f"    fabric: {g[0].fabric}")
     out.append("latency: {intra_node: 80 us, inter_node: 200 us}")
+    cross = [n.cross_rate_bit_s for n in nodes if n.fabric]
+    if cross:  # the cluster file's cap is one figure: the testbed's (each node's is min(it, its NIC's))
+        out.append(f"inter_group_bandwidth: {fmt_rate(max(cross))}")
     return "\n".join(out) + "\n"
 
 

@@ -89,6 +89,10 @@ class NodeGroup:
     nvlink_domain: int = checked(Int(1, MAX_DEVICES), 1)
     """Consecutive hosts of the group that share one NVLink fabric (18 in a GB200 NVL72 rack);
     1: each host's fabric is its own. Divides ``count``."""
+    fabric: str | None = checked(Null(Str(max_len=64, nonempty=True)), None)
+    """The network the group's NICs are on: groups naming the same fabric reach each other at
+    their NICs' speed, without ``inter_group_bandwidth``'s cap (a cluster listed out of order,
+    its InfiniBand nodes in two groups). None: a fabric of the group's own."""
 
     @property
     def device_memory_bytes(self) -> float:
@@ -105,8 +109,16 @@ class ClusterSpec:
     intra_node_latency_s: float = checked(_si(*LATENCY), 2e-6)
     inter_node_latency_s: float = checked(_si(*LATENCY), 10e-6)
     inter_group_bandwidth_bytes_per_s: float | None = checked(Null(_si(*BANDWIDTH)), None)
-    """Optional cap on any path between two node groups."""
+    """Optional cap on any path between two node groups that are not on one ``fabric``."""
     _graph_cache: dict = field(default_factory=dict, init=False, compare=False, repr=False, hash=False)
+
+    def group_cap(self, a: int, b: int) -> float:
+        """The cap on a path between node groups ``a`` and ``b`` (inf: none):
+        ``inter_group_bandwidth`` unless both name one ``fabric``."""
+        fa, fb = self.node_groups[a].fabric, self.node_groups[b].fabric
+        if fa is not None and fa == fb:
+            return float("inf")
+        return self.inter_group_bandwidth_bytes_per_s or float("inf")
 
     @property
     def num_nodes(self) -> int:
@@ -167,6 +179,8 @@ class ClusterSpec:
                 g["hosts"] = list(g["hosts"])
             if g["nvlink_domain"] == 1:
                 g.pop("nvlink_domain")
+            if g["fabric"] is None:
+                g.pop("fabric")
         return d
 
     @classmethod
@@ -185,6 +199,7 @@ class ClusterSpec:
 SI_CLUSTER_SCHEMA = schema_of(ClusterSpec, "a cluster")
 
 
+
 def _build_graph(spec: ClusterSpec):
     import networkx as nx
 
@@ -195,7 +210,7 @@ def _build_graph(spec: ClusterSpec):
         g.add_node(("group", gi))
     for a in range(len(spec.node_groups)):
         for b in range(a + 1, len(spec.node_groups)):
-            cap = spec.inter_group_bandwidth_bytes_per_s or float("inf")
+            cap = spec.group_cap(a, b)
             g.add_edge(("group", a), ("group", b), bandwidth_bytes_per_s=cap, latency_s=0.0, kind="inter_group")
     memory = [grp.device_memory_bytes for grp in spec.node_groups]  # (a catalog look-up: once per group)
     for n, ((gi, grp), attrs) in enumerate(zip(spec.nodes(), spec.host_attrs())):
@@ -224,7 +239,8 @@ GROUP_SCHEMA = Dict(
               "intra_node_bandwidth": _quantity(*BANDWIDTH)},
     optional={"nics": Null(NIC_SCHEMA), "memory": _quantity(*MEMORY), "hosts": Null(HOSTS_SCHEMA),
               "nvlink_domain": Int(1, MAX_DEVICES), "power_cap": _quantity(*POWER),
-              "clock": _quantity(*CLOCK), "memory_bandwidth": _quantity(*BANDWIDTH)},
+              "clock": _quantity(*CLOCK), "memory_bandwidth": _quantity(*BANDWIDTH),
+              "fabric": Null(Str(max_len=64, nonempty=True))},
     what="a node group")
 DEPLOYED = {"power_cap": "power_cap_w", "clock": "clock_hz", "memory_bandwidth": "memory_bandwidth_bytes_per_s"}
 """A node group's fields that state its devices as deployed (``specs.devices.deployed_name``)."""
@@ -329,6 +345,7 @@ def cluster_from_mapping(data: object, where: str = "cluster") -> ClusterSpec:
             memory_bytes=g.get("memory"),
             hosts=tuple(g["hosts"]) if g.get("hosts") else None,
             nvlink_domain=g.get("nvlink_domain", 1),
+            fabric=g.get("fabric"),
         ))
     lat = d.get("latency") or {}
     return ClusterSpec(

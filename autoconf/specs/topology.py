@@ -93,9 +93,8 @@ class Topology:
         self.intra_latency_s = float(spec.intra_node_latency_s)
         self.inter_latency_s = float(spec.inter_node_latency_s)
         self._group_hosts(spec, domains)
-        cap = float(spec.inter_group_bandwidth_bytes_per_s or float("inf"))
         groups = range(len(spec.node_groups))
-        self.group_cap = {(a, b): cap for a in groups for b in groups if a != b}
+        self.group_cap = {(a, b): float(spec.group_cap(a, b)) for a in groups for b in groups if a != b}
         self.measured = {}
         self._group_cache = {}
         return self

@@ -116,6 +116,9 @@ def cluster_yaml(cluster) -> str:
             lines.append(f"    memory: {g.memory_bytes / 2**30:g} GiB")
         if g.nvlink_domain > 1:
             lines.append(f"    nvlink_domain: {g.nvlink_domain}")
+        if g.fabric is not None:
+            import json
+            lines.append(f"    fabric: {json.dumps(g.fabric)}")
         if g.hosts:  # names as JSON strings, which YAML reads as they are
             import json
             lines.append(f"    hosts: [{', '.join(json.dumps(h) for h in g.hosts)}]")

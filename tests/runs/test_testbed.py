@@ -96,6 +96,52 @@ def test_setup_commands_stay_inside_the_testbeds_namespaces_and_shape_both_direc
             assert c[c.index("add", 4) + 1].startswith("10.200.0.")
 
 
+def test_fabrics_send_traffic_between_kinds_of_nic_through_the_slow_class():
+    """Two fabrics: each direction of a node's NIC is an htb whose default class runs at the NIC's
+    rate and whose second class, at the rate between fabrics, takes exactly the packets to (its
+    tb0) or from (its bridge port) the nodes of the other fabric."""
+    prefix = "actb7x0abc"
+    nodes = tbm.plan_nodes(["1gbit", "1gbit", "400mbit"], prefix, fabrics=["ib", "eth", "ib"], between="100mbit")
+    assert [n.cross_rate_bit_s for n in nodes] == [100e6, 100e6, 100e6]
+    cmds = tbm.setup_commands(nodes, prefix)
+    for n in nodes:
+        for ns, dev, way in ((n.namespace, tbp.IFACE, "dst"), (prefix + "br", n.port, "src")):
+            mine = [c for c in cmds if c[0] == "tc" and c[2] == ns and c[c.index("dev") + 1] == dev]
+            rates = {c[c.index("classid") + 1]: c[c.index("rate") + 1] for c in mine if c[3] == "class"}
+            assert rates == {"1:1": f"{int(n.rate_bit_s)}bit", "1:2": "100000000bit"}
+            slow = {c[c.index(way) + 1] for c in mine if c[3] == "filter" and c[-1] == "1:2"}
+            assert slow == {f"{m.address}/32" for m in nodes if m.fabric != n.fabric}
+            assert not any("tbf" in c for c in mine)
+    assert tbm.setup_commands(tbm.plan_nodes(["1gbit"] * 2, prefix), prefix) == tbm.setup_commands(
+        tbm.plan_nodes(["1gbit"] * 2, prefix, fabrics=["ib", "ib"], between="1mbit"), prefix)  # one fabric: tbf
+    for kw, needle in (({"fabrics": ["ib", "eth", "ib"]}, "go together"),
+                       ({"fabrics": ["ib"], "between": "1mbit"}, "1 fabrics for 3 nodes"),
+                       ({"fabrics": ["ib", "e th", "ib"], "between": "1mbit"}, "fabric 'e th'")):
+        with pytest.raises(UserError, match=needle):
+            tbm.plan_nodes(["1gbit", "1gbit", "400mbit"], prefix, **kw)
+
+
+def test_cluster_file_of_a_two_fabric_testbed_caps_only_across_fabrics():
+    from autoconf.specs.cluster import cluster_from_mapping
+    from autoconf.specs.schema import parse_yaml
+    from autoconf.specs.topology import Topology
+
+    nodes = tbm.plan_nodes(["1gbit"] * 4, "actb7x0abc", fabrics=["ib", "eth", "ib", "eth"], between="100mbit")
+    c = cluster_from_mapping(parse_yaml(tbp.cluster_yaml(nodes, 1), "tb.yaml"))
+    assert [g.fabric for g in c.node_groups] == ["ib", "eth", "ib", "eth"]
+    assert c.host_names() == ["node-0", "node-1", "node-2", "node-3"]  # node order kept: rank r on node r
+    for topo in (Topology(c.graph()), Topology.of_cluster(c)):
+        assert [topo.p2p(0, j)[0] for j in (1, 2, 3)] == [100e6 / 8, 1e9 / 8, 100e6 / 8]
+        assert topo.p2p(1, 3)[0] == 1e9 / 8
+    assert ClusterSpec_round_trip(c) == c
+
+
+def ClusterSpec_round_trip(c):
+    from autoconf.specs.cluster import ClusterSpec
+
+    return ClusterSpec.from_dict(json.loads(json.dumps(c.to_dict())))
+
+
 def test_tbf_bucket_holds_a_millisecond_and_queues_50ms():
     for bits in (1e6, 200e6, 1e9, 10e9):
         burst, limit = tbp.tbf_params(bits)
@@ -397,6 +443,28 @@ def test_testbed_nodes_have_their_names_addresses_and_clean_up():
             ns = tb.nodes[0].namespace
             raise RuntimeError("boom")
     assert ns not in tbm._namespaces()
+
+
+@needs_testbed
+@pytest.mark.e2e
+def test_nodes_of_one_fabric_talk_fast_and_across_fabrics_slow():
+    """Three nodes, fabrics a, b, a, 200 mbit inside a fabric and 20 mbit between: node 0 sends to
+    node 2 (its fabric) and node 1 (the other) at those rates, within 20%."""
+    recv = ("import socket, sys\ns = socket.create_server(('0.0.0.0', int(sys.argv[1])))\nc, _ = s.accept()\n"
+            "n = 0\nwhile True:\n    b = c.recv(1 << 20)\n    if not b: break\n    n += len(b)\nc.sendall(b'k')\n"
+            "print(n)")
+    send = ("import socket, sys, time\nfor _ in range(200):\n    try:\n        c = socket.create_connection((sys.argv[1], "
+            "int(sys.argv[2]))); break\n    except OSError: time.sleep(0.05)\nc.sendall(b'w' * 65536)\n"
+            "t = time.perf_counter(); c.sendall(b'x' * int(sys.argv[3])); c.shutdown(socket.SHUT_WR)\nc.recv(1)\n"
+            "print(int(sys.argv[3]) / (time.perf_counter() - t))")
+    with Testbed_(["200mbit"] * 3, fabrics=["a", "b", "a"], between="20mbit") as tb:
+        got = {}
+        for dst, nbytes, port in ((2, 4 << 20, 29597), (1, 1 << 20, 29598)):
+            srv = tb.popen(dst, [sys.executable, "-c", recv, str(port)], stdout=subprocess.PIPE)
+            out = tb.run(0, [sys.executable, "-c", send, tb.nodes[dst].address, str(port), str(nbytes)], timeout=60)
+            srv.wait(30)
+            got[dst] = float(out.stdout.strip()) * 8
+        assert got[2] == pytest.approx(200e6, rel=0.2) and got[1] == pytest.approx(20e6, rel=0.2), got
 
 
 def Testbed_(rates, **kw):

@@ -3,6 +3,7 @@
     python bench/allreduce_hier.py [--nproc 4] [--hosts 2] [--sizes 4K,16K,...,64M] [--repeats 15]
                                    [--cluster CLUSTER.yaml] [--json OUT.json]
     python bench/allreduce_hier.py --testbed 1gbit     # across emulated nodes (root; autoconf testbed)
+    python bench/allreduce_hier.py --testbed 1gbit --measure-links   # predicted from measured links
 
 ``--nproc`` processes are declared as ``--hosts`` hosts of nproc / hosts processes each: one
 torchrun agent per host (static rendezvous, ``--node-rank`` K), so each rank learns its host from
@@ -24,6 +25,10 @@ cores the times measure contention (collectives slow down 2-3x with 4 processes 
 a network. ``--testbed RATE`` runs it across ``--hosts`` emulated nodes instead (``autoconf.runs.testbed``:
 a network namespace per host, its NIC shaped to RATE), with the testbed's own cluster file for the
 prediction: each host's agent starts inside its namespace (:func:`launch_node` is the seam).
+With ``--measure-links`` it first runs ``autoconf profile --links-only`` across the nodes and
+predicts from the links it measured (``--profile``: any such profile), as a user who profiled the
+machine would: the intra-host phases then cost what gloo's loopback really moves with the cores
+shared, not the declared 4.5 GB/s.
 """
 
 from __future__ import annotations
@@ -185,9 +190,13 @@ def predictions(args, sizes) -> dict:
     else:
         import yaml
         cluster = cluster_from_mapping(yaml.safe_load(LOOPBACK.format(hosts=args.hosts, k=args.nproc // args.hosts)))
-    system = System(preset("tiny"), cluster)
+    profile = None
+    if args.profile:
+        from autoconf.specs.profile import load_profile
+        profile = load_profile(args.profile)
+    system = System(preset("tiny"), cluster, profile=profile)
     fw = system.framework
-    out = {"cluster": cluster.name}
+    out = {"cluster": cluster.name + (" + measured links" if profile is not None else "")}
     for mode in ("flat", "hierarchical"):
         c = ParallelConfig(dp=args.nproc, pp=1, tp=1, micro_batch_size=1, num_micro_batches=1, dp_all_reduce=mode)
         links = axis_links(system, c, "dp")
@@ -206,6 +215,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes in bytes, K/M suffixes (default {DEFAULT_SIZES})")
     ap.add_argument("--repeats", type=int, default=15, help="timed repeats per size and variant (median; default 15)")
     ap.add_argument("--cluster", help="cluster YAML the prediction uses (default: loopback, see the module doc)")
+    ap.add_argument("--profile", help="a profile (autoconf profile) whose measured links replace the cluster's in "
+                    "the prediction")
+    ap.add_argument("--measure-links", action="store_true", help="with --testbed: first run `autoconf profile "
+                    "--links-only` across the nodes and predict from its measured links")
     ap.add_argument("--master-addr", default="127.0.0.1")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the whole measurement")
     ap.add_argument("--testbed", metavar="RATE", help="run across --hosts emulated nodes whose NICs run at RATE "
@@ -269,6 +282,16 @@ def _on_testbed(args, argv) -> int:
             f.write(testbed_plan.cluster_yaml(tb.nodes, args.nproc // args.hosts))
         launch_node = lambda k, cmd, env, log: tb.popen(k, cmd, env=env, stdout=log,  # noqa: E731
                                                         stderr=subprocess.STDOUT)
+        extra = []
+        if args.measure_links:  # the links as `autoconf profile` measures them across the nodes
+            prof = os.path.join(tmp, "links.json")
+            with open(os.devnull, "w") as devnull:
+                codes = tb.launch([sys.executable, "-m", "autoconf", "profile", "--model", "tiny", "--links-only",
+                                   "--out", prof], cwd=ROOT, timeout=900, output=devnull)
+            if any(codes):
+                print(f"bench/allreduce_hier.py: profiling the links failed: exit codes {codes}", file=sys.stderr)
+                return 1
+            extra = ["--profile", prof]
         rest, skip = [], False
         for a in argv if argv is not None else sys.argv[1:]:
             if skip:
@@ -277,7 +300,8 @@ def _on_testbed(args, argv) -> int:
                 skip = True
             elif not a.startswith("--testbed="):
                 rest.append(a)
-        return main(rest + ["--master-addr", tb.master_addr, "--cluster", cluster])
+        return main([a for a in rest if a != "--measure-links"] + ["--master-addr", tb.master_addr,
+                                                                     "--cluster", cluster, *extra])
 
 
 if __name__ == "__main__":

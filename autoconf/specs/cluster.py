@@ -199,7 +199,6 @@ class ClusterSpec:
 SI_CLUSTER_SCHEMA = schema_of(ClusterSpec, "a cluster")
 
 
-
 def _build_graph(spec: ClusterSpec):
     import networkx as nx
 

@@ -77,7 +77,7 @@ def profile_testbed(tb, model_path: str, work: str, nproc_per_node: int, timeout
     return cluster_path, load_cluster(cluster_path), profile_path, load_profile(profile_path)
 
 
-def describe(c: ParallelConfig) -> str:
+def layout_text(c: ParallelConfig) -> str:
     """The configuration's short form with its placement: the device of each rank, if not r."""
     order = c.device_order
     if order is None or list(order) == list(range(len(order))):
@@ -149,7 +149,7 @@ def main() -> int:
         meas = sum(measured[k]) / args.passes
         rows.append({"pick": k, "config": c.to_dict(), "short": c.short(), "predicted_s": pred, "measured_s": meas,
                      "passes_s": measured[k], "error": pred / meas - 1, "speedup_over_a": base / meas})
-        print(f"{k:<28} {describe(c):<64} {pred * 1e3:>8.1f}ms {meas * 1e3:>8.1f}ms {pred / meas - 1:>+7.1%} "
+        print(f"{k:<28} {layout_text(c):<64} {pred * 1e3:>8.1f}ms {meas * 1e3:>8.1f}ms {pred / meas - 1:>+7.1%} "
               f"{base / meas:>7.2f}x")
     print(f"\nrates {args.rates}" + (f", fabrics {args.fabrics}, {args.between} between" if fabrics else "")
           + f", global batch {args.global_batch}, {args.passes} passes x {args.steps} steps; "

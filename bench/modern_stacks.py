@@ -60,6 +60,9 @@ from autoconf.specs.model import ModelSpec, preset  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "modern-stacks", "runs.csv")
 SOURCES = ("TT24", "TT24B", "TTATP", "TTH200", "MB", "AM")
+TT_2025 = ("TTATP", "TTH200")
+"""torchtitan's own sources of 2025-06, whose PyTorch nightly is not stated (``Assume.torchtitan_2025``);
+its 2024 ones run ``torchtitan:torch-2.6``."""
 KINDS = ("dense BF16", "dense FP8", "MoE BF16", "MoE FP8")
 FRAMEWORK = {"TT24": "torchtitan", "TT24B": "torchtitan", "TTATP": "torchtitan", "TTH200": "torchtitan",
              "MB": "megatron", "AM": "torchtitan"}
@@ -317,10 +320,8 @@ def price(row: dict, a: Assume = ASSUMED) -> dict:
     fw = FRAMEWORK[row["src"]]
     if fw == "megatron":
         fw = f"megatron:{a.megatron_recipe}"
-    elif row["src"] in ("TT24", "TT24B"):
-        fw = "torchtitan:torch-2.6"
-    elif row["src"] in ("TTATP", "TTH200"):
-        fw = f"torchtitan:{a.torchtitan_2025}"
+    elif row["src"].startswith("TT"):
+        fw = f"torchtitan:{a.torchtitan_2025 if row['src'] in TT_2025 else 'torch-2.6'}"
     try:
         spec, ctx = system_for(row, fw, a.a100_nics)
         parts = [(w, estimate(config_of(row, a, rc, fw), spec, ctx=ctx)) for rc, w in recompute_of(row, a)]
@@ -378,7 +379,7 @@ VARIANTS = (
     ("A100 network", "8 x 200 Gbit/s", (("4 x 100 Gbit/s", {"a100_nics": (4, "100 Gbit/s")}),),
      lambda r: r["system"] == "A100"),
     ("torchtitan of 2025-06", "torch-2.6 (FlashAttention-2)", (("0.3 (cuDNN attention)", {"torchtitan_2025": "0.3"}),),
-     lambda r: r["src"] in ("TTATP", "TTH200")),
+     lambda r: r["src"] in TT_2025),
     ("MoE dispatcher", "recipe (DeepEP)", (("alltoall", {"moe_dispatcher": "alltoall"}),),
      lambda r: (r["ep"] or 1) > 1 and ((r["tp"] or 1) == 1 or FRAMEWORK[r["src"]] == "megatron")),
 )

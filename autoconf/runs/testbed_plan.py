@@ -127,8 +127,6 @@ def setup_commands(nodes: list[Node], prefix: str) -> list[list[str]]:
         burst, limit = tbf_params(n.rate_bit_s)
         tbf = ["root", "tbf", "rate", f"{int(n.rate_bit_s)}bit", "burst", str(burst), "limit", str(limit)]
         others = [m for m in nodes if n.fabric and m.fabric != n.fabric]
-        shape = ((lambda ns, dev, match: _fabric_shaping(n, others, ns, dev, match)) if others else
-                 (lambda ns, dev, match: [["tc", "-n", ns, "qdisc", "add", "dev", dev, *tbf]]))
         cmds += [["ip", "netns", "add", n.namespace],
                  ["ip", "-n", br, "link", "add", n.port, "type", "veth", "peer", "name", IFACE, "netns", n.namespace],
                  ["ip", "-n", br, "link", "set", n.port, "master", BRIDGE],
@@ -136,8 +134,9 @@ def setup_commands(nodes: list[Node], prefix: str) -> list[list[str]]:
                  ["ip", "-n", n.namespace, "link", "set", "lo", "up"],
                  ["ip", "-n", n.namespace, "addr", "add", f"{n.address}/24", "dev", IFACE],
                  ["ip", "-n", n.namespace, "link", "set", IFACE, "up"]]
-        cmds += shape(n.namespace, IFACE, "dst")  # what the node sends
-        cmds += shape(br, n.port, "src")          # what it receives
+        for ns, dev, match in ((n.namespace, IFACE, "dst"), (br, n.port, "src")):  # what it sends, receives
+            cmds += (_fabric_shaping(n, others, ns, dev, match) if others
+                     else [["tc", "-n", ns, "qdisc", "add", "dev", dev, *tbf]])
     return cmds
 
 

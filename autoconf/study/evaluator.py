@@ -163,7 +163,7 @@ class Evaluator:
                 # more layers on the faster stages can overflow their memory: the even split may fit
                 e = estimate_on(dataclasses.replace(placed, stage_layers=None), self.ctx, bound=bound,
                               time_if_oom=False)
-            if placed is not c and placed != c:  # never worse than the cluster file's own order: the unplaced one too
+            if placed != c:  # never worse than the cluster file's own order: the unplaced one too
                 plain = estimate_on(c, self.ctx, bound=bound, time_if_oom=False)
                 if plain is not None and (e is None or (plain.fits, -plain.step_time_s) > (e.fits, -e.step_time_s)):
                     e = plain

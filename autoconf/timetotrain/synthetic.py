@@ -6,6 +6,7 @@ prefilled from one group per axis on uniform clusters.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from autoconf.cost.system import System
@@ -117,10 +118,8 @@ def cluster_yaml(cluster) -> str:
         if g.nvlink_domain > 1:
             lines.append(f"    nvlink_domain: {g.nvlink_domain}")
         if g.fabric is not None:
-            import json
             lines.append(f"    fabric: {json.dumps(g.fabric)}")
         if g.hosts:  # names as JSON strings, which YAML reads as they are
-            import json
             lines.append(f"    hosts: [{', '.join(json.dumps(h) for h in g.hosts)}]")
     lines.append(f"latency: {{intra_node: {cluster.intra_node_latency_s * 1e6:g} us, "
                  f"inter_node: {cluster.inter_node_latency_s * 1e6:g} us}}")
